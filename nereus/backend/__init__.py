@@ -1,0 +1,1 @@
+"""Nereus backend layer (see DESIGN.md)."""

@@ -1,0 +1,275 @@
+"""Attribute schemas: which ``key = value`` lines a block accepts, their types and units.
+
+The grammar accepts any ``NAME = value``; the schema decides what a key means. One table per
+block kind drives three things so they cannot drift apart: the builder (typed values,
+unknown-key and wrong-unit diagnostics), the printer (canonical order and formatting) and the
+documentation of the language (``nereus.ir.attributes.describe``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .diagnostics import DiagnosticSink, Loc, did_you_mean
+from .units import Dim, UnitError, format_number, format_quantity, parse_quantity
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: per-GPU bandwidth (bytes/s) and latency (s)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class V:
+    """A syntactic value before it is given a type: kind, payload, location."""
+
+    kind: str  # quantity | int | float | symbol | name | dotted | opid | list | range | call
+    value: Any
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    key: str
+    kind: str
+    default: Any = REQUIRED
+    choices: tuple[str, ...] = ()
+    doc: str = ""
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+_DIM_KINDS = {"size": Dim.SIZE, "bandwidth": Dim.BANDWIDTH, "time": Dim.TIME, "flops": Dim.FLOPS}
+
+
+class TypeMismatch(Exception):
+    def __init__(self, loc: Loc, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.loc, self.message, self.hint = loc, message, hint
+
+
+def _describe(v: V) -> str:
+    if v.kind == "quantity":
+        try:
+            dim, _ = parse_quantity(v.value)
+            return f"a {dim.value} '{v.value}'"
+        except UnitError:
+            return f"'{v.value}'"
+    names = {"int": "an integer", "float": "a number", "symbol": "a reference", "name": "a name",
+             "dotted": "a dotted name", "opid": "an operation id", "list": "a list", "range": "a range",
+             "call": "a call"}
+    shown = v.value if v.kind in ("int", "float", "symbol", "name", "dotted", "opid") else None
+    return names[v.kind] + (f" '{shown}'" if shown is not None else "")
+
+
+def _expect_int(v: V, what: str = "an integer") -> int:
+    if v.kind != "int":
+        raise TypeMismatch(v.loc, f"expected {what}, got {_describe(v)}")
+    return v.value
+
+
+def expand_ints(v: V) -> list[int]:
+    """``[0..3, 8]`` -> ``[0, 1, 2, 3, 8]``."""
+    if v.kind != "list":
+        raise TypeMismatch(v.loc, f"expected a list of integers such as [0..7], got {_describe(v)}")
+    out: list[int] = []
+    for item in v.value:
+        if item.kind == "range":
+            lo, hi = item.value
+            if hi < lo:
+                raise TypeMismatch(item.loc, f"empty range {lo}..{hi}", "ranges are inclusive and ascending: 0..7")
+            out.extend(range(lo, hi + 1))
+        else:
+            out.append(_expect_int(item))
+    return out
+
+
+def convert(spec: AttrSpec, v: V) -> Any:
+    """Turn a syntactic value into the typed value ``spec`` asks for, or raise TypeMismatch."""
+    k = spec.kind
+    if k in _DIM_KINDS:
+        want = _DIM_KINDS[k]
+        if v.kind != "quantity":
+            hint = f"write a {want.value} with its unit, e.g. {want.example}"
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value}, got {_describe(v)}", hint)
+        try:
+            dim, value = parse_quantity(v.value)
+        except UnitError as e:
+            raise TypeMismatch(v.loc, str(e), e.hint) from None
+        if dim is not want:
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value} (e.g. {want.example}), got a {dim.value} '{v.value}'")
+        return value
+    if k in ("int", "posint", "natural"):
+        value = _expect_int(v)
+        if k == "posint" and value < 1:
+            raise TypeMismatch(v.loc, f"'{spec.key}' must be at least 1, got {value}")
+        return value
+    if k == "float":
+        if v.kind not in ("int", "float"):
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a number, got {_describe(v)}")
+        return float(v.value)
+    if k == "bool":
+        if v.kind != "name" or v.value not in ("true", "false"):
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects true or false, got {_describe(v)}")
+        return v.value == "true"
+    if k == "choice":
+        if v.kind != "name" or v.value not in spec.choices:
+            hint = (did_you_mean(str(v.value), spec.choices) if v.kind == "name" else None) or (
+                "one of: " + ", ".join(spec.choices))
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects one of {', '.join(spec.choices)}, got {_describe(v)}", hint)
+        return v.value
+    if k == "symbol":
+        if v.kind != "symbol":
+            hint = f"references start with '@': @{v.value}" if v.kind == "name" else None
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a reference such as @name, got {_describe(v)}", hint)
+        return v.value[1:]
+    if k == "dotted":
+        if v.kind != "dotted":
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a model-stage such as actor.train, got {_describe(v)}")
+        return v.value
+    if k == "ints":
+        return expand_ints(v)
+    if k == "ranges":
+        if v.kind != "list":
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of ranges such as [0..15, 16..31], got {_describe(v)}")
+        out = []
+        for item in v.value:
+            if item.kind == "range":
+                out.append(tuple(item.value))
+            elif item.kind == "int":
+                out.append((item.value, item.value))
+            else:
+                raise TypeMismatch(item.loc, f"expected a range such as 0..15, got {_describe(item)}")
+        return out
+    if k in ("symbols", "dotteds", "names", "opids"):
+        item_kind = {"symbols": "symbol", "dotteds": "dotted", "names": "name", "opids": "opid"}[k]
+        if v.kind != "list":
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list, got {_describe(v)}",
+                               f"write [{v.value}]" if v.kind == item_kind else None)
+        out = []
+        for item in v.value:
+            if item.kind != item_kind:
+                raise TypeMismatch(item.loc, f"'{spec.key}' expects a list of {item_kind}s, got {_describe(item)}")
+            if k == "names" and spec.choices and item.value not in spec.choices:
+                raise TypeMismatch(item.loc, f"'{item.value}' is not one of {', '.join(spec.choices)}",
+                                   did_you_mean(item.value, spec.choices))
+            out.append(item.value[1:] if k == "symbols" else item.value)
+        return out
+    if k == "dotted_groups":
+        if v.kind != "list":
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of groups such as [[a.infer, b.infer]], got {_describe(v)}")
+        return [convert(AttrSpec(spec.key, "dotteds"), g) for g in v.value]
+    if k == "link":
+        if v.kind != "call" or v.value[0] != "link":
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects link(bandwidth = ..., latency = ...), got {_describe(v)}")
+        fields = {"bandwidth": AttrSpec("bandwidth", "bandwidth"), "latency": AttrSpec("latency", "time")}
+        got: dict[str, Any] = {}
+        for key, val, loc in v.value[1]:
+            if key not in fields:
+                raise TypeMismatch(loc, f"link has no field '{key}'", did_you_mean(key, fields) or "fields: bandwidth, latency")
+            if key in got:
+                raise TypeMismatch(loc, f"duplicate field '{key}' in link")
+            got[key] = convert(fields[key], val)
+        missing = [f for f in fields if f not in got]
+        if missing:
+            raise TypeMismatch(v.loc, f"link is missing {', '.join(missing)}")
+        return Link(**got)
+    raise AssertionError(f"unknown attribute kind {k}")  # pragma: no cover
+
+
+def build_attrs(kind: str, specs: list[AttrSpec], attrs: list[tuple[str, V, Loc]], block_loc: Loc,
+                sink: DiagnosticSink) -> tuple[dict[str, Any], dict[str, Loc]]:
+    """Check ``attrs`` against ``specs``; returns typed values (defaults filled) and key locations.
+
+    Every problem is reported to ``sink``; a key with a bad value is left out of the result,
+    and the caller must not build the node when ``sink`` gained errors.
+    """
+    by_key = {s.key: s for s in specs}
+    values: dict[str, Any] = {}
+    locs: dict[str, Loc] = {}
+    for key, v, loc in attrs:
+        spec = by_key.get(key)
+        if spec is None:
+            sink.error(loc, f"unknown attribute '{key}' in {kind}",
+                       did_you_mean(key, by_key) or "known attributes: " + ", ".join(by_key))
+            continue
+        if key in locs:
+            sink.error(loc, f"duplicate attribute '{key}' in {kind}", f"first set at line {locs[key].line}")
+            continue
+        locs[key] = loc
+        try:
+            values[key] = convert(spec, v)
+        except TypeMismatch as e:
+            sink.error(e.loc, e.message, e.hint)
+    for spec in specs:
+        if spec.key not in locs:
+            if spec.required:
+                sink.error(block_loc, f"{kind} is missing required attribute '{spec.key}'",
+                           f"add: {spec.key} = ..." + (f" ({spec.doc})" if spec.doc else ""))
+            else:
+                values[spec.key] = spec.default
+    return values, locs
+
+
+# ---------------------------------------------------------------- printing
+
+
+def compress_ints(xs: list[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0..3, 8"``: runs of three or more become ranges."""
+    parts: list[str] = []
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{xs[i]}..{xs[j]}")
+        else:
+            parts.extend(str(x) for x in xs[i : j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def format_value(spec: AttrSpec, value: Any) -> str:
+    k = spec.kind
+    if k in _DIM_KINDS:
+        return format_quantity(_DIM_KINDS[k], value)
+    if k in ("int", "posint", "natural", "float", "bool"):
+        return format_number(value)
+    if k in ("choice", "dotted"):
+        return value
+    if k == "symbol":
+        return "@" + value
+    if k == "ints":
+        return "[" + compress_ints(value) + "]"
+    if k == "ranges":
+        return "[" + ", ".join(f"{lo}..{hi}" for lo, hi in value) + "]"
+    if k == "symbols":
+        return "[" + ", ".join("@" + s for s in value) + "]"
+    if k in ("dotteds", "names", "opids"):
+        return "[" + ", ".join(value) + "]"
+    if k == "dotted_groups":
+        return "[" + ", ".join("[" + ", ".join(g) + "]" for g in value) + "]"
+    if k == "link":
+        return (f"link(bandwidth = {format_quantity(Dim.BANDWIDTH, value.bandwidth)}, "
+                f"latency = {format_quantity(Dim.TIME, value.latency)})")
+    raise AssertionError(k)  # pragma: no cover
+
+
+def format_attrs(specs: list[AttrSpec], node: Any) -> list[str]:
+    """``key = value`` lines in schema order; optional attributes at their default are omitted."""
+    out = []
+    for spec in specs:
+        value = getattr(node, spec.key)
+        if not spec.required and (value is None or value == spec.default):
+            continue
+        out.append(f"{spec.key} = {format_value(spec, value)}")
+    return out

@@ -1,0 +1,95 @@
+"""Elastic Model Units: the distributed state of one replica of a model-stage.
+
+An EMU is one data-parallel replica (``replica`` = dp index) of a model-stage under a plan.
+For each pipeline/tensor coordinate (pp, tp) it records the GPU and the exact slices it holds:
+which tensor (family and layer range), which state (weights, gradients, Adam moments, fp32
+master copy) and the half-open span ``[start, stop)`` of every dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .diagnostics import NOWHERE, Loc
+
+STATES = ("weight", "grad", "master", "exp_avg", "exp_avg_sq")
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(kw_only=True)
+class SliceEntry:
+    """One slice: ``[state] layers.A..B.family [s0:e0, s1:e1]``; ``layers`` None for non-layer tensors."""
+
+    family: str
+    layers: tuple[int, int] | None
+    box: Box
+    state: str = "weight"
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+
+    @property
+    def tensor(self) -> str:
+        """The tensor as written in text: ``layers.0..15.mlp.up_proj.weight``."""
+        return tensor_name(self.family, self.layers)
+
+    def numel(self) -> int:
+        n = 1 if self.layers is None else self.layers[1] - self.layers[0] + 1
+        for lo, hi in self.box:
+            n *= hi - lo
+        return n
+
+
+def tensor_name(family: str, layers: tuple[int, int] | None) -> str:
+    if layers is None:
+        return family
+    lo, hi = layers
+    return f"layers.{lo}.{family}" if lo == hi else f"layers.{lo}..{hi}.{family}"
+
+
+def split_tensor_name(name: str) -> tuple[str, tuple[int, int] | None] | None:
+    """``layers.0..15.mlp.up_proj.weight`` -> ``("mlp.up_proj.weight", (0, 15))``.
+
+    Returns None when the layer segment is malformed (``layers.x.foo``).
+    """
+    if not name.startswith("layers."):
+        return name, None
+    head, _, rest = name[len("layers."):].partition(".")
+    if not rest:
+        return None
+    if ".." in head:
+        lo, _, hi = head.partition("..")
+        return rest, (int(lo), int(hi))
+    if head.isdigit():
+        return rest, (int(head), int(head))
+    return None
+
+
+@dataclass(kw_only=True)
+class Shard:
+    pp: int
+    tp: int
+    gpu: int
+    entries: list[SliceEntry] = field(default_factory=list)
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(kw_only=True)
+class Emu:
+    plan: str
+    model_stage: str
+    replica: int
+    shards: list[Shard] = field(default_factory=list)
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    plan_loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.plan, self.model_stage, self.replica)
+
+    def shard(self, pp: int, tp: int) -> Shard | None:
+        for s in self.shards:
+            if s.pp == pp and s.tp == tp:
+                return s
+        return None

@@ -1,0 +1,485 @@
+"""Text -> IR: the lark grammar, syntax diagnostics, and the builder of typed nodes.
+
+The parser is built once (LALR, contextual lexer) and turns text straight into small
+syntax records with an inline transformer (no parse tree is materialised, which matters
+for files with tens of thousands of slices). The builder then checks every ``key = value``
+against the schema of its block and makes the typed dataclasses, collecting every error.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import lark
+from lark import Token, Transformer, v_args
+
+from .attributes import V, build_attrs
+from .cluster import CLUSTER_ATTRS, Cluster
+from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
+from .emu import STATES, Emu, Shard, SliceEntry, split_tensor_name
+from .model import MODEL_ATTRS, Model
+from .module import Module
+from .plan import LAYOUT_ATTRS, PLAN_ATTRS, Layout, Plan
+from .transition import OP_ATTRS, OP_KINDS, TRANSITION_ATTRS, HostRef, Op, ShardRef, Transition
+from .units import split_quantity, suggest_unit
+from .workload import STAGE_ATTRS, WORKLOAD_ATTRS, Stage, Workload
+
+
+def grammar_path() -> Path:
+    """The packaged grammar (inside a wheel) or the repository's ``grammar/nereus.lark``."""
+    packaged = resources.files("nereus") / "grammar" / "nereus.lark"
+    if packaged.is_file():
+        return Path(str(packaged))
+    repo = Path(__file__).resolve().parents[2] / "grammar" / "nereus.lark"
+    if repo.is_file():
+        return repo
+    raise FileNotFoundError("nereus.lark not found: the package is installed without its grammar")
+
+
+_tls = threading.local()
+
+
+def _on_comment(tok: Token) -> Token:
+    _tls.comments.append((tok.line, tok.value))
+    return tok
+
+
+@lru_cache(maxsize=1)
+def _lark() -> lark.Lark:
+    return lark.Lark(grammar_path().read_text(), parser="lalr", lexer="contextual",
+                     transformer=_ToSyntax(), lexer_callbacks={"COMMENT": _on_comment},
+                     maybe_placeholders=True)
+
+
+# ---------------------------------------------------------------- syntax records
+
+
+@dataclass
+class Decl:
+    kind: str  # cluster | model | workload | plan | emu | transition
+    name: str
+    loc: Loc
+    attrs: list  # [(key, V, Loc)]
+    children: list  # stages, layouts, shards, ops (as syntax records)
+    extra: tuple = ()
+
+
+def _loc(tok: Token) -> Loc:
+    return Loc(tok.line, tok.column, _tls.filename)
+
+
+@v_args(inline=True)
+class _ToSyntax(Transformer):
+    """Inline LALR callbacks: tokens -> ``V`` values and ``Decl`` records."""
+
+    def quantity(self, t):
+        return V("quantity", str(t), _loc(t))
+
+    def int(self, t):
+        return V("int", int(t), _loc(t))
+
+    def float(self, t):
+        return V("float", float(t), _loc(t))
+
+    def symbol(self, t):
+        return V("symbol", str(t), _loc(t))
+
+    def name(self, t):
+        return V("name", str(t), _loc(t))
+
+    def dotted(self, t):
+        return V("dotted", str(t), _loc(t))
+
+    def opid(self, t):
+        return V("opid", str(t), _loc(t))
+
+    def range(self, lo, _dd, hi):
+        return V("range", (int(lo), int(hi)), _loc(lo))
+
+    def list(self, lsqb, *items):
+        return V("list", [i for i in items[:-1] if i is not None and not isinstance(i, Token)], _loc(lsqb))
+
+    def call(self, name, _lp, *rest):
+        kwargs = [r for r in rest if isinstance(r, tuple)]
+        return V("call", (str(name), kwargs), _loc(name))
+
+    def kwarg(self, key, _eq, value):
+        return (str(key), value, _loc(key))
+
+    def attr(self, key, _eq, value, _comma=None):
+        return ("attr", str(key), value, _loc(key))
+
+    def int_list(self, *items):
+        out = []
+        for it in items:
+            if isinstance(it, V):
+                out.extend(range(it.value[0], it.value[1] + 1))
+            elif it.type == "INT":
+                out.append(int(it))
+        return out
+
+    def span(self, lo, _c, hi):
+        return (int(lo), int(hi), lo)
+
+    def box(self, lsqb, *spans):
+        return [s for s in spans if isinstance(s, tuple)], _loc(lsqb)
+
+    def state(self, tok):
+        return str(tok)
+
+    def entry(self, state, tensor, box):
+        return ("entry", state or "weight", tensor, box)
+
+    def shard(self, kw, _l, pp, _c, tp, _r, _g, _l2, gpus, _r2, _lb, *rest):
+        entries = [e for e in rest[:-1]]
+        return ("shard", int(pp), int(tp), gpus, entries, _loc(kw))
+
+    def _block(self, kind, kw, name, lbrace, *rest):
+        attrs = [(r[1], r[2], r[3]) for r in rest if isinstance(r, tuple) and r[0] == "attr"]
+        children = [r for r in rest if not (isinstance(r, tuple) and r[0] == "attr") and not isinstance(r, Token)]
+        label = str(name)[1:] if str(name).startswith("@") else str(name)
+        return Decl(kind, label, _loc(kw), attrs, children, (_loc(name),))
+
+    def cluster(self, *a):
+        return self._block("cluster", *a)
+
+    def model(self, *a):
+        return self._block("model", *a)
+
+    def workload(self, *a):
+        return self._block("workload", *a)
+
+    def stage(self, *a):
+        return self._block("stage", *a)
+
+    def plan(self, *a):
+        return self._block("plan", *a)
+
+    def layout(self, *a):
+        return self._block("layout", *a)
+
+    def transition(self, *a):
+        return self._block("transition", *a)
+
+    def emu(self, kw, plan, model_stage, _l, replicas, _r, _lb, *rest):
+        shards = [r for r in rest if isinstance(r, tuple)]
+        return Decl("emu", str(plan)[1:], _loc(kw), [], shards, (_loc(plan), str(model_stage), replicas, _loc(model_stage)))
+
+    def shard_ref(self, ms, _l, dp, _c1, pp, _c2, tp, _r):
+        return ShardRef(str(ms), int(dp), int(pp), int(tp)), _loc(ms)
+
+    def host_ref(self, kw, _l, gpu, _r):
+        return HostRef(int(gpu)), _loc(kw)
+
+    def endpoints(self, _l, *items):
+        return [i for i in items if isinstance(i, tuple)]
+
+    def op(self, opid, _eq, kind, state, tensor, box, *rest):
+        src, dst, attrs = [], [], []
+        i = 0
+        while i < len(rest):
+            r = rest[i]
+            if isinstance(r, Token) and r.type == "FROM":
+                src = rest[i + 1]
+                i += 2
+                continue
+            if isinstance(r, Token) and r.type == "TO":
+                dst = rest[i + 1]
+                i += 2
+                continue
+            if isinstance(r, tuple) and r and r[0] == "attr":
+                attrs.append((r[1], r[2], r[3]))
+            i += 1
+        return ("op", str(opid), kind, state or "weight", tensor, box, src, dst, attrs, _loc(opid))
+
+    def start(self, *decls):
+        return list(decls)
+
+
+# ---------------------------------------------------------------- syntax errors
+
+
+def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename: str | None) -> Diagnostic:
+    line, col = getattr(err, "line", 0) or 0, getattr(err, "column", 0) or 0
+    hint = None
+    if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+        message = f"unexpected character {ch!r}"
+        allowed = sorted(err.allowed) if err.allowed else []
+        if allowed:
+            message += ", expected one of: " + ", ".join(allowed)
+        if ch == "#":
+            hint = "comments start with //"
+        elif ch in "\"'":
+            hint = "there are no strings in the language; write names bare: dtype = bf16"
+        elif ch == "-":
+            hint = "negative numbers are not allowed; ranges are written 0..7"
+        elif ch == "@":
+            hint = "a reference is @ followed by a letter or underscore"
+    elif isinstance(err, lark.exceptions.UnexpectedToken):
+        tok = err.token
+        expected = sorted(err.expected)
+        if tok.type == "$END":
+            line, col = _end_position(text)
+            message = "unexpected end of file, expected one of: " + ", ".join(expected)
+            open_line = _unclosed_brace(text)
+            if open_line:
+                hint = f"the block opened at line {open_line} is not closed with '}}'"
+        else:
+            shown = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
+            message = f"unexpected {tok.type} '{shown}', expected one of: " + ", ".join(expected)
+            hint = _token_hint(err, text, expected)
+    else:  # UnexpectedEOF and anything else lark may add
+        line, col = _end_position(text)
+        message = "unexpected end of file"
+    return Diagnostic(Loc(line, col, filename), message, hint)
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    lines = text.split("\n")
+    return len(lines), len(lines[-1]) + 1
+
+
+def _unclosed_brace(text: str) -> int | None:
+    stack: list[int] = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        code = line.split("//", 1)[0]
+        for ch in code:
+            if ch == "{":
+                stack.append(lineno)
+            elif ch == "}" and stack:
+                stack.pop()
+    return stack[-1] if stack else None
+
+
+def _token_hint(err, text: str, expected: list[str]) -> str | None:
+    tok = err.token
+    prev = text[: tok.start_pos].rstrip()
+    if tok.type == "NAME" and prev and prev[-1].isdigit() and suggest_unit(tok.value):
+        return f"write the unit right after the number, without a space: {prev.split()[-1]}{suggest_unit(tok.value)}"
+    if "EQUAL" in expected and tok.type in ("INT", "QUANTITY", "NAME", "SYMBOL"):
+        return "attributes are written key = value"
+    if tok.type == "RBRACE" and "EQUAL" not in expected and prev.endswith("="):
+        return "an attribute needs a value after '='"
+    if tok.type in ("INT", "NAME", "QUANTITY") and "COMMA" in expected and "RSQB" in expected:
+        return "separate list items with ','"
+    if tok.type == "FLOAT" and "COLON" in expected:
+        return "slices are written start:stop, e.g. [0:1024, 0:4096]"
+    return None
+
+
+# ---------------------------------------------------------------- builder
+
+
+def _build(decls: list[Decl], sink: DiagnosticSink, filename: str | None) -> Module:
+    m = Module(filename=filename)
+    first_seen: dict[str, Loc] = {}
+    for d in decls:
+        if d.kind == "emu":
+            _build_emus(d, m, sink)
+            continue
+        if d.name in first_seen:
+            sink.error(d.extra[0], f"duplicate name @{d.name}", f"first declared at line {first_seen[d.name].line}")
+            continue
+        first_seen[d.name] = d.extra[0]
+        builder = {"cluster": _build_cluster, "model": _build_model, "workload": _build_workload,
+                   "plan": _build_plan, "transition": _build_transition}[d.kind]
+        node = builder(d, sink)
+        if node is not None:
+            getattr(m, d.kind + "s")[d.name] = node
+    return m
+
+
+def _typed(cls, kind, specs, d: Decl, sink: DiagnosticSink, **extra):
+    before = len(sink.diagnostics)
+    values, locs = build_attrs(kind, specs, d.attrs, d.loc, sink)
+    if len(sink.diagnostics) > before:
+        return None
+    return cls(**values, **extra, loc=d.loc, locs=locs)
+
+
+def _build_cluster(d, sink):
+    return _typed(Cluster, f"cluster @{d.name}", CLUSTER_ATTRS, d, sink, name=d.name)
+
+
+def _build_model(d, sink):
+    return _typed(Model, f"model @{d.name}", MODEL_ATTRS, d, sink, name=d.name)
+
+
+def _build_workload(d, sink):
+    stages, seen = [], {}
+    for c in d.children:
+        if c.name in seen:
+            sink.error(c.extra[0], f"duplicate stage '{c.name}' in workload @{d.name}", f"first declared at line {seen[c.name]}")
+            continue
+        seen[c.name] = c.loc.line
+        st = _typed(Stage, f"stage {c.name}", STAGE_ATTRS, c, sink, name=c.name)
+        if st is not None:
+            stages.append(st)
+    return _typed(Workload, f"workload @{d.name}", WORKLOAD_ATTRS, d, sink, name=d.name, stages=stages)
+
+
+def _build_plan(d, sink):
+    layouts, ok = {}, True
+    for c in d.children:
+        if c.name in layouts:
+            sink.error(c.extra[0], f"duplicate layout for {c.name} in plan @{d.name}",
+                       f"first given at line {layouts[c.name].loc.line}")
+            continue
+        lay = _typed(Layout, f"layout {c.name}", LAYOUT_ATTRS, c, sink, model_stage=c.name)
+        if lay is None:
+            ok = False
+        else:
+            layouts[c.name] = lay
+    plan = _typed(Plan, f"plan @{d.name}", PLAN_ATTRS, d, sink, name=d.name, layouts=layouts)
+    return plan if ok else None
+
+
+def _build_entry(state: str, tensor: Token, box, sink) -> SliceEntry | None:
+    split = split_tensor_name(str(tensor))
+    loc = _loc(tensor)
+    if split is None:
+        sink.error(loc, f"malformed tensor name '{tensor}'", "per-layer tensors are written layers.N.name or layers.A..B.name")
+        return None
+    family, layers = split
+    spans, box_loc = box
+    for lo, hi, tok in spans:
+        if hi <= lo:
+            sink.error(_loc(tok), f"empty slice {lo}:{hi} of {tensor}", "slices are half-open start:stop with start < stop")
+            return None
+    if layers is not None and layers[1] < layers[0]:
+        sink.error(loc, f"empty layer range in {tensor}", "layer ranges are inclusive and ascending: layers.0..15")
+        return None
+    return SliceEntry(family=family, layers=layers, box=tuple((lo, hi) for lo, hi, _ in spans), state=state, loc=loc)
+
+
+def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
+    plan_loc, model_stage, replicas, ms_loc = d.extra
+    if len(set(replicas)) != len(replicas):
+        sink.error(ms_loc, f"replica listed twice in emu {model_stage}{replicas}")
+        return
+    built: list[Shard | None] = []
+    for _, pp, tp, gpus, entries, loc in d.children:
+        if len(gpus) != len(replicas):
+            sink.error(loc, f"shard [{pp}, {tp}] lists {len(gpus)} GPU(s) for {len(replicas)} replica(s)",
+                       "a shard lists one GPU per replica of the block, in replica order")
+            built.append(None)
+            continue
+        typed = [_build_entry(state, tensor, box, sink) for _, state, tensor, box in entries]
+        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None], loc=loc))
+    for i, r in enumerate(replicas):
+        key = (d.name, model_stage, r)
+        if key in m.emus:
+            sink.error(ms_loc, f"duplicate emu {model_stage}[{r}] of plan @{d.name}",
+                       f"first declared at line {m.emus[key].loc.line}")
+            continue
+        shards = []
+        for (_, pp, tp, gpus, _e, loc), s in zip(d.children, built):
+            if s is not None:
+                shards.append(Shard(pp=s.pp, tp=s.tp, gpu=gpus[i], entries=s.entries, loc=s.loc))
+        emu = Emu(plan=d.name, model_stage=model_stage, replica=r, shards=shards, loc=ms_loc, plan_loc=plan_loc)
+        m.emus[key] = emu
+
+
+def _build_transition(d, sink):
+    ops, seen = [], {}
+    for _, opid, kind, state, tensor, box, src, dst, attrs, loc in d.children:
+        if opid in seen:
+            sink.error(loc, f"duplicate operation {opid} in transition @{d.name}", f"first defined at line {seen[opid]}")
+            continue
+        seen[opid] = loc.line
+        if str(kind) not in OP_KINDS:
+            sink.error(_loc(kind), f"unknown operation '{kind}'",
+                       did_you_mean(str(kind), OP_KINDS) or "operations: " + ", ".join(OP_KINDS))
+            continue
+        entry = _build_entry(state, tensor, box, sink)
+        before = len(sink.diagnostics)
+        values, locs = build_attrs(f"operation {opid}", OP_ATTRS, attrs, loc, sink)
+        if entry is None or len(sink.diagnostics) > before:
+            continue
+        ops.append(Op(id=opid, kind=str(kind), state=entry.state, family=entry.family, layers=entry.layers,
+                      box=entry.box, src=[e for e, _ in src], dst=[e for e, _ in dst], **values, loc=loc,
+                      locs={**locs, "tensor": entry.loc}, endpoint_locs=[l for _, l in src + dst]))
+    return _typed(Transition, f"transition @{d.name}", TRANSITION_ATTRS, d, sink, name=d.name, ops=ops)
+
+
+# ---------------------------------------------------------------- comments
+
+
+def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
+    """Give each ``//`` comment to the first declaration, attribute or item at or after its line."""
+    if not comments:
+        return
+    anchors = []  # (line, order, node, key)
+
+    def add(node, key=None, loc=None):
+        loc = loc or node.loc
+        anchors.append((loc.line, len(anchors), node, key))
+
+    for group in (m.clusters, m.models, m.workloads, m.plans, m.transitions):
+        for node in group.values():
+            add(node)
+            for key, loc in getattr(node, "locs", {}).items():
+                add(node, key, loc)
+            for child in getattr(node, "stages", []) + list(getattr(node, "layouts", {}).values()) + getattr(node, "ops", []):
+                add(child)
+                for key, loc in child.locs.items():
+                    if key != "tensor":
+                        add(child, key, loc)
+    for emu in m.emus.values():
+        add(emu)
+        for s in emu.shards:
+            add(s)
+    anchors.sort(key=lambda a: (a[0], a[1]))
+    lines = [a[0] for a in anchors]
+    import bisect
+
+    for line, text in comments:
+        i = bisect.bisect_left(lines, line)
+        if i == len(anchors):
+            m.trailing_comments.append(text)
+            continue
+        anchor_line, _, node, key = anchors[i]
+        # A comment on the same line as its anchor is a trailing comment: `nodes = 2  // why`.
+        node.comments.setdefault(key, []).append((text, anchor_line == line))
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def parse(text: str, filename: str | None = None) -> Module:
+    """Parse ``.nir`` text into a Module. Raises DiagnosticError with every error found.
+
+    Only syntax and schema (attribute names, types, units, duplicate names) are checked
+    here; cross-references and semantic rules are ``verify``'s.
+    """
+    _tls.filename = filename
+    _tls.comments = []
+    try:
+        decls = _lark().parse(text)
+    except lark.exceptions.UnexpectedInput as e:
+        raise DiagnosticError([_syntax_diagnostic(e, text, filename)], text) from None
+    except lark.exceptions.VisitError as e:  # an error inside a callback: a malformed token
+        raise DiagnosticError([Diagnostic(Loc(0, 0, filename), f"cannot parse: {e.orig_exc}")], text) from None
+    sink = DiagnosticSink(filename)
+    m = _build(decls, sink, filename)
+    sink.raise_if_any(text)
+    _attach_comments(m, _tls.comments)
+    m.source = text
+    return m
+
+
+def parse_file(path: str | Path) -> Module:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, str(path)), f"not a UTF-8 text file ({e.reason} at byte {e.start})")]) from None
+    return parse(text, str(path))
+
+
+__all__ = ["parse", "parse_file", "grammar_path", "STATES", "split_quantity"]

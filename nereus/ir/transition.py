@@ -1,0 +1,87 @@
+"""A transition from plan A to plan B: a DAG of operations on EMUs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .attributes import AttrSpec
+from .diagnostics import NOWHERE, Loc
+from .emu import Box, tensor_name
+
+OP_KINDS = ("copy", "send", "broadcast", "allgather", "free", "offload", "load")
+LINKS = ("local", "nvlink", "nic", "pcie")
+
+TRANSITION_ATTRS = [
+    AttrSpec("source", "symbol", doc="plan A"),
+    AttrSpec("target", "symbol", doc="plan B"),
+]
+
+OP_ATTRS = [
+    AttrSpec("bytes", "size"),
+    AttrSpec("link", "choice", choices=LINKS),
+    AttrSpec("deps", "opids", default=[]),
+    AttrSpec("start", "time", default=None, doc="scheduled start, from schedule-transfers"),
+    AttrSpec("duration", "time", default=None),
+]
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Coordinate (dp, pp, tp) of a model-stage: EMU ``replica = dp``, shard (pp, tp)."""
+
+    model_stage: str
+    dp: int
+    pp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"{self.model_stage}[{self.dp}, {self.pp}, {self.tp}]"
+
+
+@dataclass(frozen=True)
+class HostRef:
+    """Host memory beside one GPU (pinned buffers used to offload that GPU's state)."""
+
+    gpu: int
+
+    def __str__(self) -> str:
+        return f"host[{self.gpu}]"
+
+
+Endpoint = ShardRef | HostRef
+
+
+@dataclass(kw_only=True)
+class Op:
+    id: str
+    kind: str
+    family: str
+    layers: tuple[int, int] | None
+    box: Box
+    bytes: int
+    link: str
+    state: str = "weight"
+    src: list[Endpoint] = field(default_factory=list)
+    dst: list[Endpoint] = field(default_factory=list)
+    deps: list[str] = field(default_factory=list)
+    start: float | None = None
+    duration: float | None = None
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+    endpoint_locs: list[Loc] = field(default_factory=list, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def tensor(self) -> str:
+        return tensor_name(self.family, self.layers)
+
+
+@dataclass(kw_only=True)
+class Transition:
+    name: str
+    source: str
+    target: str
+    ops: list[Op] = field(default_factory=list)
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)

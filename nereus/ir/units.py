@@ -1,0 +1,152 @@
+"""Quantities with units: sizes, bandwidths, times and FLOP rates.
+
+Every quantity is stored in its base unit (bytes, bytes/s, seconds, FLOP/s) so that two
+modules that mean the same thing compare equal whatever units their authors wrote. Parsing
+multiplies exactly (``Decimal``) and rounds once; the printer picks the largest unit that
+prints short and parses back to the identical value, so ``parse(print(x)) == x`` always.
+No exponent notation: ``1e9`` would be ambiguous with a unit, so numbers are plain decimals.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal, localcontext
+from enum import Enum
+
+
+class Dim(Enum):
+    """Physical dimension of a quantity; names are what diagnostics show."""
+
+    SIZE = "size"
+    BANDWIDTH = "bandwidth"
+    TIME = "time"
+    FLOPS = "FLOP rate"
+
+    @property
+    def example(self) -> str:
+        return {Dim.SIZE: "80GiB", Dim.BANDWIDTH: "450GB/s", Dim.TIME: "2us", Dim.FLOPS: "989TFLOPs"}[self]
+
+
+_SI = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+_BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+# unit text -> (dimension, factor to base unit). Factor is int or Decimal.
+UNITS: dict[str, tuple[Dim, Decimal]] = {}
+for _p, _f in _SI.items():
+    UNITS[f"{_p}B"] = (Dim.SIZE, Decimal(_f))
+    UNITS[f"{_p}B/s"] = (Dim.BANDWIDTH, Decimal(_f))
+    UNITS[f"{_p}b/s"] = (Dim.BANDWIDTH, Decimal(_f) / 8)  # network links are quoted in bits
+    UNITS[f"{_p}FLOPs"] = (Dim.FLOPS, Decimal(_f))
+    UNITS[f"{_p}FLOP/s"] = (Dim.FLOPS, Decimal(_f))
+for _p, _f in _BIN.items():
+    UNITS[f"{_p}B"] = (Dim.SIZE, Decimal(_f))
+    UNITS[f"{_p}B/s"] = (Dim.BANDWIDTH, Decimal(_f))
+UNITS.update(
+    {
+        "ns": (Dim.TIME, Decimal("1e-9")),
+        "us": (Dim.TIME, Decimal("1e-6")),
+        "ms": (Dim.TIME, Decimal("1e-3")),
+        "s": (Dim.TIME, Decimal(1)),
+        "min": (Dim.TIME, Decimal(60)),
+        "h": (Dim.TIME, Decimal(3600)),
+    }
+)
+
+# Units the printer may choose, largest first, per dimension.
+_PRINT_UNITS: dict[Dim, list[str]] = {
+    Dim.SIZE: ["PiB", "PB", "TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB", "B"],
+    Dim.BANDWIDTH: ["TB/s", "GB/s", "MB/s", "KB/s", "B/s"],
+    Dim.TIME: ["s", "ms", "us", "ns"],
+    Dim.FLOPS: ["PFLOPs", "TFLOPs", "GFLOPs", "MFLOPs", "KFLOPs", "FLOPs"],
+}
+
+
+class UnitError(ValueError):
+    """A quantity whose unit is unknown or whose value cannot be represented."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def split_quantity(text: str) -> tuple[str, str]:
+    """``"80GiB"`` -> ``("80", "GiB")``."""
+    i = 0
+    while i < len(text) and (text[i].isdigit() or text[i] == "."):
+        i += 1
+    return text[:i], text[i:]
+
+
+def suggest_unit(unit: str) -> str | None:
+    lower = {u.lower(): u for u in UNITS}
+    if unit.lower() in lower:
+        return lower[unit.lower()]
+    if unit.lower() + "/s" in lower:
+        return lower[unit.lower() + "/s"]
+    return None
+
+
+def parse_quantity(text: str) -> tuple[Dim, int | float]:
+    """Parse ``"80GiB"`` into ``(Dim.SIZE, 85899345920)``; sizes are whole bytes (int)."""
+    number, unit = split_quantity(text)
+    if unit not in UNITS:
+        guess = suggest_unit(unit)
+        hint = f"did you mean '{number}{guess}'?" if guess else "known units: " + ", ".join(
+            ["B", "KiB", "MiB", "GiB", "GB", "GB/s", "Gb/s", "TFLOPs", "ns", "us", "ms", "s"]
+        )
+        raise UnitError(f"unknown unit '{unit}' in '{text}'", hint)
+    dim, factor = UNITS[unit]
+    with localcontext() as ctx:
+        ctx.prec = 60
+        exact = Decimal(number) * factor
+    if dim is Dim.SIZE:
+        if exact != exact.to_integral_value():
+            raise UnitError(f"'{text}' is not a whole number of bytes")
+        return dim, int(exact)
+    return dim, float(exact)
+
+
+def _plain(d: Decimal) -> str:
+    s = format(d.normalize(), "f")
+    return s
+
+
+def format_quantity(dim: Dim, value: int | float) -> str:
+    """Canonical text of a quantity: the largest unit whose short decimal parses back exactly."""
+    if value == 0:
+        return "0" + _PRINT_UNITS[dim][-1 if dim is not Dim.TIME else 0]
+    for unit in _PRINT_UNITS[dim]:
+        factor = UNITS[unit][1]
+        with localcontext() as ctx:
+            ctx.prec = 60
+            mag = Decimal(value) / factor if dim is Dim.SIZE else Decimal(repr(float(value))) / factor
+        if mag < 1:
+            continue
+        # Shortest decimal (up to 4 fractional digits for readability) that round-trips.
+        for digits in range(0, 5):
+            text = _plain(round(mag, digits)) + unit
+            try:
+                if parse_quantity(text)[1] == value:
+                    return text
+            except UnitError:
+                pass
+    base = _PRINT_UNITS[dim][-1]
+    if dim is Dim.SIZE:
+        return f"{int(value)}{base}"
+    # Base unit with the shortest round-trip repr of the float, without exponent.
+    for digits in range(0, 40):
+        text = _plain(round(Decimal(repr(float(value))) / UNITS[base][1], digits)) + base
+        if parse_quantity(text)[1] == value:
+            return text
+    raise UnitError(f"cannot print {value!r} as a {dim.value}")  # pragma: no cover - unreachable
+
+
+def format_number(value: int | float) -> str:
+    """Plain decimals, never exponent notation; ints stay ints."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    text = _plain(Decimal(repr(value)))
+    if "." not in text:
+        text += ".0"
+    return text

@@ -1,0 +1,80 @@
+"""The RL workload: roles, stages in order, batch and sequence sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .attributes import AttrSpec
+from .diagnostics import NOWHERE, Loc
+
+STAGE_KINDS = ("generate", "infer", "train")
+
+WORKLOAD_ATTRS = [
+    AttrSpec("algorithm", "choice", choices=("ppo", "grpo")),
+    AttrSpec("roles", "symbols", doc="the models of the job, e.g. [@actor, @critic, @ref, @reward]"),
+    AttrSpec("global_batch", "posint", doc="prompts per step"),
+    AttrSpec("group_size", "posint", default=1, doc="responses per prompt (GRPO's group)"),
+    AttrSpec("prompt_len_mean", "posint"),
+    AttrSpec("prompt_len_max", "posint"),
+    AttrSpec("response_len_mean", "posint"),
+    AttrSpec("response_len_max", "posint"),
+    AttrSpec("ppo_epochs", "posint", default=1),
+    AttrSpec("mini_batch", "posint", default=None, doc="samples per optimizer step; default: one per step"),
+    AttrSpec("micro_batch", "posint", doc="samples per forward/backward per replica"),
+    AttrSpec("steps", "posint", default=None, doc="total steps of the run"),
+]
+
+STAGE_ATTRS = [
+    AttrSpec("kind", "choice", choices=STAGE_KINDS),
+    AttrSpec("models", "symbols", doc="the roles that run in this stage"),
+]
+
+
+@dataclass(kw_only=True)
+class Stage:
+    name: str
+    kind: str
+    models: list[str]
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def model_stages(self) -> list[str]:
+        return [f"{m}.{self.name}" for m in self.models]
+
+
+@dataclass(kw_only=True)
+class Workload:
+    name: str
+    algorithm: str
+    roles: list[str]
+    global_batch: int
+    prompt_len_mean: int
+    prompt_len_max: int
+    response_len_mean: int
+    response_len_max: int
+    micro_batch: int
+    group_size: int = 1
+    ppo_epochs: int = 1
+    mini_batch: int | None = None
+    steps: int | None = None
+    stages: list[Stage] = field(default_factory=list)
+    loc: Loc = field(default=NOWHERE, compare=False, repr=False)
+    locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def samples(self) -> int:
+        """Sequences per step: prompts x group size."""
+        return self.global_batch * self.group_size
+
+    def model_stages(self) -> list[str]:
+        """Every model-stage in execution order, e.g. ``actor.generate``."""
+        return [ms for s in self.stages for ms in s.model_stages()]
+
+    def stage_of(self, model_stage: str) -> Stage | None:
+        model, _, stage = model_stage.rpartition(".")
+        for s in self.stages:
+            if s.name == stage and model in s.models:
+                return s
+        return None

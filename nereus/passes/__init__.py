@@ -1,0 +1,1 @@
+"""Nereus passes layer (see DESIGN.md)."""
