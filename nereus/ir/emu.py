@@ -8,9 +8,12 @@ master copy) and the half-open span ``[start, stop)`` of every dimension.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .diagnostics import NOWHERE, Loc
+
+_LAYER_NAME = re.compile(r"layers\.(\d+)(?:\.\.(\d+))?\.(.+)\Z")
 
 STATES = ("weight", "grad", "master", "exp_avg", "exp_avg_sq")
 
@@ -53,9 +56,11 @@ def split_tensor_name(name: str) -> tuple[str, tuple[int, int] | None] | None:
     """
     if not name.startswith("layers."):
         return name, None
-    head, _, rest = name[len("layers."):].partition(".")
-    if not rest:
+    match = _LAYER_NAME.match(name)
+    if match is None:
         return None
+    lo, hi, family = match.groups()
+    return family, (int(lo), int(hi if hi is not None else lo))
     if ".." in head:
         lo, _, hi = head.partition("..")
         return rest, (int(lo), int(hi))

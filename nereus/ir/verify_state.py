@@ -1,0 +1,343 @@
+"""Rules for distributed state: EMUs hold exactly their slices, transitions move real slices.
+
+Coverage is checked on a compressed grid: the breakpoints of every slice (and, for per-layer
+families, of every layer range) cut the tensor into cells; each cell must be held exactly as
+many times as the sharding rule replicates it (1 for split dimensions, ``tp`` for replicated
+tensors, ``tp / kv_heads`` for replicated K/V heads, twice more for a tied embedding held by
+the first and last pipeline stage). That one rule finds gaps, overlaps and stray copies.
+Replicas printed as one block share their slice lists, so each distinct layout is checked once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from .diagnostics import DiagnosticSink, Loc, did_you_mean
+from .emu import STATES, Emu, SliceEntry, tensor_name
+from .model import Model, TensorSpec
+from .module import Module
+from .transition import HostRef, Op, ShardRef, Transition
+
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def state_dtype_bytes(model: Model, state: str) -> int:
+    """Bytes per element of a state: weights in the model dtype; grads, fp32 master and Adam moments in fp32."""
+    return model.dtype_bytes if state == "weight" else 4
+
+
+def _fmt_box(box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+
+
+class _Ctx:
+    """What an EMU is checked against: its plan, layout, model and stage kind."""
+
+    def __init__(self, m: Module, emu: Emu):
+        self.plan = m.plans.get(emu.plan)
+        self.layout = self.plan.layouts.get(emu.model_stage) if self.plan else None
+        self.model = m.models.get(self.layout.model) if self.layout else None
+        w = m.workloads.get(self.plan.workload) if self.plan else None
+        stage = w.stage_of(emu.model_stage) if w else None
+        self.trains = stage is not None and stage.kind == "train"
+
+
+def verify_emus(m: Module, sink: DiagnosticSink) -> None:
+    checked: dict[tuple, bool] = {}
+    for emu in m.emus.values():
+        if emu.plan not in m.plans:
+            sink.error(emu.plan_loc, f"emu refers to unknown plan @{emu.plan}", did_you_mean(emu.plan, m.plans))
+            continue
+        ctx = _Ctx(m, emu)
+        if ctx.layout is None:
+            sink.error(emu.loc, f"plan @{emu.plan} has no layout {emu.model_stage}",
+                       did_you_mean(emu.model_stage, ctx.plan.layouts))
+            continue
+        lay = ctx.layout
+        if emu.replica >= lay.dp:
+            sink.error(emu.loc, f"{emu.model_stage} has dp = {lay.dp}, so replica {emu.replica} does not exist")
+            continue
+        if ctx.model is None or len(lay.layers) != lay.pp or len(lay.mesh) != lay.world:
+            continue  # the plan's own errors are reported by the plan rules
+        structure = tuple(id(s.entries) for s in emu.shards)
+        seen_coords: dict[tuple[int, int], Loc] = {}
+        for s in emu.shards:
+            coord = (s.pp, s.tp)
+            if s.pp >= lay.pp or s.tp >= lay.tp:
+                sink.error(s.loc, f"shard [{s.pp}, {s.tp}] is outside {emu.model_stage}'s pp = {lay.pp}, tp = {lay.tp}")
+                continue
+            if coord in seen_coords:
+                sink.error(s.loc, f"shard [{s.pp}, {s.tp}] appears twice in {emu.model_stage}[{emu.replica}]",
+                           f"first at line {seen_coords[coord].line}")
+                continue
+            seen_coords[coord] = s.loc
+            want = lay.gpu(emu.replica, s.pp, s.tp)
+            if s.gpu != want:
+                sink.error(s.loc, f"replica {emu.replica} shard [{s.pp}, {s.tp}] of {emu.model_stage} is on GPU {s.gpu}, "
+                                  f"but plan @{emu.plan}'s mesh puts it on GPU {want}")
+        missing = [c for c in ((p, t) for p in range(lay.pp) for t in range(lay.tp)) if c not in seen_coords]
+        if missing:
+            shown = ", ".join(f"[{p}, {t}]" for p, t in missing[:4]) + (" ..." if len(missing) > 4 else "")
+            sink.error(emu.loc, f"{emu.model_stage}[{emu.replica}] has no shard for {shown}",
+                       "an EMU lists every (pp, tp) coordinate of its replica")
+        key = (emu.plan, emu.model_stage, structure)
+        if key in checked:
+            continue  # same slice lists as an already checked replica
+        before = len(sink.diagnostics)
+        for s in emu.shards:
+            if s.pp < lay.pp and s.tp < lay.tp:
+                for e in s.entries:
+                    _entry(ctx, emu, s.pp, s.tp, e, sink)
+        if len(sink.diagnostics) == before and not missing:
+            _coverage(ctx, emu, sink)
+        checked[key] = True
+
+
+def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: DiagnosticSink) -> None:
+    model, lay = ctx.model, ctx.layout
+    spec = model.tensors.get(e.family)
+    if spec is None:
+        sink.error(e.loc, f"model @{model.name} has no tensor {e.family}",
+                   did_you_mean(e.family, model.tensors) or "tensors: " + ", ".join(model.tensors))
+        return
+    if e.state != "weight" and not ctx.trains:
+        sink.error(e.loc, f"{emu.model_stage} does not train, so it holds no {e.state} state")
+        return
+    if spec.per_layer and e.layers is None:
+        sink.error(e.loc, f"{e.family} is a per-layer tensor: write layers.N.{e.family} or layers.A..B.{e.family}")
+        return
+    if not spec.per_layer and e.layers is not None:
+        sink.error(e.loc, f"{e.family} is not a per-layer tensor: write it without layers.")
+        return
+    if e.layers is not None:
+        lo, hi = lay.layers[pp]
+        if e.layers[0] < lo or e.layers[1] > hi:
+            sink.error(e.loc, f"shard [{pp}, {tp}] holds layers {e.layers[0]}..{e.layers[1]}, "
+                              f"outside its pipeline stage's layers {lo}..{hi}")
+            return
+    elif pp not in model.stages_holding(spec, lay.pp):
+        sink.error(e.loc, f"{e.family} lives on pipeline stage(s) {model.stages_holding(spec, lay.pp)}, not on stage {pp}")
+        return
+    if len(e.box) != len(spec.shape):
+        sink.error(e.loc, f"{e.tensor} has {len(spec.shape)} dimension(s) {list(spec.shape)}, the slice gives {len(e.box)}")
+        return
+    for d, ((a, b), n) in enumerate(zip(e.box, spec.shape)):
+        if b > n:
+            sink.error(e.loc, f"slice {_fmt_box(e.box)} is outside {e.tensor} of shape {list(spec.shape)} (dimension {d} has {n})")
+            return
+        if d != spec.tp_dim and (a, b) != (0, n):
+            what = "is replicated" if spec.tp_dim is None else f"is split only along dimension {spec.tp_dim}"
+            sink.error(e.loc, f"{e.family} {what} ({spec.rule}), but the slice cuts dimension {d} to {a}:{b}",
+                       f"dimension {d} must be whole: 0:{n}")
+            return
+
+
+def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
+    model, lay = ctx.model, ctx.layout
+    groups: dict[tuple[str, str], list[SliceEntry]] = defaultdict(list)
+    for s in emu.shards:
+        for e in s.entries:
+            groups[(e.state, e.family)].append(e)
+    states = {st for st, _ in groups} | {"weight"}
+    for state in STATES:
+        if state not in states:
+            continue
+        for spec in model.tensors.values():
+            entries = groups.get((state, spec.family), [])
+            want = model.tp_replication(spec, lay.tp)
+            if not spec.per_layer and spec.placement == "first_and_last" and lay.pp > 1:
+                want *= 2
+            problem = _grid_problem(spec, model.layers, entries, want)
+            if problem:
+                label = "" if state == "weight" else state + " "
+                sink.error(emu.loc, f"{emu.model_stage}[{emu.replica}]: {label}{problem}",
+                           "each element must be held once per replica (tp times if replicated)")
+
+
+def _grid_problem(spec: TensorSpec, num_layers: int, entries: list[SliceEntry], want: int) -> str | None:
+    """None when the entries cover ``spec`` exactly ``want`` times, else a description of the first bad cell."""
+    shape = ((num_layers,) if spec.per_layer else ()) + spec.shape
+    boxes = [(((e.layers[0], e.layers[1] + 1),) if spec.per_layer else ()) + tuple(e.box) for e in entries]
+    cuts = [sorted({0, n} | {x for b in boxes for x in b[d]}) for d, n in enumerate(shape)]
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for b in boxes:
+        idx = tuple(slice(c.index(lo), c.index(hi)) for c, (lo, hi) in zip(cuts, b))
+        grid[idx] += 1
+    bad = np.argwhere(grid != want)
+    if not len(bad):
+        return None
+    cell = tuple(bad[0])
+    count = int(grid[cell])
+    span = [(cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(cell)]
+    if spec.per_layer:
+        (l0, l1), span = span[0], span[1:]
+        name = tensor_name(spec.family, (l0, l1 - 1))
+    else:
+        name = spec.family
+    where = f"{name} {_fmt_box(span)}"
+    if count == 0:
+        return f"{where} is not held by any shard"
+    return f"{where} is held {count} time(s), expected {want}"
+
+
+# ---------------------------------------------------------------- transitions
+
+
+def _contains(outer: SliceEntry, state: str, family: str, layers, box) -> bool:
+    if outer.state != state or outer.family != family:
+        return False
+    if layers is not None and (outer.layers is None or outer.layers[0] > layers[0] or outer.layers[1] < layers[1]):
+        return False
+    return all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(outer.box, box)) and len(outer.box) == len(box)
+
+
+def _overlaps(outer: SliceEntry, state: str, family: str, layers, box) -> bool:
+    if outer.state != state or outer.family != family or len(outer.box) != len(box):
+        return False
+    if layers is not None and (outer.layers is None or outer.layers[1] < layers[0] or outer.layers[0] > layers[1]):
+        return False
+    return all(lo < b and a < hi for (a, b), (lo, hi) in zip(outer.box, box))
+
+
+_ARITY = {  # kind -> (sources, destinations) as (min, max); None = unbounded
+    "copy": ((1, 1), (1, 1)),
+    "send": ((1, 1), (1, 1)),
+    "broadcast": ((1, 1), (1, None)),
+    "allgather": ((2, None), (1, None)),
+    "free": ((1, None), (0, 0)),
+    "offload": ((1, 1), (1, 1)),
+    "load": ((1, 1), (1, 1)),
+}
+
+
+def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
+    for t in m.transitions.values():
+        plans = {}
+        for side, key in (("source", t.source), ("target", t.target)):
+            if key not in m.plans:
+                sink.error(t.locs.get(side, t.loc), f"transition @{t.name} refers to unknown plan @{key}",
+                           did_you_mean(key, m.plans))
+            plans[side] = m.plans.get(key)
+        ids = {op.id: i for i, op in enumerate(t.ops)}
+        for op in t.ops:
+            for dep in op.deps:
+                if dep not in ids:
+                    sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on unknown operation {dep}", did_you_mean(dep, ids))
+                elif dep == op.id:
+                    sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on itself")
+            if op.start is not None and op.start < 0:
+                sink.error(op.locs.get("start", op.loc), f"{op.id} starts before time 0")
+            if plans["source"] is not None and plans["target"] is not None:
+                _op(m, t, op, sink)
+        _cycles(t, ids, sink)
+
+
+def _cycles(t: Transition, ids: dict[str, int], sink: DiagnosticSink) -> None:
+    color: dict[str, int] = {}
+    deps = {op.id: [d for d in op.deps if d in ids and d != op.id] for op in t.ops}
+    for root in deps:
+        if color.get(root):
+            continue
+        stack = [(root, iter(deps[root]))]
+        color[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[node] = 2
+                stack.pop()
+            elif color.get(nxt) == 1:
+                op = t.ops[ids[node]]
+                sink.error(op.locs.get("deps", op.loc), f"dependency cycle through {node} and {nxt}",
+                           "operations must form a DAG")
+                return
+            elif not color.get(nxt):
+                color[nxt] = 1
+                stack.append((nxt, iter(deps[nxt])))
+
+
+def _endpoint(m: Module, plan_name: str, ref, loc: Loc, sink: DiagnosticSink):
+    """Resolve an endpoint to (gpu, shard entries or None for host, model); reports errors."""
+    if isinstance(ref, HostRef):
+        return ref.gpu, None, None
+    emu = m.emus.get((plan_name, ref.model_stage, ref.dp))
+    if emu is None:
+        sink.error(loc, f"{ref} refers to EMU {ref.model_stage}[{ref.dp}] of plan @{plan_name}, which is not declared",
+                   "declare it with: emu @" + plan_name + f" {ref.model_stage}[{ref.dp}] {{ ... }}")
+        return None
+    shard = emu.shard(ref.pp, ref.tp)
+    if shard is None:
+        sink.error(loc, f"{ref}: EMU {ref.model_stage}[{ref.dp}] has no shard [{ref.pp}, {ref.tp}]")
+        return None
+    plan = m.plans[plan_name]
+    lay = plan.layouts.get(ref.model_stage)
+    model = m.models.get(lay.model) if lay else None
+    return shard.gpu, shard.entries, model
+
+
+def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
+    (smin, smax), (dmin, dmax) = _ARITY[op.kind]
+    for what, got, lo, hi in (("source", len(op.src), smin, smax), ("destination", len(op.dst), dmin, dmax)):
+        if got < lo or (hi is not None and got > hi):
+            want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
+            sink.error(op.loc, f"{op.id}: {op.kind} takes {want} {what}(s), got {got}")
+            return
+    locs = op.endpoint_locs or [op.loc] * (len(op.src) + len(op.dst))
+    src_host = [isinstance(e, HostRef) for e in op.src]
+    dst_host = [isinstance(e, HostRef) for e in op.dst]
+    if op.kind == "load" and not all(src_host) or op.kind != "load" and any(src_host):
+        sink.error(op.loc, f"{op.id}: only load reads from host memory" if any(src_host) else f"{op.id}: load reads from host[GPU]")
+        return
+    if op.kind == "offload" and not all(dst_host) or op.kind != "offload" and any(dst_host):
+        sink.error(op.loc, f"{op.id}: only offload writes to host memory" if any(dst_host) else f"{op.id}: offload writes to host[GPU]")
+        return
+    src = [_endpoint(m, t.source, e, l, sink) for e, l in zip(op.src, locs)]
+    dst = [_endpoint(m, t.target, e, l, sink) for e, l in zip(op.dst, locs[len(op.src):])]
+    if any(x is None for x in src + dst):
+        return
+    model = next((x[2] for x in src + dst if x[2] is not None), None)
+    if model is None:
+        return
+    spec = model.tensors.get(op.family)
+    if spec is None:
+        sink.error(op.locs.get("tensor", op.loc), f"model @{model.name} has no tensor {op.family}", did_you_mean(op.family, model.tensors))
+        return
+    tensor = tensor_name(op.family, op.layers)
+    shape = spec.shape
+    if len(op.box) != len(shape) or any(hi > n for (_, hi), n in zip(op.box, shape)) or (op.layers is None) == spec.per_layer \
+            or (op.layers is not None and op.layers[1] >= model.layers):
+        sink.error(op.locs.get("tensor", op.loc), f"{op.id}: slice {tensor} {_fmt_box(op.box)} is outside the tensor of shape {list(shape)}")
+        return
+    args = (op.state, op.family, op.layers, op.box)
+    for (gpu, entries, _), ref, loc in zip(src, op.src, locs):
+        if entries is None:
+            continue
+        holds = any((_overlaps if op.kind == "allgather" else _contains)(e, *args) for e in entries)
+        if not holds:
+            sink.error(loc, f"{op.id}: source {ref} does not hold {tensor} {_fmt_box(op.box)}")
+    for (gpu, entries, _), ref, loc in zip(dst, op.dst, locs[len(op.src):]):
+        if entries is None:
+            continue
+        if not any(_contains(e, *args) for e in entries):
+            sink.error(loc, f"{op.id}: destination {ref} does not hold {tensor} {_fmt_box(op.box)} in plan @{t.target}")
+    numel = 1 if op.layers is None else op.layers[1] - op.layers[0] + 1
+    for lo, hi in op.box:
+        numel *= hi - lo
+    want_bytes = numel * state_dtype_bytes(model, op.state)
+    if op.kind != "free" and op.bytes != want_bytes:
+        sink.error(op.locs.get("bytes", op.loc), f"{op.id}: bytes = {op.bytes} but the slice is {want_bytes} bytes "
+                                                  f"({numel} elements of {state_dtype_bytes(model, op.state)} bytes)")
+    cluster = m.clusters.get(m.plans[t.target].cluster)
+    if cluster is None:
+        return
+    gpus = [x[0] for x in src + dst]
+    if op.kind in ("offload", "load"):
+        link = "pcie"
+    elif op.kind == "free" or len(set(gpus)) == 1:
+        link = "local"
+    else:
+        link = "nic" if len({cluster.node_of(g) for g in gpus}) > 1 else "nvlink"
+    if op.link != link:
+        sink.error(op.locs.get("link", op.loc), f"{op.id}: link = {op.link}, but GPUs {sorted(set(gpus))} communicate over {link}")

@@ -1,0 +1,209 @@
+"""The reference jobs of ``examples/``, built from parameters.
+
+The checked-in examples are produced by ``python -m nereus.jobs examples/`` and a test checks
+they are up to date; the benchmarks call the same builders at other sizes (the 70B job at
+128 to 1,024 GPUs). Hardware figures are NVIDIA's H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s,
+989 TFLOP/s dense bf16, 900 GB/s NVLink (450 GB/s each way) and one 400 Gb/s NIC per GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .ir import parse, print_ir
+from .ir.sharding import derive_emus
+
+H100 = """\
+  gpu_memory = 80GiB
+  peak_flops = 989TFLOPs
+  hbm_bandwidth = 3.35TB/s
+  intra_node = link(bandwidth = 450GB/s, latency = 2us)
+  inter_node = link(bandwidth = 400Gb/s, latency = 5us)
+  host_link = link(bandwidth = 55GB/s, latency = 10us)
+  host_memory = 2TiB"""
+
+LLAMA3_8B = "layers = 32, hidden = 4096, heads = 32, kv_heads = 8, ffn = 14336, vocab = 128256"
+LLAMA2_7B = "layers = 32, hidden = 4096, heads = 32, kv_heads = 32, ffn = 11008, vocab = 32000"
+QWEN2_7B = "layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, vocab = 152064"
+LLAMA3_70B = "layers = 80, hidden = 8192, heads = 64, kv_heads = 8, ffn = 28672, vocab = 128256"
+
+
+def _layout(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: str = "") -> str:
+    per = layers // pp
+    ranges = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
+    return f"  layout {ms} {{ tp = {tp}, pp = {pp}, dp = {dp}, layers = [{ranges}], mesh = [{gpus}]{extra} }}\n"
+
+
+def _with_emus(text: str, plan: str, model_stage: str, filename: str) -> str:
+    m = parse(text, filename)
+    lay = m.plans[plan].layouts[model_stage]
+    for emu in derive_emus(plan, m.models[lay.model], lay):
+        m.emus[emu.key] = emu
+    return print_ir(m)
+
+
+def ppo_8b_16gpu() -> str:
+    text = f"""\
+// PPO for an 8B actor (Llama-3-8B) with an 8B critic, an 8B reference model and a 7B-class
+// reward model (Llama-2-7B with a value head), on 2 nodes x 8 H100-80GB.
+cluster @h100x16 {{
+  nodes = 2
+  gpus_per_node = 8
+{H100}
+}}
+
+model @actor {{ {LLAMA3_8B}, trained = true }}
+model @critic {{ {LLAMA3_8B}, head = value, trained = true }}
+model @ref {{ {LLAMA3_8B} }}
+model @reward {{ {LLAMA2_7B}, head = value }}
+
+workload @ppo {{
+  algorithm = ppo
+  roles = [@actor, @critic, @ref, @reward]
+  global_batch = 512
+  prompt_len_mean = 512
+  prompt_len_max = 1024
+  response_len_mean = 1024
+  response_len_max = 2048
+  ppo_epochs = 1
+  mini_batch = 128
+  micro_batch = 4
+  steps = 1000
+  stage generate {{ kind = generate, models = [@actor] }}
+  stage infer {{ kind = infer, models = [@actor, @critic, @ref, @reward] }}
+  stage train {{ kind = train, models = [@actor, @critic] }}
+}}
+
+// Generation replicates the actor widely (TP 2 x DP 8); the four inference model-stages
+// each take a quarter of the GPUs; actor and critic train side by side with TP 4 x PP 2.
+plan @ppo_p0 {{
+  workload = @ppo
+  cluster = @h100x16
+{_layout("actor.generate", 2, 1, 8, 32, "0..15")}\
+{_layout("actor.infer", 2, 1, 2, 32, "0..3")}\
+{_layout("critic.infer", 2, 1, 2, 32, "4..7")}\
+{_layout("ref.infer", 2, 1, 2, 32, "8..11")}\
+{_layout("reward.infer", 2, 1, 2, 32, "12..15")}\
+{_layout("actor.train", 4, 2, 1, 32, "0..7", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout("critic.train", 4, 2, 1, 32, "8..15", ", micro_batches = 16, zero = 1, recompute = true")}\
+}}
+"""
+    return _with_emus(text, "ppo_p0", "actor.train", "ppo_8b_16gpu.nir")
+
+
+def grpo_7b_8gpu() -> str:
+    text = f"""\
+// GRPO on a Qwen2-7B-class model (Llama-style with GQA), one node of 8 H100-80GB.
+// The actor generates with TP 2 x DP 4 and trains with TP 4 x DP 2; the frozen reference
+// model shares the GPUs with the actor's inference pass and is offloaded between steps.
+cluster @h100x8 {{
+  nodes = 1
+  gpus_per_node = 8
+{H100}
+}}
+
+model @actor {{ {QWEN2_7B}, trained = true }}
+model @ref {{ {QWEN2_7B} }}
+
+workload @grpo {{
+  algorithm = grpo
+  roles = [@actor, @ref]
+  global_batch = 128
+  group_size = 8
+  prompt_len_mean = 512
+  prompt_len_max = 1024
+  response_len_mean = 1536
+  response_len_max = 4096
+  mini_batch = 256
+  micro_batch = 4
+  steps = 500
+  stage generate {{ kind = generate, models = [@actor] }}
+  stage infer {{ kind = infer, models = [@actor, @ref] }}
+  stage train {{ kind = train, models = [@actor] }}
+}}
+
+plan @grpo_p0 {{
+  workload = @grpo
+  cluster = @h100x8
+  colocate = [[actor.infer, ref.infer]]
+{_layout("actor.generate", 2, 1, 4, 28, "0..7")}\
+{_layout("actor.infer", 4, 1, 2, 28, "0..7")}\
+{_layout("ref.infer", 4, 1, 2, 28, "0..7", ", offload = [weights]")}\
+{_layout("actor.train", 4, 1, 2, 28, "0..7", ", micro_batches = 8, recompute = true")}\
+}}
+"""
+    return _with_emus(text, "grpo_p0", "actor.generate", "grpo_7b_8gpu.nir")
+
+
+def ppo_70b(gpus: int = 1024, with_emus: bool = True) -> str:
+    """The 70B PPO job on ``gpus`` H100s (a multiple of 64): actor and critic train with TP 8 x PP 4
+    on every GPU, colocated; generation uses TP 8 x DP gpus/8; each inference model-stage a quarter."""
+    assert gpus % 64 == 0, "the 70B job needs a multiple of 64 GPUs"
+    nodes, q = gpus // 8, gpus // 4
+    text = f"""\
+// PPO on Llama-3-70B-class models (actor, critic, reference and reward all 70B) on
+// {nodes} nodes x 8 H100-80GB = {gpus} GPUs.
+cluster @h100x{gpus} {{
+  nodes = {nodes}
+  gpus_per_node = 8
+{H100}
+}}
+
+model @actor {{ {LLAMA3_70B}, trained = true }}
+model @critic {{ {LLAMA3_70B}, head = value, trained = true }}
+model @ref {{ {LLAMA3_70B} }}
+model @reward {{ {LLAMA3_70B}, head = value }}
+
+workload @ppo70b {{
+  algorithm = ppo
+  roles = [@actor, @critic, @ref, @reward]
+  global_batch = {gpus * 2}
+  prompt_len_mean = 1024
+  prompt_len_max = 2048
+  response_len_mean = 2048
+  response_len_max = 8192
+  mini_batch = {gpus // 2}
+  micro_batch = 1
+  steps = 1000
+  stage generate {{ kind = generate, models = [@actor] }}
+  stage infer {{ kind = infer, models = [@actor, @critic, @ref, @reward] }}
+  stage train {{ kind = train, models = [@actor, @critic] }}
+}}
+
+plan @ppo70b_p0 {{
+  workload = @ppo70b
+  cluster = @h100x{gpus}
+  colocate = [[actor.train, critic.train]]
+{_layout("actor.generate", 8, 1, gpus // 8, 80, f"0..{gpus - 1}")}\
+{_layout("actor.infer", 8, 1, q // 8, 80, f"0..{q - 1}")}\
+{_layout("critic.infer", 8, 1, q // 8, 80, f"{q}..{2 * q - 1}")}\
+{_layout("ref.infer", 8, 1, q // 8, 80, f"{2 * q}..{3 * q - 1}")}\
+{_layout("reward.infer", 8, 1, q // 8, 80, f"{3 * q}..{gpus - 1}")}\
+{_layout("actor.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout("critic.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
+}}
+"""
+    if not with_emus:
+        return print_ir(parse(text))
+    return _with_emus(text, "ppo70b_p0", "actor.train", f"ppo_70b_{gpus}gpu.nir")
+
+
+EXAMPLES = {
+    "ppo_8b_16gpu.nir": ppo_8b_16gpu,
+    "grpo_7b_8gpu.nir": grpo_7b_8gpu,
+    "ppo_70b_1024gpu.nir": ppo_70b,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = Path((argv or sys.argv[1:] or ["examples"])[0])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, build in EXAMPLES.items():
+        (out / name).write_text(build())
+        print(f"wrote {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
