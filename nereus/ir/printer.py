@@ -74,12 +74,12 @@ def _same_slices(a: Emu, b: Emu) -> bool:
     return all(x.pp == y.pp and x.tp == y.tp and x.entries == y.entries for x, y in zip(a.shards, b.shards))
 
 
-def _emu_groups(m: Module) -> list[list[Emu]]:
+def _emu_groups(m: Module, group: bool = True) -> list[list[Emu]]:
     groups: list[list[Emu]] = []
     for key in sorted(m.emus):
         emu = m.emus[key]
         g = groups[-1] if groups else None
-        if g and g[0].plan == emu.plan and g[0].model_stage == emu.model_stage and _same_slices(g[0], emu):
+        if group and g and g[0].plan == emu.plan and g[0].model_stage == emu.model_stage and _same_slices(g[0], emu):
             g.append(emu)
         else:
             groups.append([emu])
@@ -108,8 +108,11 @@ def format_op(op: Op) -> str:
     return " ".join(parts)
 
 
-def print_ir(m: Module) -> str:
-    """The canonical text of a module (ends with a newline)."""
+def print_ir(m: Module, group_replicas: bool = True) -> str:
+    """The canonical text of a module (ends with a newline).
+
+    ``group_replicas=False`` prints one ``emu`` block per replica (same module, longer text).
+    """
     out = _Out()
     sections: list[list[str]] = []
 
@@ -140,7 +143,7 @@ def print_ir(m: Module) -> str:
             for lay in sorted(p.layouts.values(), key=lambda x: order.get(x.model_stage, len(order))):
                 _block(out, f"layout {lay.model_stage}", lay, LAYOUT_ATTRS, depth=1)
         section(lambda p=p: _block(out, f"plan @{p.name}", p, PLAN_ATTRS, body=layouts))
-    for group in _emu_groups(m):
+    for group in _emu_groups(m, group_replicas):
         section(lambda g=group: _print_emu_group(out, g))
     for t in m.transitions.values():
         def ops(t=t):

@@ -1,0 +1,33 @@
+# make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
+# make test: same set-up, then the whole test suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+$(STAMP): pyproject.toml requirements-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements-cpu.txt
+	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nereus check examples/*.nir
+	$(BIN)/nereus fmt --check examples/*.nir
+	for f in examples/*.nir; do $(BIN)/nereus show $$f || exit 1; done
+	$(BIN)/nereus bench parse --quick
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest benchmarks -q --benchmark-only
+	$(BIN)/nereus bench parse
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .benchmarks

@@ -1,0 +1,129 @@
+"""The ``nereus`` command line: a thin layer over the Python API.
+
+Exit codes (DESIGN.md): 0 success; 1 diagnostics (or ``fmt --check`` found a difference);
+2 usage errors (argparse). Bad input never prints a traceback: every error a user can cause
+is a diagnostic ``FILE:LINE:COL: error: MESSAGE`` with the source line and a caret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .ir import Diagnostic, DiagnosticError, Loc, parse, print_ir, verify
+
+
+def _load(path: str):
+    """Read, parse and verify one file; raises DiagnosticError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, path), "no such file")]) from None
+    except IsADirectoryError:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, path), "is a directory, not a .nir file")]) from None
+    except UnicodeDecodeError as e:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, path), f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+    except OSError as e:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, path), f"cannot read: {e.strerror}")]) from None
+    return verify(parse(text, path)), text
+
+
+def _report(err: DiagnosticError) -> None:
+    print(err.render(), file=sys.stderr)
+    n = len(err.diagnostics)
+    print(f"{n} error{'s' if n != 1 else ''}", file=sys.stderr)
+
+
+def cmd_check(args) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            _load(path)
+        except DiagnosticError as e:
+            _report(e)
+            status = 1
+    return status
+
+
+def cmd_fmt(args) -> int:
+    status = 0
+    for path in args.files:
+        try:
+            m, text = _load(path)
+        except DiagnosticError as e:
+            _report(e)
+            status = 1
+            continue
+        canonical = print_ir(m)
+        if args.check:
+            if canonical != text:
+                print(f"{path}: not in canonical form (run: nereus fmt {path})", file=sys.stderr)
+                status = 1
+        elif args.stdout:
+            sys.stdout.write(canonical)
+        elif canonical != text:
+            Path(path).write_text(canonical, encoding="utf-8")
+            print(f"formatted {path}")
+    return status
+
+
+def cmd_show(args) -> int:
+    from .show import show
+
+    status = 0
+    for path in args.files:
+        try:
+            m, _ = _load(path)
+        except DiagnosticError as e:
+            _report(e)
+            status = 1
+            continue
+        show(m, path)
+    return status
+
+
+def cmd_bench(args) -> int:
+    from .bench import BENCHMARKS
+
+    if args.name not in BENCHMARKS:
+        print(f"nereus bench: unknown benchmark '{args.name}'; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 1
+    result = BENCHMARKS[args.name](quick=args.quick, json_output=args.json)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nereus", description="Adaptive parallelism for RL post-training: IR tools.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("check", help="parse and verify .nir files")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.set_defaults(func=cmd_check)
+    f = sub.add_parser("fmt", help="rewrite .nir files in canonical form")
+    f.add_argument("files", nargs="+", metavar="FILE")
+    f.add_argument("--check", action="store_true", help="only check; exit 1 if a file would change")
+    f.add_argument("--stdout", action="store_true", help="print the canonical form instead of rewriting")
+    f.set_defaults(func=cmd_fmt)
+    s = sub.add_parser("show", help="summarise a module: GPUs, model-stages, layouts, memory")
+    s.add_argument("files", nargs="+", metavar="FILE")
+    s.set_defaults(func=cmd_show)
+    b = sub.add_parser("bench", help="run a benchmark and print its table")
+    b.add_argument("name", metavar="NAME", help="parse")
+    b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DiagnosticError as e:  # pragma: no cover - commands report their own
+        _report(e)
+        return 1
+    except KeyboardInterrupt:  # pragma: no cover
+        return 130
