@@ -8,6 +8,7 @@ against the schema of its block and makes the typed dataclasses, collecting ever
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -414,11 +415,11 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
     """Give each ``//`` comment to the first declaration, attribute or item at or after its line."""
     if not comments:
         return
-    anchors = []  # (line, order, node, key)
+    anchors = []  # (line, column, node, key)
 
     def add(node, key=None, loc=None):
         loc = loc or node.loc
-        anchors.append((loc.line, len(anchors), node, key))
+        anchors.append((loc.line, loc.col, node, key))
 
     for group in (m.clusters, m.models, m.workloads, m.plans, m.transitions):
         for node in group.values():
@@ -436,16 +437,18 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
             add(s)
     anchors.sort(key=lambda a: (a[0], a[1]))
     lines = [a[0] for a in anchors]
-    import bisect
-
     for line, text in comments:
-        i = bisect.bisect_left(lines, line)
-        if i == len(anchors):
-            m.trailing_comments.append(text)
-            continue
-        anchor_line, _, node, key = anchors[i]
-        # A comment on the same line as its anchor is a trailing comment: `nodes = 2  // why`.
-        node.comments.setdefault(key, []).append((text, anchor_line == line))
+        # A comment after code on the same line trails the last item of that line
+        # (`nodes = 2  // why`); a comment on its own line leads the next item.
+        i = bisect.bisect_right(lines, line) - 1
+        trailing = i >= 0 and lines[i] == line
+        if not trailing:
+            i = bisect.bisect_left(lines, line)
+            if i == len(anchors):
+                m.trailing_comments.append(text)
+                continue
+        _, _, node, key = anchors[i]
+        node.comments.setdefault(key, []).append((text, trailing))
 
 
 # ---------------------------------------------------------------- entry point

@@ -1,0 +1,5 @@
+"""Benchmarks behind ``nereus bench NAME``; ``benchmarks/`` runs the same workloads under pytest-benchmark."""
+
+from .parse_bench import run as _parse
+
+BENCHMARKS = {"parse": _parse}

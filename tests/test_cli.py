@@ -1,0 +1,86 @@
+"""The command line: exit codes, diagnostics instead of tracebacks, fmt in place and --check."""
+
+import json
+import subprocess
+import sys
+
+from nereus.cli import main
+
+from .conftest import EXAMPLES
+
+GRPO = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
+
+
+def test_check_ok(capsys):
+    assert main(["check", *map(str, EXAMPLES)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_check_reports_every_error_with_location_and_caret(tmp_path, capsys):
+    text = GRPO.read_text().replace("kv_heads = 4", "kv_heads = 5", 1).replace("tp = 2", "tp = 3", 1)
+    bad = tmp_path / "bad.nir"
+    bad.write_text(text)
+    assert main(["check", str(bad)]) == 1
+    err = capsys.readouterr().err
+    kv_line = text.splitlines().index("  kv_heads = 5") + 1
+    tp_line = text.splitlines().index("    tp = 3") + 1
+    assert f"{bad}:{kv_line}:3: error: heads = 28 is not a multiple of kv_heads = 5" in err
+    assert f"{bad}:{tp_line}:5: error: actor.generate: tp = 3 does not divide heads = 28" in err
+    assert "    tp = 3\n" in err and "^" in err
+    assert "Traceback" not in err
+
+
+def test_missing_file_directory_and_binary(tmp_path, capsys):
+    binary = tmp_path / "x.nir"
+    binary.write_bytes(b"\xff\xfe\x00cluster")
+    assert main(["check", str(tmp_path / "nope.nir"), str(tmp_path), str(binary)]) == 1
+    err = capsys.readouterr().err
+    assert "nope.nir:0:0: error: no such file" in err
+    assert "is a directory" in err
+    assert "not UTF-8 text" in err
+    assert "Traceback" not in err
+
+
+def test_fmt_rewrites_in_place_keeping_comments(tmp_path, capsys):
+    src = tmp_path / "m.nir"
+    src.write_text(
+        "// the model\nmodel @m {\n  vocab=32000 , layers = 2 // tiny\n  hidden = 64, heads = 4, kv_heads = 4, ffn = 128\n}\n")
+    assert main(["fmt", "--check", str(src)]) == 1
+    assert main(["fmt", str(src)]) == 0
+    out = src.read_text()
+    assert out == ("// the model\nmodel @m {\n  layers = 2  // tiny\n  hidden = 64\n  heads = 4\n  kv_heads = 4\n"
+                   "  ffn = 128\n  vocab = 32000\n}\n")
+    assert main(["fmt", "--check", str(src)]) == 0
+    capsys.readouterr()
+
+
+def test_fmt_check_on_canonical_examples():
+    assert main(["fmt", "--check", *map(str, EXAMPLES)]) == 0
+
+
+def test_python_dash_m_and_usage_errors(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "nereus", *a], capture_output=True, text=True, timeout=120)
+    ok = run("check", str(GRPO))
+    assert ok.returncode == 0, ok.stderr
+    usage = run("frobnicate")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    bad = tmp_path / "t.nir"
+    bad.write_text("cluster @c {\n  nodes = 2\n")
+    r = run("check", str(bad))
+    assert r.returncode == 1
+    assert f"{bad}:3:1: error: unexpected end of file" in r.stderr
+    assert "the block opened at line 1 is not closed" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_parse_json_smoke(capsys):
+    assert main(["bench", "parse", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["gpus"] for r in data["rows"]] == [128, 256, 512, 1024]
+    assert all(r["shards"] == r["gpus"] for r in data["rows"])
+    assert all(r["canonical_ms"] > 0 and r["expanded_ms"] > 0 for r in data["rows"])
+
+
+def test_bench_unknown_name(capsys):
+    assert main(["bench", "nope"]) == 1
+    assert "known: parse" in capsys.readouterr().err
