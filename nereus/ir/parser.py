@@ -431,10 +431,12 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
                 for key, loc in child.locs.items():
                     if key != "tensor":
                         add(child, key, loc)
-    for emu in m.emus.values():
-        add(emu)
-        for s in emu.shards:
-            add(s)
+    seen = set()  # replicas parsed from one block share locations: anchor the first only
+    for emu in sorted(m.emus.values(), key=lambda e: e.key):
+        for node in [emu, *emu.shards]:
+            if (node.loc.line, node.loc.col) not in seen:
+                seen.add((node.loc.line, node.loc.col))
+                add(node)
     anchors.sort(key=lambda a: (a[0], a[1]))
     lines = [a[0] for a in anchors]
     for line, text in comments:
