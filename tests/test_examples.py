@@ -50,3 +50,9 @@ def test_show(path, capsys):
         for ms in plan.layouts:
             assert ms in out
     assert "EMU bytes/GPU" in out
+
+
+def test_language_reference_in_sync():
+    from nereus.ir.reference import reference
+
+    assert (ROOT / "docs" / "IR.md").read_text() == reference(), "run: python -m nereus.ir.reference > docs/IR.md"

@@ -3,7 +3,7 @@
 The grammar accepts any ``NAME = value``; the schema decides what a key means. One table per
 block kind drives three things so they cannot drift apart: the builder (typed values,
 unknown-key and wrong-unit diagnostics), the printer (canonical order and formatting) and the
-documentation of the language (``nereus.ir.attributes.describe``).
+language reference in docs/IR.md (``nereus.ir.reference``).
 """
 
 from __future__ import annotations
@@ -273,3 +273,25 @@ def format_attrs(specs: list[AttrSpec], node: Any) -> list[str]:
             continue
         out.append(f"{spec.key} = {format_value(spec, value)}")
     return out
+
+
+# ---------------------------------------------------------------- documentation
+
+_KIND_TEXT = {
+    "posint": "integer >= 1", "int": "integer", "natural": "integer >= 0", "float": "number", "bool": "true \\| false",
+    "size": "size (80GiB)", "bandwidth": "bandwidth (450GB/s, 400Gb/s)", "time": "time (2us)",
+    "flops": "FLOP rate (989TFLOPs)", "symbol": "@reference", "dotted": "model-stage", "ints": "integer list ([0..7, 9])",
+    "ranges": "range list ([0..15, 16..31])", "symbols": "list of @references", "dotteds": "list of model-stages",
+    "names": "list of names", "opids": "list of %ids", "dotted_groups": "list of lists of model-stages",
+    "link": "link(bandwidth = ..., latency = ...)",
+}
+
+
+def describe(title: str, specs: list[AttrSpec]) -> str:
+    """A markdown table of a block's attributes: the language reference in docs/IR.md."""
+    rows = [f"### {title}", "", "| attribute | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for s in specs:
+        kind = "one of " + " \\| ".join(s.choices) if s.kind == "choice" else _KIND_TEXT[s.kind]
+        default = "required" if s.required else ("none" if s.default is None else format_value(s, s.default) if s.default != [] else "[]")
+        rows.append(f"| `{s.key}` | {kind} | {default} | {s.doc} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,55 @@
+"""docs/IR.md, the language reference, generated from the attribute schemas.
+
+``python -m nereus.ir.reference > docs/IR.md``; a test keeps the file in sync.
+"""
+
+from .attributes import describe
+from .cluster import CLUSTER_ATTRS
+from .model import MODEL_ATTRS
+from .plan import LAYOUT_ATTRS, PLAN_ATTRS
+from .transition import OP_ATTRS, OP_KINDS, TRANSITION_ATTRS
+from .workload import STAGE_ATTRS, WORKLOAD_ATTRS
+
+INTRO = """\
+# The Nereus IR: language reference
+
+Generated from the attribute schemas by `python -m nereus.ir.reference > docs/IR.md`; the
+grammar is `grammar/nereus.lark`. A file is a sequence of declarations:
+
+```
+cluster @NAME { ATTRS }
+model @NAME { ATTRS }
+workload @NAME { ATTRS  stage NAME { ATTRS } ... }
+plan @NAME { ATTRS  layout MODEL.STAGE { ATTRS } ... }
+emu @PLAN MODEL.STAGE[REPLICAS] { shard [PP, TP] gpus [GPU per replica] { [STATE] TENSOR [SLICE, ...] ... } ... }
+transition @NAME { ATTRS  %ID = KIND [STATE] TENSOR [SLICES] from [ENDPOINTS] to [ENDPOINTS] { ATTRS } ... }
+```
+
+- Attributes are `key = value`, separated by newlines or commas. `//` comments run to the end
+  of the line and are kept by `nereus fmt`.
+- Names of declarations (`@actor`) are unique in a file. A model-stage is `MODEL.STAGE`
+  (`actor.train`); its layout maps mesh coordinate (dp, pp, tp) to `mesh[(dp * pp_size + pp) * tp_size + tp]`.
+- Quantities carry units: sizes `B KB MB GB TB KiB MiB GiB TiB` (whole bytes), bandwidths
+  `GB/s` or bits `Gb/s`, times `ns us ms s`, rates `TFLOPs` (= `TFLOP/s`). No exponents.
+- Integer lists take inclusive ranges: `[0..7, 12]`. Slices are half-open `start:stop`.
+- Tensors are Hugging Face Llama names; per-layer tensors carry their layer or layer range:
+  `layers.0..15.mlp.up_proj.weight`. States: weights (default), `grad`, `master`, `exp_avg`,
+  `exp_avg_sq`; weights are in the model's dtype, the others in fp32.
+- Endpoints: `MODEL.STAGE[dp, pp, tp]` (sources in the source plan, destinations in the
+  target plan) or `host[GPU]`. Operation kinds: """ + ", ".join(OP_KINDS) + """.
+
+"""
+
+
+def reference() -> str:
+    parts = [INTRO]
+    for title, specs in [("cluster", CLUSTER_ATTRS), ("model", MODEL_ATTRS), ("workload", WORKLOAD_ATTRS),
+                         ("stage (inside a workload)", STAGE_ATTRS), ("plan", PLAN_ATTRS),
+                         ("layout (inside a plan)", LAYOUT_ATTRS), ("transition", TRANSITION_ATTRS),
+                         ("operation (inside a transition)", OP_ATTRS)]:
+        parts.append(describe(title, specs))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
