@@ -9,6 +9,7 @@ against the schema of its block and makes the typed dataclasses, collecting ever
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -231,6 +232,14 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
             if open_line:
                 hint = f"the block opened at line {open_line} is not closed with '}}'"
         else:
+            spaced = _SPACED_UNIT.search(text, 0, tok.start_pos)
+            if "EQUAL" in expected and spaced and suggest_unit(spaced.group(2)):
+                # `gpu_memory = 80 GiB`: the unit was read as the next attribute's name
+                number, unit = spaced.group(1), suggest_unit(spaced.group(2))
+                line = text.count("\n", 0, spaced.start(1)) + 1
+                col = spaced.start(1) - text.rfind("\n", 0, spaced.start(1))
+                return Diagnostic(Loc(line, col, filename), f"'{spaced.group(0).strip()}' has a space between number and unit",
+                                  f"write {number}{unit}")
             shown = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
             message = f"unexpected {tok.type} '{shown}', expected one of: " + ", ".join(expected)
             hint = _token_hint(err, text, expected)
@@ -257,8 +266,20 @@ def _unclosed_brace(text: str) -> int | None:
     return stack[-1] if stack else None
 
 
+_SPACED_UNIT = re.compile(r"(\d+(?:\.\d+)?)[ \t]+([A-Za-z]+(?:/s)?)\s*\Z")
+
+_HOME = {"LAYOUT": "a layout goes inside a plan: plan @p { ... layout actor.train { ... } }",
+         "STAGE": "a stage goes inside a workload: workload @w { ... stage train { ... } }",
+         "SHARD": "a shard goes inside an emu block: emu @plan actor.train[0] { shard [0, 0] gpus [0] { ... } }",
+         "OPID": "operations go inside a transition: transition @t { %0 = send ... }"}
+
+
 def _token_hint(err, text: str, expected: list[str]) -> str | None:
     tok = err.token
+    if tok.type in _HOME:
+        return _HOME[tok.type]
+    if tok.type in ("CLUSTER", "MODEL", "WORKLOAD", "PLAN", "EMU", "TRANSITION") and "RBRACE" in expected:
+        return f"'{tok.value}' declarations are top-level: close the enclosing block with '}}' first"
     prev = text[: tok.start_pos].rstrip()
     if tok.type == "NAME" and prev and prev[-1].isdigit() and suggest_unit(tok.value):
         return f"write the unit right after the number, without a space: {prev.split()[-1]}{suggest_unit(tok.value)}"
