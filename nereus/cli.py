@@ -84,6 +84,35 @@ def cmd_show(args) -> int:
     return status
 
 
+def cmd_opt(args) -> int:
+    from .passes import PipelineError, run_pipeline
+
+    try:
+        m, _ = _load(args.file)
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+
+    def dump(p, module):
+        print(f"// ----- IR after {p.name}", file=sys.stderr)
+        print(print_ir(module), end="", file=sys.stderr)
+
+    try:
+        run_pipeline(m, args.pipeline, after_each=dump if args.print_ir_after_all else None)
+    except PipelineError as e:
+        print(f"nereus opt: error: {e}", file=sys.stderr)
+        return 1
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+    text = print_ir(m)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import BENCHMARKS
 
@@ -110,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summarise a module: GPUs, model-stages, layouts, memory")
     s.add_argument("files", nargs="+", metavar="FILE")
     s.set_defaults(func=cmd_show)
+    o = sub.add_parser("opt", help="run a pipeline of passes and print the resulting IR")
+    o.add_argument("file", metavar="FILE")
+    o.add_argument("-p", "--pipeline", required=True, help="e.g. derive-emus{model_stage=actor.train}")
+    o.add_argument("-o", "--output", metavar="OUT", help="write the IR here instead of stdout")
+    o.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (to stderr)")
+    o.set_defaults(func=cmd_opt)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
