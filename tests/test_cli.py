@@ -68,7 +68,7 @@ def test_python_dash_m_and_usage_errors(tmp_path):
     bad.write_text("cluster @c {\n  nodes = 2\n")
     r = run("check", str(bad))
     assert r.returncode == 1
-    assert f"{bad}:3:1: error: unexpected end of file" in r.stderr
+    assert f"{bad}:2:12: error: unexpected end of file" in r.stderr
     assert "the block opened at line 1 is not closed" in r.stderr
     assert "Traceback" not in r.stderr
 

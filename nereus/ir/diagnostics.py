@@ -51,7 +51,9 @@ class DiagnosticError(Exception):
     """Raised by ``parse`` and ``verify``; carries every diagnostic found, sorted by position."""
 
     def __init__(self, diagnostics: list[Diagnostic], source: str | None = None):
-        self.diagnostics = sorted(diagnostics, key=lambda d: (d.loc.file or "", d.loc.line, d.loc.col))
+        # Replicas parsed from one emu block share their lines: report a repeated error once.
+        unique = list(dict.fromkeys(diagnostics))
+        self.diagnostics = sorted(unique, key=lambda d: (d.loc.file or "", d.loc.line, d.loc.col))
         self.source = source
         super().__init__(self.render())
 

@@ -240,6 +240,16 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
                 col = spaced.start(1) - text.rfind("\n", 0, spaced.start(1))
                 return Diagnostic(Loc(line, col, filename), f"'{spaced.group(0).strip()}' has a space between number and unit",
                                   f"write {number}{unit}")
+            keyword = _KEYWORD_BEFORE.search(text, 0, tok.start_pos)
+            if expected == ["EQUAL"] and keyword and keyword.group(1) in _KEYWORDS:
+                # A block keyword where only an attribute may stand: the lexer read it as an
+                # attribute name (`emu` inside a plan); point at the keyword, not past it.
+                word = keyword.group(1)
+                pos = keyword.start(1)
+                line = text.count("\n", 0, pos) + 1
+                col = pos - text.rfind("\n", 0, pos)
+                hint = _HOME.get(word.upper(), f"'{word}' declarations are top-level: close the enclosing block with '}}' first")
+                return Diagnostic(Loc(line, col, filename), f"unexpected {word.upper()} '{word}': a {word} cannot appear here", hint)
             shown = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
             message = f"unexpected {tok.type} '{shown}', expected one of: " + ", ".join(expected)
             hint = _token_hint(err, text, expected)
@@ -250,7 +260,8 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
 
 
 def _end_position(text: str) -> tuple[int, int]:
-    lines = text.split("\n")
+    """Just past the last character of the last non-blank line (a real line to show)."""
+    lines = text.rstrip().split("\n")
     return len(lines), len(lines[-1]) + 1
 
 
@@ -267,6 +278,9 @@ def _unclosed_brace(text: str) -> int | None:
 
 
 _SPACED_UNIT = re.compile(r"(\d+(?:\.\d+)?)[ \t]+([A-Za-z]+(?:/s)?)\s*\Z")
+
+_KEYWORDS = ("cluster", "model", "workload", "plan", "emu", "transition", "stage", "layout", "shard")
+_KEYWORD_BEFORE = re.compile(r"\b([a-z]+)\s+\Z")
 
 _HOME = {"LAYOUT": "a layout goes inside a plan: plan @p { ... layout actor.train { ... } }",
          "STAGE": "a stage goes inside a workload: workload @w { ... stage train { ... } }",
@@ -287,7 +301,7 @@ def _token_hint(err, text: str, expected: list[str]) -> str | None:
         return "attributes are written key = value"
     if tok.type == "RBRACE" and "EQUAL" not in expected and prev.endswith("="):
         return "an attribute needs a value after '='"
-    if tok.type in ("INT", "NAME", "QUANTITY") and "COMMA" in expected and "RSQB" in expected:
+    if tok.type in ("INT", "NAME", "QUANTITY", "SYMBOL", "DOTTED", "OPID") and "COMMA" in expected and "RSQB" in expected:
         return "separate list items with ','"
     if tok.type == "FLOAT" and "COLON" in expected:
         return "slices are written start:stop, e.g. [0:1024, 0:4096]"

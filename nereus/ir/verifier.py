@@ -18,9 +18,9 @@ def verify(m: Module) -> Module:
     sink = DiagnosticSink(m.filename)
     _clusters(m, sink)
     _models(m, sink)
-    _workloads(m, sink)
+    broken = _workloads(m, sink)
     for plan in m.plans.values():
-        _plan(m, plan, sink)
+        _plan(m, plan, sink, broken)
     verify_emus(m, sink)
     verify_transitions(m, sink)
     sink.raise_if_any(m.source)
@@ -76,7 +76,9 @@ def _models(m: Module, sink: DiagnosticSink) -> None:
             sink.error(at(md, "tied_embeddings"), f"model @{md.name} has a value head, so there is no LM head to tie")
 
 
-def _workloads(m: Module, sink: DiagnosticSink) -> None:
+def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
+    """Check workloads; returns the names of those whose stages are unusable for plan checks."""
+    broken: set[str] = set()
     for w in m.workloads.values():
         roles = set()
         for r in w.roles:
@@ -96,16 +98,19 @@ def _workloads(m: Module, sink: DiagnosticSink) -> None:
         if w.micro_batch > w.samples:
             sink.error(at(w, "micro_batch"), f"micro_batch = {w.micro_batch} exceeds the {w.samples} samples of a step")
         if not w.stages:
+            broken.add(w.name)
             sink.error(w.loc, f"workload @{w.name} has no stages", "add: stage generate { kind = generate, models = [@actor] }")
         has_critic = False
         for st in w.stages:
             for r in st.models:
                 if r not in roles:
+                    broken.add(w.name)
                     sink.error(at(st, "models"), f"stage {st.name} runs @{r}, which is not a role of workload @{w.name}",
                                did_you_mean(r, roles))
                     continue
                 md = m.models.get(r)
                 if md is None:
+                    broken.add(w.name)
                     continue
                 if st.kind == "train" and not md.trained:
                     sink.error(at(st, "models"), f"model @{r} is frozen (trained = false) but stage {st.name} trains it",
@@ -119,13 +124,14 @@ def _workloads(m: Module, sink: DiagnosticSink) -> None:
         if w.algorithm == "ppo" and w.stages and not has_critic:
             sink.error(w.loc, f"PPO workload @{w.name} trains no critic (a model with head = value)",
                        "GRPO needs no critic: algorithm = grpo")
+    return broken
 
 
-def _plan(m: Module, plan: Plan, sink: DiagnosticSink) -> None:
+def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None:
     w = resolve(m, "workload", plan.workload, at(plan, "workload"), sink, f"plan @{plan.name}")
     c = resolve(m, "cluster", plan.cluster, at(plan, "cluster"), sink, f"plan @{plan.name}")
-    if w is None:
-        return
+    if w is None or w.name in broken:
+        return  # the workload's own errors are reported; matching layouts to it would cascade
     expected = w.model_stages()
     for ms, lay in plan.layouts.items():
         if ms not in expected:

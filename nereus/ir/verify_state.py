@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
-from .emu import STATES, Emu, SliceEntry, tensor_name
+from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
 from .model import Model, TensorSpec
 from .module import Module
 from .transition import HostRef, Op, ShardRef, Transition
@@ -62,6 +62,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
         if ctx.model is None or len(lay.layers) != lay.pp or len(lay.mesh) != lay.world:
             continue  # the plan's own errors are reported by the plan rules
         structure = tuple(id(s.entries) for s in emu.shards)
+        errors_before_shards = len(sink.diagnostics)
         seen_coords: dict[tuple[int, int], Loc] = {}
         for s in emu.shards:
             coord = (s.pp, s.tp)
@@ -78,6 +79,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                 sink.error(s.loc, f"replica {emu.replica} shard [{s.pp}, {s.tp}] of {emu.model_stage} is on GPU {s.gpu}, "
                                   f"but plan @{emu.plan}'s mesh puts it on GPU {want}")
         missing = [c for c in ((p, t) for p in range(lay.pp) for t in range(lay.tp)) if c not in seen_coords]
+        shard_errors = len(sink.diagnostics) > errors_before_shards
         if missing:
             shown = ", ".join(f"[{p}, {t}]" for p, t in missing[:4]) + (" ..." if len(missing) > 4 else "")
             sink.error(emu.loc, f"{emu.model_stage}[{emu.replica}] has no shard for {shown}",
@@ -90,7 +92,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
             if s.pp < lay.pp and s.tp < lay.tp:
                 for e in s.entries:
                     _entry(ctx, emu, s.pp, s.tp, e, sink)
-        if len(sink.diagnostics) == before and not missing:
+        if len(sink.diagnostics) == before and not missing and not shard_errors:
             _coverage(ctx, emu, sink)
         checked[key] = True
 
@@ -136,50 +138,84 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
 
 def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
     model, lay = ctx.model, ctx.layout
-    groups: dict[tuple[str, str], list[SliceEntry]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[tuple[Shard, SliceEntry]]] = defaultdict(list)
     for s in emu.shards:
         for e in s.entries:
-            groups[(e.state, e.family)].append(e)
+            groups[(e.state, e.family)].append((s, e))
     states = {st for st, _ in groups} | {"weight"}
     for state in STATES:
         if state not in states:
             continue
         for spec in model.tensors.values():
-            entries = groups.get((state, spec.family), [])
+            held = groups.get((state, spec.family), [])
             want = model.tp_replication(spec, lay.tp)
             if not spec.per_layer and spec.placement == "first_and_last" and lay.pp > 1:
                 want *= 2
-            problem = _grid_problem(spec, model.layers, entries, want)
-            if problem:
-                label = "" if state == "weight" else state + " "
-                sink.error(emu.loc, f"{emu.model_stage}[{emu.replica}]: {label}{problem}",
-                           "each element must be held once per replica (tp times if replicated)")
+            bad = _bad_cell(spec, model.layers, [e for _, e in held], want)
+            if bad is None:
+                continue
+            cell, count = bad
+            layers, box = (cell[0], cell[1:]) if spec.per_layer else (None, cell)
+            name = tensor_name(spec.family, None if layers is None else (layers[0], layers[1] - 1))
+            label = ("" if state == "weight" else state + " ") + f"{name} {_fmt_box(box)}"
+            if count > want:
+                # point at the last slice that holds the cell once too often
+                holders = [e for _, e in held if _covers(e, layers, box)]
+                loc = max(holders, key=lambda e: (e.loc.line, e.loc.col)).loc
+                sink.error(loc, f"{emu.model_stage}[{emu.replica}]: {label} is held {count} time(s), expected {want}",
+                           "slices of one tensor may overlap only where its sharding rule replicates it")
+            else:
+                loc, owner = _expected_owner(ctx, emu, spec, state, layers, box)
+                what = "is not held by any shard" if count == 0 else f"is held {count} time(s), expected {want}"
+                sink.error(loc, f"{emu.model_stage}[{emu.replica}]: {label} {what}"
+                                + (f"; by the {spec.rule} rule shard [{owner[0]}, {owner[1]}] holds it" if owner else ""),
+                           "each element is held once per replica (tp times if replicated)")
 
 
-def _grid_problem(spec: TensorSpec, num_layers: int, entries: list[SliceEntry], want: int) -> str | None:
-    """None when the entries cover ``spec`` exactly ``want`` times, else a description of the first bad cell."""
+def _covers(e: SliceEntry, layers, box) -> bool:
+    if layers is not None and not (e.layers[0] <= layers[0] and layers[1] - 1 <= e.layers[1]):
+        return False
+    return all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(e.box, box))
+
+
+def _expected_owner(ctx: _Ctx, emu: Emu, spec: TensorSpec, state: str, layers, box):
+    """Where a missing cell should be, by the sharding rule: that shard's slice of the tensor, or the shard."""
+    model, lay = ctx.model, ctx.layout
+    for s in emu.shards:
+        if spec.per_layer:
+            lo, hi = lay.layers[s.pp]
+            if not (lo <= layers[0] and layers[1] - 1 <= hi):
+                continue
+        elif s.pp not in model.stages_holding(spec, lay.pp):
+            continue
+        want = model.tp_box(spec, lay.tp, s.tp)
+        if not all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(want, box)):
+            continue
+        mine = [e for e in s.entries if e.family == spec.family and e.state == state]
+        if mine and not any(_covers(e, layers, box) for e in mine):
+            return mine[0].loc, (s.pp, s.tp)
+        if not mine:
+            return s.loc, (s.pp, s.tp)
+    return emu.loc, None
+
+
+def _bad_cell(spec: TensorSpec, num_layers: int, entries: list[SliceEntry], want: int):
+    """None when the entries cover ``spec`` exactly ``want`` times, else (first bad cell, its count).
+
+    The cell is a tuple of half-open spans, with the layer axis first for per-layer families.
+    """
     shape = ((num_layers,) if spec.per_layer else ()) + spec.shape
     boxes = [(((e.layers[0], e.layers[1] + 1),) if spec.per_layer else ()) + tuple(e.box) for e in entries]
     cuts = [sorted({0, n} | {x for b in boxes for x in b[d]}) for d, n in enumerate(shape)]
+    index = [{x: i for i, x in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     for b in boxes:
-        idx = tuple(slice(c.index(lo), c.index(hi)) for c, (lo, hi) in zip(cuts, b))
-        grid[idx] += 1
+        grid[tuple(slice(ix[lo], ix[hi]) for ix, (lo, hi) in zip(index, b))] += 1
     bad = np.argwhere(grid != want)
     if not len(bad):
         return None
-    cell = tuple(bad[0])
-    count = int(grid[cell])
-    span = [(cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(cell)]
-    if spec.per_layer:
-        (l0, l1), span = span[0], span[1:]
-        name = tensor_name(spec.family, (l0, l1 - 1))
-    else:
-        name = spec.family
-    where = f"{name} {_fmt_box(span)}"
-    if count == 0:
-        return f"{where} is not held by any shard"
-    return f"{where} is held {count} time(s), expected {want}"
+    cell = tuple(int(i) for i in bad[0])
+    return tuple((cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(cell)), int(grid[cell])
 
 
 # ---------------------------------------------------------------- transitions
@@ -227,8 +263,6 @@ def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
                     sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on unknown operation {dep}", did_you_mean(dep, ids))
                 elif dep == op.id:
                     sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on itself")
-            if op.start is not None and op.start < 0:
-                sink.error(op.locs.get("start", op.loc), f"{op.id} starts before time 0")
             if plans["source"] is not None and plans["target"] is not None:
                 _op(m, t, op, sink)
         _cycles(t, ids, sink)
