@@ -41,10 +41,30 @@ class AttrSpec:
     default: Any = REQUIRED
     choices: tuple[str, ...] = ()
     doc: str = ""
+    record: "RecordSpec | None" = None
 
     @property
     def required(self) -> bool:
         return self.default is REQUIRED
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    """A structured value written as a call, ``link(bandwidth = 450GB/s, latency = 2us)``."""
+
+    name: str
+    fields: tuple[AttrSpec, ...]
+    cls: type
+
+    def example(self) -> str:
+        return f"{self.name}(" + ", ".join(f"{f.key} = ..." for f in self.fields if f.required) + ")"
+
+
+LINK = RecordSpec("link", (AttrSpec("bandwidth", "bandwidth"), AttrSpec("latency", "time")), Link)
+
+
+def record(key: str, rec: RecordSpec, default: Any = REQUIRED, doc: str = "") -> AttrSpec:
+    return AttrSpec(key, "record", default=default, doc=doc, record=rec)
 
 
 _DIM_KINDS = {"size": Dim.SIZE, "bandwidth": Dim.BANDWIDTH, "time": Dim.TIME, "flops": Dim.FLOPS}
@@ -167,21 +187,23 @@ def convert(spec: AttrSpec, v: V) -> Any:
         if v.kind != "list":
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of groups such as [[a.infer, b.infer]], got {_describe(v)}")
         return [convert(AttrSpec(spec.key, "dotteds"), g) for g in v.value]
-    if k == "link":
-        if v.kind != "call" or v.value[0] != "link":
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects link(bandwidth = ..., latency = ...), got {_describe(v)}")
-        fields = {"bandwidth": AttrSpec("bandwidth", "bandwidth"), "latency": AttrSpec("latency", "time")}
+    if k == "record":
+        rec = spec.record
+        if v.kind != "call" or v.value[0] != rec.name:
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects {rec.example()}, got {_describe(v)}")
+        fields = {f.key: f for f in rec.fields}
         got: dict[str, Any] = {}
         for key, val, loc in v.value[1]:
             if key not in fields:
-                raise TypeMismatch(loc, f"link has no field '{key}'", did_you_mean(key, fields) or "fields: bandwidth, latency")
+                raise TypeMismatch(loc, f"{rec.name} has no field '{key}'",
+                                   did_you_mean(key, fields) or "fields: " + ", ".join(fields))
             if key in got:
-                raise TypeMismatch(loc, f"duplicate field '{key}' in link")
+                raise TypeMismatch(loc, f"duplicate field '{key}' in {rec.name}")
             got[key] = convert(fields[key], val)
-        missing = [f for f in fields if f not in got]
+        missing = [f.key for f in rec.fields if f.required and f.key not in got]
         if missing:
-            raise TypeMismatch(v.loc, f"link is missing {', '.join(missing)}")
-        return Link(**got)
+            raise TypeMismatch(v.loc, f"{rec.name} is missing {', '.join(missing)}")
+        return rec.cls(**got)
     raise AssertionError(f"unknown attribute kind {k}")  # pragma: no cover
 
 
@@ -258,9 +280,11 @@ def format_value(spec: AttrSpec, value: Any) -> str:
         return "[" + ", ".join(value) + "]"
     if k == "dotted_groups":
         return "[" + ", ".join("[" + ", ".join(g) + "]" for g in value) + "]"
-    if k == "link":
-        return (f"link(bandwidth = {format_quantity(Dim.BANDWIDTH, value.bandwidth)}, "
-                f"latency = {format_quantity(Dim.TIME, value.latency)})")
+    if k == "record":
+        rec = spec.record
+        fields = [f"{f.key} = {format_value(f, getattr(value, f.key))}" for f in rec.fields
+                  if f.required or getattr(value, f.key) != f.default]
+        return f"{rec.name}(" + ", ".join(fields) + ")"
     raise AssertionError(k)  # pragma: no cover
 
 
@@ -283,7 +307,6 @@ _KIND_TEXT = {
     "flops": "FLOP rate (989TFLOPs)", "symbol": "@reference", "dotted": "model-stage", "ints": "integer list ([0..7, 9])",
     "ranges": "range list ([0..15, 16..31])", "symbols": "list of @references", "dotteds": "list of model-stages",
     "names": "list of names", "opids": "list of %ids", "dotted_groups": "list of lists of model-stages",
-    "link": "link(bandwidth = ..., latency = ...)",
 }
 
 
@@ -291,7 +314,12 @@ def describe(title: str, specs: list[AttrSpec]) -> str:
     """A markdown table of a block's attributes: the language reference in docs/IR.md."""
     rows = [f"### {title}", "", "| attribute | type | default | meaning |", "| --- | --- | --- | --- |"]
     for s in specs:
-        kind = "one of " + " \\| ".join(s.choices) if s.kind == "choice" else _KIND_TEXT[s.kind]
+        if s.kind == "choice":
+            kind = "one of " + " \\| ".join(s.choices)
+        elif s.kind == "record":
+            kind = f"{s.record.name}(" + ", ".join(f.key + ("" if f.required else "?") for f in s.record.fields) + ")"
+        else:
+            kind = _KIND_TEXT[s.kind]
         default = "required" if s.required else ("none" if s.default is None else format_value(s, s.default) if s.default != [] else "[]")
         rows.append(f"| `{s.key}` | {kind} | {default} | {s.doc} |")
     return "\n".join(rows) + "\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attributes import AttrSpec, Link
+from .attributes import LINK, AttrSpec, Link, record
 from .diagnostics import NOWHERE, Loc
 
 CLUSTER_ATTRS = [
@@ -13,9 +13,9 @@ CLUSTER_ATTRS = [
     AttrSpec("gpu_memory", "size", doc="memory of one GPU, e.g. 80GiB"),
     AttrSpec("peak_flops", "flops", doc="dense bf16 peak of one GPU, e.g. 989TFLOPs"),
     AttrSpec("hbm_bandwidth", "bandwidth", doc="HBM bandwidth of one GPU, e.g. 3.35TB/s"),
-    AttrSpec("intra_node", "link", doc="per-GPU NVLink: link(bandwidth = 450GB/s, latency = 2us)"),
-    AttrSpec("inter_node", "link", doc="per-GPU NIC: link(bandwidth = 50GB/s, latency = 5us)"),
-    AttrSpec("host_link", "link", default=None, doc="per-GPU PCIe to host memory, for offload"),
+    record("intra_node", LINK, doc="per-GPU NVLink: link(bandwidth = 450GB/s, latency = 2us)"),
+    record("inter_node", LINK, doc="per-GPU NIC: link(bandwidth = 50GB/s, latency = 5us)"),
+    record("host_link", LINK, default=None, doc="per-GPU PCIe to host memory, for offload"),
     AttrSpec("host_memory", "size", default=None, doc="host memory of one node"),
     AttrSpec("unavailable", "ints", default=[], doc="GPU ids that cannot be used"),
 ]
