@@ -4,8 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attributes import LINK, AttrSpec, Link, record
+from .attributes import LINK, AttrSpec, Link, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak (compute, HBM, links) and a fixed cost per layer pass.
+
+    The defaults are priors for a well-tuned bf16 stack (Megatron-LM reports 43-52% of peak
+    on A100 GPT training; decode kernels reach 60-80% of HBM bandwidth; NCCL buses reach
+    70-80% of link bandwidth). ``calibrate`` replaces them with values fitted to the job.
+    """
+
+    compute: float = 0.5
+    hbm: float = 0.7
+    nvlink: float = 0.7
+    nic: float = 0.7
+    pcie: float = 0.7
+    overhead: float = 20e-6  # seconds per layer per pass over a micro-batch or decode step
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``calibrate`` fitted: how many measurements, mean absolute % error before and after."""
+
+    records: int
+    error_before: float
+    error_after: float
+
+
+EFFICIENCY = RecordSpec("efficiency", (
+    AttrSpec("compute", "float", 0.5), AttrSpec("hbm", "float", 0.7), AttrSpec("nvlink", "float", 0.7),
+    AttrSpec("nic", "float", 0.7), AttrSpec("pcie", "float", 0.7), AttrSpec("overhead", "time", 20e-6)), Efficiency)
+CALIBRATION = RecordSpec("calibration", (
+    AttrSpec("records", "posint"), AttrSpec("error_before", "float"), AttrSpec("error_after", "float")), Calibration)
 
 CLUSTER_ATTRS = [
     AttrSpec("nodes", "posint", doc="number of nodes"),
@@ -18,6 +50,8 @@ CLUSTER_ATTRS = [
     record("host_link", LINK, default=None, doc="per-GPU PCIe to host memory, for offload"),
     AttrSpec("host_memory", "size", default=None, doc="host memory of one node"),
     AttrSpec("unavailable", "ints", default=[], doc="GPU ids that cannot be used"),
+    record("efficiency", EFFICIENCY, default=None, doc="cost-model coefficients; defaults are priors, calibrate fits them"),
+    record("calibration", CALIBRATION, default=None, doc="set by calibrate: records used and error before/after"),
 ]
 
 
@@ -34,6 +68,8 @@ class Cluster:
     host_link: Link | None = None
     host_memory: int | None = None
     unavailable: list[int] = field(default_factory=list)
+    efficiency: Efficiency | None = None
+    calibration: Calibration | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)

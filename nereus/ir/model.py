@@ -39,6 +39,8 @@ MODEL_ATTRS = [
     AttrSpec("vocab", "posint", doc="vocabulary size"),
     AttrSpec("head_dim", "posint", default=None, doc="defaults to hidden / heads"),
     AttrSpec("dtype", "choice", default="bf16", choices=tuple(DTYPE_BYTES)),
+    AttrSpec("mlp", "choice", default="gated", choices=("gated", "plain"),
+             doc="gated: SwiGLU gate/up/down (Llama); plain: up/down with one activation (GPT)"),
     AttrSpec("tied_embeddings", "bool", default=False),
     AttrSpec("head", "choice", default="lm", choices=("lm", "value"), doc="lm: next-token logits; value: a scalar (critic, reward)"),
     AttrSpec("trained", "bool", default=False, doc="true for models the job updates (actor, critic)"),
@@ -86,6 +88,7 @@ class Model:
     vocab: int
     head_dim: int | None = None
     dtype: str = "bf16"
+    mlp: str = "gated"
     tied_embeddings: bool = False
     head: str = "lm"
     trained: bool = False
@@ -115,7 +118,7 @@ class Model:
             TensorSpec("self_attn.v_proj.weight", (self.kv_heads * hd, h), "column", True),
             TensorSpec("self_attn.o_proj.weight", (h, self.heads * hd), "row", True),
             TensorSpec("post_attention_layernorm.weight", (h,), "replicated", True),
-            TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True),
+            *([TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True)] if self.mlp == "gated" else []),
             TensorSpec("mlp.up_proj.weight", (self.ffn, h), "column", True),
             TensorSpec("mlp.down_proj.weight", (h, self.ffn), "row", True),
             TensorSpec("norm.weight", (h,), "replicated", False, "last"),

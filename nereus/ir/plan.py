@@ -4,16 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attributes import AttrSpec
+from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 
 OFFLOADABLE = ("weights", "grads", "optimizer")
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one model-stage per step, by cause (``estimate``)."""
+
+    compute: float = 0.0
+    bubble: float = 0.0
+    tp: float = 0.0
+    pp: float = 0.0
+    dp: float = 0.0
+    optimizer: float = 0.0
+    memory: float = 0.0  # HBM-bound decode
+    offload: float = 0.0
+    overhead: float = 0.0
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on the fullest GPU of one model-stage, by kind (``estimate``)."""
+
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+    resident: int = 0  # state of other model-stages kept on the same GPU
+
+
+TIME_BREAKDOWN = RecordSpec("time", tuple(AttrSpec(f, "time", 0.0) for f in TimeBreakdown.__dataclass_fields__), TimeBreakdown)
+MEMORY_BREAKDOWN = RecordSpec("memory", tuple(AttrSpec(f, "size", 0) for f in MemoryBreakdown.__dataclass_fields__), MemoryBreakdown)
 
 PLAN_ATTRS = [
     AttrSpec("workload", "symbol"),
     AttrSpec("cluster", "symbol"),
     AttrSpec("colocate", "dotted_groups", default=[],
              doc="groups of model-stages of one stage that share GPUs and run one after another"),
+    AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
 ]
 
 LAYOUT_ATTRS = [
@@ -28,6 +59,8 @@ LAYOUT_ATTRS = [
     AttrSpec("offload", "names", default=[], choices=OFFLOADABLE, doc="state moved to host memory after the stage"),
     AttrSpec("time", "time", default=None, doc="predicted time of the model-stage (from estimate)"),
     AttrSpec("memory", "size", default=None, doc="predicted peak memory per GPU (from estimate)"),
+    record("time_breakdown", TIME_BREAKDOWN, default=None, doc="estimate's time by cause"),
+    record("memory_breakdown", MEMORY_BREAKDOWN, default=None, doc="estimate's memory by kind, on the fullest GPU"),
 ]
 
 
@@ -45,6 +78,8 @@ class Layout:
     offload: list[str] = field(default_factory=list)
     time: float | None = None
     memory: int | None = None
+    time_breakdown: TimeBreakdown | None = None
+    memory_breakdown: MemoryBreakdown | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)
@@ -79,6 +114,7 @@ class Plan:
     workload: str
     cluster: str
     colocate: list[list[str]] = field(default_factory=list)
+    step_time: float | None = None
     layouts: dict[str, Layout] = field(default_factory=dict)
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)

@@ -1,0 +1,173 @@
+"""``calibrate{profile=FILE}``: fit the cost model's coefficients to measured step records.
+
+A profile is JSON lines, one measurement per line::
+
+    {"plan": "ppo_p0", "model_stage": "actor.train", "seconds": 16.2, "memory": 38654705664}
+
+or one line per step with every model-stage: ``{"plan": "ppo_p0", "step": 7, "stages":
+{"actor.train": {"seconds": 16.2, "memory": 38654705664}, ...}}``. Plans named in the profile
+must be in the module (the layouts the job ran with).
+
+Each predicted time is linear in the coefficients (``cost_model``), so the fit is a
+non-negative least-squares problem on relative errors (every measurement counts the same,
+whatever its size). Generation's decode is compute- or HBM-bound depending on the
+coefficients, so the fit re-assigns it and solves again until the assignment is stable.
+Coefficients that no measurement exercises keep their prior. The cluster gets the fitted
+``efficiency`` and a ``calibration`` record with the mean absolute percentage error before and
+after.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import nnls
+
+from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir.cluster import Calibration, Efficiency
+from .cost_model import COEFFS, CostModel, coefficient_vector, efficiency_from_vector
+from .estimate import LayoutCost, layout_costs
+from .pass_manager import ModulePass, register
+
+
+@dataclass
+class Observation:
+    plan: str
+    model_stage: str
+    seconds: float
+    cost: LayoutCost
+
+
+@dataclass
+class FitResult:
+    efficiency: Efficiency
+    error_before: float  # mean absolute relative error of the prior
+    error_after: float
+    used: tuple[str, ...]  # coefficients the data determined
+    iterations: int
+
+
+def _mape(obs: list[Observation], coeffs: np.ndarray) -> float:
+    return float(np.mean([abs(o.cost.time(coeffs) - o.seconds) / o.seconds for o in obs]))
+
+
+def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
+    """Non-negative least squares on relative error; see the module docstring."""
+    if not obs:
+        raise ValueError("no observations to fit")
+    x = coefficient_vector(prior)
+    before = _mape(obs, x)
+    used = np.zeros(len(COEFFS), dtype=bool)
+    assignment = None
+    it = 0
+    for it in range(1, max_iter + 1):
+        rows, rhs = [], []
+        for o in obs:
+            f, lat = o.cost.features(x)
+            rows.append(f / o.seconds)
+            rhs.append((o.seconds - lat) / o.seconds)
+        A, b = np.array(rows), np.array(rhs)
+        used = np.abs(A).sum(axis=0) > 0
+        fixed = ~used
+        b_free = b - A[:, fixed] @ x[fixed]
+        scale = np.linalg.norm(A[:, used], axis=0)
+        sol, _ = nnls(A[:, used] / scale, b_free)
+        x = x.copy()
+        x[used] = sol / scale
+        new_assignment = tuple(bool(o.cost.cost.decode is not None and
+                                    o.cost.cost.decode[0][0] * x[0] >= o.cost.cost.decode[1][0] * x[1]) for o in obs)
+        if new_assignment == assignment:
+            break
+        assignment = new_assignment
+    x[:5] = np.where(used[:5] & (x[:5] > 0), x[:5], coefficient_vector(prior)[:5])
+    eff = efficiency_from_vector(x, prior)
+    return FitResult(eff, before, _mape(obs, coefficient_vector(eff)), tuple(c for c, u in zip(COEFFS, used) if u), it)
+
+
+def read_profile(path: str | Path) -> list[tuple[str, str, float, int | None, int]]:
+    """(plan, model_stage, seconds, memory, line) per measurement; raises DiagnosticError on bad lines."""
+    out, problems = [], []
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, str(path)), f"cannot read profile: {e.strerror}")]) from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            stages = rec["stages"] if "stages" in rec else {rec["model_stage"]: rec}
+            for ms, v in stages.items():
+                seconds = float(v["seconds"])
+                if not seconds > 0:
+                    raise ValueError("seconds must be positive")
+                out.append((str(rec["plan"]).lstrip("@"), ms, seconds, v.get("memory"), n))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            problems.append(Diagnostic(Loc(n, 1, str(path)), f"bad profile record: {e}",
+                                       'expected {"plan": ..., "model_stage": ..., "seconds": ...}'))
+    if problems:
+        raise DiagnosticError(problems)
+    return out
+
+
+def observations(m: Module, records, model_for=None) -> list[Observation]:
+    costs: dict[str, dict[str, LayoutCost]] = {}
+    obs, problems = [], []
+    for plan, ms, seconds, _memory, line in records:
+        if plan not in m.plans:
+            problems.append(Diagnostic(Loc(line, 1, None), f"profile names plan @{plan}, which is not in the module"))
+            continue
+        if plan not in costs:
+            p = m.plans[plan]
+            costs[plan] = layout_costs(m, p, model_for(p) if model_for else None)
+        if ms not in costs[plan]:
+            problems.append(Diagnostic(Loc(line, 1, None), f"plan @{plan} has no model-stage {ms}"))
+            continue
+        obs.append(Observation(plan, ms, seconds, costs[plan][ms]))
+    if problems:
+        raise DiagnosticError(problems)
+    return obs
+
+
+@register
+@dataclass(frozen=True)
+class Calibrate(ModulePass):
+    """Options: ``profile`` (path of the JSON-lines profile)."""
+
+    name = "calibrate"
+    profile: str = ""
+
+    def apply(self, module: Module) -> None:
+        if not self.profile:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "calibrate needs profile=FILE")])
+        records = read_profile(self.profile)
+        by_cluster: dict[str, list] = {}
+        for r in records:
+            plan = module.plans.get(r[0])
+            by_cluster.setdefault(plan.cluster if plan else "", []).append(r)
+        for cluster_name, recs in by_cluster.items():
+            obs = observations(module, recs)
+            cluster = module.clusters[cluster_name]
+            result = fit(obs, cluster.efficiency or Efficiency())
+            cluster.efficiency = Efficiency(**{k: float(f"{v:.4g}") for k, v in vars(result.efficiency).items()})
+            cluster.calibration = Calibration(len(obs), float(f"{result.error_before:.4g}"), float(f"{result.error_after:.4g}"))
+
+
+def synthetic_profile(m: Module, hidden: Efficiency, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Records a job would measure if the cluster's true coefficients were ``hidden``.
+
+    For testing a calibration loop without a cluster: every model-stage of every plan, its
+    time under ``hidden`` times a log-normal factor of relative spread ``noise``.
+    """
+    rng = np.random.default_rng(seed)
+    truth = coefficient_vector(hidden)
+    out = []
+    for plan in m.plans.values():
+        for ms, lc in layout_costs(m, plan, CostModel(m.clusters[plan.cluster], hidden)).items():
+            t = lc.time(truth) * float(np.exp(rng.normal(0.0, noise))) if noise else lc.time(truth)
+            out.append({"plan": plan.name, "model_stage": ms, "seconds": t})
+    return out

@@ -1,0 +1,338 @@
+"""The cost model: time and per-GPU memory of a model-stage under a layout.
+
+Every time is a sum of *features* (seconds at 100% of a peak, or a count) times a
+*coefficient* (1 / achieved fraction of that peak, or seconds per count), plus fixed link
+latencies. That linear form is what ``calibrate`` fits with non-negative least squares:
+
+    time = F[:, compute] / eff.compute + F[:, hbm] / eff.hbm + F[:, nvlink] / eff.nvlink
+         + F[:, nic] / eff.nic + F[:, pcie] / eff.pcie + F[:, overhead] * eff.overhead + latency
+
+All functions take arrays of candidate layouts of one model-stage and return arrays, so the
+plan search can score thousands of layouts in one call; a single layout is an array of one.
+
+Formulas (h hidden, L layers, V vocab, s sequence length, q = heads x head_dim, k = kv_heads x
+head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
+
+- FLOPs per token and layer, forward: ``2h(q + 2k) + 2qh`` (projections) ``+ 2 n h f`` (MLP,
+  n = 3 gated or 2 plain) ``+ 4 q s`` (scores and weighted sum over s positions, Megatron's
+  convention); LM head ``2hV``. Training is 3x forward (4x for layers with activation
+  recomputation); with GPT shapes this is exactly Narayanan et al. (SC'21), eq. (3).
+- Pipeline bubble of 1F1B: ``(p - 1) / m`` of the ideal time extra, i.e. a fraction
+  ``(p - 1) / (m + p - 1)`` of the total.
+- TP: ring all-reduce of ``h`` activations per token, 2 per layer forward and 2 backward
+  (2 more with recomputation), ``2 (t - 1) / t`` of the bytes per GPU, on NVLink when the TP
+  group is inside a node. PP: activations and their gradients point to point per micro-batch.
+  DP: gradient all-reduce (ZeRO 0-2; reduce-scatter plus all-gather moves the same bytes) per
+  optimizer step, and ZeRO-3's parameter all-gathers per micro-batch.
+- Generation (vLLM-like): prefill is compute-bound; each decode step reads the GPU's weights
+  and the live KV cache from HBM, or is compute-bound when the batch is large; sequences run
+  in waves when the KV cache cannot hold them all, and a wave lasts as long as its longest
+  response. KV cache per token and GPU: ``2 x layers x kv_heads x head_dim x bytes / TP``.
+- Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
+  ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
+  attention and no sequence parallelism (Korthikanti et al. 2022, adapted to SwiGLU/GQA),
+  ``min(p, m)`` micro-batches in flight; fp32 logits; the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir import Cluster, Layout, Model, Workload
+from ..ir.cluster import Efficiency
+
+COEFFS = ("compute", "hbm", "nvlink", "nic", "pcie", "overhead")
+C_COMPUTE, C_HBM, C_NVLINK, C_NIC, C_PCIE, C_OVERHEAD = range(6)
+NVLINK, NIC = 0, 1
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of GPU memory it may use
+ACT_BYTES = 2  # activations in bf16
+
+
+def coefficient_vector(eff: Efficiency) -> np.ndarray:
+    return np.array([1 / eff.compute, 1 / eff.hbm, 1 / eff.nvlink, 1 / eff.nic, 1 / eff.pcie, eff.overhead])
+
+
+def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
+    inv = [1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))]
+    return Efficiency(*inv, overhead=float(x[5]))
+
+
+@dataclass
+class Candidates:
+    """Layouts of one model-stage as arrays (length n)."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    micro_batches: np.ndarray
+    recompute: np.ndarray
+    zero: np.ndarray
+    first_layers: np.ndarray  # layers on pipeline stage 0
+    last_layers: np.ndarray  # layers on the last stage
+    max_layers: np.ndarray  # layers on the fullest stage
+    tp_link: np.ndarray  # NVLINK or NIC
+    pp_link: np.ndarray
+    dp_link: np.ndarray
+    resident: np.ndarray = field(default=None)  # bytes other model-stages keep on the GPU
+
+    def __len__(self) -> int:
+        return len(self.tp)
+
+    @classmethod
+    def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0) -> "Candidates":
+        """Candidates placed canonically (tp fastest on consecutive GPUs), layers split by tensor_split's rule."""
+        tp, pp, dp, mb, rc, z = np.broadcast_arrays(*(np.asarray(v) for v in (tp, pp, dp, micro_batches, recompute, zero)))
+        tp, pp, dp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64)
+        g = cluster.gpus_per_node
+        first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
+        last = np.where(pp == 1, layers, layers // pp)
+        return cls(tp=tp, pp=pp, dp=dp, micro_batches=mb.astype(np.int64), recompute=rc.astype(bool), zero=z.astype(np.int64),
+                   first_layers=first, last_layers=last, max_layers=first,
+                   tp_link=np.where(tp <= g, NVLINK, NIC), pp_link=np.where(tp * pp <= g, NVLINK, NIC),
+                   dp_link=np.where(tp * pp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)))
+
+    @classmethod
+    def of_layout(cls, cluster: Cluster, layout: Layout, resident: float = 0.0) -> "Candidates":
+        """One explicit layout: its layer ranges, and links from where its mesh puts the GPUs."""
+        node = cluster.node_of
+        lay = layout
+
+        def spans_nodes(groups) -> int:
+            return NIC if any(len({node(gpu) for gpu in grp}) > 1 for grp in groups) else NVLINK
+
+        coords = list(lay.coords())
+        tp_groups = [[lay.gpu(d, p, t) for t in range(lay.tp)] for d in range(lay.dp) for p in range(lay.pp)]
+        pp_pairs = [[lay.gpu(d, p, t), lay.gpu(d, p + 1, t)] for d, p, t in coords if p + 1 < lay.pp]
+        dp_groups = [[lay.gpu(d, p, t) for d in range(lay.dp)] for p in range(lay.pp) for t in range(lay.tp)]
+        sizes = [hi - lo + 1 for lo, hi in lay.layers]
+        a = lambda v: np.array([v])
+        return cls(tp=a(lay.tp), pp=a(lay.pp), dp=a(lay.dp), micro_batches=a(lay.micro_batches),
+                   recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
+                   max_layers=a(max(sizes)), tp_link=a(spans_nodes(tp_groups)), pp_link=a(spans_nodes(pp_pairs)),
+                   dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)))
+
+
+@dataclass
+class StageCost:
+    """Per-candidate results: features (n x 6), fixed latency (n), memory components (n each)."""
+
+    features: np.ndarray
+    latency: np.ndarray
+    weights: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    kv_cache: np.ndarray
+    resident_state: np.ndarray  # what this model-stage keeps on a GPU between stages (bytes)
+    parts: dict[str, tuple[int, np.ndarray]]  # breakdown name -> (coefficient column, feature)
+    decode: tuple | None = None  # (compute feature, hbm feature) of generation's decode, chosen per coefficient
+
+    def time(self, coeffs: np.ndarray) -> np.ndarray:
+        return self.features_for(coeffs) @ coeffs + self.latency
+
+    def features_for(self, coeffs: np.ndarray) -> np.ndarray:
+        """Features with generation's decode assigned to its binding resource under ``coeffs``."""
+        if self.decode is None:
+            return self.features
+        f = self.features.copy()
+        comp, mem = self.decode
+        compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
+        f[:, C_COMPUTE] += np.where(compute_bound, comp, 0.0)
+        f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
+        return f
+
+    def memory(self) -> np.ndarray:
+        return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
+        out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]]) for name, (col, feat) in self.parts.items()}
+        if self.decode is not None:
+            comp, mem = self.decode
+            if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM]:
+                out["compute"] = out.get("compute", 0.0) + float(comp[i] * coeffs[C_COMPUTE])
+            else:
+                out["memory"] = out.get("memory", 0.0) + float(mem[i] * coeffs[C_HBM])
+        return out
+
+
+class CostModel:
+    """Time and memory of model-stages on one cluster, with calibratable coefficients."""
+
+    def __init__(self, cluster: Cluster, efficiency: Efficiency | None = None):
+        self.cluster = cluster
+        self.efficiency = efficiency or cluster.efficiency or Efficiency()
+
+    @property
+    def coeffs(self) -> np.ndarray:
+        return coefficient_vector(self.efficiency)
+
+    # ------------------------------------------------------------ model arithmetic
+    @staticmethod
+    def layer_flops(model: Model, ctx) -> np.ndarray:
+        """Forward FLOPs per token of one transformer layer at context length ``ctx``."""
+        h, q, k = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
+        n_mlp = 3 if model.mlp == "gated" else 2
+        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.ffn + 4 * q * np.asarray(ctx, dtype=float)
+
+    @staticmethod
+    def head_flops(model: Model) -> int:
+        return 2 * model.hidden * (model.vocab if model.head == "lm" else 1)
+
+    @staticmethod
+    def _local_params(model: Model, tp: np.ndarray):
+        """Per TP rank 0: parameters of one layer, of the first stage's extras, of the last stage's extras."""
+        cache: dict[int, tuple[int, int, int]] = {}
+        for t in np.unique(tp):
+            t = int(t)
+            layer = first = last = 0
+            for spec in model.tensors.values():
+                n = 1
+                for lo, hi in model.tp_box(spec, t, 0):
+                    n *= hi - lo
+                if spec.per_layer:
+                    layer += n
+                else:
+                    if spec.placement in ("first", "first_and_last"):
+                        first += n
+                    if spec.placement in ("last", "first_and_last"):
+                        last += n
+            cache[t] = (layer, first, last)
+        per = np.array([cache[int(t)] for t in tp], dtype=float).reshape(-1, 3)
+        return per[:, 0], per[:, 1], per[:, 2]
+
+    def params_per_gpu(self, model: Model, c: Candidates) -> np.ndarray:
+        """Parameters held by the fullest GPU (weights only, before ZeRO)."""
+        layer, first, last = self._local_params(model, c.tp)
+        single = c.first_layers * layer + first + last
+        return np.where(c.pp == 1, single, np.maximum(c.first_layers * layer + first, c.last_layers * layer + last))
+
+    def _bw(self, link: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bandwidth B/s, latency s, coefficient column) per candidate for NVLINK/NIC codes."""
+        intra, inter = self.cluster.intra_node, self.cluster.inter_node
+        bw = np.where(link == NVLINK, intra.bandwidth, inter.bandwidth)
+        lat = np.where(link == NVLINK, intra.latency, inter.latency)
+        return bw, lat, np.where(link == NVLINK, C_NVLINK, C_NIC)
+
+    # ------------------------------------------------------------ per model-stage
+    def stage(self, model: Model, workload: Workload, kind: str, c: Candidates) -> StageCost:
+        """Features and memory of ``c``'s layouts of ``model`` running a stage of ``kind``."""
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            return self._stage(model, workload, kind, c)
+
+    def _stage(self, model: Model, workload: Workload, kind: str, c: Candidates) -> StageCost:
+        n = len(c)
+        tp, pp, dp = c.tp.astype(float), c.pp.astype(float), c.dp.astype(float)
+        peak = self.cluster.peak_flops
+        h, L, V = model.hidden, model.layers, model.vocab
+        b = model.dtype_bytes
+        F = np.zeros((n, len(COEFFS)))
+        latency = np.zeros(n)
+        parts: dict[str, tuple[int, np.ndarray]] = {}
+
+        def add(name: str, col, feat):
+            feat = np.broadcast_to(np.asarray(feat, dtype=float), (n,))
+            col = np.broadcast_to(np.asarray(col), (n,))
+            for cc in np.unique(col):
+                sel = col == cc
+                F[sel, cc] += feat[sel]
+            prev = parts.get(name)
+            # a breakdown entry keeps one column per candidate; links differ only by candidate
+            parts[name] = (int(col[0]) if np.all(col == col[0]) else col, (prev[1] if prev else 0) + feat)
+
+        samples = workload.samples / dp
+        s = workload.prompt_len_mean + workload.response_len_mean
+        mbs = workload.micro_batch
+        n_mb = np.maximum(samples / mbs, 1.0)
+        m = c.micro_batches.astype(float)
+        bubble = np.where(c.pp > 1, (pp - 1) / m, 0.0)
+        stage_layers = c.max_layers.astype(float)
+        params = self.params_per_gpu(model, c)
+        tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
+        pp_bw, pp_lat, pp_col = self._bw(c.pp_link)
+        dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
+        ring_tp = 2 * (tp - 1) / tp
+        decode = None
+        zeros = np.zeros(n)
+        weights = params * b
+        grads = optimizer = activations = kv = zeros
+
+        q_dim, k_dim = model.heads * model.hd, model.kv_heads * model.hd
+        n_mlp = 3 if model.mlp == "gated" else 2
+
+        def act_layer(tokens):
+            """Bytes of activations one layer stores for backward, per micro-batch (flash attention)."""
+            replicated = 4 * tokens * h * ACT_BYTES
+            sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.ffn) * tokens * ACT_BYTES
+            return replicated + sharded / tp
+
+        if kind in ("train", "infer"):
+            epochs = workload.ppo_epochs if kind == "train" else 1
+            tokens = epochs * samples * s
+            passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
+            flops_tok = passes * L * self.layer_flops(model, s) + (3.0 if kind == "train" else 1.0) * self.head_flops(model)
+            ideal = tokens * flops_tok / (tp * pp * peak)
+            add("compute", C_COMPUTE, ideal)
+            add("bubble", C_COMPUTE, ideal * bubble)
+            n_mb_total = epochs * n_mb
+            # TP all-reduces: 2 per layer forward, 2 backward, 2 more when recomputing
+            n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
+            tp_bytes = tokens * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
+            add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
+            latency += np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0)
+            # PP: activations forward (and their gradients backward) per micro-batch
+            sends = (2.0 if kind == "train" else 1.0) * (n_mb_total + pp - 1)
+            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s * h * ACT_BYTES / pp_bw, 0.0))
+            latency += np.where(c.pp > 1, sends * pp_lat, 0.0)
+            add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
+            if kind == "train":
+                n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
+                ring_dp = 2 * (dp - 1) / dp
+                dp_bytes = n_opt * ring_dp * params * 2 + np.where(c.zero == 3, n_mb_total * 2 * (dp - 1) / dp * params * 2, 0.0)
+                add("dp", dp_col, np.where(c.dp > 1, dp_bytes / dp_bw, 0.0))
+                latency += np.where(c.dp > 1, n_opt * 2 * (dp - 1) * dp_lat, 0.0)
+                shard_opt = np.where(c.zero >= 1, dp, 1.0)
+                add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
+                weights = params * b / np.where(c.zero >= 3, dp, 1.0)
+                grads = params * 2 / np.where(c.zero >= 2, dp, 1.0)
+                optimizer = params * 12 / shard_opt
+                in_flight = np.minimum(pp, m)
+                tok_mb = mbs * s
+                stored = np.where(c.recompute, stage_layers * 2 * tok_mb * h * ACT_BYTES + act_layer(tok_mb),
+                                  stage_layers * act_layer(tok_mb))
+                activations = in_flight * stored + tok_mb * V * 4 / tp
+            else:
+                activations = 2 * act_layer(mbs * s) + mbs * s * V * 4 / tp
+        elif kind == "generate":
+            p, r, R = workload.prompt_len_mean, workload.response_len_mean, workload.response_len_max
+            kv_heads_local = np.maximum(model.kv_heads / tp, 1.0)
+            kv_tok = 2 * stage_layers * kv_heads_local * model.hd * b
+            budget = VLLM_GPU_MEMORY_UTILIZATION * self.cluster.gpu_memory - weights - c.resident
+            conc = np.clip(np.floor(budget / ((p + r) * kv_tok)), 0, samples)
+            waves = np.where(conc >= 1, np.ceil(samples / np.maximum(conc, 1)), np.inf)
+            steps = waves * R
+            prefill = samples * p * (L * self.layer_flops(model, p) + self.head_flops(model)) / (tp * pp * peak)
+            add("compute", C_COMPUTE, prefill)
+            dec_compute = samples * r * (L * self.layer_flops(model, p + r / 2) + self.head_flops(model)) / (tp * pp * peak)
+            dec_memory = (steps * weights + samples * (p * r + r * r / 2) * kv_tok) / self.cluster.hbm_bandwidth
+            decode = (dec_compute, dec_memory)
+            tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES
+            add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
+            latency += np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0)
+            add("pp", pp_col, np.where(c.pp > 1, samples * (p + r) * (pp - 1) * h * ACT_BYTES / pp_bw, 0.0))
+            latency += np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0)
+            add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
+            kv = np.minimum(conc, samples) * (p + r) * kv_tok
+            activations = np.minimum(conc, samples) * V * 4 / tp
+        else:
+            raise ValueError(f"unknown stage kind {kind}")
+        resident_state = weights + grads + optimizer
+        return StageCost(features=F, latency=latency, weights=weights, grads=grads, optimizer=optimizer,
+                         activations=np.asarray(activations, dtype=float), kv_cache=np.asarray(kv, dtype=float),
+                         resident_state=resident_state, parts=parts, decode=decode)
+
+    def offload_time(self, bytes_: float) -> tuple[float, float]:
+        """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use."""
+        link = self.cluster.host_link or self.cluster.inter_node
+        return 2 * bytes_ / link.bandwidth, 2 * link.latency
