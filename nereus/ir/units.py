@@ -60,6 +60,9 @@ _PRINT_UNITS: dict[Dim, list[str]] = {
 }
 
 
+_BASE_UNIT = {Dim.SIZE: "B", Dim.BANDWIDTH: "B/s", Dim.TIME: "s", Dim.FLOPS: "FLOPs"}
+
+
 class UnitError(ValueError):
     """A quantity whose unit is unknown or whose value cannot be represented."""
 
@@ -96,7 +99,7 @@ def parse_quantity(text: str) -> tuple[Dim, int | float]:
         raise UnitError(f"unknown unit '{unit}' in '{text}'", hint)
     dim, factor = UNITS[unit]
     with localcontext() as ctx:
-        ctx.prec = 60
+        ctx.prec = 400
         exact = Decimal(number) * factor
     if dim is Dim.SIZE:
         if exact != exact.to_integral_value():
@@ -114,30 +117,23 @@ def format_quantity(dim: Dim, value: int | float) -> str:
     """Canonical text of a quantity: the largest unit whose short decimal parses back exactly."""
     if value == 0:
         return "0" + _PRINT_UNITS[dim][-1 if dim is not Dim.TIME else 0]
-    for unit in _PRINT_UNITS[dim]:
-        factor = UNITS[unit][1]
-        with localcontext() as ctx:
-            ctx.prec = 60
-            mag = Decimal(value) / factor if dim is Dim.SIZE else Decimal(repr(float(value))) / factor
-        if mag < 1:
-            continue
-        # Shortest decimal (up to 4 fractional digits for readability) that round-trips.
-        for digits in range(0, 5):
-            text = _plain(round(mag, digits)) + unit
-            try:
-                if parse_quantity(text)[1] == value:
-                    return text
-            except UnitError:
-                pass
-    base = _PRINT_UNITS[dim][-1]
-    if dim is Dim.SIZE:
-        return f"{int(value)}{base}"
-    # Base unit with the shortest round-trip repr of the float, without exponent.
-    for digits in range(0, 40):
-        text = _plain(round(Decimal(repr(float(value))) / UNITS[base][1], digits)) + base
-        if parse_quantity(text)[1] == value:
-            return text
-    raise UnitError(f"cannot print {value!r} as a {dim.value}")  # pragma: no cover - unreachable
+    with localcontext() as ctx:
+        ctx.prec = 400  # enough for any float's exact decimal expansion, and any int we print
+        exact = Decimal(value) if dim is Dim.SIZE else Decimal(repr(float(value)))
+        for unit in _PRINT_UNITS[dim]:
+            mag = exact / UNITS[unit][1]
+            if mag < 1:
+                continue
+            # Shortest decimal (up to 4 fractional digits, for readability) that round-trips.
+            for digits in range(0, 5):
+                text = _plain(round(mag, digits)) + unit
+                try:
+                    if parse_quantity(text)[1] == value:
+                        return text
+                except UnitError:
+                    pass
+        # The base unit (factor 1) with the exact decimal of the value always round-trips.
+        return _plain(exact) + _BASE_UNIT[dim]
 
 
 def format_number(value: int | float) -> str:

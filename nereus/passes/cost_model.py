@@ -56,7 +56,7 @@ def coefficient_vector(eff: Efficiency) -> np.ndarray:
 
 def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
     inv = [1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))]
-    return Efficiency(*inv, overhead=float(x[5]))
+    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]))
 
 
 @dataclass
