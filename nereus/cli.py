@@ -106,6 +106,16 @@ def cmd_opt(args) -> int:
         _report(e)
         return 1
     text = print_ir(m)
+    if args.golden:
+        from .testing import GoldenMismatch, compare
+
+        try:
+            compare(text, Path(args.golden), args.update_goldens)
+        except GoldenMismatch as e:
+            print(f"nereus opt: {e}", file=sys.stderr)
+            return 1
+        print(f"{args.golden}: matches")
+        return 0
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
     else:
@@ -144,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-p", "--pipeline", required=True, help="e.g. derive-emus{model_stage=actor.train}")
     o.add_argument("-o", "--output", metavar="OUT", help="write the IR here instead of stdout")
     o.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (to stderr)")
+    o.add_argument("--golden", metavar="FILE.expected", help="compare the result with a golden file (exit 1 and a diff if it differs)")
+    o.add_argument("--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)")
     o.set_defaults(func=cmd_opt)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse")

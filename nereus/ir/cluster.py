@@ -21,7 +21,7 @@ class Efficiency:
     nvlink: float = 0.7
     nic: float = 0.7
     pcie: float = 0.7
-    overhead: float = 20e-6  # seconds per layer per pass over a micro-batch or decode step
+    overhead: float = 10e-6  # seconds per layer per pass over a micro-batch or decode step
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Calibration:
 
 EFFICIENCY = RecordSpec("efficiency", (
     AttrSpec("compute", "float", 0.5), AttrSpec("hbm", "float", 0.7), AttrSpec("nvlink", "float", 0.7),
-    AttrSpec("nic", "float", 0.7), AttrSpec("pcie", "float", 0.7), AttrSpec("overhead", "time", 20e-6)), Efficiency)
+    AttrSpec("nic", "float", 0.7), AttrSpec("pcie", "float", 0.7), AttrSpec("overhead", "time", 10e-6)), Efficiency)
 CALIBRATION = RecordSpec("calibration", (
     AttrSpec("records", "posint"), AttrSpec("error_before", "float"), AttrSpec("error_after", "float")), Calibration)
 

@@ -83,7 +83,7 @@ class Candidates:
     @classmethod
     def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0) -> "Candidates":
         """Candidates placed canonically (tp fastest on consecutive GPUs), layers split by tensor_split's rule."""
-        tp, pp, dp, mb, rc, z = np.broadcast_arrays(*(np.asarray(v) for v in (tp, pp, dp, micro_batches, recompute, zero)))
+        tp, pp, dp, mb, rc, z = np.broadcast_arrays(*(np.atleast_1d(v) for v in (tp, pp, dp, micro_batches, recompute, zero)))
         tp, pp, dp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64)
         g = cluster.gpus_per_node
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
@@ -127,6 +127,7 @@ class StageCost:
     kv_cache: np.ndarray
     resident_state: np.ndarray  # what this model-stage keeps on a GPU between stages (bytes)
     parts: dict[str, tuple[int, np.ndarray]]  # breakdown name -> (coefficient column, feature)
+    waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature) of generation's decode, chosen per coefficient
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
@@ -148,6 +149,8 @@ class StageCost:
 
     def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
         out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]]) for name, (col, feat) in self.parts.items()}
+        for name, seconds in self.waits.items():
+            out[name] = out.get(name, 0.0) + float(seconds[i])
         if self.decode is not None:
             comp, mem = self.decode
             if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM]:
@@ -202,6 +205,14 @@ class CostModel:
         per = np.array([cache[int(t)] for t in tp], dtype=float).reshape(-1, 3)
         return per[:, 0], per[:, 1], per[:, 2]
 
+    @staticmethod
+    def kv_bytes_per_token(model: Model, tp, layers=None) -> np.ndarray:
+        """KV cache bytes per token on one GPU: 2 x layers x kv_heads x head_dim x bytes / TP
+        (each rank keeps at least one K/V head when TP exceeds kv_heads)."""
+        tp = np.asarray(tp, dtype=float)
+        layers = model.layers if layers is None else np.asarray(layers, dtype=float)
+        return 2 * layers * np.maximum(model.kv_heads / tp, 1.0) * model.hd * model.dtype_bytes
+
     def params_per_gpu(self, model: Model, c: Candidates) -> np.ndarray:
         """Parameters held by the fullest GPU (weights only, before ZeRO)."""
         layer, first, last = self._local_params(model, c.tp)
@@ -230,6 +241,14 @@ class CostModel:
         F = np.zeros((n, len(COEFFS)))
         latency = np.zeros(n)
         parts: dict[str, tuple[int, np.ndarray]] = {}
+        waits: dict[str, np.ndarray] = {}
+
+        def wait(name: str, seconds):
+            """Fixed latency (not calibrated) charged to breakdown entry ``name``."""
+            nonlocal latency
+            seconds = np.broadcast_to(np.asarray(seconds, dtype=float), (n,))
+            latency = latency + seconds
+            waits[name] = waits.get(name, 0.0) + seconds
 
         def add(name: str, col, feat):
             feat = np.broadcast_to(np.asarray(feat, dtype=float), (n,))
@@ -280,18 +299,18 @@ class CostModel:
             n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
             tp_bytes = tokens * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
-            latency += np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0)
+            wait("tp", np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0))
             # PP: activations forward (and their gradients backward) per micro-batch
             sends = (2.0 if kind == "train" else 1.0) * (n_mb_total + pp - 1)
             add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s * h * ACT_BYTES / pp_bw, 0.0))
-            latency += np.where(c.pp > 1, sends * pp_lat, 0.0)
+            wait("pp", np.where(c.pp > 1, sends * pp_lat, 0.0))
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
                 ring_dp = 2 * (dp - 1) / dp
                 dp_bytes = n_opt * ring_dp * params * 2 + np.where(c.zero == 3, n_mb_total * 2 * (dp - 1) / dp * params * 2, 0.0)
                 add("dp", dp_col, np.where(c.dp > 1, dp_bytes / dp_bw, 0.0))
-                latency += np.where(c.dp > 1, n_opt * 2 * (dp - 1) * dp_lat, 0.0)
+                wait("dp", np.where(c.dp > 1, n_opt * 2 * (dp - 1) * dp_lat, 0.0))
                 shard_opt = np.where(c.zero >= 1, dp, 1.0)
                 add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
                 weights = params * b / np.where(c.zero >= 3, dp, 1.0)
@@ -306,8 +325,7 @@ class CostModel:
                 activations = 2 * act_layer(mbs * s) + mbs * s * V * 4 / tp
         elif kind == "generate":
             p, r, R = workload.prompt_len_mean, workload.response_len_mean, workload.response_len_max
-            kv_heads_local = np.maximum(model.kv_heads / tp, 1.0)
-            kv_tok = 2 * stage_layers * kv_heads_local * model.hd * b
+            kv_tok = self.kv_bytes_per_token(model, tp, stage_layers)
             budget = VLLM_GPU_MEMORY_UTILIZATION * self.cluster.gpu_memory - weights - c.resident
             conc = np.clip(np.floor(budget / ((p + r) * kv_tok)), 0, samples)
             waves = np.where(conc >= 1, np.ceil(samples / np.maximum(conc, 1)), np.inf)
@@ -319,9 +337,9 @@ class CostModel:
             decode = (dec_compute, dec_memory)
             tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
-            latency += np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0)
+            wait("tp", np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0))
             add("pp", pp_col, np.where(c.pp > 1, samples * (p + r) * (pp - 1) * h * ACT_BYTES / pp_bw, 0.0))
-            latency += np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0)
+            wait("pp", np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0))
             add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
             kv = np.minimum(conc, samples) * (p + r) * kv_tok
             activations = np.minimum(conc, samples) * V * 4 / tp
@@ -330,7 +348,7 @@ class CostModel:
         resident_state = weights + grads + optimizer
         return StageCost(features=F, latency=latency, weights=weights, grads=grads, optimizer=optimizer,
                          activations=np.asarray(activations, dtype=float), kv_cache=np.asarray(kv, dtype=float),
-                         resident_state=resident_state, parts=parts, decode=decode)
+                         resident_state=resident_state, parts=parts, waits=waits, decode=decode)
 
     def offload_time(self, bytes_: float) -> tuple[float, float]:
         """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use."""
