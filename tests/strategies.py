@@ -25,6 +25,11 @@ from nereus.ir import (
     Cluster, Emu, HostRef, Layout, Link, Model, Module, Op, Plan, Shard, ShardRef, SliceEntry, Stage,
     Transition, Workload,
 )
+from nereus.ir import cluster as _cluster_mod
+from nereus.ir import model as _model_mod
+from nereus.ir import plan as _plan_mod
+from nereus.ir import transition as _transition_mod
+from nereus.ir import workload as _workload_mod
 from nereus.ir.sharding import derive_emus
 from nereus.ir.units import Dim, UnitError, parse_quantity
 from nereus.ir.verify_state import state_dtype_bytes
@@ -37,6 +42,7 @@ KEYWORDS = [
     "cluster", "model", "workload", "stage", "plan", "layout", "emu", "shard", "gpus", "transition",
     "from", "to", "host", "grad", "master", "exp_avg", "exp_avg_sq", "weight", "true", "false", "link",
     "layers", "ppo", "grpo", "generate", "infer", "train", "bf16", "local", "nvlink", "pcie", "lm", "value",
+    "time", "memory", "efficiency", "calibration", "gated", "plain", "score", "norm", "mlp", "self_attn",
 ]
 
 identifiers = st.one_of(
@@ -84,6 +90,78 @@ def quantity(dim: Dim):
     return st.one_of(written_quantity(dim), raw)
 
 
+# ---------------------------------------------------------------------------- schema-driven extras
+
+_DIMS = {"size": Dim.SIZE, "bandwidth": Dim.BANDWIDTH, "time": Dim.TIME, "flops": Dim.FLOPS}
+
+AWKWARD_FLOATS = [0.1 + 0.2, 1 / 3, 2 / 3, 1e-7, 0.7, 0.5, 1.0, 5e-324, 2.0**-30]
+
+
+def value_for(spec):
+    """A strategy for a value of attribute ``spec`` by its kind, or None for kinds drawn elsewhere.
+
+    Used for optional attributes the strategies below do not build by hand (estimates, cost-model
+    records, newer attributes): they must round-trip like every other attribute.
+    """
+    k = spec.kind
+    if k == "size":
+        return st.one_of(st.just(0), quantity(Dim.SIZE))
+    if k in _DIMS:
+        return st.one_of(st.just(0.0), quantity(_DIMS[k]))
+    if k == "posint":
+        return st.integers(1, 64)
+    if k in ("int", "natural"):
+        return st.integers(0, 64)
+    if k == "float":
+        return st.one_of(st.floats(0.0, 1.0, allow_nan=False), st.sampled_from(AWKWARD_FLOATS),
+                         st.floats(0.0, 1e6, allow_nan=False))
+    if k == "bool":
+        return st.booleans()
+    if k == "choice":
+        return st.sampled_from(spec.choices)
+    if k == "record" and getattr(spec, "record", None) is not None:
+        return records(spec.record)
+    return None
+
+
+@st.composite
+def records(draw, rec):
+    """A record value (``link(...)``, ``time(...)``): required fields always, optional ones sometimes."""
+    got = {}
+    for f in rec.fields:
+        strat = value_for(f)
+        if strat is None:
+            continue
+        if f.required or draw(st.booleans()):
+            got[f.key] = draw(strat)
+    return rec.cls(**got)
+
+
+def fill_optional(draw, node, specs, handled) -> None:
+    """Give some optional attributes of ``node`` not in ``handled`` a non-default value."""
+    for spec in specs:
+        if spec.required or spec.key in handled or not hasattr(node, spec.key):
+            continue
+        strat = value_for(spec)
+        if strat is not None and draw(st.booleans()):
+            setattr(node, spec.key, draw(strat))
+
+
+HANDLED = {
+    "cluster": {"nodes", "gpus_per_node", "gpu_memory", "peak_flops", "hbm_bandwidth", "intra_node", "inter_node",
+                "host_link", "host_memory", "unavailable"},
+    "model": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim", "dtype", "tied_embeddings", "head",
+              "trained"},
+    "workload": {"algorithm", "roles", "global_batch", "group_size", "prompt_len_mean", "prompt_len_max",
+                 "response_len_mean", "response_len_max", "ppo_epochs", "mini_batch", "micro_batch", "steps"},
+    "stage": {"kind", "models"},
+    "plan": {"workload", "cluster", "colocate"},
+    "layout": {"tp", "pp", "dp", "layers", "mesh", "micro_batches", "zero", "recompute", "offload", "time", "memory"},
+    "transition": {"source", "target"},
+    "op": {"bytes", "link", "deps", "start", "duration"},
+}
+
+
 @st.composite
 def links(draw) -> Link:
     return Link(bandwidth=draw(quantity(Dim.BANDWIDTH)), latency=draw(quantity(Dim.TIME)))
@@ -100,7 +178,7 @@ def clusters(draw, name: str) -> Cluster:
     unavailable = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=min(n - 1, 4)))
     if draw(st.booleans()):
         unavailable.sort()
-    return Cluster(
+    c = Cluster(
         name=name,
         nodes=nodes,
         gpus_per_node=gpn,
@@ -113,6 +191,8 @@ def clusters(draw, name: str) -> Cluster:
         host_memory=draw(st.none() | quantity(Dim.SIZE)),
         unavailable=unavailable,
     )
+    fill_optional(draw, c, _cluster_mod.CLUSTER_ATTRS, HANDLED["cluster"])
+    return c
 
 
 # ---------------------------------------------------------------------------- models
@@ -137,7 +217,7 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
     # tp <= heads; with ffn, vocab >= heads no TP rank is left with an empty slice
     lo = 1 if tiny_dims else heads
     tied = False if head == "value" else draw(st.booleans())
-    return Model(
+    md = Model(
         name=name,
         layers=draw(st.integers(1, 6)),
         hidden=hidden,
@@ -151,6 +231,8 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
         head=head,
         trained=trained,
     )
+    fill_optional(draw, md, _model_mod.MODEL_ATTRS, HANDLED["model"])
+    return md
 
 
 # ---------------------------------------------------------------------------- workload
@@ -172,7 +254,9 @@ def workloads(draw, name: str, mods: list[Model], algorithm: str) -> Workload:
         if not eligible[kind]:
             kind = "infer"
         ms = draw(st.lists(st.sampled_from(eligible[kind]), unique=True, min_size=1))
-        stages.append(Stage(name=sname, kind=kind, models=ms))
+        stage = Stage(name=sname, kind=kind, models=ms)
+        fill_optional(draw, stage, _workload_mod.STAGE_ATTRS, HANDLED["stage"])
+        stages.append(stage)
     if algorithm == "ppo":
         critics = [r for r in eligible["train"] if by_name[r].head == "value"]
         assert critics, "a PPO module needs a trained value-head model"
@@ -188,7 +272,7 @@ def workloads(draw, name: str, mods: list[Model], algorithm: str) -> Workload:
     samples = global_batch * group_size
     prompt_max = draw(st.integers(1, 4096))
     response_max = draw(st.integers(1, 8192))
-    return Workload(
+    w = Workload(
         name=name,
         algorithm=algorithm,
         roles=roles,
@@ -204,6 +288,8 @@ def workloads(draw, name: str, mods: list[Model], algorithm: str) -> Workload:
         steps=draw(st.none() | st.integers(1, 100_000)),
         stages=stages,
     )
+    fill_optional(draw, w, _workload_mod.WORKLOAD_ATTRS, HANDLED["workload"])
+    return w
 
 
 # ---------------------------------------------------------------------------- plans
@@ -223,7 +309,7 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
     if draw(st.booleans()):
         mesh.sort()  # contiguous meshes print as ranges: [0..7]
     offload_choices = ["weights", "grads", "optimizer"] if trains else ["weights"]
-    return Layout(
+    lay = Layout(
         model_stage=model_stage,
         tp=tp,
         pp=pp,
@@ -237,6 +323,8 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         time=draw(st.none() | quantity(Dim.TIME)),
         memory=draw(st.none() | quantity(Dim.SIZE)),
     )
+    fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
+    return lay
 
 
 @st.composite
@@ -264,8 +352,10 @@ def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[s
             if len(group) > 1 or draw(st.integers(0, 5)) == 0:  # singleton groups are legal too
                 colocate.append(list(group))
     order = draw(st.permutations(list(lays)))
-    return Plan(name=name, workload=workload.name, cluster=cluster.name, colocate=colocate,
+    plan = Plan(name=name, workload=workload.name, cluster=cluster.name, colocate=colocate,
                 layouts={ms: lays[ms] for ms in order})
+    fill_optional(draw, plan, _plan_mod.PLAN_ATTRS, HANDLED["plan"])
+    return plan
 
 
 # ---------------------------------------------------------------------------- EMUs
@@ -492,7 +582,7 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
     numel = 1 if layers is None else layers[1] - layers[0] + 1
     for lo, hi in box:
         numel *= hi - lo
-    return Op(
+    op = Op(
         id=opid,
         kind=kind,
         family=e.family,
@@ -507,6 +597,8 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
         start=draw(st.none() | st.just(0.0) | quantity(Dim.TIME)),
         duration=draw(st.none() | quantity(Dim.TIME)),
     )
+    fill_optional(draw, op, _transition_mod.OP_ATTRS, HANDLED["op"])
+    return op
 
 
 @st.composite
@@ -519,7 +611,9 @@ def transitions(draw, name: str, m: Module, source: Plan, target: Plan) -> Trans
         op = draw(ops(src_slots, dst_slots, cluster, opid, [o.id for o in out]))
         if op is not None:
             out.append(op)
-    return Transition(name=name, source=source.name, target=target.name, ops=out)
+    t = Transition(name=name, source=source.name, target=target.name, ops=out)
+    fill_optional(draw, t, _transition_mod.TRANSITION_ATTRS, HANDLED["transition"])
+    return t
 
 
 # ---------------------------------------------------------------------------- modules

@@ -157,17 +157,19 @@ class Calibrate(ModulePass):
             cluster.calibration = Calibration(len(obs), float(f"{result.error_before:.4g}"), float(f"{result.error_after:.4g}"))
 
 
-def synthetic_profile(m: Module, hidden: Efficiency, noise: float = 0.0, seed: int = 0) -> list[dict]:
+def synthetic_profile(m: Module, hidden: Efficiency, noise: float = 0.0, seed: int = 0, steps: int = 1) -> list[dict]:
     """Records a job would measure if the cluster's true coefficients were ``hidden``.
 
-    For testing a calibration loop without a cluster: every model-stage of every plan, its
-    time under ``hidden`` times a log-normal factor of relative spread ``noise``.
+    For testing a calibration loop without a cluster: for ``steps`` steps of every plan, each
+    model-stage's time under ``hidden`` times a log-normal factor of relative spread ``noise``.
     """
     rng = np.random.default_rng(seed)
     truth = coefficient_vector(hidden)
     out = []
     for plan in m.plans.values():
-        for ms, lc in layout_costs(m, plan, CostModel(m.clusters[plan.cluster], hidden)).items():
-            t = lc.time(truth) * float(np.exp(rng.normal(0.0, noise))) if noise else lc.time(truth)
-            out.append({"plan": plan.name, "model_stage": ms, "seconds": t})
+        costs = layout_costs(m, plan, CostModel(m.clusters[plan.cluster], hidden))
+        for step in range(steps):
+            for ms, lc in costs.items():
+                t = lc.time(truth) * (float(np.exp(rng.normal(0.0, noise))) if noise else 1.0)
+                out.append({"plan": plan.name, "step": step, "model_stage": ms, "seconds": t})
     return out

@@ -1,0 +1,88 @@
+"""calibrate: coefficients recovered from a synthetic profile made with hidden coefficients."""
+
+import json
+
+import pytest
+
+import nereus
+from nereus.ir.cluster import Efficiency
+from nereus.jobs import _layout, ppo_8b_16gpu
+from nereus.passes.calibrate import fit, observations, read_profile, synthetic_profile
+
+HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6)
+
+# Layout variants of the 8B PPO job on 2 x 8 GPUs, chosen so that every coefficient is exercised:
+# DP and PP across nodes (NIC), offload (PCIe), TP inside nodes (NVLink), decode (HBM).
+VARIANTS = {
+    "v_dp16": dict(gen=(1, 1, 16), infer=(2, 1, 2), train=(1, 1, 16, ", zero = 2, recompute = true"), colocate=True, offload=True),
+    "v_pp_nic": dict(gen=(4, 1, 4), infer=(4, 1, 1), train=(8, 2, 1, ""), colocate=True, offload=False),
+    "v_tp8": dict(gen=(8, 1, 2), infer=(1, 1, 4), train=(2, 1, 8, ", zero = 1, recompute = true"), colocate=True, offload=True),
+    "v_mixed": dict(gen=(2, 2, 4), infer=(2, 2, 1), train=(4, 4, 1, ", recompute = true"), colocate=True, offload=False),
+}
+
+
+def plan_text(name, v):
+    t, p, d = v["gen"]
+    infer = "".join(_layout(f"{r}.infer", *v["infer"], 32, f"{4 * i}..{4 * i + 3}", ", offload = [weights]" if v["offload"] else "")
+                    for i, r in enumerate(["actor", "critic", "ref", "reward"]))
+    tt, tpp, td, extra = v["train"]
+    train = "".join(_layout(f"{r}.train", tt, tpp, td, 32, "0..15", f", micro_batches = 8{extra}") for r in ("actor", "critic"))
+    return (f"plan @{name} {{\n  workload = @ppo\n  cluster = @h100x16\n  colocate = [[actor.train, critic.train]]\n"
+            + _layout("actor.generate", t, p, d, 32, "0..15") + infer + train + "}\n")
+
+
+@pytest.fixture(scope="module")
+def module():
+    text = ppo_8b_16gpu() + "\n" + "\n".join(plan_text(n, v) for n, v in VARIANTS.items())
+    m = nereus.verify(nereus.parse(text))
+    m.emus.clear()
+    return m
+
+
+def test_fit_recovers_hidden_coefficients_within_2_percent(module):
+    # 1% measurement noise over 100 steps of each plan, as a job would log them. Offload is a
+    # few percent of a model-stage's time, so PCIe needs that many samples to be pinned to 2%.
+    records = synthetic_profile(module, HIDDEN, noise=0.01, seed=1, steps=100)
+    obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])
+    result = fit(obs, Efficiency())
+    assert set(result.used) == {"compute", "hbm", "nvlink", "nic", "pcie", "overhead"}
+    for field in ("compute", "hbm", "nvlink", "nic", "pcie", "overhead"):
+        assert getattr(result.efficiency, field) == pytest.approx(getattr(HIDDEN, field), rel=0.02), field
+    assert result.error_before >= 5 * result.error_after
+    assert result.error_after < 0.01
+
+
+def test_calibrate_pass_writes_efficiency_and_report(module, tmp_path):
+    profile = tmp_path / "profile.jsonl"
+    records = synthetic_profile(module, HIDDEN, noise=0.0)
+    # one record per step with every model-stage of the plan, as a running job would log
+    by_plan = {}
+    for r in records:
+        by_plan.setdefault(r["plan"], {})[r["model_stage"]] = {"seconds": r["seconds"]}
+    profile.write_text("\n".join(json.dumps({"plan": p, "step": i, "stages": st}) for i, (p, st) in enumerate(by_plan.items())))
+    m = nereus.parse(nereus.print_ir(module))
+    nereus.run_pipeline(m, f"calibrate{{profile={profile}}},estimate")
+    c = m.clusters["h100x16"]
+    assert c.calibration.records == len(records)
+    assert c.calibration.error_before > 0.05 and c.calibration.error_after < 1e-3
+    assert c.efficiency.compute == pytest.approx(HIDDEN.compute, rel=1e-3)
+    text = nereus.print_ir(m)
+    assert "efficiency = efficiency(compute = 0.41" in text and "calibration = calibration(records = " in text
+    assert nereus.parse(text) == m
+    # estimate now uses the fitted coefficients: predictions match the hidden truth
+    truth = {(r["plan"], r["model_stage"]): r["seconds"] for r in records}
+    for (plan, ms), seconds in truth.items():
+        assert m.plans[plan].layouts[ms].time == pytest.approx(seconds, rel=1e-3)
+
+
+def test_bad_profiles_are_diagnostics(module, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"plan": "ppo_p0", "model_stage": "actor.train"}\nnot json\n{"plan": "nope", "model_stage": "x", "seconds": 1}\n')
+    with pytest.raises(nereus.DiagnosticError) as e:
+        read_profile(bad)
+    assert [d.loc.line for d in e.value.diagnostics] == [1, 2]
+    with pytest.raises(nereus.DiagnosticError, match="profile names plan @nope"):
+        observations(module, [("nope", "x", 1.0, None, 3)])
+    m = nereus.parse(nereus.print_ir(module))
+    with pytest.raises(nereus.DiagnosticError, match="calibrate needs profile=FILE"):
+        nereus.run_pipeline(m, "calibrate")

@@ -1,0 +1,177 @@
+"""The cost model against formulas and figures that others published.
+
+Each test cites its source and states its tolerance. None of the figures was measured here.
+"""
+
+import numpy as np
+import pytest
+
+import nereus
+from nereus.ir import Cluster, Link, Model, Workload
+from nereus.passes import Candidates, CostModel
+from nereus.passes.estimate import stage_groups
+
+from .conftest import EXAMPLES
+
+# NVIDIA A100-SXM4-80GB in DGX A100 nodes (Selene): 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e,
+# 600 GB/s NVLink (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU.
+A100 = Cluster(name="a100", nodes=400, gpus_per_node=8, gpu_memory=80 * 2**30, peak_flops=312e12,
+               hbm_bandwidth=2039e9, intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
+
+
+def gpt(layers, hidden, heads, vocab=51200):
+    """A GPT-style model: MHA, 4h plain MLP, tied embeddings."""
+    return Model(name="gpt", layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab,
+                 mlp="plain", tied_embeddings=True)
+
+
+def train_workload(batch, seq=2048):
+    return Workload(name="w", algorithm="ppo", roles=[], global_batch=batch, prompt_len_mean=seq // 2,
+                    prompt_len_max=seq // 2, response_len_mean=seq - seq // 2, response_len_max=seq - seq // 2,
+                    micro_batch=1)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("layers,hidden,heads", [(96, 12288, 96), (24, 2304, 24), (128, 25600, 160)])
+def test_training_flops_equal_narayanan_formula(layers, hidden, heads, recompute):
+    """Narayanan et al., SC'21, eq. (3): FLOPs of one iteration of a GPT model,
+    72 B s l h^2 (1 + s/6h + V/12lh), or 96 B s l h^2 (1 + s/6h + V/16lh) with recomputation.
+    Exact: our per-layer count reduces to theirs for GPT shapes (tolerance 1e-12, float rounding)."""
+    B, s, V = 1536, 2048, 51200
+    m = gpt(layers, hidden, heads, V)
+    passes = 4 if recompute else 3
+    ours = B * s * (passes * layers * CostModel.layer_flops(m, s) + 3 * CostModel.head_flops(m))
+    if recompute:
+        theirs = 96 * B * s * layers * hidden**2 * (1 + s / (6 * hidden) + V / (16 * layers * hidden))
+    else:
+        theirs = 72 * B * s * layers * hidden**2 * (1 + s / (6 * hidden) + V / (12 * layers * hidden))
+    assert ours == pytest.approx(theirs, rel=1e-12)
+
+
+# Narayanan et al., SC'21, Table 1: GPT models on Selene (A100-80GB), sequence 2048, vocabulary
+# 51,200, with activation recomputation: (params in B, heads, hidden, layers, TP, PP, GPUs,
+# batch, achieved TFLOP/s per GPU).
+MEGATRON_TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def test_predicted_throughput_against_megatron_table_1():
+    """Predicted TFLOP/s per GPU with the *prior* coefficients (not fitted to this table) within
+    25% of every published row, and within 15% on average.
+
+    Why 25%: the model has one compute efficiency (0.5), while Megatron's larger GEMMs ran closer
+    to peak (43% of peak at 18B, 52% at 530B and 1T), and those runs used the interleaved 1F1B
+    schedule, whose bubble is smaller than the plain 1F1B bubble modelled here; both make us
+    under-predict the largest models by up to ~24%.
+    """
+    cm = CostModel(A100)
+    errors = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, published in MEGATRON_TABLE_1:
+        m = gpt(layers, hidden, heads)
+        # the table's sizes, rounded to 0.1B, count learned position embeddings and biases too
+        assert m.num_params() / 1e9 == pytest.approx(params, rel=0.035)
+        dp = gpus // (tp * pp)
+        c = Candidates.grid(A100, layers, tp, pp, dp, micro_batches=batch // dp, recompute=True)
+        seconds = cm.stage(m, train_workload(batch), "train", c).time(cm.coeffs)[0]
+        s, V = 2048, 51200
+        hardware_flops = 96 * batch * s * layers * hidden**2 * (1 + s / (6 * hidden) + V / (16 * layers * hidden))
+        predicted = hardware_flops / seconds / gpus / 1e12
+        errors.append(abs(predicted - published) / published)
+        assert predicted == pytest.approx(published, rel=0.25), (params, predicted, published)
+    assert np.mean(errors) < 0.15
+
+
+def test_kv_cache_per_token_matches_vllm_paper():
+    """Kwon et al., SOSP'23 (vLLM), section 3: "for the 13B OPT model, the KV cache of a single token
+    demands 800 KB of space, calculated as 2 (key and value vectors) x 5120 (hidden state size)
+    x 40 (number of layers) x 2 (bytes per FP16)". Exact."""
+    opt13b = Model(name="opt", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=20480, vocab=50272, dtype="fp16")
+    assert CostModel.kv_bytes_per_token(opt13b, tp=1) == 800 * 1024
+    # GQA Llama-3-8B: 8 KV heads of 128 -> 128 KiB per token, split over TP up to 8 ranks
+    llama = Model(name="l", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    assert [float(CostModel.kv_bytes_per_token(llama, tp)) for tp in (1, 2, 8, 16)] == [131072, 65536, 16384, 16384]
+
+
+@pytest.mark.parametrize("zero,published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_model_state_memory_matches_zero_paper(zero, published_gb):
+    """Rajbhandari et al., SC'20 (ZeRO), Figure 1: a 7.5B-parameter model with mixed-precision
+    Adam (K = 12) on 64-way DP needs 120 GB (baseline), 31.4 GB (P_os), 16.6 GB (P_os+g) and
+    1.9 GB (P_os+g+p) per GPU for model states. Tolerance: the paper's rounding (0.05 GB)."""
+    m = Model(name="m", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000)
+    psi = m.num_params()
+    c = Candidates.grid(A100, m.layers, 1, 1, 64, zero=zero)
+    cost = CostModel(A100).stage(m, train_workload(512), "train", c)
+    per_param = float(cost.weights[0] + cost.grads[0] + cost.optimizer[0]) / psi
+    assert per_param * 7.5e9 / 1e9 == pytest.approx(published_gb, abs=0.05)
+    if zero == 0:
+        assert per_param == 16  # 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, momentum, variance)
+
+
+def test_bubble_fraction_of_1f1b():
+    """The 1F1B bubble is (p - 1) / (m + p - 1) of the total compute time (Narayanan et al. 2021, section 2.2)."""
+    m = gpt(32, 4096, 32)
+    cm = CostModel(A100)
+    for pp, mb in [(2, 8), (4, 16), (8, 8)]:
+        c = Candidates.grid(A100, 32, 1, pp, 1, micro_batches=mb)
+        b = cm.stage(m, train_workload(64), "train", c).breakdown(cm.coeffs)
+        assert b["bubble"] / (b["compute"] + b["bubble"]) == pytest.approx((pp - 1) / (mb + pp - 1))
+
+
+def test_time_is_linear_in_coefficients_and_breakdown_sums_to_it():
+    cm = CostModel(A100)
+    m = gpt(24, 2048, 16)
+    c = Candidates.grid(A100, 24, [1, 2, 4, 8], [1, 2, 2, 4], [8, 4, 2, 1], micro_batches=8)
+    for kind in ("train", "infer", "generate"):
+        cost = cm.stage(m, train_workload(256), kind, c)
+        t = cost.time(cm.coeffs)
+        assert np.allclose(t, cost.features_for(cm.coeffs) @ cm.coeffs + cost.latency)
+        for i in range(len(c)):
+            assert sum(cost.breakdown(cm.coeffs, i).values()) == pytest.approx(t[i])
+
+
+def test_decode_is_hbm_bound_and_tp_helps_it():
+    """A decode step of a small batch reads every weight from HBM: time ~ steps x weight bytes / bandwidth."""
+    cm = CostModel(A100)
+    m = Model(name="l", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    w = Workload(name="w", algorithm="grpo", roles=[], global_batch=8, group_size=2, prompt_len_mean=128,
+                 prompt_len_max=128, response_len_mean=512, response_len_max=1024, micro_batch=1)
+    c = Candidates.grid(A100, 32, [1, 2], 1, 1)
+    cost = cm.stage(m, w, "generate", c)
+    b1, b2 = cost.breakdown(cm.coeffs, 0), cost.breakdown(cm.coeffs, 1)
+    weight_read = 1024 * m.num_params() * 2 / (A100.hbm_bandwidth * 0.7)
+    assert b1["memory"] == pytest.approx(weight_read, rel=0.05)  # plus the KV cache reads
+    assert b2["memory"] < 0.55 * b1["memory"]
+
+
+def test_estimate_annotates_examples_and_step_time_follows_stages():
+    for path in EXAMPLES:
+        m = nereus.parse(path.read_text())
+        nereus.run_pipeline(m, "estimate")
+        for plan in m.plans.values():
+            w = m.workloads[plan.workload]
+            total = 0.0
+            for st in w.stages:
+                groups = stage_groups(plan, st.model_stages())
+                total += max(sum(plan.layouts[ms].time for ms in g) for g in groups)
+                for ms in st.model_stages():
+                    lay = plan.layouts[ms]
+                    assert lay.time > 0 and 0 < lay.memory <= m.clusters[plan.cluster].gpu_memory
+            assert plan.step_time == pytest.approx(total, rel=1e-4)
+
+
+def test_out_of_memory_is_a_diagnostic_naming_stage_gpu_and_shortfall(tmp_path):
+    text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text().replace("gpu_memory = 80GiB", "gpu_memory = 24GiB")
+    m = nereus.parse(text, "small.nir")
+    with pytest.raises(nereus.DiagnosticError) as e:
+        nereus.run_pipeline(m, "estimate")
+    msgs = [d.message for d in e.value.diagnostics]
+    assert any(msg.startswith("actor.train needs") and "on GPU" in msg and "bytes more than its 24.00 GiB" in msg for msg in msgs), msgs
+    d = next(d for d in e.value.diagnostics if d.message.startswith("actor.train"))
+    assert text.splitlines()[d.loc.line - 1].strip().startswith("layout actor.train")
+    short = int(d.message.split(", ")[1].split(" bytes")[0].replace(",", ""))
+    assert short > 0
