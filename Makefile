@@ -20,7 +20,11 @@ demo: $(STAMP)
 	$(BIN)/nereus check examples/*.nir
 	$(BIN)/nereus fmt --check examples/*.nir
 	for f in examples/*.nir; do $(BIN)/nereus show $$f || exit 1; done
+	mkdir -p out
+	$(BIN)/nereus opt examples/ppo_8b_16gpu.nir -p estimate -o out/ppo_8b_16gpu.estimated.nir
+	$(BIN)/nereus show out/ppo_8b_16gpu.estimated.nir
 	$(BIN)/nereus bench parse --quick
+	$(BIN)/nereus bench estimate --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -28,6 +32,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
 	$(BIN)/nereus bench parse
+	$(BIN)/nereus bench estimate
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .benchmarks

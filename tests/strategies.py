@@ -215,7 +215,7 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
     head_dim = draw(st.none() | st.integers(1, 8))
     hidden = heads * draw(st.integers(1, 6)) if head_dim is None else draw(st.integers(1, 40))
     # tp <= heads; with ffn, vocab >= heads no TP rank is left with an empty slice
-    lo = 1 if tiny_dims else heads
+    lo, hi = (1, 6) if tiny_dims else (heads, 40)
     tied = False if head == "value" else draw(st.booleans())
     md = Model(
         name=name,
@@ -223,8 +223,8 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
-        ffn=draw(st.integers(lo, 40)),
-        vocab=draw(st.integers(lo, 64)),
+        ffn=draw(st.integers(lo, hi)),
+        vocab=draw(st.integers(lo, hi + 24)),
         head_dim=head_dim,
         dtype=draw(st.sampled_from(["bf16", "fp32", "fp16", "fp8"])),
         tied_embeddings=tied,

@@ -83,4 +83,11 @@ def test_bench_parse_json_smoke(capsys):
 
 def test_bench_unknown_name(capsys):
     assert main(["bench", "nope"]) == 1
-    assert "known: parse" in capsys.readouterr().err
+    assert "known: parse, estimate" in capsys.readouterr().err
+
+
+def test_bench_estimate_json_smoke(capsys):
+    assert main(["bench", "estimate", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["candidates"] == 10_000 and data["plan_gpus"] == 1024
+    assert data["vectorized_s"] > 0 and data["one_at_a_time_s"] > data["vectorized_s"]

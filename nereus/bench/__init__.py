@@ -1,5 +1,6 @@
 """Benchmarks behind ``nereus bench NAME``; ``benchmarks/`` runs the same workloads under pytest-benchmark."""
 
+from .estimate_bench import run as _estimate
 from .parse_bench import run as _parse
 
-BENCHMARKS = {"parse": _parse}
+BENCHMARKS = {"parse": _parse, "estimate": _estimate}
