@@ -24,7 +24,10 @@ def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weigh
                 layers = None
             else:
                 continue
-            out.append(SliceEntry(family=spec.family, layers=layers, box=model.tp_box(spec, layout.tp, tp), state=state))
+            box = model.tp_box(spec, layout.tp, tp)
+            if any(hi <= lo for lo, hi in box):
+                continue  # a dimension smaller than TP leaves the last ranks with nothing of it
+            out.append(SliceEntry(family=spec.family, layers=layers, box=box, state=state))
     return out
 
 
