@@ -421,6 +421,10 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
         if draw(st.integers(0, 3)) == 0:
             extra = derive_emus(plan.name, model, layout, ("weight",))[0]
             extra.replica = layout.dp + draw(st.integers(0, 3))
+            if draw(st.integers(0, 2)) == 0:
+                extra.shards = []  # an emu block with no shard at all
+            elif draw(st.booleans()):
+                extra.shards[0].entries = []  # a shard with no slice
             emus.append(extra)
     return emus
 
@@ -443,7 +447,7 @@ def _slots(m: Module, plan: Plan) -> list[Slot]:
     for emu in m.emus.values():
         if emu.plan == plan.name:
             model = m.models[plan.layouts[emu.model_stage].model]
-            out.extend(Slot(emu, s, model) for s in emu.shards)
+            out.extend(Slot(emu, s, model) for s in emu.shards if s.entries)
     return out
 
 
@@ -602,7 +606,7 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
 
 
 @st.composite
-def transitions(draw, name: str, m: Module, source: Plan, target: Plan) -> Transition:
+def transitions(draw, name: str, m: Module, source: Plan, target: Plan, valid: bool = True) -> Transition:
     src_slots, dst_slots = _slots(m, source), _slots(m, target)
     cluster = m.clusters[target.cluster]
     ids = draw(st.lists(st.from_regex(r"%[A-Za-z0-9_]{1,4}", fullmatch=True), unique=True, max_size=6))
@@ -611,6 +615,10 @@ def transitions(draw, name: str, m: Module, source: Plan, target: Plan) -> Trans
         op = draw(ops(src_slots, dst_slots, cluster, opid, [o.id for o in out]))
         if op is not None:
             out.append(op)
+    if not valid:
+        for op in out:
+            if draw(st.integers(0, 4)) == 0:  # endpoints are optional in the grammar
+                op.src, op.dst = draw(st.sampled_from([([], []), (op.src, []), ([], op.dst)]))
     t = Transition(name=name, source=source.name, target=target.name, ops=out)
     fill_optional(draw, t, _transition_mod.TRANSITION_ATTRS, HANDLED["transition"])
     return t
@@ -667,5 +675,5 @@ def modules(draw, valid: bool = True, tiny_dims: bool = False) -> Module:
         source = draw(st.sampled_from(plan_list))
         same = [p for p in plan_list if p.cluster == source.cluster]
         target = draw(st.sampled_from(same))
-        m.transitions[tname] = draw(transitions(tname, m, source, target))
+        m.transitions[tname] = draw(transitions(tname, m, source, target, valid))
     return m

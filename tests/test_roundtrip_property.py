@@ -16,7 +16,7 @@ import difflib
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 import nereus
 from nereus import parse, print_ir, verify
@@ -29,7 +29,7 @@ except ImportError:  # run without the tests package
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.nir"))
 
 PROPERTY = settings(
-    max_examples=40,
+    max_examples=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
@@ -106,16 +106,77 @@ def test_generated_valid_modules_verify(m):
     assert_verifies(parse(print_ir(m, group_replicas=False)), "round-tripped valid module (ungrouped)")
 
 
-@settings(max_examples=25, deadline=None,
+# No shrinking: shrinking these modules costs minutes; the minimal reproducer of the bug this
+# guards against is test_empty_tp_slice_roundtrip.
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(modules(tiny_dims=True))
 def test_roundtrip_tiny_dims(m):
     """ffn or vocab below tp: the verifier accepts the module, so its printed text must parse back.
 
-    Fails today (see the report): ``derive_emus`` gives the surplus TP ranks empty slices
-    ``[k:k]``, ``verify`` accepts them, and the parser rejects ``k:k`` as an empty slice.
+    Regression: ``derive_emus`` used to give the surplus TP ranks empty slices ``[k:k]``, which
+    ``verify`` accepted and the parser rejects.
     """
     assert_verifies(m)
+    assert_roundtrip(m)
+
+
+TINY = """\
+cluster @c {
+  nodes = 1
+  gpus_per_node = 2
+  gpu_memory = 80GiB
+  peak_flops = 989TFLOPs
+  hbm_bandwidth = 3.35TB/s
+  intra_node = link(bandwidth = 450GB/s, latency = 2us)
+  inter_node = link(bandwidth = 50GB/s, latency = 5us)
+}
+
+model @m {
+  layers = 1
+  hidden = 2
+  heads = 2
+  kv_heads = 2
+  ffn = 1
+  vocab = 8
+}
+
+workload @w {
+  algorithm = grpo
+  roles = [@m]
+  global_batch = 1
+  group_size = 2
+  prompt_len_mean = 1
+  prompt_len_max = 1
+  response_len_mean = 1
+  response_len_max = 1
+  micro_batch = 1
+  stage gen { kind = generate, models = [@m] }
+}
+
+plan @p {
+  workload = @w
+  cluster = @c
+  layout m.gen {
+    tp = 2
+    pp = 1
+    dp = 1
+    layers = [0..0]
+    mesh = [0, 1]
+  }
+}
+"""
+
+
+def test_empty_tp_slice_roundtrip():
+    """Minimal reproducer: ffn = 1 split over tp = 2 leaves TP rank 1 the empty slice [1:1]."""
+    from nereus.ir.sharding import derive_emus
+
+    m = verify(parse(TINY))
+    lay = m.plans["p"].layouts["m.gen"]
+    for emu in derive_emus("p", m.models["m"], lay):
+        m.emus[emu.key] = emu
+    assert_verifies(m, "module with the derived EMUs")
     assert_roundtrip(m)
 
 

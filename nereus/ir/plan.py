@@ -39,12 +39,28 @@ class MemoryBreakdown:
 TIME_BREAKDOWN = RecordSpec("time", tuple(AttrSpec(f, "time", 0.0) for f in TimeBreakdown.__dataclass_fields__), TimeBreakdown)
 MEMORY_BREAKDOWN = RecordSpec("memory", tuple(AttrSpec(f, "size", 0) for f in MemoryBreakdown.__dataclass_fields__), MemoryBreakdown)
 
+@dataclass(frozen=True)
+class SearchRecord:
+    """What plan-search reports: solver status, objective and bound (step time), relative gap."""
+
+    status: str
+    objective: float
+    bound: float
+    gap: float
+    candidates: int
+
+
+SEARCH = RecordSpec("search", (AttrSpec("status", "choice", choices=("optimal", "feasible")), AttrSpec("objective", "time"),
+                               AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint")),
+                    SearchRecord)
+
 PLAN_ATTRS = [
     AttrSpec("workload", "symbol"),
     AttrSpec("cluster", "symbol"),
     AttrSpec("colocate", "dotted_groups", default=[],
              doc="groups of model-stages of one stage that share GPUs and run one after another"),
     AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
+    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates"),
 ]
 
 LAYOUT_ATTRS = [
@@ -115,6 +131,7 @@ class Plan:
     cluster: str
     colocate: list[list[str]] = field(default_factory=list)
     step_time: float | None = None
+    search: SearchRecord | None = None
     layouts: dict[str, Layout] = field(default_factory=dict)
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)

@@ -24,8 +24,9 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   group is inside a node. PP: activations and their gradients point to point per micro-batch.
   DP: gradient all-reduce (ZeRO 0-2; reduce-scatter plus all-gather moves the same bytes) per
   optimizer step, and ZeRO-3's parameter all-gathers per micro-batch.
-- Generation (vLLM-like): prefill is compute-bound; each decode step reads the GPU's weights
-  and the live KV cache from HBM, or is compute-bound when the batch is large; sequences run
+- Generation (vLLM-like): prefill is compute-bound; each decode step reads the weights and the
+  live KV cache from HBM (all pipeline stages in turn: PP saves memory, not step time), or is
+  compute-bound when the batch is large; sequences run
   in waves when the KV cache cannot hold them all, and a wave lasts as long as its longest
   response. KV cache per token and GPU: ``2 x layers x kv_heads x head_dim x bytes / TP``.
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
@@ -333,7 +334,9 @@ class CostModel:
             prefill = samples * p * (L * self.layer_flops(model, p) + self.head_flops(model)) / (tp * pp * peak)
             add("compute", C_COMPUTE, prefill)
             dec_compute = samples * r * (L * self.layer_flops(model, p + r / 2) + self.head_flops(model)) / (tp * pp * peak)
-            dec_memory = (steps * weights + samples * (p * r + r * r / 2) * kv_tok) / self.cluster.hbm_bandwidth
+            # a token passes the pipeline stages one after another, so PP does not shorten a decode
+            # step (it frees memory for a larger batch): each step costs pp stage reads
+            dec_memory = pp * (steps * weights + samples * (p * r + r * r / 2) * kv_tok) / self.cluster.hbm_bandwidth
             decode = (dec_compute, dec_memory)
             tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
