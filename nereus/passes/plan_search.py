@@ -4,7 +4,8 @@ The model (see ``search_space`` for the abstraction it solves):
 
 - ``x[i, c]``: model-stage i takes candidate c (exactly one per model-stage, after pruning);
 - ``y[X, k]``: stage X groups its model-stages by partition k (exactly one per stage);
-- GPUs: a group's block is as large as its largest member; a stage's blocks fit in the available GPUs;
+- GPUs: a group's block is as large as its largest member; a stage's blocks fit in the available
+  GPUs (in capacity units that keep TP groups inside nodes when GPUs have failed);
 - time: ``T[X] >= sum of the times of the members of each group``; minimise ``sum T[X]``;
 - memory: ``R[X] >= resident state of each group``; for each model-stage,
   ``own peak - own resident + sum R[X] <= GPU memory``, and for generation
@@ -57,7 +58,7 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
         x[ms] = xs
         # one integer per quantity, tied once to the one-hot choice, so that the grouping
         # constraints below do not repeat the long sums (5x smaller model, faster presolve)
-        for table, label, value in ((n_of, "n", lambda o: o.gpus), (t_of, "t", lambda o: o.time),
+        for table, label, value in ((n_of, "n", lambda o: o.units), (t_of, "t", lambda o: o.time),
                                     (a_of, "a", lambda o: o.peak - o.resident), (r_of, "r", lambda o: o.resident)):
             vals = [value(o) for o in space.options]
             var = m.new_int_var(min(vals), max(vals), f"{label}[{ms}]")
@@ -78,13 +79,13 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
                 if len(g) == 1:
                     blocks.append(n_of[g[0]])
                 else:
-                    b = m.new_int_var(0, problem.n, f"B[{stage},{k},{gi}]")
+                    b = m.new_int_var(0, problem.capacity, f"B[{stage},{k},{gi}]")
                     for ms in g:
                         m.add(b >= n_of[ms]).only_enforce_if(yk)
                     blocks.append(b)
                 m.add(T[stage] >= sum(t_of[ms] for ms in g)).only_enforce_if(yk)
                 m.add(R[stage] >= sum(r_of[ms] for ms in g)).only_enforce_if(yk)
-            m.add(sum(blocks) <= problem.n).only_enforce_if(yk)
+            m.add(sum(blocks) <= problem.capacity).only_enforce_if(yk)
     resident = m.new_int_var(0, max_r, "resident")
     m.add(resident == sum(R.values()))
     for ms, space in problem.spaces.items():
@@ -111,25 +112,51 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
     return Solution(name, objective, bound, choice, partition)
 
 
+def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) -> list[list[int]]:
+    """GPU ids for each (size, tp) block, keeping every TP group of ``tp`` GPUs inside one node.
+
+    Blocks are served in the given order from the nodes' free GPUs, ``tp`` GPUs at a time from
+    nodes that still have that many; what cannot be served that way (too many failed GPUs)
+    takes any free GPUs, and ``estimate`` then charges the cross-node TP links it implies.
+    """
+    free: dict[int, list[int]] = {}
+    for g in gpus:
+        free.setdefault(g // per_node, []).append(g)
+    out = []
+    for size, tp in blocks:
+        got: list[int] = []
+        for node in sorted(free, key=lambda n: (len(free[n]) % tp != 0, n)):
+            while len(got) + tp <= size and len(free[node]) >= tp:
+                got.extend(free[node][:tp])
+                del free[node][:tp]
+        if len(got) < size:  # fall back: any free GPUs
+            rest = [g for node in sorted(free) for g in free[node]][: size - len(got)]
+            for g in rest:
+                free[g // per_node].remove(g)
+            got.extend(rest)
+        out.append(got)
+    return out
+
+
 def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, cluster: str) -> Plan:
-    """Lay the chosen blocks out on GPU ids (largest group first, in available order)."""
+    """Lay the chosen blocks out on GPU ids: largest block first, TP groups inside nodes."""
     layouts, colocate = {}, []
+    per_node = problem.cluster.gpus_per_node
     for stage, _ in problem.stages:
         groups = problem.partitions[stage][sol.partition[stage]]
         opts = {ms: problem.spaces[ms].options[sol.choice[ms]] for g in groups for ms in g}
-        start = 0
-        block = {g[0]: max(opts[ms].gpus for ms in g) for g in groups}
-        for g in sorted(groups, key=lambda g: (-block[g[0]], g[0])):
-            first = start
-            start += block[g[0]]
+        groups = sorted(groups, key=lambda g: (-max(opts[ms].gpus for ms in g), g[0]))
+        # a block is sized for its largest member, in chunks of the largest TP among its members
+        # (TP sizes here divide one another, so smaller TP groups stay inside nodes too)
+        blocks = [(max(opts[ms].gpus for ms in g), max(opts[ms].tp for ms in g)) for g in groups]
+        for g, mesh in zip(groups, place_blocks(problem.gpus, per_node, blocks)):
             if len(g) > 1:
                 colocate.append(list(g))
             for ms in g:
                 o = opts[ms]
-                mesh = problem.gpus[first:first + o.gpus]
                 layers = problem.models[ms.rpartition(".")[0]].layers
                 ranges = [(lo, hi - 1) for lo, hi in (even_split(layers, o.pp, r) for r in range(o.pp))]
-                layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh),
+                layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh[:o.gpus]),
                                      micro_batches=o.micro_batches, zero=o.zero, recompute=o.recompute,
                                      offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload])
     order = [ms for _, mss in problem.stages for ms in mss]

@@ -1,0 +1,76 @@
+"""``nereus bench plan-search``: how fast CP-SAT finds the optimal plan, and how much it beats
+the plan users write by hand (``greedy_plan``), both costed by ``estimate``.
+
+Cases: the GRPO 7B job on 8 GPUs, the PPO 8B job on 16, the 70B PPO job on 128 to 1,024 GPUs,
+and the 1,024-GPU job after 64 and 256 GPUs fail (seeded random GPU ids). Times are wall time
+of one run each (candidate generation + solve), as the controller would pay them online.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..ir import parse
+from ..jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
+from ..passes.estimate import estimate_plan
+from ..passes.greedy_plan import greedy_plan
+from ..passes.plan_search import solve, to_plan
+from ..passes.search_space import build_problem
+
+TARGET_S = 2.0
+
+
+def cases(quick: bool):
+    yield "GRPO 7B", 0, grpo_7b_8gpu()
+    yield "PPO 8B", 0, ppo_8b_16gpu()
+    for gpus in ((128, 1024) if quick else (128, 256, 512, 1024)):
+        yield "PPO 70B", 0, ppo_70b(gpus, with_emus=False)
+    if not quick:
+        yield "PPO 70B", 64, ppo_70b(1024, with_emus=False)
+        yield "PPO 70B", 256, ppo_70b(1024, with_emus=False)
+
+
+def run(quick: bool = False, json_output: bool = False, time_limit: float = 30.0) -> dict:
+    rows = []
+    for label, lost, text in cases(quick):
+        m = parse(text)
+        m.emus.clear()
+        w, c = next(iter(m.workloads.values())), next(iter(m.clusters.values()))
+        if lost:
+            c.unavailable = sorted(int(g) for g in np.random.default_rng(lost).choice(c.num_gpus, lost, replace=False))
+        t0 = time.perf_counter()
+        problem = build_problem(c, w, m.models)
+        t1 = time.perf_counter()
+        sol = solve(problem, time_limit=time_limit)
+        t2 = time.perf_counter()
+        row = {"job": label, "gpus": len(c.available_gpus()), "model_stages": len(w.model_stages()),
+               "candidates": sum(s.generated for s in problem.spaces.values()),
+               "kept": sum(len(s.options) for s in problem.spaces.values()),
+               "build_s": round(t1 - t0, 3), "solve_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3),
+               "status": sol.status, "gap": round(sol.gap, 5)}
+        if sol.choice is not None:
+            plan = to_plan(problem, sol, "searched", w.name, c.name)
+            m.plans["searched"] = plan
+            assert estimate_plan(m, plan) == []
+            row["searched_step_s"] = plan.step_time
+        greedy = greedy_plan(m, w, c)
+        row["greedy_step_s"] = greedy.step_time if greedy else None
+        if greedy and sol.choice is not None:
+            row["greedy_over_searched"] = round(greedy.step_time / plan.step_time, 3)
+        rows.append(row)
+    result = {"benchmark": "plan-search", "target_s": TARGET_S, "time_limit_s": time_limit, "rows": rows}
+    if not json_output:
+        t = Table(title="plan-search (CP-SAT, 1 worker) vs the hand-written greedy plan", title_justify="left")
+        for col in ("job", "GPUs", "candidates", "kept", "build s", "solve s", "status", "gap", "searched step", "greedy step", "greedy/searched"):
+            t.add_column(col, justify="left" if col in ("job", "status") else "right")
+        for r in rows:
+            t.add_row(r["job"], str(r["gpus"]), f"{r['candidates']:,}", f"{r['kept']:,}", f"{r['build_s']:.2f}",
+                      f"{r['solve_s']:.2f}", r["status"], f"{r['gap']:.2%}", f"{r.get('searched_step_s', float('nan')):.2f} s",
+                      f"{r['greedy_step_s']:.2f} s" if r["greedy_step_s"] else "does not fit",
+                      f"{r['greedy_over_searched']:.2f}x" if "greedy_over_searched" in r else "")
+        Console(width=160).print(t)
+    return result

@@ -1,0 +1,138 @@
+"""plan-search: the CP-SAT optimum equals brute force, plans verify and fit, infeasible is a diagnostic."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+import nereus
+from nereus.ir import Cluster, Link, Model, Module, Stage, Workload
+from nereus.passes.plan_search import solve, to_plan
+from nereus.passes.search_space import Option, brute_force, build_problem, prune, set_partitions
+
+from .conftest import EXAMPLES
+
+GIB = 2**30
+
+
+def test_set_partitions_are_bell_many_and_distinct():
+    for k, bell in [(1, 1), (2, 2), (3, 5), (4, 15)]:
+        parts = set_partitions([f"m{i}" for i in range(k)])
+        assert len(parts) == bell
+        assert len({tuple(sorted(tuple(sorted(g)) for g in p)) for p in parts}) == bell
+
+
+@st.composite
+def instances(draw):
+    """Small jobs: up to 16 GPUs, 2 to 4 model-stages, memory tight enough to bind."""
+    nodes = draw(st.integers(1, 2))
+    per_node = draw(st.sampled_from([2, 4, 8]))
+    assume(nodes * per_node <= 16)
+    down = draw(st.lists(st.integers(0, nodes * per_node - 1), max_size=2, unique=True))
+    cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node, gpu_memory=draw(st.sampled_from([4, 8, 16, 24])) * GIB,
+                      peak_flops=draw(st.sampled_from([312e12, 989e12])), hbm_bandwidth=2e12,
+                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6), host_link=Link(25e9, 10e-6),
+                      unavailable=sorted(down))
+    heads = draw(st.sampled_from([8, 16]))
+    hidden = heads * 128
+    layers = draw(st.sampled_from([4, 8, 16]))
+    actor = Model(name="actor", layers=layers, hidden=hidden, heads=heads, kv_heads=draw(st.sampled_from([2, heads])),
+                  ffn=hidden * 3, vocab=32000, trained=True)
+    ref = Model(name="ref", layers=layers, hidden=hidden, heads=heads, kv_heads=actor.kv_heads, ffn=hidden * 3, vocab=32000)
+    shape = draw(st.sampled_from(["gen-train", "gen-infer2-train", "gen-infer-train"]))
+    stages = [Stage(name="generate", kind="generate", models=["actor"])]
+    if shape == "gen-infer2-train":
+        stages.append(Stage(name="infer", kind="infer", models=["actor", "ref"]))
+    elif shape == "gen-infer-train":
+        stages.append(Stage(name="infer", kind="infer", models=["ref"]))
+    stages.append(Stage(name="train", kind="train", models=["actor"]))
+    w = Workload(name="w", algorithm="grpo", roles=["actor", "ref"], global_batch=draw(st.sampled_from([8, 16, 32])),
+                 group_size=4, prompt_len_mean=256, prompt_len_max=512, response_len_mean=draw(st.sampled_from([256, 1024])),
+                 response_len_max=2048, micro_batch=2, stages=stages)
+    return cluster, w, {"actor": actor, "ref": ref}
+
+
+def _module(cluster, w, models) -> Module:
+    return Module(clusters={cluster.name: cluster}, models=dict(models), workloads={w.name: w})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(instances())
+def test_solver_optimum_equals_brute_force_and_plans_fit(inst):
+    cluster, w, models = inst
+    problem = build_problem(cluster, w, models, max_tp=4)
+    sizes = [len(s.options) for s in problem.spaces.values()]
+    assume(all(sizes) and math.prod(sizes) <= 300_000)
+    exact, _, _ = brute_force(problem)
+    sol = solve(problem, time_limit=30)
+    event("feasible" if exact is not None else "infeasible")
+    if exact is None:
+        assert sol.status == "infeasible"
+        return
+    assert sol.status == "optimal"
+    assert sol.objective == exact
+    assert problem.evaluate(sol.choice, sol.partition) == exact
+    m = _module(cluster, w, models)
+    plan = to_plan(problem, sol, "p", w.name, cluster.name)
+    m.plans["p"] = plan
+    nereus.verify(m)  # a valid plan: meshes on available GPUs, colocation declared, layers covered
+    from nereus.passes.estimate import estimate_plan
+
+    assert estimate_plan(m, plan) == []  # and it fits in memory on every GPU
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(instances())
+def test_pruning_keeps_the_optimum(inst):
+    """Brute force over every candidate and over the pruned ones finds the same optimum."""
+    cluster, w, models = inst
+    from nereus.passes import search_space
+
+    pruned = build_problem(cluster, w, models, max_tp=2)
+    original = search_space.prune
+    try:
+        search_space.prune = lambda options: options
+        unpruned = build_problem(cluster, w, models, max_tp=2)
+    finally:
+        search_space.prune = original
+    sizes = [len(s.options) for s in unpruned.spaces.values()]
+    assume(all(sizes) and math.prod(sizes) <= 1_000_000)
+    assert unpruned.unit_s == pruned.unit_s  # the time unit is fixed before pruning
+    assert brute_force(unpruned)[0] == brute_force(pruned)[0]
+
+
+def test_prune_drops_only_dominated():
+    def o(gpus, time, peak, res, rho=1 << 40):
+        return Option(1, 1, gpus, 1, False, 0, (), rho, gpus, gpus, float(time), time, peak, res)
+
+    a, b, c, d = o(4, 10, 20, 5), o(4, 12, 20, 5), o(8, 8, 20, 5), o(2, 30, 30, 2)
+    assert prune([a, b, c, d]) == [a, c, d]  # b: same GPUs, slower, no smaller
+
+
+def test_same_input_and_seed_give_identical_plan():
+    text = next(p for p in EXAMPLES if p.name == "ppo_8b_16gpu.nir").read_text()
+    outs = []
+    for _ in range(2):
+        m = nereus.parse(text)
+        nereus.run_pipeline(m, "plan-search{seed=3}")
+        outs.append(nereus.print_ir(m))
+    assert outs[0] == outs[1]
+    m = nereus.parse(outs[0])
+    s = m.plans["ppo_searched"]
+    assert s.search.status == "optimal" and s.search.gap == 0.0 and s.step_time > 0
+    assert s.step_time < m.plans["ppo_p0"].step_time if m.plans["ppo_p0"].step_time else True
+
+
+def test_infeasible_names_the_tightest_model_stage():
+    text = next(p for p in EXAMPLES if p.name == "ppo_70b_1024gpu.nir").read_text()
+    text = text.replace("nodes = 128", "nodes = 1")  # 70B models on 8 GPUs
+    text = text[:text.index("plan @")]  # no plan: only the job
+    m = nereus.parse(text, "tiny.nir")
+    with pytest.raises(nereus.DiagnosticError) as e:
+        nereus.run_pipeline(m, "plan-search")
+    (d,) = e.value.diagnostics
+    assert d.message.startswith("no plan fits: ")
+    assert "needs at least" in d.message or "would need" in d.message
+    assert any(ms in d.message for ms in ("actor.train", "critic.train", "actor.generate"))
+    assert "GiB" in d.message and d.loc.line > 0
