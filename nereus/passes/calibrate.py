@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import nnls
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.cluster import Calibration, Efficiency
@@ -58,6 +57,8 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
     """Non-negative least squares on relative error; see the module docstring."""
     if not obs:
         raise ValueError("no observations to fit")
+    from scipy.optimize import nnls  # imported here: scipy costs 0.3 s at start-up, and only calibrate needs it
+
     x = coefficient_vector(prior)
     before = _mape(obs, x)
     used = np.zeros(len(COEFFS), dtype=bool)
