@@ -21,10 +21,11 @@ demo: $(STAMP)
 	$(BIN)/nereus fmt --check examples/*.nir
 	for f in examples/*.nir; do $(BIN)/nereus show $$f || exit 1; done
 	mkdir -p out
-	$(BIN)/nereus opt examples/ppo_8b_16gpu.nir -p estimate -o out/ppo_8b_16gpu.estimated.nir
-	$(BIN)/nereus show out/ppo_8b_16gpu.estimated.nir
+	$(BIN)/nereus opt examples/ppo_8b_16gpu.nir -p estimate,plan-search -o out/ppo_8b_16gpu.searched.nir
+	$(BIN)/nereus show out/ppo_8b_16gpu.searched.nir
 	$(BIN)/nereus bench parse --quick
 	$(BIN)/nereus bench estimate --quick
+	$(BIN)/nereus bench plan-search --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -33,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
 	$(BIN)/nereus bench parse
 	$(BIN)/nereus bench estimate
+	$(BIN)/nereus bench plan-search
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .benchmarks

@@ -83,7 +83,7 @@ def test_bench_parse_json_smoke(capsys):
 
 def test_bench_unknown_name(capsys):
     assert main(["bench", "nope"]) == 1
-    assert "known: parse, estimate" in capsys.readouterr().err
+    assert "known: parse, estimate, plan-search" in capsys.readouterr().err
 
 
 def test_bench_estimate_json_smoke(capsys):
@@ -91,3 +91,11 @@ def test_bench_estimate_json_smoke(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["candidates"] == 10_000 and data["plan_gpus"] == 1024
     assert data["vectorized_s"] > 0 and data["one_at_a_time_s"] > data["vectorized_s"]
+
+
+def test_bench_plan_search_json_smoke(capsys):
+    assert main(["bench", "plan-search", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(r["job"], r["gpus"]): r for r in data["rows"]}
+    assert all(r["status"] == "optimal" for r in rows.values())
+    assert rows[("PPO 8B", 16)]["greedy_over_searched"] >= 1.0  # the optimum is never worse than the peer

@@ -1,0 +1,14 @@
+"""pytest-benchmark: plan-search on the 70B job at 1,024 GPUs (run: make bench)."""
+
+from nereus.ir import parse
+from nereus.jobs import ppo_70b
+from nereus.passes.plan_search import solve
+from nereus.passes.search_space import build_problem
+
+M = parse(ppo_70b(1024, with_emus=False))
+W, C = next(iter(M.workloads.values())), next(iter(M.clusters.values()))
+
+
+def test_plan_search_1024_gpus(benchmark):
+    sol = benchmark.pedantic(lambda: solve(build_problem(C, W, M.models), time_limit=30), rounds=3, iterations=1)
+    assert sol.status == "optimal"
