@@ -105,6 +105,8 @@ def cmd_opt(args) -> int:
     except DiagnosticError as e:
         _report(e)
         return 1
+    for w in m.warnings:
+        print(w.render(m.source), file=sys.stderr)
     text = print_ir(m)
     if args.golden:
         from .testing import GoldenMismatch, compare

@@ -23,6 +23,8 @@ class Module:
     filename: str | None = field(default=None, compare=False, repr=False)
     source: str | None = field(default=None, compare=False, repr=False)
     trailing_comments: list[str] = field(default_factory=list, compare=False, repr=False)
+    # notes passes leave for the user (e.g. a search stopped by its time limit); not part of the IR
+    warnings: list = field(default_factory=list, compare=False, repr=False)
 
     def emus_of(self, plan: str, model_stage: str) -> list[Emu]:
         return sorted((e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage),

@@ -224,8 +224,15 @@ class PlanSearch(ModulePass):
         c = _pick(module, "cluster", self.cluster)
         problem = build_problem(c, w, module.models)
         sol = solve(problem, self.time_limit, self.seed)
+        if sol.status == "unknown":
+            raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "
+                                                     "(and could not prove there is none)", "raise time_limit")], module.source)
         if sol.choice is None:
             raise DiagnosticError([infeasible_diagnostic(problem, w.loc)], module.source)
+        if sol.status != "optimal":
+            module.warnings.append(Diagnostic(w.loc, f"plan-search stopped at time_limit={self.time_limit:g} s without proving "
+                                                     f"optimality: the plan is within {sol.gap:.2%} of the best possible",
+                                              "raise time_limit for a proof", severity="warning"))
         name = self.into.lstrip("@") or f"{w.name}_searched"
         plan = to_plan(problem, sol, name, w.name, c.name)
         plan.search = SearchRecord(status=sol.status, objective=round_time(sol.objective * problem.unit_s),
