@@ -1,19 +1,38 @@
-"""Derive the EMUs of a model-stage from its layout: who holds which slice of every weight.
+"""Derive the EMUs of a model-stage from its layout: who holds which slice of every tensor.
 
 Weights follow the model's TP sharding rules (``Model.tp_span``) and the layout's pipeline
-layer ranges. One entry per (family, pipeline stage) covers the stage's whole layer range,
+layer ranges; one entry per (family, pipeline stage) covers the stage's whole layer range,
 since every layer of a stage is sliced the same way.
+
+A trained model in a train stage also holds its optimizer state: the fp32 master copy and
+Adam's two moments (``master``, ``exp_avg``, ``exp_avg_sq``), sliced like the weights. Under
+ZeRO (``zero`` on the layout) the state is sharded over DP as FSDP2 shards a parameter: each
+TP-local slice is split along its dimension 0 among the DP replicas by the uneven-split rule
+(``even_split``): optimizer state from ZeRO-1, weights too under ZeRO-3. Gradients are not
+part of an EMU: they are recomputed every step and carry nothing across a step boundary.
 """
 
 from __future__ import annotations
 
 from .emu import Emu, Shard, SliceEntry
-from .model import Model
+from .model import Model, even_split
 from .plan import Layout
 
+OPTIMIZER_STATES = ("master", "exp_avg", "exp_avg_sq")
 
-def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weight",)) -> list[SliceEntry]:
-    """The slices held at pipeline stage ``pp``, tensor rank ``tp``, in inventory order."""
+
+def states_of(model: Model, stage_kind: str) -> tuple[str, ...]:
+    """The states an EMU of this model in a stage of this kind holds."""
+    return ("weight", *OPTIMIZER_STATES) if model.trained and stage_kind == "train" else ("weight",)
+
+
+def dp_sharded(state: str, zero: int) -> bool:
+    """Whether ZeRO stage ``zero`` splits ``state`` over the DP replicas."""
+    return zero >= 3 if state == "weight" else zero >= 1
+
+
+def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0) -> list[SliceEntry]:
+    """The slices held at pipeline stage ``pp``, tensor rank ``tp`` of DP replica ``dp_rank``, in inventory order."""
     lo, hi = layout.layers[pp]
     out = []
     for state in states:
@@ -25,18 +44,32 @@ def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weigh
             else:
                 continue
             box = model.tp_box(spec, layout.tp, tp)
+            if dp_sharded(state, layout.zero) and layout.dp > 1:
+                a, b = box[0]
+                s, e = even_split(b - a, layout.dp, dp_rank)
+                box = ((a + s, a + e),) + box[1:]
             if any(hi <= lo for lo, hi in box):
-                continue  # a dimension smaller than TP leaves the last ranks with nothing of it
+                continue  # a dimension smaller than TP (or DP) leaves the last ranks with nothing of it
             out.append(SliceEntry(family=spec.family, layers=layers, box=box, state=state))
     return out
 
 
 def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)) -> list[Emu]:
-    """Every EMU (one per DP replica) of ``layout``'s model-stage."""
-    per_coord = {(p, t): shard_entries(model, layout, p, t, states) for p in range(layout.pp) for t in range(layout.tp)}
+    """Every EMU (one per DP replica) of ``layout``'s model-stage.
+
+    Replicas whose slices are equal share one entry list, which the printer and the verifier
+    use to treat them once.
+    """
+    sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.dp > 1
+    cache: dict[tuple[int, int, int], list[SliceEntry]] = {}
     emus = []
     for d in range(layout.dp):
-        shards = [Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=per_coord[p, t])
-                  for p in range(layout.pp) for t in range(layout.tp)]
+        shards = []
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                key = (d if sharded else 0, p, t)
+                if key not in cache:
+                    cache[key] = shard_entries(model, layout, p, t, states, key[0])
+                shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key]))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
     return emus

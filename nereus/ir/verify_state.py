@@ -17,6 +17,7 @@ import numpy as np
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
 from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
 from .model import Model, TensorSpec
+from .sharding import dp_sharded
 from .module import Module
 from .transition import HostRef, Op, ShardRef, Transition
 
@@ -46,6 +47,7 @@ class _Ctx:
 
 def verify_emus(m: Module, sink: DiagnosticSink) -> None:
     checked: dict[tuple, bool] = {}
+    clean: set[tuple[str, str, int]] = set()  # replicas whose own slices passed every check
     for emu in m.emus.values():
         if emu.plan not in m.plans:
             sink.error(emu.plan_loc, f"emu refers to unknown plan @{emu.plan}", did_you_mean(emu.plan, m.plans))
@@ -94,7 +96,9 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                     _entry(ctx, emu, s.pp, s.tp, e, sink)
         if len(sink.diagnostics) == before and not missing and not shard_errors:
             _coverage(ctx, emu, sink)
+            clean.add(emu.key)
         checked[key] = True
+    _dp_sharded_coverage(m, clean, sink)
 
 
 def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: DiagnosticSink) -> None:
@@ -129,7 +133,7 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
         if b > n:
             sink.error(e.loc, f"slice {_fmt_box(e.box)} is outside {e.tensor} of shape {list(spec.shape)} (dimension {d} has {n})")
             return
-        if d != spec.tp_dim and (a, b) != (0, n):
+        if d != spec.tp_dim and (a, b) != (0, n) and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.dp > 1):
             what = "is replicated" if spec.tp_dim is None else f"is split only along dimension {spec.tp_dim}"
             sink.error(e.loc, f"{e.family} {what} ({spec.rule}), but the slice cuts dimension {d} to {a}:{b}",
                        f"dimension {d} must be whole: 0:{n}")
@@ -144,8 +148,8 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
             groups[(e.state, e.family)].append((s, e))
     states = {st for st, _ in groups} | {"weight"}
     for state in STATES:
-        if state not in states:
-            continue
+        if state not in states or (dp_sharded(state, lay.zero) and lay.dp > 1):
+            continue  # sharded over DP: checked across replicas in _dp_sharded_coverage
         for spec in model.tensors.values():
             held = groups.get((state, spec.family), [])
             want = model.tp_replication(spec, lay.tp)
@@ -170,6 +174,38 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
                 sink.error(loc, f"{emu.model_stage}[{emu.replica}]: {label} {what}"
                                 + (f"; by the {spec.rule} rule shard [{owner[0]}, {owner[1]}] holds it" if owner else ""),
                            "each element is held once per replica (tp times if replicated)")
+
+
+def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
+    """States ZeRO shards over DP: every element held once per TP replication over *all* replicas.
+
+    Checked only where every replica of the model-stage is declared and passed its own checks.
+    """
+    by_stage: dict[tuple[str, str], list[Emu]] = defaultdict(list)
+    for key in clean:
+        by_stage[key[:2]].append(m.emus[key])
+    for (plan, ms), emus in sorted(by_stage.items()):
+        ctx = _Ctx(m, emus[0])
+        lay, model = ctx.layout, ctx.model
+        if lay.dp < 2 or len(emus) != lay.dp:
+            continue
+        states = [st for st in STATES if dp_sharded(st, lay.zero) and any(e.state == st for emu in emus for s in emu.shards for e in s.entries)]
+        for state in states:
+            for spec in model.tensors.values():
+                held = [e for emu in emus for s in emu.shards for e in s.entries if e.state == state and e.family == spec.family]
+                want = model.tp_replication(spec, lay.tp)
+                if not spec.per_layer and spec.placement == "first_and_last" and lay.pp > 1:
+                    want *= 2
+                bad = _bad_cell(spec, model.layers, held, want)
+                if bad is None:
+                    continue
+                cell, count = bad
+                layers, box = (cell[0], cell[1:]) if spec.per_layer else (None, cell)
+                name = tensor_name(spec.family, None if layers is None else (layers[0], layers[1] - 1))
+                emu0 = min(emus, key=lambda e: e.replica)
+                sink.error(emu0.loc, f"{ms}: {state} {name} {_fmt_box(box)} is held {count} time(s) across the {lay.dp} "
+                                     f"replicas, expected {want}", f"zero = {lay.zero} shards {state} over DP: the replicas "
+                                                                  "together hold each element once per TP replication")
 
 
 def _covers(e: SliceEntry, layers, box) -> bool:
