@@ -4,16 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .attributes import AttrSpec
+from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 from .emu import Box, tensor_name
 
 OP_KINDS = ("copy", "send", "broadcast", "allgather", "free", "offload", "load")
 LINKS = ("local", "nvlink", "nic", "pcie")
 
+@dataclass(frozen=True)
+class Admission:
+    """What admit decided and why: a transition pays when benefit > cost x (1 + margin)."""
+
+    decision: str  # accept | reject
+    cost: float  # seconds: scheduled makespan + fixed overheads
+    benefit: float  # seconds saved over the remaining steps
+    saving: float  # seconds saved per step (negative: plan B is slower)
+    break_even: float  # steps until the saving repays the cost (inf when it never does)
+
+
+ADMISSION = RecordSpec("admit", (AttrSpec("decision", "choice", choices=("accept", "reject")), AttrSpec("cost", "time"),
+                                 AttrSpec("benefit", "float"), AttrSpec("saving", "float"), AttrSpec("break_even", "float")),
+                       Admission)
+
 TRANSITION_ATTRS = [
     AttrSpec("source", "symbol", doc="plan A"),
     AttrSpec("target", "symbol", doc="plan B"),
+    AttrSpec("bytes_moved", "size", default=None, doc="bytes received over links, once per receiving GPU (plan-transition)"),
+    AttrSpec("lower_bound", "size", default=None, doc="sum over GPUs of the destination bytes the GPU does not hold already"),
+    AttrSpec("makespan", "time", default=None, doc="scheduled duration (schedule-transfers)"),
+    AttrSpec("port_bound", "time", default=None, doc="max over GPU send/receive ports of their busy time: no schedule is shorter"),
+    AttrSpec("schedule_status", "choice", default=None, choices=("optimal", "feasible"), doc="CP-SAT's status for the schedule"),
+    record("admit", ADMISSION, default=None, doc="admit's decision, cost, benefit, per-step saving and break-even steps"),
 ]
 
 OP_ATTRS = [
@@ -25,7 +46,7 @@ OP_ATTRS = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class ShardRef:
     """Coordinate (dp, pp, tp) of a model-stage: EMU ``replica = dp``, shard (pp, tp)."""
 
@@ -38,7 +59,7 @@ class ShardRef:
         return f"{self.model_stage}[{self.dp}, {self.pp}, {self.tp}]"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class HostRef:
     """Host memory beside one GPU (pinned buffers used to offload that GPU's state)."""
 
@@ -82,6 +103,12 @@ class Transition:
     source: str
     target: str
     ops: list[Op] = field(default_factory=list)
+    bytes_moved: int | None = None
+    lower_bound: int | None = None
+    makespan: float | None = None
+    port_bound: float | None = None
+    schedule_status: str | None = None
+    admit: Admission | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)

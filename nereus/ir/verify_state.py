@@ -302,6 +302,61 @@ def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
             if plans["source"] is not None and plans["target"] is not None:
                 _op(m, t, op, sink)
         _cycles(t, ids, sink)
+        if plans["source"] is not None and plans["target"] is not None and not sink.diagnostics:
+            _destinations_complete(m, t, sink)
+
+
+def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> None:
+    """After all operations, every slice of every destination EMU is held: delivered by an
+    operation, or kept in place (the same model-stage's identical slice on the same GPU, not freed)."""
+    target_emus = [e for e in m.emus.values() if e.plan == t.target]
+    if not target_emus:
+        return
+    delivered: dict[tuple, list] = defaultdict(list)
+    freed: set[tuple] = set()
+    for op in t.ops:
+        region = ((((op.layers[0], op.layers[1] + 1),) if op.layers is not None else ()) + tuple(op.box))
+        if op.kind == "free":
+            for ref in op.src:
+                freed.add((ref, op.state, op.family, region))
+        else:
+            for ref in op.dst:
+                delivered[(ref, op.state, op.family)].append(region)
+    in_place: dict[tuple, set] = defaultdict(set)
+    for (plan, ms, dp), emu in m.emus.items():
+        if plan != t.source:
+            continue
+        for s in emu.shards:
+            ref = ShardRef(ms, dp, s.pp, s.tp)
+            for e in s.entries:
+                region = ((((e.layers[0], e.layers[1] + 1),) if e.layers is not None else ()) + tuple(e.box))
+                if (ref, e.state, e.family, region) not in freed:
+                    in_place[(s.gpu, ms, e.state, e.family)].add(region)
+    for emu in sorted(target_emus, key=lambda e: e.key):
+        for s in emu.shards:
+            ref = ShardRef(emu.model_stage, emu.replica, s.pp, s.tp)
+            for e in s.entries:
+                region = ((((e.layers[0], e.layers[1] + 1),) if e.layers is not None else ()) + tuple(e.box))
+                if region in in_place[(s.gpu, emu.model_stage, e.state, e.family)]:
+                    continue
+                boxes = delivered.get((ref, e.state, e.family), [])
+                if _uncovered(region, boxes):
+                    sink.error(t.loc, f"transition @{t.name} leaves {ref} without all of {e.state} {e.tensor} "
+                                      f"{_fmt_box(e.box)}", "no operation delivers part of it and it is not kept in place")
+                    return
+
+
+def _uncovered(region, boxes) -> bool:
+    """Whether some element of ``region`` lies in none of ``boxes``."""
+    inside = [b for b in boxes if all(lo < bb and aa < hi for (lo, hi), (aa, bb) in zip(region, b))]
+    if not inside:
+        return True
+    cuts = [sorted({lo, hi} | {min(max(x, lo), hi) for b in inside for x in b[d]}) for d, (lo, hi) in enumerate(region)]
+    index = [{x: i for i, x in enumerate(c)} for c in cuts]
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for b in inside:
+        grid[tuple(slice(ix[min(max(lo, c[0]), c[-1])], ix[min(max(hi, c[0]), c[-1])]) for ix, c, (lo, hi) in zip(index, cuts, b))] = True
+    return not grid.all()
 
 
 def _cycles(t: Transition, ids: dict[str, int], sink: DiagnosticSink) -> None:
