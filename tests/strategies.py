@@ -28,6 +28,7 @@ from nereus.ir import (
 from nereus.ir import cluster as _cluster_mod
 from nereus.ir import model as _model_mod
 from nereus.ir import plan as _plan_mod
+from nereus.ir import DiagnosticError
 from nereus.ir import transition as _transition_mod
 from nereus.ir import workload as _workload_mod
 from nereus.ir.sharding import derive_emus
@@ -675,5 +676,18 @@ def modules(draw, valid: bool = True, tiny_dims: bool = False) -> Module:
         source = draw(st.sampled_from(plan_list))
         same = [p for p in plan_list if p.cluster == source.cluster]
         target = draw(st.sampled_from(same))
-        m.transitions[tname] = draw(transitions(tname, m, source, target, valid))
+        if valid:
+            # A valid transition leaves every destination EMU complete (a verifier rule), which
+            # random operations do not: let the planner build it, with random scheduling fields.
+            from nereus.passes.plan_transition import plan_transition
+
+            try:
+                t = plan_transition(m, source.name, target.name, tname)
+            except DiagnosticError:
+                continue  # e.g. a 1-byte GPU: no order fits, or the plans carry different state
+            for op in t.ops:
+                op.start = draw(st.none() | st.just(0.0) | quantity(Dim.TIME))
+            m.transitions[tname] = t
+        else:
+            m.transitions[tname] = draw(transitions(tname, m, source, target, valid))
     return m

@@ -161,8 +161,8 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
                     same = next((p for p in local if p.ref.model_stage == d.ref.model_stage and p.region == d.region), None)
                     if same is not None:  # the same model-stage keeps this very slice here: nothing to do
                         kept.add((same.ref, state, family, same.region))
-                    else:
-                        local_copies[(local[0].ref, d.ref)].append(cell)
+                    else:  # merged boxes must stay inside one source slice and one destination slice
+                        local_copies[(local[0].ref, local[0].region, d.ref, d.region)].append(cell)
         # remote: one sender per cell, least loaded first; several receivers make a broadcast
         transfers: dict[tuple, list[tuple]] = defaultdict(list)  # (sender piece ref, receivers) -> cells
         for cell in sorted(missing):
@@ -173,23 +173,23 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
                                                               f"of @{model_name} that plan @{target} needs")])
             best = min(cands, key=lambda p: (load[p.gpu], p.gpu, p.ref.model_stage))
             load[best.gpu] += cell_bytes(cell) * len(gpus)
-            receivers = tuple(sorted({(g, d.ref) for g in gpus for d in need[g][cell]}))
-            transfers[(best.ref, best.gpu, receivers)].append(cell)
-        for (sref, dref), cells in sorted(local_copies.items()):
+            receivers = tuple(sorted({(g, d.ref, d.region) for g in gpus for d in need[g][cell]}))
+            transfers[(best.ref, best.gpu, best.region, receivers)].append(cell)
+        for (sref, _, dref, _), cells in sorted(local_copies.items()):
             for box in _merge(cells):
                 region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
                 nbytes = _volume(region) * itemsize
                 op = _op(new_id(), "copy", state, family, region, [sref], [dref], nbytes, "local", per_layer)
                 ops.append(op)
                 reads[sref].append(op.id)
-        for (sref, sgpu, receivers), cells in sorted(transfers.items()):
-            rgpus = sorted({g for g, _ in receivers})
+        for (sref, sgpu, _, receivers), cells in sorted(transfers.items()):
+            rgpus = sorted({g for g, _, _ in receivers})
             link = "nic" if any(cluster.node_of(g) != cluster.node_of(sgpu) for g in rgpus) else "nvlink"
             for box in _merge(cells):
                 region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
                 nbytes = _volume(region) * itemsize
                 kind = "send" if len(receivers) == 1 else "broadcast"
-                op = _op(new_id(), kind, state, family, region, [sref], [r for _, r in receivers], nbytes, link, per_layer)
+                op = _op(new_id(), kind, state, family, region, [sref], sorted({r for _, r, _ in receivers}), nbytes, link, per_layer)
                 ops.append(op)
                 reads[sref].append(op.id)
                 bytes_moved += nbytes * len(rgpus)
