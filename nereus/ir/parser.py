@@ -219,7 +219,7 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
         elif ch in "\"'":
             hint = "there are no strings in the language; write names bare: dtype = bf16"
         elif ch == "-":
-            hint = "negative numbers are not allowed; ranges are written 0..7"
+            hint = "only decimal numbers may be negative (-0.5); counts and sizes are not, and ranges are written 0..7"
         elif ch == "@":
             hint = "a reference is @ followed by a letter or underscore"
     elif isinstance(err, lark.exceptions.UnexpectedToken):

@@ -19,11 +19,11 @@ class Admission:
     cost: float  # seconds: scheduled makespan + fixed overheads
     benefit: float  # seconds saved over the remaining steps
     saving: float  # seconds saved per step (negative: plan B is slower)
-    break_even: float  # steps until the saving repays the cost (inf when it never does)
+    break_even: float | None = None  # steps until the saving repays the cost (None: it never does)
 
 
 ADMISSION = RecordSpec("admit", (AttrSpec("decision", "choice", choices=("accept", "reject")), AttrSpec("cost", "time"),
-                                 AttrSpec("benefit", "float"), AttrSpec("saving", "float"), AttrSpec("break_even", "float")),
+                                 AttrSpec("benefit", "float"), AttrSpec("saving", "float"), AttrSpec("break_even", "float", default=None)),
                        Admission)
 
 TRANSITION_ATTRS = [

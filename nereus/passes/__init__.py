@@ -1,6 +1,6 @@
 """Optimizer passes over the IR and the pass manager that runs pipelines of them."""
 
-from . import calibrate, derive_emus, estimate, plan_search, plan_transition  # noqa: F401  (registers the passes)
+from . import admit, calibrate, derive_emus, estimate, plan_search, plan_transition, schedule_transfers  # noqa: F401  (registers the passes)
 from .cost_model import Candidates, CostModel
 from .pass_manager import PASSES, ModulePass, PipelineError, parse_pipeline, register, run_pipeline
 

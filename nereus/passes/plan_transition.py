@@ -14,6 +14,9 @@ trained models) and every tensor family:
 4. cells with the same sender and receivers are merged back into boxes, and every source slice
    that plan B does not keep in place is freed after the operations that read it.
 
+Source slices on GPUs that plan B's cluster marks unavailable are lost: their data comes from
+other replicas, and the pass reports what no surviving GPU holds.
+
 Bytes moved (each received byte counted once per receiving GPU) and the lower bound
 ``sum over GPUs of |destination slices \\ slices already there|`` are recorded on the
 transition; by construction every missing byte is received exactly once, so the ratio is 1.000.
@@ -104,10 +107,13 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
     for p in (source, target):
         ensure_emus(m, p)
     src_all, dst_all = _pieces(m, source), _pieces(m, target)
+    # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
+    lost = set(cluster.unavailable)
+    src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
     ops: list[Op] = []
     load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
     bytes_moved = lower = 0
-    reads: dict[ShardRef, list[str]] = defaultdict(list)  # source shard -> ops that read it (for frees)
+    reads: dict[tuple, list[str]] = defaultdict(list)  # source slice -> ops that read it (for frees)
     kept: set[tuple] = set()  # (ref, state, family, region) of source slices reused in place
     recv_bytes: dict[int, int] = defaultdict(int)
     recv_ops: dict[int, list[str]] = defaultdict(list)
@@ -175,14 +181,14 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
             load[best.gpu] += cell_bytes(cell) * len(gpus)
             receivers = tuple(sorted({(g, d.ref, d.region) for g in gpus for d in need[g][cell]}))
             transfers[(best.ref, best.gpu, best.region, receivers)].append(cell)
-        for (sref, _, dref, _), cells in sorted(local_copies.items()):
+        for (sref, sregion, dref, _), cells in sorted(local_copies.items()):
             for box in _merge(cells):
                 region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
                 nbytes = _volume(region) * itemsize
                 op = _op(new_id(), "copy", state, family, region, [sref], [dref], nbytes, "local", per_layer)
                 ops.append(op)
-                reads[sref].append(op.id)
-        for (sref, sgpu, _, receivers), cells in sorted(transfers.items()):
+                reads[(sref, state, family, sregion)].append(op.id)
+        for (sref, sgpu, sregion, receivers), cells in sorted(transfers.items()):
             rgpus = sorted({g for g, _, _ in receivers})
             link = "nic" if any(cluster.node_of(g) != cluster.node_of(sgpu) for g in rgpus) else "nvlink"
             for box in _merge(cells):
@@ -191,7 +197,7 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
                 kind = "send" if len(receivers) == 1 else "broadcast"
                 op = _op(new_id(), kind, state, family, region, [sref], sorted({r for _, r, _ in receivers}), nbytes, link, per_layer)
                 ops.append(op)
-                reads[sref].append(op.id)
+                reads[(sref, state, family, sregion)].append(op.id)
                 bytes_moved += nbytes * len(rgpus)
                 for g in rgpus:
                     recv_bytes[g] += nbytes
@@ -210,7 +216,7 @@ def plan_transition(m: Module, source: str, target: str, name: str) -> Transitio
             if (p.ref, state, family, p.region) in kept:
                 continue
             op = _op(new_id(), "free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
-            op.deps = sorted(set(reads.get(p.ref, [])), key=lambda s: int(s[1:]))
+            op.deps = list(reads.get((p.ref, state, family, p.region), []))  # already in creation order
             ops.append(op)
             if not op.deps:
                 freeable[p.gpu].append(op)

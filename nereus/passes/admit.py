@@ -1,0 +1,80 @@
+"""``admit{horizon=STEPS,margin=X}``: move to plan B only when it pays.
+
+cost = the scheduled makespan of the transition + fixed overheads: re-initialising the process
+groups of every model-stage whose layout changes, and restarting the generation engine when
+the generation layout changes (``pg_init`` and ``engine_restart``, seconds; defaults are
+conservative figures for NCCL communicator set-up at scale and a vLLM engine start with its
+KV cache allocation, to be calibrated per job). benefit = (step time under A - step time under
+B) x the remaining steps (``horizon``; default: the workload's ``steps``). The transition is
+admitted when benefit > cost x (1 + margin). The decision, both numbers, the per-step saving and
+the break-even step count are attributes of the transition; a rejected transition stays in the
+IR, marked rejected, and is reported, never applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir.transition import Admission
+from .estimate import estimate_plan
+from .pass_manager import ModulePass, register
+
+
+def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float, engine_restart: float) -> Admission:
+    t = m.transitions[name]
+    if t.makespan is None:
+        raise DiagnosticError([Diagnostic(t.loc, f"admit: transition @{name} has no schedule",
+                                          "run schedule-transfers before admit")])
+    a, b = m.plans[t.source], m.plans[t.target]
+    for plan in (a, b):
+        if plan.step_time is None:
+            problems = estimate_plan(m, plan)
+            if problems:
+                raise DiagnosticError(problems)
+    changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or _shape(a.layouts[ms]) != _shape(lay)]
+    w = m.workloads[b.workload]
+    gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
+    cost = t.makespan + (pg_init if changed else 0.0) + (engine_restart if gen_changed else 0.0)
+    saving = a.step_time - b.step_time
+    benefit = saving * horizon
+    decision = "accept" if benefit > cost * (1 + margin) else "reject"
+    return Admission(decision=decision, cost=_r(cost), benefit=_r(benefit), saving=_r(saving),
+                     break_even=_r(cost / saving) if saving > 0 else None)
+
+
+def _shape(lay) -> tuple:
+    return (lay.tp, lay.pp, lay.dp, tuple(lay.mesh), tuple(map(tuple, lay.layers)))
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.5g}")
+
+
+@register
+@dataclass(frozen=True)
+class Admit(ModulePass):
+    """Options: ``horizon`` (remaining steps; default the workload's ``steps``), ``margin``,
+    ``pg_init`` and ``engine_restart`` (seconds), ``transition`` (``@name``; default: every one)."""
+
+    name = "admit"
+    horizon: int = 0
+    margin: float = 0.1
+    pg_init: float = 2.0
+    engine_restart: float = 30.0
+    transition: str = ""
+
+    def apply(self, module: Module) -> None:
+        names = [self.transition.lstrip("@")] if self.transition else list(module.transitions)
+        if not names:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "admit: the module has no transition")])
+        for name in names:
+            t = module.transitions[name]
+            horizon = self.horizon or module.workloads[module.plans[t.target].workload].steps or 0
+            if horizon <= 0:
+                raise DiagnosticError([Diagnostic(t.loc, "admit needs horizon=STEPS (the workload sets no steps)")])
+            t.admit = admission(module, name, horizon, self.margin, self.pg_init, self.engine_restart)
+            if t.admit.decision == "reject":
+                module.warnings.append(Diagnostic(
+                    t.loc, f"transition @{name} rejected: it costs {t.admit.cost:g} s and saves {t.admit.saving:g} s per step, "
+                           f"{t.admit.benefit:g} s over {horizon} steps (margin {self.margin:g})", severity="note"))
