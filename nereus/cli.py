@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)")
     o.set_defaults(func=cmd_opt)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("name", metavar="NAME", help="parse, estimate or plan-search")
+    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search or transition")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     b.set_defaults(func=cmd_bench)

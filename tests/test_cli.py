@@ -83,7 +83,7 @@ def test_bench_parse_json_smoke(capsys):
 
 def test_bench_unknown_name(capsys):
     assert main(["bench", "nope"]) == 1
-    assert "known: parse, estimate, plan-search" in capsys.readouterr().err
+    assert "known: parse, estimate, plan-search, transition" in capsys.readouterr().err
 
 
 def test_bench_estimate_json_smoke(capsys):
@@ -99,3 +99,12 @@ def test_bench_plan_search_json_smoke(capsys):
     rows = {(r["job"], r["gpus"]): r for r in data["rows"]}
     assert all(r["status"] == "optimal" for r in rows.values())
     assert rows[("PPO 8B", 16)]["greedy_over_searched"] >= 1.0  # the optimum is never worse than the peer
+
+
+def test_bench_transition_json_smoke(capsys):
+    assert main(["bench", "transition", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for row in data["rows"]:
+        assert row["bytes_moved"] == row["lower_bound"]  # the planner reaches the lower bound
+        assert row["makespan_s"] >= row["port_bound_s"] > 0
+        assert all(v["bytes"] > row["bytes_moved"] for v in row["peers"].values())

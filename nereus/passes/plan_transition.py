@@ -100,15 +100,19 @@ def _merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
     return boxes
 
 
-def plan_transition(m: Module, source: str, target: str, name: str) -> Transition:
-    """Build the transition graph; see the module docstring."""
+def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None) -> Transition:
+    """Build the transition graph; see the module docstring.
+
+    ``lost``: GPUs whose state is gone (default: those plan B's cluster marks unavailable). Pass
+    an empty set for GPUs that leave with notice (a planned scale-in): they still send.
+    """
     plan_a, plan_b = m.plans[source], m.plans[target]
     cluster = m.clusters[plan_b.cluster]
     for p in (source, target):
         ensure_emus(m, p)
     src_all, dst_all = _pieces(m, source), _pieces(m, target)
     # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
-    lost = set(cluster.unavailable)
+    lost = set(cluster.unavailable) if lost is None else set(lost)
     src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
     ops: list[Op] = []
     load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
@@ -266,12 +270,15 @@ def _op(op_id, kind, state, family, region, src, dst, nbytes, link, per_layer: b
 @register
 @dataclass(frozen=True)
 class PlanTransition(ModulePass):
-    """Options: ``to`` (``@plan_b``), ``source`` (``@plan_a``; default: the other plan of the module), ``name``."""
+    """Options: ``to`` (``@plan_b``), ``source`` (``@plan_a``; default: the other plan of the job),
+    ``into`` (name of the transition), ``drain`` (true: GPUs plan B cannot use leave with notice
+    and still send; default false: they failed and their state is lost)."""
 
     name = "plan-transition"
     to: str = ""
     source: str = ""
     into: str = ""
+    drain: bool = False
 
     def apply(self, module: Module) -> None:
         target = self.to.lstrip("@")
@@ -286,4 +293,4 @@ class PlanTransition(ModulePass):
                                                   f"plan-transition needs source=@plan_a: {len(others)} other plans of the job")])
             source = others[0]
         name = self.into.lstrip("@") or f"{source}_to_{target}"
-        module.transitions[name] = plan_transition(module, source, target, name)
+        module.transitions[name] = plan_transition(module, source, target, name, lost=set() if self.drain else None)

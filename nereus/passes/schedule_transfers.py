@@ -109,10 +109,16 @@ def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
 
 
 def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
-    """List schedule: longest ready bucket first, at the earliest time its ports and predecessors allow."""
+    """List schedule: repeatedly start, as early as its ports and predecessors allow, the ready
+    bucket whose busiest port has the most work left (ties: the longer bucket), so that the
+    ports that bound the makespan are never left idle when they could work."""
     preds: dict[int, set[int]] = defaultdict(set)
     for a, b in prec:
         preds[b].add(a)
+    left: dict[tuple, int] = defaultdict(int)
+    for b in buckets:
+        for p in _ports(b):
+            left[p] += b.duration
     start: dict[int, int] = {}
     free_at: dict[tuple, int] = defaultdict(int)
     remaining = set(range(len(buckets)))
@@ -120,11 +126,15 @@ def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
         ready = [i for i in remaining if preds[i] <= start.keys()]
         if not ready:
             raise ValueError("cyclic dependencies between transfer buckets")
-        i = max(ready, key=lambda k: (buckets[k].duration, -k))
-        earliest = max([free_at[p] for p in _ports(buckets[i])] + [start[j] + buckets[j].duration for j in preds[i]])
-        start[i] = earliest
+
+        def earliest(k: int) -> int:
+            return max([free_at[p] for p in _ports(buckets[k])] + [start[j] + buckets[j].duration for j in preds[k]])
+
+        i = min(ready, key=lambda k: (earliest(k), -max(left[p] for p in _ports(buckets[k])), -buckets[k].duration, k))
+        start[i] = earliest(i)
         for p in _ports(buckets[i]):
-            free_at[p] = earliest + buckets[i].duration
+            free_at[p] = start[i] + buckets[i].duration
+            left[p] -= buckets[i].duration
         remaining.discard(i)
     return [start[i] for i in range(len(buckets))]
 
