@@ -17,6 +17,7 @@ free; both are timed but hold no link port.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -111,31 +112,48 @@ def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
 def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     """List schedule: repeatedly start, as early as its ports and predecessors allow, the ready
     bucket whose busiest port has the most work left (ties: the longer bucket), so that the
-    ports that bound the makespan are never left idle when they could work."""
+    ports that bound the makespan are never left idle when they could work.
+
+    A heap keyed by earliest start; keys only grow as ports fill, so a popped bucket whose key
+    is stale goes back with its new key (lazy update). O(n log n) for n buckets.
+    """
     preds: dict[int, set[int]] = defaultdict(set)
+    succs: dict[int, list[int]] = defaultdict(list)
     for a, b in prec:
         preds[b].add(a)
+        succs[a].append(b)
+    ports = [_ports(b) for b in buckets]
     left: dict[tuple, int] = defaultdict(int)
-    for b in buckets:
-        for p in _ports(b):
+    for b, ps in zip(buckets, ports):
+        for p in ps:
             left[p] += b.duration
     start: dict[int, int] = {}
     free_at: dict[tuple, int] = defaultdict(int)
-    remaining = set(range(len(buckets)))
-    while remaining:
-        ready = [i for i in remaining if preds[i] <= start.keys()]
-        if not ready:
-            raise ValueError("cyclic dependencies between transfer buckets")
+    waiting = {i: len(preds[i]) for i in range(len(buckets))}
 
-        def earliest(k: int) -> int:
-            return max([free_at[p] for p in _ports(buckets[k])] + [start[j] + buckets[j].duration for j in preds[k]])
+    def key(k: int) -> tuple:
+        earliest = max([free_at[p] for p in ports[k]] + [start[j] + buckets[j].duration for j in preds[k]])
+        return (earliest, -max(left[p] for p in ports[k]), -buckets[k].duration, k)
 
-        i = min(ready, key=lambda k: (earliest(k), -max(left[p] for p in _ports(buckets[k])), -buckets[k].duration, k))
-        start[i] = earliest(i)
-        for p in _ports(buckets[i]):
+    heap = [key(i) for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    while heap:
+        k = heapq.heappop(heap)
+        i = k[3]
+        fresh = key(i)
+        if fresh[0] > k[0]:
+            heapq.heappush(heap, fresh)
+            continue
+        start[i] = fresh[0]
+        for p in ports[i]:
             free_at[p] = start[i] + buckets[i].duration
             left[p] -= buckets[i].duration
-        remaining.discard(i)
+        for j in succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, key(j))
+    if len(start) != len(buckets):
+        raise ValueError("cyclic dependencies between transfer buckets")
     return [start[i] for i in range(len(buckets))]
 
 
