@@ -145,17 +145,22 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                 n *= sizes[d][i]
             return n
 
+        cell_cache: dict[Box, list[tuple]] = {}  # replicas share regions: cut each region once
+
+        def cells_of(region: Box) -> list[tuple]:
+            if region not in cell_cache:
+                cell_cache[region] = list(_cells(region, cuts))
+            return cell_cache[region]
+
         holders: dict[tuple, list[Piece]] = defaultdict(list)
-        for p in srcs:
-            for cell in _cells(p.region, cuts):
-                holders[cell].append(p)
         on_gpu: dict[int, dict[tuple, list[Piece]]] = defaultdict(lambda: defaultdict(list))  # gpu -> cell -> local pieces
         for p in srcs:
-            for cell in _cells(p.region, cuts):
+            for cell in cells_of(p.region):
+                holders[cell].append(p)
                 on_gpu[p.gpu][cell].append(p)
         need: dict[int, dict[tuple, list[Piece]]] = defaultdict(lambda: defaultdict(list))  # gpu -> cell -> dst pieces
         for p in dsts:
-            for cell in _cells(p.region, cuts):
+            for cell in cells_of(p.region):
                 need[p.gpu][cell].append(p)
         # local: keep in place, or copy from a source piece on the same GPU
         local_copies: dict[tuple, list[tuple]] = defaultdict(list)  # (src ref, dst ref) -> cells
