@@ -26,6 +26,9 @@ demo: $(STAMP)
 	$(BIN)/nereus bench parse --quick
 	$(BIN)/nereus bench estimate --quick
 	$(BIN)/nereus bench plan-search --quick
+	$(BIN)/nereus opt tests/golden/plan-transition/tp4_to_tp2.nir -p "plan-transition{to=@b},schedule-transfers,admit" -o out/tp4_to_tp2.nir
+	$(BIN)/nereus show out/tp4_to_tp2.nir
+	$(BIN)/nereus bench transition --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -35,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/nereus bench parse
 	$(BIN)/nereus bench estimate
 	$(BIN)/nereus bench plan-search
+	$(BIN)/nereus bench transition
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .benchmarks
