@@ -106,6 +106,8 @@ def cmd_opt(args) -> int:
         _report(e)
         return 1
     for w in m.warnings:
+        if w.loc.file is None:
+            w = Diagnostic(Loc(w.loc.line, w.loc.col, args.file), w.message, w.hint, w.severity)
         print(w.render(m.source), file=sys.stderr)
     text = print_ir(m)
     if args.golden:

@@ -55,9 +55,15 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
         if p.colocate:
             console.print("  * colocated: " + "; ".join(" + ".join(g) for g in p.colocate))
     for tr in m.transitions.values():
-        total = sum(op.bytes for op in tr.ops if op.kind not in ("free", "copy"))
-        console.print(f"transition @{tr.name}: @{tr.source} -> @{tr.target}, {len(tr.ops)} operations, "
-                      f"{_size(total)} moved between devices")
+        t = Table(title=f"transition @{tr.name}: @{tr.source} -> @{tr.target}", title_justify="left")
+        for col in ("operations", "bytes moved", "lower bound", "makespan", "port bound", "schedule", "admit", "cost", "saving/step", "break-even"):
+            t.add_column(col, justify="right")
+        a = tr.admit
+        fmt_t = lambda x: format_quantity(Dim.TIME, x) if x is not None else ""
+        t.add_row(f"{len(tr.ops):,}", _size(tr.bytes_moved), _size(tr.lower_bound), fmt_t(tr.makespan), fmt_t(tr.port_bound),
+                  tr.schedule_status or "", a.decision if a else "", fmt_t(a.cost) if a else "",
+                  f"{a.saving:g} s" if a else "", f"{a.break_even:g} steps" if a and a.break_even is not None else ("never" if a else ""))
+        console.print(t)
 
 
 def _emu_bytes(m: Module) -> dict[tuple[str, str], int]:

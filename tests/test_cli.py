@@ -35,7 +35,7 @@ def test_missing_file_directory_and_binary(tmp_path, capsys):
     binary.write_bytes(b"\xff\xfe\x00cluster")
     assert main(["check", str(tmp_path / "nope.nir"), str(tmp_path), str(binary)]) == 1
     err = capsys.readouterr().err
-    assert "nope.nir:0:0: error: no such file" in err
+    assert "nope.nir: error: no such file" in err
     assert "is a directory" in err
     assert "not UTF-8 text" in err
     assert "Traceback" not in err

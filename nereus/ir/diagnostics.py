@@ -20,6 +20,8 @@ class Loc:
     file: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
+        if self.line <= 0:  # not from a line of the file (a missing file, a result of a pass)
+            return self.file or "<input>"
         return f"{self.file or '<input>'}:{self.line}:{self.col}"
 
 
