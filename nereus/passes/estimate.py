@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir import Diagnostic, DiagnosticError, Module, Plan
+from ..ir import Diagnostic, DiagnosticError, Loc, Module, Plan
 from ..ir.plan import MemoryBreakdown, TimeBreakdown
 from ..ir.units import Dim, format_quantity
 from .cost_model import C_PCIE, Candidates, CostModel, StageCost
@@ -172,7 +172,8 @@ class Estimate(ModulePass):
         for name in names:
             plan = module.plans.get(name)
             if plan is None:
-                raise DiagnosticError([Diagnostic(module.plans and next(iter(module.plans.values())).loc, f"estimate: no plan @{name}")])
+                raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"estimate: no plan @{name}",
+                                                  "plans: " + ", ".join("@" + p for p in module.plans))])
             problems += estimate_plan(module, plan)
         if problems:
             raise DiagnosticError(problems, module.source)

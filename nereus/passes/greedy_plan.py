@@ -15,12 +15,11 @@ from __future__ import annotations
 from ..ir import Cluster, Layout, Module, Plan, Workload
 from ..ir.model import even_split
 from .estimate import estimate_plan
+from .plan_search import place_blocks
 
 
 def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "greedy") -> Plan | None:
     """The hand-written plan, estimated; None when no PP makes it fit."""
-    from .plan_search import place_blocks
-
     gpus = cluster.available_gpus()
     n = len(gpus)
     per_node = cluster.gpus_per_node

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from ..ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
@@ -28,7 +29,8 @@ from ..ir.plan import SearchRecord
 from ..ir.units import Dim, format_quantity
 from .estimate import estimate_plan, round_time
 from .pass_manager import ModulePass, register
-from .search_space import SearchProblem, build_problem
+from .cost_model import CostModel
+from .search_space import SearchProblem, _candidates, build_problem
 
 
 @dataclass
@@ -188,16 +190,10 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
 
 def _min_need(problem: SearchProblem, ms: str) -> int | None:
     """The smallest own peak (MiB) of ``ms`` over every layout on the available GPUs, ignoring memory limits."""
-    from .search_space import _candidates
-
     kind = problem.spaces[ms].kind
     model = problem.models[ms.rpartition(".")[0]]
-    from .cost_model import CostModel
-
     c = _candidates(CostModel(problem.cluster), problem.cluster, problem.workload, model, kind, problem.n,
                     problem.cluster.gpus_per_node)
-    import numpy as np
-
     peaks = c["peak"][np.isfinite(c["time"])] if len(c["peak"]) else []
     return int(min(peaks)) if len(peaks) else None
 
