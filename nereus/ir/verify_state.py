@@ -319,7 +319,7 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
         if op.kind == "free":
             for ref in op.src:
                 freed.add((ref, op.state, op.family, region))
-        else:
+        elif op.kind not in ("load", "offload"):  # those move a slice between a GPU and its host
             for ref in op.dst:
                 delivered[(ref, op.state, op.family)].append(region)
     in_place: dict[tuple, set] = defaultdict(set)
@@ -418,8 +418,12 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     if op.kind == "offload" and not all(dst_host) or op.kind != "offload" and any(dst_host):
         sink.error(op.loc, f"{op.id}: only offload writes to host memory" if any(dst_host) else f"{op.id}: offload writes to host[GPU]")
         return
-    src = [_endpoint(m, t.source, e, l, sink) for e, l in zip(op.src, locs)]
-    dst = [_endpoint(m, t.target, e, l, sink) for e, l in zip(op.dst, locs[len(op.src):])]
+    # load restores a slice of plan A from host memory before it is read; offload moves a slice
+    # of plan B to host memory after it arrived: both act on the plan whose state they move
+    src_plan = t.target if op.kind == "offload" else t.source
+    dst_plan = t.source if op.kind == "load" else t.target
+    src = [_endpoint(m, src_plan, e, l, sink) for e, l in zip(op.src, locs)]
+    dst = [_endpoint(m, dst_plan, e, l, sink) for e, l in zip(op.dst, locs[len(op.src):])]
     if any(x is None for x in src + dst):
         return
     model = next((x[2] for x in src + dst if x[2] is not None), None)
@@ -446,7 +450,7 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
         if entries is None:
             continue
         if not any(_contains(e, *args) for e in entries):
-            sink.error(loc, f"{op.id}: destination {ref} does not hold {tensor} {_fmt_box(op.box)} in plan @{t.target}")
+            sink.error(loc, f"{op.id}: destination {ref} does not hold {tensor} {_fmt_box(op.box)} in plan @{dst_plan}")
     numel = 1 if op.layers is None else op.layers[1] - op.layers[0] + 1
     for lo, hi in op.box:
         numel *= hi - lo

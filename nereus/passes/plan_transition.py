@@ -12,7 +12,9 @@ trained models) and every tensor family:
    replica of any model-stage of the same model), so senders are balanced; a cell that several
    GPUs need from one sender is one ``broadcast``;
 4. cells with the same sender and receivers are merged back into boxes, and every source slice
-   that plan B does not keep in place is freed after the operations that read it.
+   that plan B does not keep in place is freed after the operations that read it;
+5. where the plans differ in what they keep in host memory, plan A's offloaded slices are
+   loaded before they are read and plan B's are offloaded once they arrived.
 
 Source slices on GPUs that plan B's cluster marks unavailable are lost: their data comes from
 other replicas, and the pass reports what no surviving GPU holds.
@@ -32,7 +34,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module, Op, ShardRef, Transition
+from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef, Transition
 from ..ir.sharding import derive_emus, states_of
 from ..ir.verify_state import state_dtype_bytes
 from .pass_manager import ModulePass, register
@@ -121,6 +123,8 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     kept: set[tuple] = set()  # (ref, state, family, region) of source slices reused in place
     recv_bytes: dict[int, int] = defaultdict(int)
     recv_ops: dict[int, list[str]] = defaultdict(list)
+    kept_b: set[tuple] = set()  # (ref, state, family, region) of destination slices kept in place
+    delivers: dict[tuple, list[str]] = defaultdict(list)  # (destination ref, state, family) -> ops writing it
     counter = itertools.count()
 
     def new_id() -> str:
@@ -176,6 +180,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                     same = next((p for p in local if p.ref.model_stage == d.ref.model_stage and p.region == d.region), None)
                     if same is not None:  # the same model-stage keeps this very slice here: nothing to do
                         kept.add((same.ref, state, family, same.region))
+                        kept_b.add((d.ref, state, family, d.region))
                     else:  # merged boxes must stay inside one source slice and one destination slice
                         local_copies[(local[0].ref, local[0].region, d.ref, d.region)].append(cell)
         # remote: one sender per cell, least loaded first; several receivers make a broadcast
@@ -197,6 +202,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                 op = _op(new_id(), "copy", state, family, region, [sref], [dref], nbytes, "local", per_layer)
                 ops.append(op)
                 reads[(sref, state, family, sregion)].append(op.id)
+                delivers[(dref, state, family)].append(op.id)
         for (sref, sgpu, sregion, receivers), cells in sorted(transfers.items()):
             rgpus = sorted({g for g, _, _ in receivers})
             link = "nic" if any(cluster.node_of(g) != cluster.node_of(sgpu) for g in rgpus) else "nvlink"
@@ -207,10 +213,13 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                 op = _op(new_id(), kind, state, family, region, [sref], sorted({r for _, r, _ in receivers}), nbytes, link, per_layer)
                 ops.append(op)
                 reads[(sref, state, family, sregion)].append(op.id)
+                for dref in op.dst:
+                    delivers[(dref, state, family)].append(op.id)
                 bytes_moved += nbytes * len(rgpus)
                 for g in rgpus:
                     recv_bytes[g] += nbytes
                     recv_ops[g].append(op.id)
+    _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, delivers, new_id)
     # frees: every source slice not kept in place, after the operations that read it
     mem_a: dict[int, int] = defaultdict(int)
     freeable: dict[int, list[Op]] = defaultdict(list)
@@ -233,6 +242,58 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     if problems:
         raise DiagnosticError(problems)
     return Transition(name=name, source=source, target=target, ops=ops, bytes_moved=bytes_moved, lower_bound=lower)
+
+
+def _offloaded(plan, model_stage: str, state: str) -> bool:
+    """Whether the plan keeps this state of the model-stage in host memory between stages."""
+    return ("weights" if state == "weight" else "optimizer") in plan.layouts[model_stage].offload
+
+
+def _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, delivers, new_id) -> None:
+    """Loads and offloads where the plans differ in what lives in host memory.
+
+    At a step boundary, plan A's offloaded state is in host memory: a slice that is read, or
+    kept in place for a model-stage plan B keeps on the GPU, is loaded first (``load`` into
+    plan A's shard; its readers wait for it). Plan B's offloaded state goes to host memory once
+    it has arrived (``offload`` from plan B's shard, after the operations that wrote it); a slice
+    both plans keep in host memory stays there.
+    """
+    by_id = {op.id: op for op in ops}
+    gpu_of = {}
+    for key, pieces in list(src_all.items()) + list(dst_all.items()):
+        for p in pieces:
+            gpu_of[p.ref] = p.gpu
+    for (model_name, state, family), pieces in sorted(src_all.items()):
+        model = m.models[model_name]
+        itemsize = state_dtype_bytes(model, state)
+        per_layer = model.tensors[family].per_layer
+        for p in pieces:
+            if not _offloaded(plan_a, p.ref.model_stage, state):
+                continue
+            key = (p.ref, state, family, p.region)
+            stays_on_host = key in kept and p.ref.model_stage in plan_b.layouts and _offloaded(plan_b, p.ref.model_stage, state)
+            if not reads.get(key) and (key not in kept or stays_on_host):
+                continue
+            op = _op(new_id(), "load", state, family, p.region, [HostRef(p.gpu)], [p.ref], _volume(p.region) * itemsize,
+                     "pcie", per_layer)
+            ops.append(op)
+            for reader in reads.get(key, []):
+                by_id[reader].deps = sorted(set(by_id[reader].deps) | {op.id}, key=lambda x: int(x[1:]))
+            reads[key] = [op.id] + reads.get(key, [])  # its free waits for the load too
+    for (model_name, state, family), pieces in sorted(dst_all.items()):
+        model = m.models[model_name]
+        itemsize = state_dtype_bytes(model, state)
+        per_layer = model.tensors[family].per_layer
+        for p in pieces:
+            if not _offloaded(plan_b, p.ref.model_stage, state):
+                continue
+            if (p.ref, state, family, p.region) in kept_b and p.ref.model_stage in plan_a.layouts \
+                    and _offloaded(plan_a, p.ref.model_stage, state):
+                continue  # already in host memory, and stays there
+            op = _op(new_id(), "offload", state, family, p.region, [p.ref], [HostRef(p.gpu)],
+                     _volume(p.region) * itemsize, "pcie", per_layer)
+            op.deps = list(delivers.get((p.ref, state, family), []))
+            ops.append(op)
 
 
 def _order_for_memory(cluster, ops: list[Op], mem_a, recv_ops, recv_bytes, freeable) -> list[Diagnostic]:

@@ -36,6 +36,7 @@ class Bucket:
     dsts: tuple[int, ...]
     link: str
     ops: list  # the transition's operations it carries, in order
+    direction: str = "net"  # net | h2d (load) | d2h (offload)
     bytes: int = 0
     duration: int = 0  # ticks
 
@@ -54,13 +55,14 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     for op in t.ops:
         if op.kind not in ("send", "broadcast", "allgather", "offload", "load"):
             continue
-        src = _gpu(m, t.source, op.src[0])
-        dsts = tuple(sorted({_gpu(m, t.target, d) for d in op.dst}))
-        key = (src, dsts, op.link)
-        b = groups.setdefault(key, Bucket(src, dsts, op.link, []))
+        src = _gpu(m, t.target if op.kind == "offload" else t.source, op.src[0])
+        dsts = tuple(sorted({_gpu(m, t.source if op.kind == "load" else t.target, d) for d in op.dst}))
+        direction = {"load": "h2d", "offload": "d2h"}.get(op.kind, "net")
+        key = (src, dsts, op.link, direction)
+        b = groups.setdefault(key, Bucket(src, dsts, op.link, [], direction))
         b.ops.append(op)
         b.bytes += op.bytes
-    out = sorted(groups.values(), key=lambda b: (b.src, b.dsts, b.link))
+    out = sorted(groups.values(), key=lambda b: (b.src, b.dsts, b.link, b.direction))
     index = {}
     for i, b in enumerate(out):
         if b.link == "nvlink":
@@ -77,7 +79,10 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
 
 
 def _ports(b: Bucket) -> list[tuple]:
-    kind = "nic" if b.link == "nic" else ("pcie" if b.link == "pcie" else "nvlink")
+    """Send and receive ports per link kind; PCIe is full duplex: host-to-device and back."""
+    if b.direction != "net":
+        return [(b.direction, "pcie", b.src)]
+    kind = "nic" if b.link == "nic" else "nvlink"
     return [("send", kind, b.src)] + [("recv", kind, d) for d in b.dsts]
 
 

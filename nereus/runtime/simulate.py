@@ -67,9 +67,14 @@ def _order(t: Transition) -> list:
     return order
 
 
+def _offloaded(m: Module, plan: str, model_stage: str, state: str) -> bool:
+    lay = m.plans[plan].layouts[model_stage]
+    return ("weights" if state == "weight" else "optimizer") in lay.offload
+
+
 def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
     tensors = tensors or full_tensors(m, [t.source, t.target])
-    # memory: (plan, ref, state, family) -> list of (region, array); a shard may hold pieces
+    # memory: (plan, ref, state, family, where) -> list of (region, array); where is gpu or host
     mem: dict[tuple, list[tuple[tuple, np.ndarray]]] = defaultdict(list)
     gpu_of: dict[tuple[str, ShardRef], int] = {}
     for (plan, ms, dp), emu in m.emus.items():
@@ -82,36 +87,61 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
             for e in s.entries:
                 region = _region(e.layers, e.box)
                 arr = tensors[(model, e.state, e.family)][tuple(slice(a, b) for a, b in region)].copy()
-                mem[(plan, ref, e.state, e.family)].append((region, arr))
+                where = "host" if _offloaded(m, plan, ms, e.state) else "gpu"  # at a step boundary
+                mem[(plan, ref, e.state, e.family, where)].append((region, arr))
 
-    def read(plan, ref, state, family, region) -> np.ndarray:
-        for reg, arr in mem[(plan, ref, state, family)]:
-            if all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(reg, region)):
-                return arr[tuple(slice(lo - a, hi - a) for (a, _), (lo, hi) in zip(reg, region))]
-        raise KeyError(f"{ref} of @{plan} holds no {state} {family} {region} (freed too early?)")
+    def take(key, region) -> np.ndarray:
+        """``region`` of what ``key`` holds, assembled from the pieces it received; KeyError if incomplete."""
+        out = np.full(tuple(hi - lo for lo, hi in region), np.nan, dtype=np.float32)
+        for reg, arr in mem[key]:
+            inter = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(reg, region)]
+            if all(lo < hi for lo, hi in inter):
+                out[tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(inter, region))] = \
+                    arr[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, reg))]
+        if np.isnan(out).any():
+            plan, ref, state, family, where = key
+            raise KeyError(f"{ref} of @{plan} holds no {state} {family} {region} on its {where} (read too early, or freed?)")
+        return out
 
     received = 0
     for op in _order(t):
-        model = op.src[0].model_stage.rpartition(".")[0] if op.src else None
         region = _region(op.layers, op.box)
         if op.kind == "free":
             for ref in op.src:
-                key = (t.source, ref, op.state, op.family)
+                key = (t.source, ref, op.state, op.family, "gpu")
                 mem[key] = [(r, a) for r, a in mem[key] if r != region]
             continue
-        data = read(t.source, op.src[0], op.state, op.family, region)
+        if op.kind == "load":  # plan A's slice, from its host memory back onto its GPU
+            for ref in op.dst:
+                data = take((t.source, ref, op.state, op.family, "host"), region)
+                mem[(t.source, ref, op.state, op.family, "gpu")].append((region, data.copy()))
+            continue
+        if op.kind == "offload":  # plan B's slice, once arrived (or kept in place), to host memory
+            for ref in op.src:
+                try:
+                    data = take((t.target, ref, op.state, op.family, "gpu"), region)
+                except KeyError:  # kept in place: plan A's identical slice of the same model-stage on that GPU
+                    g = gpu_of[(t.target, ref)]
+                    data = next(a for (plan, r, st, fam, where), pieces in mem.items() if plan == t.source
+                                and where == "gpu" and st == op.state and fam == op.family
+                                and r.model_stage == ref.model_stage and gpu_of[(plan, r)] == g
+                                for reg, a in pieces if reg == region)
+                mem[(t.target, ref, op.state, op.family, "host")].append((region, data.copy()))
+            continue
+        model = op.src[0].model_stage.rpartition(".")[0]
+        data = take((t.source, op.src[0], op.state, op.family, "gpu"), region)
         src_gpu = gpu_of[(t.source, op.src[0])]
         nbytes = data.size * state_dtype_bytes(m.models[model], op.state)
         receivers = set()
         for ref in op.dst:
-            mem[(t.target, ref, op.state, op.family)].append((region, data.copy()))
+            mem[(t.target, ref, op.state, op.family, "gpu")].append((region, data.copy()))
             g = gpu_of[(t.target, ref)]
             if g != src_gpu:
                 receivers.add(g)
         received += len(receivers) * nbytes
-    # what stayed in place: source slices (not freed) by GPU and model-stage
+    # what stayed in place: source slices (not freed) by GPU, model-stage and location
     in_place: dict[tuple, list] = defaultdict(list)
-    for (plan, ref, state, family), pieces in mem.items():
+    for (plan, ref, state, family, where), pieces in mem.items():
         if plan == t.source:
             in_place[(gpu_of[(plan, ref)], ref.model_stage, state, family)].extend(pieces)
     mismatches = []
@@ -123,7 +153,8 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
             ref = ShardRef(ms, dp, s.pp, s.tp)
             for e in s.entries:
                 kept = in_place[(s.gpu, ms, e.state, e.family)]
-                if not _complete(mem[(t.target, ref, e.state, e.family)], kept, e, tensors[(model, e.state, e.family)]):
+                arrived = mem[(t.target, ref, e.state, e.family, "gpu")] + mem[(t.target, ref, e.state, e.family, "host")]
+                if not _complete(arrived, kept, e, tensors[(model, e.state, e.family)]):
                     mismatches.append(f"{ref} {e.state} {e.tensor} {list(e.box)}")
     return SimulationResult(mismatches, received)
 
