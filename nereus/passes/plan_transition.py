@@ -87,6 +87,8 @@ def _cells(region: Box, cuts: list[list[int]]):
 
 def _merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
     """Merge a set of grid cells into boxes of cell-index spans (greedy along each axis)."""
+    if len(cells) == 1:  # the common case: one cell, one box
+        return [tuple((i, i + 1) for i in cells[0])]
     boxes = [tuple((i, i + 1) for i in c) for c in sorted(cells)]
     for axis in reversed(range(len(boxes[0]) if boxes else 0)):
         boxes.sort(key=lambda b: (tuple(x for k, x in enumerate(b) if k != axis), b[axis]))
