@@ -195,9 +195,10 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                                                               f"of @{model_name} that plan @{target} needs")])
             best = min(cands, key=lambda p: (load[p.gpu], p.gpu, p.ref.model_stage))
             load[best.gpu] += cell_bytes(cell) * len(gpus)
-            receivers = tuple(sorted({(g, d.ref, d.region) for g in gpus for d in need[g][cell]}))
+            receivers = tuple(dict.fromkeys((g, d.ref, d.region) for g in gpus for d in need[g][cell]))
             transfers[(best.ref, best.gpu, best.region, receivers)].append(cell)
-        for (sref, sregion, dref, _), cells in sorted(local_copies.items()):
+        # insertion order is deterministic (it follows the sorted loops above): no need to sort
+        for (sref, sregion, dref, _), cells in local_copies.items():
             for box in _merge(cells):
                 region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
                 nbytes = _volume(region) * itemsize
@@ -205,14 +206,14 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                 ops.append(op)
                 reads[(sref, state, family, sregion)].append(op.id)
                 delivers[(dref, state, family)].append(op.id)
-        for (sref, sgpu, sregion, receivers), cells in sorted(transfers.items()):
+        for (sref, sgpu, sregion, receivers), cells in transfers.items():
             rgpus = sorted({g for g, _, _ in receivers})
             link = "nic" if any(cluster.node_of(g) != cluster.node_of(sgpu) for g in rgpus) else "nvlink"
             for box in _merge(cells):
                 region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
                 nbytes = _volume(region) * itemsize
                 kind = "send" if len(receivers) == 1 else "broadcast"
-                op = _op(new_id(), kind, state, family, region, [sref], sorted({r for _, r, _ in receivers}), nbytes, link, per_layer)
+                op = _op(new_id(), kind, state, family, region, [sref], list(dict.fromkeys(r for _, r, _ in receivers)), nbytes, link, per_layer)
                 ops.append(op)
                 reads[(sref, state, family, sregion)].append(op.id)
                 for dref in op.dst:
