@@ -61,12 +61,6 @@ def split_tensor_name(name: str) -> tuple[str, tuple[int, int] | None] | None:
         return None
     lo, hi, family = match.groups()
     return family, (int(lo), int(hi if hi is not None else lo))
-    if ".." in head:
-        lo, _, hi = head.partition("..")
-        return rest, (int(lo), int(hi))
-    if head.isdigit():
-        return rest, (int(head), int(head))
-    return None
 
 
 @dataclass(kw_only=True)
