@@ -1,7 +1,8 @@
 """The reference jobs of ``examples/``, built from parameters.
 
 The checked-in examples are produced by ``python -m nereus.jobs examples/`` and a test checks
-they are up to date; the benchmarks call the same builders at other sizes (the 70B job at
+they are up to date; each carries the weights of one model-stage's EMUs (and, for generation,
+the KV-cache budget); the benchmarks call the same builders at other sizes (the 70B job at
 128 to 1,024 GPUs). Hardware figures are NVIDIA's H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s,
 989 TFLOP/s dense bf16, 900 GB/s NVLink (450 GB/s each way) and one 400 Gb/s NIC per GPU.
 """
@@ -12,7 +13,6 @@ import sys
 from pathlib import Path
 
 from .ir import parse, print_ir
-from .ir.sharding import derive_emus
 
 H100 = """\
   gpu_memory = 80GiB
@@ -36,9 +36,12 @@ def _layout(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: s
 
 
 def _with_emus(text: str, plan: str, model_stage: str, filename: str) -> str:
+    from .passes.derive_emus import model_stage_emus
+
     m = parse(text, filename)
-    lay = m.plans[plan].layouts[model_stage]
-    for emu in derive_emus(plan, m.models[lay.model], lay):
+    # weights (and generation's KV budget) only: with ZeRO-sharded optimizer state the replicas
+    # of the 70B job would no longer print as one block; derive-emus adds the state
+    for emu in model_stage_emus(m, plan, model_stage, weights_only=True):
         m.emus[emu.key] = emu
     return print_ir(m)
 

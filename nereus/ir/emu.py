@@ -3,7 +3,8 @@
 An EMU is one data-parallel replica (``replica`` = dp index) of a model-stage under a plan.
 For each pipeline/tensor coordinate (pp, tp) it records the GPU and the exact slices it holds:
 which tensor (family and layer range), which state (weights, gradients, Adam moments, fp32
-master copy) and the half-open span ``[start, stop)`` of every dimension.
+master copy) and the half-open span ``[start, stop)`` of every dimension; a generation shard
+also records the KV-cache budget it may allocate (``kv_cache = 6GiB``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .attributes import AttrSpec
 from .diagnostics import NOWHERE, Loc
 
 _LAYER_NAME = re.compile(r"layers\.(\d+)(?:\.\.(\d+))?\.(.+)\Z")
@@ -63,12 +65,18 @@ def split_tensor_name(name: str) -> tuple[str, tuple[int, int] | None] | None:
     return family, (int(lo), int(hi if hi is not None else lo))
 
 
+SHARD_ATTRS = [
+    AttrSpec("kv_cache", "size", default=None, doc="KV cache a generation shard may allocate on its GPU"),
+]
+
+
 @dataclass(kw_only=True)
 class Shard:
     pp: int
     tp: int
     gpu: int
     entries: list[SliceEntry] = field(default_factory=list)
+    kv_cache: int | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)
 

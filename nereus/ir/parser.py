@@ -22,7 +22,7 @@ from lark import Token, Transformer, v_args
 from .attributes import V, build_attrs
 from .cluster import CLUSTER_ATTRS, Cluster
 from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
-from .emu import STATES, Emu, Shard, SliceEntry, split_tensor_name
+from .emu import SHARD_ATTRS, STATES, Emu, Shard, SliceEntry, split_tensor_name
 from .model import MODEL_ATTRS, Model
 from .module import Module
 from .plan import LAYOUT_ATTRS, PLAN_ATTRS, Layout, Plan
@@ -137,8 +137,9 @@ class _ToSyntax(Transformer):
         return ("entry", state or "weight", tensor, box)
 
     def shard(self, kw, _l, pp, _c, tp, _r, _g, _l2, gpus, _r2, _lb, *rest):
-        entries = [e for e in rest[:-1]]
-        return ("shard", int(pp), int(tp), gpus, entries, _loc(kw))
+        entries = [e for e in rest[:-1] if e[0] == "entry"]
+        attrs = [(e[1], e[2], e[3]) for e in rest[:-1] if e[0] == "attr"]
+        return ("shard", int(pp), int(tp), gpus, entries, _loc(kw), attrs)
 
     def _block(self, kind, kw, name, lbrace, *rest):
         attrs = [(r[1], r[2], r[3]) for r in rest if isinstance(r, tuple) and r[0] == "attr"]
@@ -399,14 +400,16 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
         sink.error(ms_loc, f"replica listed twice in emu {model_stage}{replicas}")
         return
     built: list[Shard | None] = []
-    for _, pp, tp, gpus, entries, loc in d.children:
+    for _, pp, tp, gpus, entries, loc, attrs in d.children:
         if len(gpus) != len(replicas):
             sink.error(loc, f"shard [{pp}, {tp}] lists {len(gpus)} GPU(s) for {len(replicas)} replica(s)",
                        "a shard lists one GPU per replica of the block, in replica order")
             built.append(None)
             continue
         typed = [_build_entry(state, tensor, box, sink) for _, state, tensor, box in entries]
-        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None], loc=loc))
+        values, _ = build_attrs(f"shard [{pp}, {tp}]", SHARD_ATTRS, attrs, loc, sink)
+        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None], loc=loc,
+                           kv_cache=values.get("kv_cache")))
     for i, r in enumerate(replicas):
         key = (d.name, model_stage, r)
         if key in m.emus:
@@ -414,9 +417,9 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
                        f"first declared at line {m.emus[key].loc.line}")
             continue
         shards = []
-        for (_, pp, tp, gpus, _e, loc), s in zip(d.children, built):
+        for (_, pp, tp, gpus, _e, loc, _a), s in zip(d.children, built):
             if s is not None:
-                shards.append(Shard(pp=s.pp, tp=s.tp, gpu=gpus[i], entries=s.entries, loc=s.loc))
+                shards.append(Shard(pp=s.pp, tp=s.tp, gpu=gpus[i], entries=s.entries, loc=s.loc, kv_cache=s.kv_cache))
         emu = Emu(plan=d.name, model_stage=model_stage, replica=r, shards=shards, loc=ms_loc, plan_loc=plan_loc)
         m.emus[key] = emu
 

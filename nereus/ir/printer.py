@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .attributes import compress_ints, format_attrs, format_value
 from .cluster import CLUSTER_ATTRS
-from .emu import Emu, SliceEntry
+from .emu import SHARD_ATTRS, Emu, SliceEntry
 from .model import MODEL_ATTRS
 from .module import Module
 from .plan import LAYOUT_ATTRS, PLAN_ATTRS
@@ -71,7 +71,8 @@ def format_entry(e: SliceEntry | Op) -> str:
 def _same_slices(a: Emu, b: Emu) -> bool:
     if len(a.shards) != len(b.shards) or b.comments or any(s.comments for s in b.shards):
         return False
-    return all(x.pp == y.pp and x.tp == y.tp and x.entries == y.entries for x, y in zip(a.shards, b.shards))
+    return all(x.pp == y.pp and x.tp == y.tp and x.entries == y.entries and x.kv_cache == y.kv_cache
+               for x, y in zip(a.shards, b.shards))
 
 
 def _emu_groups(m: Module, group: bool = True) -> list[list[Emu]]:
@@ -93,6 +94,7 @@ def _print_emu_group(out: _Out, group: list[Emu]) -> None:
     for i, shard in enumerate(first.shards):
         gpus = compress_ints([e.shards[i].gpu for e in group])
         out.line(shard, None, 1, f"shard [{shard.pp}, {shard.tp}] gpus [{gpus}] {{")
+        out.lines.extend(f"{IND * 2}{line}" for line in format_attrs(SHARD_ATTRS, shard))
         out.lines.extend(f"{IND * 2}{format_entry(e)}" for e in shard.entries)
         out.lines.append(IND + "}")
     out.lines.append("}")

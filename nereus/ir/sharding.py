@@ -54,8 +54,8 @@ def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weigh
     return out
 
 
-def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)) -> list[Emu]:
-    """Every EMU (one per DP replica) of ``layout``'s model-stage.
+def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",), kv_cache: int | None = None) -> list[Emu]:
+    """Every EMU (one per DP replica) of ``layout``'s model-stage (``kv_cache``: bytes per shard, for generation).
 
     Replicas whose slices are equal share one entry list, which the printer and the verifier
     use to treat them once.
@@ -70,6 +70,6 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
                 key = (d if sharded else 0, p, t)
                 if key not in cache:
                     cache[key] = shard_entries(model, layout, p, t, states, key[0])
-                shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key]))
+                shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
     return emus

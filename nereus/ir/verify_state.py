@@ -43,6 +43,8 @@ class _Ctx:
         w = m.workloads.get(self.plan.workload) if self.plan else None
         stage = w.stage_of(emu.model_stage) if w else None
         self.trains = stage is not None and stage.kind == "train"
+        self.generates = stage is not None and stage.kind == "generate"
+        self.cluster = m.clusters.get(self.plan.cluster) if self.plan else None
 
 
 def verify_emus(m: Module, sink: DiagnosticSink) -> None:
@@ -76,6 +78,12 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                            f"first at line {seen_coords[coord].line}")
                 continue
             seen_coords[coord] = s.loc
+            if s.kv_cache is not None:
+                stage_kind = "generate" if ctx.generates else None
+                if stage_kind is None:
+                    sink.error(s.loc, f"{emu.model_stage} does not generate, so shard [{s.pp}, {s.tp}] has no KV cache")
+                elif ctx.cluster is not None and s.kv_cache > ctx.cluster.gpu_memory:
+                    sink.error(s.loc, f"kv_cache of shard [{s.pp}, {s.tp}] exceeds the GPU's memory")
             want = lay.gpu(emu.replica, s.pp, s.tp)
             if s.gpu != want:
                 sink.error(s.loc, f"replica {emu.replica} shard [{s.pp}, {s.tp}] of {emu.model_stage} is on GPU {s.gpu}, "

@@ -1,4 +1,10 @@
-"""``derive-emus``: add the EMUs of a plan's model-stages, derived from their layouts."""
+"""``derive-emus``: add the EMUs of a plan's model-stages, derived from their layouts.
+
+Weights for every model-stage; fp32 master and Adam moments for trained models in train
+stages (sharded over DP under ZeRO); and for generation, the KV-cache budget of each shard:
+what the cost model lets the engine allocate on that GPU next to the weights and the state
+other model-stages keep there (``estimate``'s memory breakdown).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,8 @@ from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.diagnostics import did_you_mean
-from ..ir.sharding import derive_emus
+from ..ir.sharding import derive_emus, states_of
+from .estimate import layout_costs, round_bytes
 from .pass_manager import ModulePass, register
 
 
@@ -33,8 +40,22 @@ class DeriveEmus(ModulePass):
             layout = plan.layouts.get(ms)
             if layout is None:
                 raise _error(module, f"derive-emus: plan @{plan_name} has no layout {ms}", did_you_mean(ms, plan.layouts))
-            for emu in derive_emus(plan_name, module.models[layout.model], layout):
+            for emu in model_stage_emus(module, plan_name, ms):
                 module.emus[emu.key] = emu
+
+
+def model_stage_emus(m: Module, plan_name: str, model_stage: str, weights_only: bool = False):
+    """Every EMU of one model-stage: its states (or only its weights), and the KV-cache budget when it generates."""
+    plan = m.plans[plan_name]
+    layout = plan.layouts[model_stage]
+    model = m.models[layout.model]
+    kind = m.workloads[plan.workload].stage_of(model_stage).kind
+    kv = None
+    if kind == "generate":
+        cost = layout_costs(m, plan)[model_stage].cost
+        kv = round_bytes(float(cost.kv_cache[0]))
+    states = ("weight",) if weights_only else states_of(model, kind)
+    return derive_emus(plan_name, model, layout, states, kv_cache=kv)
 
 
 def _error(module: Module, message: str, hint: str | None = None) -> DiagnosticError:

@@ -35,7 +35,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef, Transition
-from ..ir.sharding import derive_emus, states_of
 from ..ir.verify_state import state_dtype_bytes
 from .pass_manager import ModulePass, register
 
@@ -51,14 +50,12 @@ class Piece:
 
 def ensure_emus(m: Module, plan_name: str) -> None:
     """Derive the EMUs of every model-stage of a plan that the module does not declare."""
-    plan = m.plans[plan_name]
-    w = m.workloads[plan.workload]
-    for ms, lay in plan.layouts.items():
-        if m.emus_of(plan_name, ms):
-            continue
-        model = m.models[lay.model]
-        for e in derive_emus(plan_name, model, lay, states_of(model, w.stage_of(ms).kind)):
-            m.emus[e.key] = e
+    from .derive_emus import model_stage_emus
+
+    for ms in m.plans[plan_name].layouts:
+        if not m.emus_of(plan_name, ms):
+            for e in model_stage_emus(m, plan_name, ms):
+                m.emus[e.key] = e
 
 
 def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
