@@ -37,11 +37,21 @@ class SliceEntry:
         """The tensor as written in text: ``layers.0..15.mlp.up_proj.weight``."""
         return tensor_name(self.family, self.layers)
 
+    @property
+    def region(self) -> Box:
+        return region_of(self.layers, self.box)
+
     def numel(self) -> int:
         n = 1 if self.layers is None else self.layers[1] - self.layers[0] + 1
         for lo, hi in self.box:
             n *= hi - lo
         return n
+
+
+def region_of(layers: tuple[int, int] | None, box: Box) -> Box:
+    """A slice as one box of half-open spans, the layer axis first for per-layer families:
+    ``layers.0..15`` + ``[0:1024, 0:4096]`` -> ``((0, 16), (0, 1024), (0, 4096))``."""
+    return (((layers[0], layers[1] + 1),) if layers is not None else ()) + tuple(box)
 
 
 def tensor_name(family: str, layers: tuple[int, int] | None) -> str:

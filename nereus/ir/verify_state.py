@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
-from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
+from .emu import STATES, Emu, Shard, SliceEntry, region_of, tensor_name
 from .model import Model, TensorSpec
 from .sharding import dp_sharded
 from .module import Module
@@ -249,7 +249,7 @@ def _bad_cell(spec: TensorSpec, num_layers: int, entries: list[SliceEntry], want
     The cell is a tuple of half-open spans, with the layer axis first for per-layer families.
     """
     shape = ((num_layers,) if spec.per_layer else ()) + spec.shape
-    boxes = [(((e.layers[0], e.layers[1] + 1),) if spec.per_layer else ()) + tuple(e.box) for e in entries]
+    boxes = [e.region for e in entries]  # entries were checked: layers present exactly for per-layer families
     cuts = [sorted({0, n} | {x for b in boxes for x in b[d]}) for d, n in enumerate(shape)]
     index = [{x: i for i, x in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
@@ -323,7 +323,7 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
     delivered: dict[tuple, list] = defaultdict(list)
     freed: set[tuple] = set()
     for op in t.ops:
-        region = ((((op.layers[0], op.layers[1] + 1),) if op.layers is not None else ()) + tuple(op.box))
+        region = region_of(op.layers, op.box)
         if op.kind == "free":
             for ref in op.src:
                 freed.add((ref, op.state, op.family, region))
@@ -337,14 +337,14 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
         for s in emu.shards:
             ref = ShardRef(ms, dp, s.pp, s.tp)
             for e in s.entries:
-                region = ((((e.layers[0], e.layers[1] + 1),) if e.layers is not None else ()) + tuple(e.box))
+                region = e.region
                 if (ref, e.state, e.family, region) not in freed:
                     in_place[(s.gpu, ms, e.state, e.family)].add(region)
     for emu in sorted(target_emus, key=lambda e: e.key):
         for s in emu.shards:
             ref = ShardRef(emu.model_stage, emu.replica, s.pp, s.tp)
             for e in s.entries:
-                region = ((((e.layers[0], e.layers[1] + 1),) if e.layers is not None else ()) + tuple(e.box))
+                region = e.region
                 if region in in_place[(s.gpu, emu.model_stage, e.state, e.family)]:
                     continue
                 boxes = delivered.get((ref, e.state, e.family), [])

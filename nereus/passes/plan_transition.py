@@ -68,8 +68,7 @@ def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]
         for s in emu.shards:
             ref = ShardRef(ms, dp, s.pp, s.tp)
             for e in s.entries:
-                region = (((e.layers[0], e.layers[1] + 1),) if e.layers is not None else ()) + tuple(e.box)
-                out[(model, e.state, e.family)].append(Piece(ref, s.gpu, region))
+                out[(model, e.state, e.family)].append(Piece(ref, s.gpu, e.region))
     return out
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir import Module, ShardRef, Transition
-from ..ir.emu import SliceEntry
+from ..ir.emu import SliceEntry, region_of
 from ..ir.verify_state import state_dtype_bytes
 
 
@@ -22,10 +22,6 @@ from ..ir.verify_state import state_dtype_bytes
 class SimulationResult:
     mismatches: list[str]  # destination slices that differ from the full tensor
     received_bytes: int  # bytes (at the state's dtype) delivered to GPUs other than the sender, once per GPU
-
-
-def _region(layers, box) -> tuple:
-    return (((layers[0], layers[1] + 1),) if layers is not None else ()) + tuple(box)
 
 
 def full_tensors(m: Module, plans: list[str], seed: int = 0) -> dict[tuple[str, str, str], np.ndarray]:
@@ -85,7 +81,7 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
             if plan != t.source:
                 continue
             for e in s.entries:
-                region = _region(e.layers, e.box)
+                region = region_of(e.layers, e.box)
                 arr = tensors[(model, e.state, e.family)][tuple(slice(a, b) for a, b in region)].copy()
                 where = "host" if _offloaded(m, plan, ms, e.state) else "gpu"  # at a step boundary
                 mem[(plan, ref, e.state, e.family, where)].append((region, arr))
@@ -105,7 +101,7 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
 
     received = 0
     for op in _order(t):
-        region = _region(op.layers, op.box)
+        region = region_of(op.layers, op.box)
         if op.kind == "free":
             for ref in op.src:
                 key = (t.source, ref, op.state, op.family, "gpu")
@@ -161,7 +157,7 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
 
 def _complete(arrived, kept, e: SliceEntry, full: np.ndarray) -> bool:
     """Assemble the destination slice from what arrived (or stayed in place) and compare with the truth."""
-    region = _region(e.layers, e.box)
+    region = region_of(e.layers, e.box)
     out = np.full(tuple(hi - lo for lo, hi in region), np.nan, dtype=np.float32)
     # kept in place: the same model-stage's identical source slice on the same GPU, never freed
     pieces = list(arrived) + [(r, a) for r, a in kept if r == region]
