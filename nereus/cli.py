@@ -30,6 +30,18 @@ def _load(path: str):
     return verify(parse(text, path)), text
 
 
+def _modules(paths: list[str]):
+    """(path, module, text) per file; module and text are None for a file whose diagnostics were reported."""
+    for path in paths:
+        try:
+            m, text = _load(path)
+        except DiagnosticError as e:
+            _report(e)
+            yield path, None, None
+            continue
+        yield path, m, text
+
+
 def _report(err: DiagnosticError) -> None:
     print(err.render(), file=sys.stderr)
     n = len(err.diagnostics)
@@ -37,23 +49,14 @@ def _report(err: DiagnosticError) -> None:
 
 
 def cmd_check(args) -> int:
-    status = 0
-    for path in args.files:
-        try:
-            _load(path)
-        except DiagnosticError as e:
-            _report(e)
-            status = 1
-    return status
+    failed = [path for path, m, _ in _modules(args.files) if m is None]
+    return 1 if failed else 0
 
 
 def cmd_fmt(args) -> int:
     status = 0
-    for path in args.files:
-        try:
-            m, text = _load(path)
-        except DiagnosticError as e:
-            _report(e)
+    for path, m, text in _modules(args.files):
+        if m is None:
             status = 1
             continue
         canonical = print_ir(m)
@@ -73,11 +76,8 @@ def cmd_show(args) -> int:
     from .show import show
 
     status = 0
-    for path in args.files:
-        try:
-            m, _ = _load(path)
-        except DiagnosticError as e:
-            _report(e)
+    for path, m, _ in _modules(args.files):
+        if m is None:
             status = 1
             continue
         show(m, path)

@@ -130,9 +130,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
 
     for key in sorted(dst_all):
         model_name, state, family = key
-        model = m.models[model_name]
-        itemsize = state_dtype_bytes(model, state)
-        per_layer = model.tensors[family].per_layer
+        model, itemsize, per_layer = _family(m, model_name, state, family)
         srcs, dsts = src_all.get(key, []), dst_all[key]
         if not srcs:
             raise DiagnosticError([Diagnostic(plan_a.loc, f"plan @{source} holds no {state} of {family} of @{model_name}, "
@@ -224,9 +222,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     freeable: dict[int, list[Op]] = defaultdict(list)
     for key, srcs in sorted(src_all.items()):
         model_name, state, family = key
-        model = m.models[model_name]
-        itemsize = state_dtype_bytes(model, state)
-        per_layer = model.tensors[family].per_layer
+        model, itemsize, per_layer = _family(m, model_name, state, family)
         for p in srcs:
             nbytes = _volume(p.region) * itemsize
             mem_a[p.gpu] += nbytes
@@ -241,6 +237,12 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     if problems:
         raise DiagnosticError(problems)
     return Transition(name=name, source=source, target=target, ops=ops, bytes_moved=bytes_moved, lower_bound=lower)
+
+
+def _family(m: Module, model_name: str, state: str, family: str):
+    """(model, bytes per element of the state, whether the family is per layer)."""
+    model = m.models[model_name]
+    return model, state_dtype_bytes(model, state), model.tensors[family].per_layer
 
 
 def _offloaded(plan, model_stage: str, state: str) -> bool:
@@ -263,9 +265,7 @@ def _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, de
         for p in pieces:
             gpu_of[p.ref] = p.gpu
     for (model_name, state, family), pieces in sorted(src_all.items()):
-        model = m.models[model_name]
-        itemsize = state_dtype_bytes(model, state)
-        per_layer = model.tensors[family].per_layer
+        model, itemsize, per_layer = _family(m, model_name, state, family)
         for p in pieces:
             if not _offloaded(plan_a, p.ref.model_stage, state):
                 continue
@@ -280,9 +280,7 @@ def _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, de
                 by_id[reader].deps = sorted(set(by_id[reader].deps) | {op.id}, key=lambda x: int(x[1:]))
             reads[key] = [op.id] + reads.get(key, [])  # its free waits for the load too
     for (model_name, state, family), pieces in sorted(dst_all.items()):
-        model = m.models[model_name]
-        itemsize = state_dtype_bytes(model, state)
-        per_layer = model.tensors[family].per_layer
+        model, itemsize, per_layer = _family(m, model_name, state, family)
         for p in pieces:
             if not _offloaded(plan_b, p.ref.model_stage, state):
                 continue
