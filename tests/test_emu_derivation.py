@@ -70,3 +70,24 @@ def test_frozen_and_non_train_stages_hold_weights_only():
     for emu in m.emus.values():
         states = {e.state for s in emu.shards for e in s.entries}
         assert states == ({"weight", "master", "exp_avg", "exp_avg_sq"} if emu.model_stage == "actor.train" else {"weight"})
+
+
+def test_kv_cache_budget_never_exceeds_a_small_gpu():
+    """Regression (found by the round-trip property test): the budget was rounded to the nearest
+    MiB, so a 586 KB GPU whose cost model sized a ~0.5 MiB cache got a 1 MiB reservation, which
+    the verifier rejects. The budget rounds down to whole MiB."""
+    from nereus.passes.derive_emus import model_stage_emus
+    from nereus.passes.estimate import layout_costs
+
+    text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text()
+    text = text.replace("prompt_len_mean = 512", "prompt_len_mean = 333")  # a sequence's KV: not whole MiB
+    for memory in ("80GiB", "47000MiB", "50000MiB", "53000MiB", "44000MiB"):
+        m = nereus.parse(text.replace("gpu_memory = 80GiB", f"gpu_memory = {memory}"))
+        m.emus.clear()
+        need = float(layout_costs(m, m.plans["grpo_p0"])["actor.generate"].cost.kv_cache[0])
+        emus = model_stage_emus(m, "grpo_p0", "actor.generate", weights_only=True)
+        [budget] = {s.kv_cache for e in emus for s in e.shards}
+        assert need - 2**20 < budget <= need and budget % 2**20 == 0
+        for e in emus:
+            m.emus[e.key] = e
+        nereus.verify(m)

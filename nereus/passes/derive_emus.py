@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.diagnostics import did_you_mean
 from ..ir.sharding import derive_emus, states_of
-from .estimate import layout_costs, round_bytes
+from .estimate import layout_costs
 from .pass_manager import ModulePass, register
 
 
@@ -53,7 +53,9 @@ def model_stage_emus(m: Module, plan_name: str, model_stage: str, weights_only: 
     kv = None
     if kind == "generate":
         cost = layout_costs(m, plan)[model_stage].cost
-        kv = round_bytes(float(cost.kv_cache[0]))
+        # whole MiB, rounded down: the cost model sizes the cache to fit beside the weights, and
+        # rounding up could push a reservation past a small GPU's memory
+        kv = int(float(cost.kv_cache[0]) // 2**20) * 2**20
     states = ("weight",) if weights_only else states_of(model, kind)
     return derive_emus(plan_name, model, layout, states, kv_cache=kv)
 
