@@ -1,0 +1,278 @@
+"""``lower-collectives``: a transition graph becomes a collective program (see ``program.py``).
+
+The transition's operations name EMU shards and regions that may span a pipeline stage's whole
+layer range; the runtime moves tensors as a training loop names them, one per layer. Lowering:
+
+1. expands plan A's and plan B's EMUs into every rank's shard specs (``plan_layout``) and finds
+   the destination shards that stay in place (same key, same box on the same rank);
+2. gives every operation a level (0 without dependencies, else one more than its deepest
+   dependency); the operations of one level run together: local loads and copies, then one
+   round of batched point-to-point messages, then the broadcasts, then the copies from what
+   arrived to a second model-stage on the same rank;
+3. cuts every transfer into per-layer pieces and groups them per (level, sender, receiver):
+   a piece of at least ``direct_bytes`` that is contiguous in both the sender's source shard and
+   the receiver's destination shard travels as is; the rest is packed into buckets of at most
+   ``bucket_bytes`` (one message each), as verl and NeMo-RL pack weights;
+4. a ``broadcast`` operation is sent from its root to each receiver inside the same round
+   (``broadcast="p2p"``), or, with ``broadcast="collective"``, as one ``dist.broadcast`` in a
+   subgroup created once per program;
+5. frees become ``release`` steps at commit and offloads follow them, so that the source state
+   survives until every destination slice has arrived and checked out;
+6. checks that every destination shard that is not kept is written exactly once (by volume).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, ShardRef
+from ..passes.pass_manager import ModulePass, register
+from ..passes.plan_transition import ensure_emus
+from ..runtime.state import StateKey, plan_layout
+from .program import Message, Piece, Program, Step
+
+DEFAULT_BUCKET = 64 * 2**20
+DEFAULT_DIRECT = 1 * 2**20
+
+
+def contiguous(outer: tuple, inner: tuple) -> bool:
+    """Whether box ``inner`` of a row-major tensor whose box is ``outer`` is one contiguous run."""
+    dims = [(lo - o_lo, hi - o_lo, o_hi - o_lo) for (lo, hi), (o_lo, o_hi) in zip(inner, outer)]
+    k = 0
+    while k < len(dims) and dims[k][1] - dims[k][0] == 1:
+        k += 1  # leading dimensions of extent 1
+    return all(lo == 0 and hi == n for lo, hi, n in dims[k + 1:])
+
+
+def _levels(ops) -> dict[str, int]:
+    by_id = {op.id: op for op in ops}
+    level: dict[str, int] = {}
+    for op in ops:
+        stack = [op]
+        while stack:
+            cur = stack[-1]
+            if cur.id in level:
+                stack.pop()
+                continue
+            todo = [by_id[d] for d in cur.deps if d not in level]
+            if todo:
+                stack.extend(todo)
+                continue
+            level[cur.id] = 1 + max((level[d] for d in cur.deps), default=-1)
+            stack.pop()
+    return level
+
+
+def _names(op) -> list[str]:
+    if op.layers is None:
+        return [op.family]
+    return [f"layers.{i}.{op.family}" for i in range(op.layers[0], op.layers[1] + 1)]
+
+
+def _nbytes(box, itemsize: int) -> int:
+    n = itemsize
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _error(msg: str) -> DiagnosticError:
+    return DiagnosticError([Diagnostic(Loc(0, 0, None), msg)])
+
+
+def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
+          broadcast: str = "p2p") -> Program:
+    if broadcast not in ("p2p", "collective"):
+        raise ValueError("broadcast is p2p or collective")
+    t = m.transitions[transition]
+    for p in (t.source, t.target):
+        ensure_emus(m, p)
+    gpu_of: dict[tuple[str, ShardRef], int] = {}
+    for (plan, ms, dp), emu in m.emus.items():
+        for s in emu.shards:
+            gpu_of[(plan, ShardRef(ms, dp, s.pp, s.tp))] = s.gpu
+    src_by_gpu, dst_by_gpu = plan_layout(m, t.source), plan_layout(m, t.target)
+    cluster = m.clusters[m.plans[t.target].cluster]
+    senders = {gpu_of[(t.source, op.src[0])] for op in t.ops if op.kind in ("send", "broadcast", "copy") and op.src}
+    senders |= {gpu_of[(t.source, r)] for op in t.ops if op.kind == "allgather" for r in op.src}
+    lost = set(cluster.unavailable) - senders
+    gpus = sorted((set(src_by_gpu) | set(dst_by_gpu)) - lost)
+    rank_of = {g: r for r, g in enumerate(gpus)}
+    src = {rank_of[g]: src_by_gpu.get(g, []) for g in gpus}
+    dst = {rank_of[g]: dst_by_gpu.get(g, []) for g in gpus}
+    src_box = {(r, s.key): s for r, specs in src.items() for s in specs}
+    dst_box = {(r, s.key): s for r, specs in dst.items() for s in specs}
+    kept = {(r, s.key) for r, specs in dst.items() for s in specs
+            if (r, s.key) in src_box and src_box[(r, s.key)].box == s.box}
+
+    level = _levels(t.ops)
+    n_levels = 1 + max(level.values(), default=-1)
+    before: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> loads, copies
+    after: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> copies from what arrived
+    pending: dict[tuple[int, int, int], list[Piece]] = defaultdict(list)  # (level, sender, receiver) -> pieces
+    bcasts: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(list)  # receiver -> piece
+    releases: dict[int, list[StateKey]] = defaultdict(list)
+    offloads: dict[int, list[StateKey]] = defaultdict(list)
+    written: dict[tuple[int, StateKey], int] = defaultdict(int)
+
+    def key(ref: ShardRef, state: str, name: str) -> StateKey:
+        return StateKey(ref.model_stage, state, name)
+
+    for op in t.ops:
+        lv, names = level[op.id], _names(op)
+        if op.kind == "free":
+            for ref in op.src:
+                g = gpu_of[(t.source, ref)]
+                if g in rank_of:
+                    releases[rank_of[g]] += [key(ref, op.state, n) for n in names]
+            continue
+        if op.kind in ("load", "offload"):
+            refs = op.dst if op.kind == "load" else op.src
+            plan = t.source if op.kind == "load" else t.target
+            for ref in refs:
+                r = rank_of[gpu_of[(plan, ref)]]
+                ks = tuple(key(ref, op.state, n) for n in names)
+                if op.kind == "load":
+                    before[(r, lv)].append(Step("load", keys=ks))
+                else:
+                    offloads[r] += ks
+            continue
+        # copy, send, broadcast, allgather: every (source part, receiving GPU) pair becomes pieces
+        parts = [(ref, op.box) for ref in op.src] if op.kind != "allgather" else None
+        if op.kind == "allgather":  # each source sends its part of the box
+            parts = []
+            for ref in op.src:
+                g = gpu_of[(t.source, ref)]
+                spec = src_box[(rank_of[g], key(ref, op.state, names[0]))]
+                inter = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(spec.box, op.box))
+                if all(lo < hi for lo, hi in inter):
+                    parts.append((ref, inter))
+        by_gpu: dict[int, list[ShardRef]] = defaultdict(list)
+        for ref in op.dst:
+            if isinstance(ref, HostRef):
+                raise _error(f"lower-collectives: {op.id} ({op.kind}) writes host memory")
+            by_gpu[gpu_of[(t.target, ref)]].append(ref)
+        for sref, box in parts:
+            s = rank_of[gpu_of[(t.source, sref)]]
+            remote = sorted(rank_of[g] for g in by_gpu if rank_of[g] != s)
+            for name in names:
+                sk = key(sref, op.state, name)
+                itemsize = src_box[(s, sk)].dtype.itemsize
+                nb = _nbytes(box, itemsize)
+                group_pieces: dict[int, Piece] = {}
+                for g, refs in by_gpu.items():
+                    r = rank_of[g]
+                    first = key(refs[0], op.state, name)
+                    piece = Piece(sk, first, box, nb)
+                    if r == s:
+                        before[(r, lv)].append(Step("copy", piece=piece))
+                    elif op.kind == "broadcast" and broadcast == "collective" and len(remote) > 1:
+                        group_pieces[r] = piece
+                    else:
+                        pending[(lv, s, r)].append(piece)
+                    written[(r, first)] += nb
+                    for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
+                        ek = key(extra, op.state, name)
+                        after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb)))
+                        written[(r, ek)] += nb
+                if group_pieces:
+                    bcasts[(lv, s, tuple(remote))].append(group_pieces)
+
+    # destination coverage: every shard not kept is written exactly once
+    for r, specs in dst.items():
+        for spec in specs:
+            if (r, spec.key) in kept:
+                continue
+            if written[(r, spec.key)] != spec.nbytes:
+                raise _error(f"lower-collectives: rank {r} receives {written[(r, spec.key)]:,} of the {spec.nbytes:,} "
+                             f"bytes of {spec.key} {list(spec.box)}: the transition does not deliver it exactly once")
+
+    ids = iter(range(1 << 62))
+    rounds: dict[tuple[int, int], tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
+    for (lv, s, r), pieces in sorted(pending.items()):
+        direct, packed = [], []
+        for p in pieces:
+            ok = p.nbytes >= direct_bytes and contiguous(src_box[(s, p.src)].box, p.box) \
+                and contiguous(dst_box[(r, p.dst)].box, p.box)
+            (direct if ok else packed).append(p)
+        msgs = [Message(next(ids), s, r, (p,), True) for p in direct]
+        bucket: list[Piece] = []
+        for p in packed:
+            if bucket and sum(x.nbytes for x in bucket) + p.nbytes > bucket_bytes:
+                msgs.append(Message(next(ids), s, r, tuple(bucket), False))
+                bucket = []
+            bucket.append(p)
+        if bucket:
+            msgs.append(Message(next(ids), s, r, tuple(bucket), False))
+        rounds[(s, lv)][0].extend(msgs)
+        rounds[(r, lv)][1].extend(msgs)
+
+    groups: list[tuple[int, ...]] = []
+    bsteps: dict[tuple[int, int], list[Step]] = defaultdict(list)
+    for (lv, s, remote), entries in sorted(bcasts.items()):
+        members = tuple(sorted((s, *remote)))
+        if members not in groups:
+            groups.append(members)
+        mid = next(ids)
+        for member in (s, *remote):  # the same boxes in the same order on every member; dst keys are its own
+            if member == s:
+                mine = tuple(Piece(p.src, p.src, p.box, p.nbytes) for p in (next(iter(e.values())) for e in entries))
+            else:
+                mine = tuple(e[member] for e in entries)
+            bsteps[(member, lv)].append(Step("broadcast", group=(s, *remote), round=lv,
+                                             message=Message(mid, s, -1, mine, False)))
+
+    prog = Program(transition=transition, source=t.source, target=t.target, gpus=gpus, src=src, dst=dst,
+                   groups=groups, bucket_bytes=bucket_bytes)
+    for r in range(len(gpus)):
+        steps: list[Step] = []
+        alloc = tuple(s.key for s in dst[r] if (r, s.key) not in kept)
+        keep = tuple(s.key for s in dst[r] if (r, s.key) in kept)
+        if keep:
+            steps.append(Step("keep", keys=keep))
+        if alloc:
+            steps.append(Step("alloc", keys=alloc))
+        for lv in range(n_levels):
+            steps += before.get((r, lv), [])
+            sends, recvs = rounds.get((r, lv), ([], []))
+            if sends or recvs:
+                steps.append(Step("round", sends=tuple(sorted(sends, key=lambda x: x.id)),
+                                  recvs=tuple(sorted(recvs, key=lambda x: x.id)), round=lv))
+            steps += bsteps.get((r, lv), [])
+            steps += after.get((r, lv), [])
+        if releases.get(r):
+            steps.append(Step("release", keys=tuple(dict.fromkeys(releases[r]))))
+        if offloads.get(r):
+            steps.append(Step("offload", keys=tuple(dict.fromkeys(offloads[r]))))
+        prog.steps[r] = steps
+    return prog
+
+
+@register
+@dataclass(frozen=True)
+class LowerCollectives(ModulePass):
+    """Checks that a transition lowers to a collective program (every destination byte delivered
+    exactly once); the program itself is printed by ``nereus lower``. Options: ``transition``
+    (``@name``; default: the module's only transition), ``bucket`` (bytes), ``broadcast``."""
+
+    name = "lower-collectives"
+    transition: str = ""
+    bucket: int = DEFAULT_BUCKET
+    broadcast: str = "p2p"
+
+    def apply(self, module: Module) -> None:
+        lower(module, pick_transition(module, self.transition), bucket_bytes=self.bucket, broadcast=self.broadcast)
+
+
+def pick_transition(module: Module, name: str = "") -> str:
+    name = name.lstrip("@")
+    if not name:
+        if len(module.transitions) != 1:
+            raise _error(f"lower-collectives needs transition=@name: the module has {len(module.transitions)} transitions")
+        return next(iter(module.transitions))
+    if name not in module.transitions:
+        raise _error(f"lower-collectives: no transition @{name}")
+    return name
+
+

@@ -1,0 +1,154 @@
+"""The collective program: what each rank does, step by step, to carry out one transition.
+
+A program is per rank an ordered list of steps over tensor slices, named by ``StateKey`` and
+a box in the full tensor's coordinates (the executor turns a box into a slice of its local
+shard, whose box it knows from ``src`` and ``dst``):
+
+- ``alloc``: the destination shards that do not stay in place, allocated before any transfer;
+- ``keep``: a destination shard that is a source shard of this rank (same key, same box);
+- ``copy``: a local slice copy from a source shard into a destination shard;
+- ``round``: one batch of point-to-point messages (``batch_isend_irecv``): each message goes to
+  or comes from one peer and carries one slice sent as is (``direct``: contiguous on both
+  sides, no packing) or a bucket that packs many slices into one flat byte buffer;
+- ``broadcast``: one bucket from a root to the ranks of a subgroup (``dist.broadcast``);
+- ``load`` / ``offload``: a source shard comes from host memory, a destination shard goes to it;
+- ``release``: a source shard that plan B does not keep, dropped at commit (never earlier: the
+  source state is what a failed transition rolls back to).
+
+Every message carries a checksum that the receiver checks before the transition commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.emu import Box
+from ..runtime.state import ShardSpec, StateKey
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slice ``box`` (full-tensor coordinates) read from ``src`` on the sender, written to ``dst`` on the receiver."""
+
+    src: StateKey
+    dst: StateKey
+    box: Box
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message between a sender and a receiver: a single slice (``direct``) or a packed bucket."""
+
+    id: int  # unique in the program; both sides post a pair's messages in id order
+    sender: int
+    receiver: int
+    pieces: tuple[Piece, ...]
+    direct: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # alloc | keep | copy | round | broadcast | load | offload | release
+    keys: tuple[StateKey, ...] = ()  # alloc, keep, load, offload, release
+    piece: Piece | None = None  # copy
+    sends: tuple[Message, ...] = ()  # round
+    recvs: tuple[Message, ...] = ()  # round
+    group: tuple[int, ...] = ()  # broadcast: the subgroup's ranks (the root first)
+    message: Message | None = None  # broadcast: the bucket (receiver = -1)
+    round: int = 0
+
+
+@dataclass
+class Program:
+    transition: str
+    source: str  # plan A
+    target: str  # plan B
+    gpus: list[int]  # rank r runs on GPU gpus[r]
+    src: dict[int, list[ShardSpec]]  # rank -> plan A's shards (the state it starts with)
+    dst: dict[int, list[ShardSpec]]  # rank -> plan B's shards (the state it ends with)
+    steps: dict[int, list[Step]] = field(default_factory=dict)
+    groups: list[tuple[int, ...]] = field(default_factory=list)  # broadcast subgroups, created once, in this order
+    bucket_bytes: int = 0
+
+    @property
+    def world(self) -> int:
+        return len(self.gpus)
+
+    def sent_bytes(self, rank: int) -> int:
+        """Payload bytes ``rank`` sends (a broadcast counts once per receiver, as its root sends it to each)."""
+        n = 0
+        for s in self.steps.get(rank, []):
+            n += sum(m.nbytes for m in s.sends)
+            if s.kind == "broadcast" and s.group[0] == rank:
+                n += s.message.nbytes * (len(s.group) - 1)
+        return n
+
+    def received_bytes(self, rank: int) -> int:
+        n = 0
+        for s in self.steps.get(rank, []):
+            n += sum(m.nbytes for m in s.recvs)
+            if s.kind == "broadcast" and s.group[0] != rank:
+                n += s.message.nbytes
+        return n
+
+
+def _box(box: Box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+
+
+def _size(n: int) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f}{unit}"
+    return f"{n}B"
+
+
+def _piece(p: Piece) -> str:
+    same = "" if p.dst == p.src else f" -> {p.dst}"
+    return f"{p.src} {_box(p.box)}{same}"
+
+
+def print_program(prog: Program, ranks: list[int] | None = None) -> str:
+    """The program as text, rank by rank (for goldens and for reading); deterministic."""
+    out = [(f"program @{prog.transition} (@{prog.source} -> @{prog.target}) world = {prog.world}, "
+           f"bucket = {_size(prog.bucket_bytes)} {{")]
+    if prog.gpus != list(range(prog.world)):
+        out.append(f"  gpus = [{', '.join(map(str, prog.gpus))}]")
+    for g in prog.groups:
+        out.append(f"  group [{', '.join(map(str, g))}]")
+    for r in ranks if ranks is not None else range(prog.world):
+        steps = prog.steps.get(r, [])
+        out.append(f"  rank {r} {{  // sends {_size(prog.sent_bytes(r))}, receives {_size(prog.received_bytes(r))}")
+        for s in steps:
+            if s.kind in ("alloc", "keep", "load", "offload", "release"):
+                for k in s.keys:
+                    box = next((x.box for x in (prog.dst if s.kind in ("alloc", "keep", "offload") else prog.src)[r]
+                                if x.key == k), ())
+                    out.append(f"    {s.kind} {k} {_box(box)}")
+            elif s.kind == "copy":
+                out.append(f"    copy {_piece(s.piece)}")
+            elif s.kind == "round":
+                out.append(f"    round {s.round} {{")
+                for verb, msgs in (("send", s.sends), ("recv", s.recvs)):
+                    for msg in msgs:
+                        peer = msg.receiver if verb == "send" else msg.sender
+                        arrow = "->" if verb == "send" else "<-"
+                        how = "direct" if msg.direct else f"bucket of {len(msg.pieces)}"
+                        out.append(f"      {verb} #{msg.id} {arrow} {peer}: {how}, {_size(msg.nbytes)}")
+                        for p in msg.pieces:
+                            out.append(f"        {_piece(p)}")
+                out.append("    }")
+            elif s.kind == "broadcast":
+                msg = s.message
+                out.append(f"    broadcast #{msg.id} round {s.round} root {s.group[0]} in [{', '.join(map(str, s.group))}]: "
+                           f"bucket of {len(msg.pieces)}, {_size(msg.nbytes)}")
+                for p in msg.pieces:
+                    out.append(f"      {_piece(p)}")
+        out.append("  }")
+    out.append("}")
+    return "\n".join(out) + "\n"

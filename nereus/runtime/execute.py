@@ -1,0 +1,250 @@
+"""Run a collective program on this rank's live state: plan A's shards in, plan B's shards out.
+
+``execute(program, state)`` runs inside an initialised default process group (``init_from_env``:
+gloo on CPU, NCCL with tensors on the GPU) on every rank of ``program.world``. It never changes
+``state``: destination shards are new tensors (or the very source tensor, where a shard stays in
+place), and the source shards are dropped only at commit. Commit happens when every rank has
+received every message and every message's checksum matched; the ranks agree on that with one
+all-reduce. Any failure (an exception, a timeout, a peer that died, a corrupted message) makes
+every surviving rank raise ``TransitionError`` with its plan-A ``state`` untouched. A process
+group that saw a failure should be re-created before the next collective, as torchelastic does.
+
+Messages are raw bytes: a slice that is contiguous on both sides is sent from and received into
+the shard itself; the others are packed into buckets (8-byte aligned offsets). A checksum (the
+wrapping sum of the payload's 32-bit words, or bytes for odd sizes) travels with every round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..backend.program import Message, Piece, Program, Step
+from .state import LocalState, ShardSpec, StateKey
+
+
+class TransitionError(RuntimeError):
+    """A transition failed on some rank; this rank's plan-A state is intact."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected fault (for tests): at the start of ``round`` on ``rank``, ``raise`` an
+    exception, ``exit`` the process, or ``corrupt`` one byte of the first message it sends."""
+
+    kind: str
+    rank: int
+    round: int = 0
+
+
+@dataclass
+class Stats:
+    sent: int = 0  # payload bytes this rank sent
+    received: int = 0
+    messages: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _region(spec: ShardSpec, box) -> tuple[slice, ...]:
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, spec.box))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view (exact for every dtype)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(buf: torch.Tensor) -> torch.Tensor:
+    """Wrapping int64 sum of the 32-bit words of a uint8 buffer (of its bytes when not a multiple of 4)."""
+    words = buf.view(torch.int32) if buf.numel() % 4 == 0 and buf.data_ptr() % 4 == 0 else buf
+    return words.sum(dtype=torch.int64).reshape(1)
+
+
+def _layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
+    """8-byte aligned offsets of the pieces in a bucket, and its size."""
+    offs, n = [], 0
+    for p in pieces:
+        offs.append(n)
+        n += (p.nbytes + 7) // 8 * 8
+    return offs, n
+
+
+class _Rank:
+    def __init__(self, prog: Program, rank: int, state: LocalState, device, timeout: float, faults, stats: Stats):
+        self.prog, self.rank, self.device, self.stats = prog, rank, device, stats
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.faults = [f for f in faults if f.rank == rank]
+        self.src_spec = {s.key: s for s in prog.src.get(rank, [])}
+        self.dst_spec = {s.key: s for s in prog.dst.get(rank, [])}
+        self.src: dict[StateKey, torch.Tensor] = {}
+        for k, spec in self.src_spec.items():
+            t = state.get(k)
+            if t is None:
+                raise TransitionError(f"rank {rank}: the state has no {k}, which plan @{prog.source} puts here")
+            if tuple(t.shape) != spec.local_shape or t.dtype != spec.dtype:
+                raise TransitionError(f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
+                                      f"{spec.local_shape} {spec.dtype}")
+            self.src[k] = t
+        self.new: dict[StateKey, torch.Tensor] = {}
+        self.groups: dict[tuple[int, ...], object] = {}
+
+    # -- slices --------------------------------------------------------------------------------
+    def read(self, p: Piece) -> torch.Tensor:
+        t = self.src[p.src] if p.src in self.src else self.new[p.src]
+        spec = self.src_spec.get(p.src) if p.src in self.src else self.dst_spec[p.src]
+        return t[_region(spec, p.box)]
+
+    def write(self, key: StateKey, box) -> torch.Tensor:
+        return self.new[key][_region(self.dst_spec[key], box)]
+
+    def _fault(self, rnd: int) -> Fault | None:
+        f = next((f for f in self.faults if f.round == rnd), None)
+        if f is not None and f.kind == "raise":
+            raise RuntimeError(f"injected fault on rank {self.rank} in round {rnd}")
+        if f is not None and f.kind == "exit":
+            os._exit(17)
+        return f
+
+    # -- steps ---------------------------------------------------------------------------------
+    def run(self, step: Step) -> None:
+        if step.kind == "keep":
+            for k in step.keys:
+                self.new[k] = self.src[k]
+        elif step.kind == "alloc":
+            for k in step.keys:
+                spec = self.dst_spec[k]
+                self.new[k] = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+        elif step.kind == "load":  # a source shard offloaded to host memory comes back to the device
+            for k in step.keys:
+                self.src[k] = self.src[k].to(self.device, non_blocking=False)
+        elif step.kind == "copy":
+            self.write(step.piece.dst, step.piece.box).copy_(self.read(step.piece))
+        elif step.kind == "round":
+            self.exchange(step)
+        elif step.kind == "broadcast":
+            self.broadcast(step)
+        # release and offload happen at commit
+
+    def payload(self, msg: Message) -> torch.Tensor:
+        if msg.direct:
+            return _bytes(self.read(msg.pieces[0]))
+        offs, n = _layout(msg.pieces)
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        for p, o in zip(msg.pieces, offs):
+            src = self.read(p)
+            buf[o:o + p.nbytes].view(src.dtype).view(src.shape).copy_(src)
+        return buf
+
+    def landing(self, msg: Message) -> torch.Tensor:
+        if msg.direct:
+            p = msg.pieces[0]
+            return _bytes(self.write(p.dst, p.box))
+        return torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
+
+    def unpack(self, msg: Message, buf: torch.Tensor) -> None:
+        if msg.direct:
+            return
+        for p, o in zip(msg.pieces, _layout(msg.pieces)[0]):
+            dst = self.write(p.dst, p.box)
+            dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
+
+    def exchange(self, step: Step) -> None:
+        fault = self._fault(step.round)
+        ops, sums_out, recv_bufs = [], {}, []
+        for msg in step.sends:
+            buf = self.payload(msg)
+            sums_out.setdefault(msg.receiver, []).append(checksum(buf))
+            if fault is not None and fault.kind == "corrupt" and msg is step.sends[0]:
+                buf = buf.clone()  # never touch the source shard itself
+                buf[0] ^= 0x5A
+                fault = None
+            ops.append(dist.P2POp(dist.isend, buf, msg.receiver))
+            self.stats.sent += msg.nbytes
+        for msg in step.recvs:
+            buf = self.landing(msg)
+            recv_bufs.append((msg, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, msg.sender))
+            self.stats.received += msg.nbytes
+        # one checksum vector per peer, after the data
+        for peer, sums in sorted(sums_out.items()):
+            ops.append(dist.P2POp(dist.isend, torch.cat(sums).to(self.device), peer))
+        expect: dict[int, torch.Tensor] = {}
+        for peer in sorted({m.sender for m in step.recvs}):
+            expect[peer] = torch.empty(sum(1 for m in step.recvs if m.sender == peer), dtype=torch.int64, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
+        self.stats.messages += len(step.sends) + len(step.recvs)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait(self.timeout)
+        seen: dict[int, int] = {}
+        for msg, buf in recv_bufs:
+            i = seen.get(msg.sender, 0)
+            seen[msg.sender] = i + 1
+            if not torch.equal(checksum(buf), expect[msg.sender][i:i + 1]):
+                raise TransitionError(f"rank {self.rank}: message #{msg.id} from rank {msg.sender} arrived corrupted "
+                                      f"(checksum mismatch)")
+            self.unpack(msg, buf)
+
+    def broadcast(self, step: Step) -> None:
+        self._fault(step.round)
+        root, msg = step.group[0], step.message
+        members = tuple(sorted(step.group))
+        group = self.groups[members]
+        if self.rank == root:
+            buf = self.payload(msg)
+            self.stats.sent += msg.nbytes * (len(members) - 1)
+        else:
+            buf = torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
+            self.stats.received += msg.nbytes
+        total = checksum(buf) if self.rank == root else torch.empty(1, dtype=torch.int64, device=self.device)
+        for t in (buf, total):
+            dist.broadcast(t, src=root, group=group, async_op=True).wait(self.timeout)
+        if self.rank != root:
+            if not torch.equal(checksum(buf), total):
+                raise TransitionError(f"rank {self.rank}: broadcast #{msg.id} from rank {root} arrived corrupted")
+            self.unpack(msg, buf)
+
+    def commit(self) -> LocalState:
+        out: LocalState = {}
+        offload = {k for s in self.prog.steps.get(self.rank, []) if s.kind == "offload" for k in s.keys}
+        for spec in self.prog.dst.get(self.rank, []):
+            t = self.new[spec.key]
+            out[spec.key] = t.to("cpu") if spec.key in offload else t
+        return out
+
+
+def _agree(ok: bool, device, timeout: datetime.timedelta) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True).wait(timeout)
+    except Exception:  # noqa: BLE001 - a broken group or a dead peer: no agreement
+        return False
+    return bool(flag.item() == 1)
+
+
+def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
+            faults: tuple[Fault, ...] = (), stats: Stats | None = None) -> LocalState:
+    """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != program.world:
+        raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats())
+    for members in program.groups:  # every rank creates every subgroup, in the same order
+        me.groups[members] = dist.new_group(list(members))
+    error: BaseException | None = None
+    try:
+        for step in program.steps.get(rank, []):
+            me.run(step)
+    except Exception as e:  # noqa: BLE001 - any failure rolls back
+        error = e
+    if not _agree(error is None, device, me.timeout):
+        why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
+        raise TransitionError(f"rank {rank}: transition @{program.transition} failed ({why}); "
+                              f"the state of plan @{program.source} is intact") from error
+    return me.commit()
