@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, 
             try:
                 dist.destroy_process_group()
             except RuntimeError:  # a group broken by a failed peer: nothing left to tidy
-                pass  # noqa: S110
+                pass
 
 
 def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: int = 1) -> list[Any]:
