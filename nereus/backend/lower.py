@@ -82,7 +82,12 @@ def _error(msg: str) -> DiagnosticError:
 
 
 def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
-          broadcast: str = "p2p") -> Program:
+          broadcast: str = "p2p", gpus: list[int] | None = None) -> Program:
+    """The collective program of ``transition``; see the module docstring.
+
+    ``gpus``: the GPUs of the process group, rank r on ``gpus[r]`` (default: every GPU that holds
+    state under either plan, except those lost, in order). It must include all of those.
+    """
     if broadcast not in ("p2p", "collective"):
         raise ValueError("broadcast is p2p or collective")
     t = m.transitions[transition]
@@ -97,7 +102,12 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     senders = {gpu_of[(t.source, op.src[0])] for op in t.ops if op.kind in ("send", "broadcast", "copy") and op.src}
     senders |= {gpu_of[(t.source, r)] for op in t.ops if op.kind == "allgather" for r in op.src}
     lost = set(cluster.unavailable) - senders
-    gpus = sorted((set(src_by_gpu) | set(dst_by_gpu)) - lost)
+    needed = (set(src_by_gpu) | set(dst_by_gpu)) - lost
+    if gpus is None:
+        gpus = sorted(needed)
+    elif not needed <= set(gpus) or len(set(gpus)) != len(gpus):
+        raise _error(f"lower-collectives: the process group's GPUs {gpus} must include {sorted(needed)}, once each")
+    gpus = list(gpus)
     rank_of = {g: r for r, g in enumerate(gpus)}
     src = {rank_of[g]: src_by_gpu.get(g, []) for g in gpus}
     dst = {rank_of[g]: dst_by_gpu.get(g, []) for g in gpus}
@@ -174,7 +184,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                     written[(r, first)] += nb
                     for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
                         ek = key(extra, op.state, name)
-                        after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb)))
+                        after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb, arrived=True)))
                         written[(r, ek)] += nb
                 if group_pieces:
                     bcasts[(lv, s, tuple(remote))].append(group_pieces)
@@ -246,7 +256,31 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
         if offloads.get(r):
             steps.append(Step("offload", keys=tuple(dict.fromkeys(offloads[r]))))
         prog.steps[r] = steps
+    _check_slices(prog)
     return prog
+
+
+def _inside(box, outer) -> bool:
+    return all(outer_lo <= lo and hi <= outer_hi for (lo, hi), (outer_lo, outer_hi) in zip(box, outer))
+
+
+def _check_slices(prog: Program) -> None:
+    """Every piece reads inside a shard the rank holds and writes inside one it will hold."""
+    for r, steps in prog.steps.items():
+        src = {s.key: s.box for s in prog.src.get(r, [])}
+        dst = {s.key: s.box for s in prog.dst.get(r, [])}
+        for step in steps:
+            reads = [step.piece] if step.kind == "copy" else [p for m in step.sends for p in m.pieces]
+            writes = [step.piece] if step.kind == "copy" else [p for m in step.recvs for p in m.pieces]
+            if step.kind == "broadcast":
+                (reads if step.group[0] == r else writes).extend(step.message.pieces)
+            for p in reads:
+                held = (dst if p.arrived else src).get(p.src)
+                if held is None or not _inside(p.box, held):
+                    raise _error(f"lower-collectives: rank {r} reads {p.src} {list(p.box)}, which it does not hold")
+            for p in writes:
+                if p.dst not in dst or not _inside(p.box, dst[p.dst]):
+                    raise _error(f"lower-collectives: rank {r} writes {p.dst} {list(p.box)} outside its shard")
 
 
 @register

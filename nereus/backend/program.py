@@ -34,6 +34,7 @@ class Piece:
     dst: StateKey
     box: Box
     nbytes: int
+    arrived: bool = False  # read from a destination shard this transition filled, not from plan A's state
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _size(n: int) -> str:
 
 def _piece(p: Piece) -> str:
     same = "" if p.dst == p.src else f" -> {p.dst}"
-    return f"{p.src} {_box(p.box)}{same}"
+    return f"{'arrived ' if p.arrived else ''}{p.src} {_box(p.box)}{same}"
 
 
 def print_program(prog: Program, ranks: list[int] | None = None) -> str:

@@ -94,9 +94,9 @@ class _Rank:
 
     # -- slices --------------------------------------------------------------------------------
     def read(self, p: Piece) -> torch.Tensor:
-        t = self.src[p.src] if p.src in self.src else self.new[p.src]
-        spec = self.src_spec.get(p.src) if p.src in self.src else self.dst_spec[p.src]
-        return t[_region(spec, p.box)]
+        if p.arrived:
+            return self.new[p.src][_region(self.dst_spec[p.src], p.box)]
+        return self.src[p.src][_region(self.src_spec[p.src], p.box)]
 
     def write(self, key: StateKey, box) -> torch.Tensor:
         return self.new[key][_region(self.dst_spec[key], box)]

@@ -91,15 +91,17 @@ def plan_layout(m: Module, plan: str) -> dict[int, list[ShardSpec]]:
 
 
 def full_tensor(spec: ShardSpec, seed: int = 0) -> torch.Tensor:
-    """A deterministic full tensor for ``spec.key`` (the same on every rank): for tests and benchmarks."""
+    """A deterministic full tensor for ``spec.key`` (the same on every rank, and for every
+    model-stage of one model: they hold the same weights): for tests and benchmarks."""
     g = torch.Generator().manual_seed(hash_key(spec.key) ^ seed)
     return torch.randn(spec.shape, generator=g, dtype=torch.float32).to(spec.dtype)
 
 
 def hash_key(key: StateKey) -> int:
-    """A stable 62-bit hash of a key (Python's ``hash`` of a string changes between processes)."""
+    """A stable 62-bit hash of a key's model, state and tensor (Python's ``hash`` of a string
+    changes between processes)."""
     h = 1469598103934665603
-    for ch in str(key).encode():
+    for ch in f"{key.model}:{key.state}:{key.tensor}".encode():
         h = ((h ^ ch) * 1099511628211) & ((1 << 62) - 1)
     return h
 

@@ -1,0 +1,79 @@
+"""Functions that run on every rank of a local process group (``run_local``) for the runtime tests.
+
+They live in an importable module so that spawned processes can find them. Each receives IR
+text (modules are rebuilt from their printed form on every rank, as a real job would read a
+file) and returns plain data for the test to check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import nereus
+from nereus.backend.lower import lower
+from nereus.bench.reshard_cases import case_module
+from nereus.passes.plan_transition import plan_transition
+from nereus.runtime.execute import Fault, Stats, TransitionError, execute
+from nereus.runtime.launch import init_from_env
+from nereus.runtime.state import cut, full_tensor, synthetic_state
+
+
+def check(prog, rank: int, new) -> list[str]:
+    """Destination shards that are missing, extra or not bit-identical to the full tensor's slice."""
+    want = {s.key: s for s in prog.dst.get(rank, [])}
+    bad = [f"extra {k}" for k in new if k not in want]
+    for k, spec in want.items():
+        t = new.get(k)
+        if t is None:
+            bad.append(f"missing {k}")
+        elif t.dtype != spec.dtype or not torch.equal(t, cut(full_tensor(spec), spec.box)):
+            bad.append(f"wrong {k} {list(spec.box)}")
+    return bad
+
+
+def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[str]) -> dict:
+    """Every reshard case under every broadcast mode: (problems, bytes sent, bytes the program says)."""
+    init_from_env(timeout=30)
+    out = {}
+    for case in cases:
+        m = case_module(case, world, hidden=hidden, layers=4)
+        m.transitions["t"] = plan_transition(m, "a", "b", "t")
+        for mode in modes:
+            prog = lower(m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024)
+            stats = Stats()
+            new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, stats=stats)
+            out[(case, mode)] = (check(prog, rank, new), stats.sent, prog.sent_bytes(rank),
+                                 m.transitions["t"].bytes_moved)
+    return out
+
+
+def run_modules(rank: int, world: int, texts: list[str]) -> list[list[str]]:
+    """Each module's transition @a_to_b (planned and scheduled), on ranks = GPUs 0..world-1."""
+    init_from_env(timeout=30)
+    out = []
+    for text in texts:
+        m = nereus.parse(text)
+        nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+        prog = lower(m, "a_to_b", gpus=list(range(world)), direct_bytes=256, bucket_bytes=4096)
+        new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30)
+        out.append(check(prog, rank, new))
+    return out
+
+
+def run_fault(rank: int, world: int, case: str, fault: Fault) -> dict:
+    """Inject ``fault``; report what this rank saw and whether its plan-A state is intact."""
+    init_from_env(timeout=30)
+    m = case_module(case, world, hidden=64, layers=4)
+    m.transitions["t"] = plan_transition(m, "a", "b", "t")
+    prog = lower(m, "t", direct_bytes=4096, bucket_bytes=64 * 1024)
+    state = synthetic_state(prog.src.get(rank, []))
+    before = {k: (id(v), v.clone()) for k, v in state.items()}
+    try:
+        execute(prog, state, timeout=4, faults=(fault,))
+        raised = None
+    except TransitionError as e:
+        raised = str(e)
+    intact = set(state) == set(before) and all(id(state[k]) == i and torch.equal(state[k], c)
+                                               for k, (i, c) in before.items())
+    full = all(torch.equal(v, cut(full_tensor(s), s.box)) for s in prog.src.get(rank, []) for v in [state[s.key]])
+    return {"raised": raised, "intact": intact and full, "held": len(state)}
