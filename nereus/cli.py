@@ -127,6 +127,31 @@ def cmd_opt(args) -> int:
     return 0
 
 
+def cmd_lower(args) -> int:
+    from .backend.lower import lower, pick_transition
+    from .backend.program import print_program
+    from .backend.script import render_script
+    from .passes import PipelineError, run_pipeline
+
+    try:
+        m, _ = _load(args.file)
+        if args.pipeline:
+            run_pipeline(m, args.pipeline)
+        prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast)
+    except PipelineError as e:
+        print(f"nereus lower: error: {e}", file=sys.stderr)
+        return 1
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+    if args.script:
+        Path(args.script).write_text(render_script(prog), encoding="utf-8")
+        print(f"{args.script}: torchrun --nproc-per-node {prog.world} {args.script} --selftest", file=sys.stderr)
+    else:
+        sys.stdout.write(print_program(prog))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import BENCHMARKS
 
@@ -161,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--golden", metavar="FILE.expected", help="compare the result with a golden file (exit 1 and a diff if it differs)")
     o.add_argument("--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)")
     o.set_defaults(func=cmd_opt)
+    lo = sub.add_parser("lower", help="lower a transition to a collective program; print it or render a script")
+    lo.add_argument("file", metavar="FILE")
+    lo.add_argument("-p", "--pipeline", help="passes to run first, e.g. plan-transition{to=@b},schedule-transfers")
+    lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
+    lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
+    lo.add_argument("--bucket", type=int, default=64 * 2**20, metavar="BYTES", help="bucket size for packed slices")
+    lo.add_argument("--broadcast", choices=("p2p", "collective"), default="p2p",
+                    help="send one slice to many as point-to-point messages or as a subgroup broadcast")
+    lo.set_defaults(func=cmd_lower)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search or transition")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")

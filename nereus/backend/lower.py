@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, ShardRef
+from ..ir.diagnostics import did_you_mean
 from ..passes.pass_manager import ModulePass, register
 from ..passes.plan_transition import ensure_emus
 from ..runtime.state import StateKey, plan_layout
@@ -77,8 +78,8 @@ def _nbytes(box, itemsize: int) -> int:
     return n
 
 
-def _error(msg: str) -> DiagnosticError:
-    return DiagnosticError([Diagnostic(Loc(0, 0, None), msg)])
+def _error(msg: str, hint: str | None = None, file: str | None = None) -> DiagnosticError:
+    return DiagnosticError([Diagnostic(Loc(0, 0, file), msg, hint)])
 
 
 def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
@@ -303,10 +304,12 @@ def pick_transition(module: Module, name: str = "") -> str:
     name = name.lstrip("@")
     if not name:
         if len(module.transitions) != 1:
-            raise _error(f"lower-collectives needs transition=@name: the module has {len(module.transitions)} transitions")
+            raise _error(f"lowering needs one transition: the module has {len(module.transitions)}",
+                         "name one (transition=@name), or plan one first: -p plan-transition{to=@b},schedule-transfers",
+                         module.filename)
         return next(iter(module.transitions))
     if name not in module.transitions:
-        raise _error(f"lower-collectives: no transition @{name}")
+        raise _error(f"lowering: no transition @{name}", did_you_mean(name, module.transitions), module.filename)
     return name
 
 

@@ -111,5 +111,6 @@ def cut(full: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def synthetic_state(specs: list[ShardSpec], seed: int = 0) -> LocalState:
-    """This rank's shards of deterministic full tensors (``full_tensor``), contiguous."""
-    return {s.key: cut(full_tensor(s, seed), s.box).contiguous() for s in specs}
+    """This rank's shards of deterministic full tensors (``full_tensor``), each its own tensor
+    (a clone: a view would keep the whole full tensor alive)."""
+    return {s.key: cut(full_tensor(s, seed), s.box).clone() for s in specs}
