@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send one slice to many as point-to-point messages or as a subgroup broadcast")
     lo.set_defaults(func=cmd_lower)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search or transition")
+    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition or reshard")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     b.set_defaults(func=cmd_bench)

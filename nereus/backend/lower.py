@@ -34,7 +34,7 @@ from ..runtime.state import StateKey, plan_layout
 from .program import Message, Piece, Program, Step
 
 DEFAULT_BUCKET = 64 * 2**20
-DEFAULT_DIRECT = 1 * 2**20
+DEFAULT_DIRECT = 64 * 2**10
 
 
 def contiguous(outer: tuple, inner: tuple) -> bool:

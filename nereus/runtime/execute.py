@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,9 +60,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(buf: torch.Tensor) -> torch.Tensor:
-    """Wrapping int64 sum of the 32-bit words of a uint8 buffer (of its bytes when not a multiple of 4)."""
-    words = buf.view(torch.int32) if buf.numel() % 4 == 0 and buf.data_ptr() % 4 == 0 else buf
-    return words.sum(dtype=torch.int64).reshape(1)
+    """Wrapping int64 sum of a uint8 buffer's 8-byte words, plus its trailing bytes: a function
+    of the bytes alone (sender and receiver agree whatever their buffers' alignment), and it
+    runs at memory speed (an int32 -> int64 widening sum is 20x slower here)."""
+    n8 = buf.numel() // 8 * 8
+    head = buf[:n8]
+    if head.data_ptr() % 8:
+        head = head.clone()  # a view at an odd offset: aligned copy
+    total = head.view(torch.int64).sum()
+    if n8 < buf.numel():
+        total = total + buf[n8:].to(torch.int64).sum()
+    return total.reshape(1)
 
 
 def _layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
@@ -152,8 +161,14 @@ class _Rank:
             dst = self.write(p.dst, p.box)
             dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
 
+    def _tick(self, what: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stats.seconds[what] = self.stats.seconds.get(what, 0.0) + now - since
+        return now
+
     def exchange(self, step: Step) -> None:
         fault = self._fault(step.round)
+        t = time.perf_counter()
         ops, sums_out, recv_bufs = [], {}, []
         for msg in step.sends:
             buf = self.payload(msg)
@@ -177,9 +192,11 @@ class _Rank:
             expect[peer] = torch.empty(sum(1 for m in step.recvs if m.sender == peer), dtype=torch.int64, device=self.device)
             ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
         self.stats.messages += len(step.sends) + len(step.recvs)
+        t = self._tick("pack", t)
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait(self.timeout)
+        t = self._tick("wire", t)
         seen: dict[int, int] = {}
         for msg, buf in recv_bufs:
             i = seen.get(msg.sender, 0)
@@ -188,6 +205,7 @@ class _Rank:
                 raise TransitionError(f"rank {self.rank}: message #{msg.id} from rank {msg.sender} arrived corrupted "
                                       f"(checksum mismatch)")
             self.unpack(msg, buf)
+        self._tick("unpack", t)
 
     def broadcast(self, step: Step) -> None:
         self._fault(step.round)

@@ -1,0 +1,131 @@
+"""``nereus bench reshard``: live state moved between layouts by real processes, Nereus vs its peers.
+
+Every case of ``reshard_cases`` (TP 4 -> 2 x DP 2 and back, TP 4 -> 2 on half the GPUs, PP 2 -> 4,
+DP 4 -> 2 under ZeRO-1, a training layout -> full replication for generation), on 4 and 8
+gloo processes of this machine, each method in turn on the same synthetic state:
+
+- ``nereus``: the transition planned by ``plan-transition``, lowered by ``lower-collectives``
+  and run by ``runtime.execute`` (checksums and commit included);
+- ``dcp``: PyTorch DCP save under plan A, then load into plan B's boxes (``runtime.dcp``);
+- ``allgather``: every rank all-gathers every tensor, then slices (verl's resharding);
+- ``gather+bcast``: rank 0 gathers every tensor, then broadcasts it (OpenRLHF's weight sync).
+
+Wall time is the slowest rank's, between barriers. Every method's result is checked bit for bit
+against the full tensors (outside the timing). The lower bound on time: the bytes the busiest
+rank must receive (what it lacks under plan B: the planner's lower bound, per rank) over the
+bandwidth every rank gets when all send at once, measured in the same run with a ring of
+simultaneous sends (``ring_bandwidth``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from ..backend.lower import lower
+from ..passes.plan_transition import plan_transition
+from ..runtime.execute import Stats, execute
+from ..runtime.launch import init_from_env, run_local
+from ..runtime.state import cut, full_tensor, synthetic_state
+from .reshard_cases import CASES, case_module
+
+METHODS = ("nereus", "dcp", "allgather", "gather+bcast")
+
+
+def _exact(dst_specs, new) -> bool:
+    return set(new) == {s.key for s in dst_specs} and all(
+        torch.equal(new[s.key], cut(full_tensor(s), s.box)) for s in dst_specs)
+
+
+def _timed(fn):
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return out, time.perf_counter() - t0
+
+
+def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str) -> dict:
+    from ..runtime.dcp import dcp_reshard
+    from .reshard_peers import allgather_slice, gather_broadcast, ring_bandwidth
+
+    init_from_env(timeout=600)
+    out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
+    for case in cases:
+        m = case_module(case, world, hidden=hidden)
+        m.transitions["t"] = plan_transition(m, "a", "b", "t")
+        prog = lower(m, "t")
+        src = synthetic_state(prog.src.get(rank, []))
+        dst_specs = prog.dst.get(rank, [])
+        held = sum(s.nbytes for s in prog.src.get(rank, []))
+        row = {"must_receive": prog.received_bytes(rank), "held": held}
+        for method in METHODS:
+            if method == "nereus":
+                stats = Stats()
+                new, secs = _timed(lambda: execute(prog, src, timeout=600, stats=stats))
+                sent = stats.sent
+            elif method == "dcp":
+                path = str(Path(tmp) / f"{case}-{world}")
+                (new, sent), secs = _timed(lambda: dcp_reshard(src, prog.src, prog.dst, rank, world, path))
+            elif method == "allgather":
+                (new, sent), secs = _timed(lambda: allgather_slice(src, prog.src, prog.dst, rank, world))
+            else:
+                (new, sent), secs = _timed(lambda: gather_broadcast(src, prog.src, prog.dst, rank, world))
+            row[method] = {"seconds": secs, "sent": sent, "exact": _exact(dst_specs, new)}
+            del new
+        out[case] = row
+    return out
+
+
+def run(quick: bool = False, json_output: bool = False) -> dict:
+    worlds = (4,) if quick else (4, 8)
+    cases = ["tp4-tp2x2", "train-gen"] if quick else list(CASES)
+    hidden = 128 if quick else None
+    ring_bytes = (4 if quick else 64) * 2**20
+    results: dict = {"cases": {}, "ring_GBps": {}}
+    with Progress(transient=True, disable=json_output) as progress, tempfile.TemporaryDirectory(prefix="nereus-reshard-") as tmp:
+        task = progress.add_task("reshard: 4 methods x cases on gloo processes", total=len(worlds))
+        for world in worlds:
+            per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, timeout=3600)
+            ring = min(r["ring"] for r in per_rank)
+            results["ring_GBps"][world] = ring / 1e9
+            for case in cases:
+                rows = [r[case] for r in per_rank]
+                bound = max(r["must_receive"] for r in rows) / ring
+                entry = {"state_MB": sum(r["held"] for r in rows) / 1e6, "bound_s": bound}
+                for method in METHODS:
+                    entry[method] = {"seconds": max(r[method]["seconds"] for r in rows),
+                                     "sent_MB": sum(r[method]["sent"] for r in rows) / 1e6,
+                                     "exact": all(r[method]["exact"] for r in rows)}
+                entry["planned_MB"] = sum(r["must_receive"] for r in rows) / 1e6
+                results["cases"][f"{case} x{world}"] = entry
+            progress.advance(task)
+    if not json_output:
+        _table(results)
+    return results
+
+
+def _table(results: dict) -> None:
+    t = Table(title="reshard: live state between layouts, gloo on this machine (wall s, MB sent; all bit-exact unless marked)",
+              title_justify="left")
+    for col in ("case x procs", "state MB", "bound s", "nereus s", "dcp s", "allgather s", "gather+bcast s",
+                "best peer / nereus", "nereus / bound", "nereus MB", "planned MB"):
+        t.add_column(col, justify="right" if col != "case x procs" else "left")
+    for name, e in results["cases"].items():
+        def cell(method):
+            v = e[method]
+            return f"{v['seconds']:.2f}" + ("" if v["exact"] else " WRONG")
+        best_peer = min(e[m]["seconds"] for m in METHODS[1:])
+        t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", cell("nereus"), cell("dcp"), cell("allgather"),
+                  cell("gather+bcast"), f"{best_peer / e['nereus']['seconds']:.1f}x",
+                  f"{e['nereus']['seconds'] / e['bound_s']:.2f}", f"{e['nereus']['sent_MB']:.0f}", f"{e['planned_MB']:.0f}")
+    Console().print(t)
+    rings = ", ".join(f"{w} procs {v:.2f} GB/s" for w, v in results["ring_GBps"].items())
+    Console().print(f"ring bandwidth per rank, all sending at once: {rings}")
