@@ -44,17 +44,24 @@ def _exact(dst_specs, new) -> bool:
         torch.equal(new[s.key], cut(full_tensor(s), s.box)) for s in dst_specs)
 
 
-def _timed(fn):
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn()
-    dist.barrier()
-    return out, time.perf_counter() - t0
-
-
-def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str) -> dict:
+def _method(method: str, prog, src, rank: int, world: int, path: str):
+    """Run one method on this rank: (its plan-B state, bytes it sent)."""
     from ..runtime.dcp import dcp_reshard
-    from .reshard_peers import allgather_slice, gather_broadcast, ring_bandwidth
+    from .reshard_peers import allgather_slice, gather_broadcast
+
+    if method == "nereus":
+        stats = Stats()
+        return execute(prog, src, timeout=600, stats=stats), stats.sent
+    if method == "dcp":
+        return dcp_reshard(src, prog.src, prog.dst, rank, world, path)
+    if method == "allgather":
+        return allgather_slice(src, prog.src, prog.dst, rank, world)
+    return gather_broadcast(src, prog.src, prog.dst, rank, world)
+
+
+def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int) -> dict:
+    """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
+    from .reshard_peers import ring_bandwidth
 
     init_from_env(timeout=600)
     out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
@@ -64,22 +71,22 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         prog = lower(m, "t")
         src = synthetic_state(prog.src.get(rank, []))
         dst_specs = prog.dst.get(rank, [])
-        held = sum(s.nbytes for s in prog.src.get(rank, []))
-        row = {"must_receive": prog.received_bytes(rank), "held": held}
+        row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, []))}
         for method in METHODS:
-            if method == "nereus":
-                stats = Stats()
-                new, secs = _timed(lambda: execute(prog, src, timeout=600, stats=stats))
-                sent = stats.sent
-            elif method == "dcp":
-                path = str(Path(tmp) / f"{case}-{world}")
-                (new, sent), secs = _timed(lambda: dcp_reshard(src, prog.src, prog.dst, rank, world, path))
-            elif method == "allgather":
-                (new, sent), secs = _timed(lambda: allgather_slice(src, prog.src, prog.dst, rank, world))
-            else:
-                (new, sent), secs = _timed(lambda: gather_broadcast(src, prog.src, prog.dst, rank, world))
-            row[method] = {"seconds": secs, "sent": sent, "exact": _exact(dst_specs, new)}
-            del new
+            best = None
+            for i in range(repeats):
+                path = str(Path(tmp) / f"{case}-{world}-{i}")
+                dist.barrier()
+                t0 = time.perf_counter()
+                new, sent = _method(method, prog, src, rank, world, path)
+                dist.barrier()
+                secs = time.perf_counter() - t0
+                exact = _exact(dst_specs, new)
+                del new
+                if best is None or secs < best["seconds"]:
+                    best = {"seconds": secs, "sent": sent, "exact": exact}
+                best["exact"] = best["exact"] and exact
+            row[method] = best
         out[case] = row
     return out
 
@@ -93,7 +100,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
     with Progress(transient=True, disable=json_output) as progress, tempfile.TemporaryDirectory(prefix="nereus-reshard-") as tmp:
         task = progress.add_task("reshard: 4 methods x cases on gloo processes", total=len(worlds))
         for world in worlds:
-            per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, timeout=3600)
+            per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, 1 if quick else 2, timeout=3600)
             ring = min(r["ring"] for r in per_rank)
             results["ring_GBps"][world] = ring / 1e9
             for case in cases:
@@ -118,14 +125,15 @@ def _table(results: dict) -> None:
     for col in ("case x procs", "state MB", "bound s", "nereus s", "dcp s", "allgather s", "gather+bcast s",
                 "best peer / nereus", "nereus / bound", "nereus MB", "planned MB"):
         t.add_column(col, justify="right" if col != "case x procs" else "left")
+    def cell(e, method):
+        v = e[method]
+        return f"{v['seconds']:.2f}" + ("" if v["exact"] else " WRONG")
+
     for name, e in results["cases"].items():
-        def cell(method):
-            v = e[method]
-            return f"{v['seconds']:.2f}" + ("" if v["exact"] else " WRONG")
         best_peer = min(e[m]["seconds"] for m in METHODS[1:])
-        t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", cell("nereus"), cell("dcp"), cell("allgather"),
-                  cell("gather+bcast"), f"{best_peer / e['nereus']['seconds']:.1f}x",
+        t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", cell(e, "nereus"), cell(e, "dcp"), cell(e, "allgather"),
+                  cell(e, "gather+bcast"), f"{best_peer / e['nereus']['seconds']:.1f}x",
                   f"{e['nereus']['seconds'] / e['bound_s']:.2f}", f"{e['nereus']['sent_MB']:.0f}", f"{e['planned_MB']:.0f}")
-    Console().print(t)
+    Console(width=max(160, Console().width)).print(t)
     rings = ", ".join(f"{w} procs {v:.2f} GB/s" for w, v in results["ring_GBps"].items())
     Console().print(f"ring bandwidth per rank, all sending at once: {rings}")
