@@ -39,7 +39,7 @@ def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[
         m = case_module(case, world, hidden=hidden, layers=4)
         m.transitions["t"] = plan_transition(m, "a", "b", "t")
         for mode in modes:
-            prog = lower(m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024)
+            prog = lower(m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024, chunk_bytes=256 * 1024)
             stats = Stats()
             new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, stats=stats)
             out[(case, mode)] = (check(prog, rank, new), stats.sent, prog.sent_bytes(rank),

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nereus.cli import main
 
 from .conftest import EXAMPLES
@@ -108,3 +110,14 @@ def test_bench_transition_json_smoke(capsys):
         assert row["bytes_moved"] == row["lower_bound"]  # the planner reaches the lower bound
         assert row["makespan_s"] >= row["port_bound_s"] > 0
         assert all(v["bytes"] > row["bytes_moved"] for v in row["peers"].values())
+
+
+def test_bench_reshard_json_smoke(capsys):
+    """Four gloo processes, two small cases: every method bit-exact; Nereus sends what it planned."""
+    assert main(["bench", "reshard", "--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["cases"]) == {"tp4-tp2x2 x4", "train-gen x4"}
+    for case in out["cases"].values():
+        assert all(case[m]["exact"] for m in ("nereus", "dcp", "allgather", "gather+bcast"))
+        assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
+        assert case["bound_s"] > 0

@@ -25,7 +25,7 @@ from .test_transition import job
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_reshard_cases_are_bit_exact_and_send_the_planned_bytes(world):
-    modes = ["p2p", "collective"] if world == 4 else ["p2p"]
+    modes = ["p2p", "chain", "collective"] if world == 4 else ["p2p", "chain"]
     results = run_local(w.run_cases, world, list(CASES), 64, modes, timeout=240)
     for case in CASES:
         for mode in modes:

@@ -35,6 +35,8 @@ from .program import Message, Piece, Program, Step
 
 DEFAULT_BUCKET = 64 * 2**20
 DEFAULT_DIRECT = 64 * 2**10
+DEFAULT_CHUNK = 8 * 2**20
+BROADCASTS = ("p2p", "chain", "collective")
 
 
 def contiguous(outer: tuple, inner: tuple) -> bool:
@@ -83,14 +85,14 @@ def _error(msg: str, hint: str | None = None, file: str | None = None) -> Diagno
 
 
 def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
-          broadcast: str = "p2p", gpus: list[int] | None = None) -> Program:
+          broadcast: str = "p2p", gpus: list[int] | None = None, chunk_bytes: int = DEFAULT_CHUNK) -> Program:
     """The collective program of ``transition``; see the module docstring.
 
     ``gpus``: the GPUs of the process group, rank r on ``gpus[r]`` (default: every GPU that holds
     state under either plan, except those lost, in order). It must include all of those.
     """
-    if broadcast not in ("p2p", "collective"):
-        raise ValueError("broadcast is p2p or collective")
+    if broadcast not in BROADCASTS:
+        raise ValueError(f"broadcast is one of {', '.join(BROADCASTS)}")
     t = m.transitions[transition]
     for p in (t.source, t.target):
         ensure_emus(m, p)
@@ -121,7 +123,8 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     n_levels = 1 + max(level.values(), default=-1)
     before: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> loads, copies
     after: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> copies from what arrived
-    pending: dict[tuple[int, int, int], list[Piece]] = defaultdict(list)  # (level, sender, receiver) -> pieces
+    pending: dict[tuple[int, int, int, int], list[Piece]] = defaultdict(list)  # (level, sub-round, sender, receiver)
+    chains: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(list)  # (level, root, ring order)
     bcasts: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(list)  # receiver -> piece
     releases: dict[int, list[StateKey]] = defaultdict(list)
     offloads: dict[int, list[StateKey]] = defaultdict(list)
@@ -178,17 +181,20 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                     piece = Piece(sk, first, box, nb)
                     if r == s:
                         before[(r, lv)].append(Step("copy", piece=piece))
-                    elif op.kind == "broadcast" and broadcast == "collective" and len(remote) > 1:
+                    elif op.kind == "broadcast" and broadcast != "p2p" and len(remote) > 1:
                         group_pieces[r] = piece
                     else:
-                        pending[(lv, s, r)].append(piece)
+                        pending[(lv, 0, s, r)].append(piece)
                     written[(r, first)] += nb
                     for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
                         ek = key(extra, op.state, name)
                         after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb, arrived=True)))
                         written[(r, ek)] += nb
-                if group_pieces:
+                if group_pieces and broadcast == "collective":
                     bcasts[(lv, s, tuple(remote))].append(group_pieces)
+                elif group_pieces:  # a ring from the root through the receivers, in rank order after it
+                    ring = tuple(sorted(remote, key=lambda x: (x - s) % len(gpus)))
+                    chains[(lv, s, ring)].append(group_pieces)
 
     # destination coverage: every shard not kept is written exactly once
     for r, specs in dst.items():
@@ -199,13 +205,28 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                 raise _error(f"lower-collectives: rank {r} receives {written[(r, spec.key)]:,} of the {spec.nbytes:,} "
                              f"bytes of {spec.key} {list(spec.box)}: the transition does not deliver it exactly once")
 
+    # pipelined chains: the payload of each (root, ring) in chunks; chunk c crosses hop h in
+    # sub-round c + h, so every link of the ring is busy at once and each rank sends to one
+    # neighbour (a chunked ring broadcast made of point-to-point messages)
+    for (lv, s, ring), entries in chains.items():
+        done = 0
+        for e in entries:
+            c = done // chunk_bytes
+            done += next(iter(e.values())).nbytes
+            for h, r in enumerate(ring):
+                if h == 0:
+                    pending[(lv, c, s, r)].append(e[r])
+                else:
+                    prev = e[ring[h - 1]]
+                    pending[(lv, c + h, ring[h - 1], r)].append(Piece(prev.dst, e[r].dst, prev.box, prev.nbytes, arrived=True))
+
     ids = iter(range(1 << 62))
-    rounds: dict[tuple[int, int], tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
-    for (lv, s, r), pieces in sorted(pending.items()):
+    rounds: dict[tuple[int, int, int], tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
+    for (lv, sub, s, r), pieces in sorted(pending.items()):
         direct, packed = [], []
         for p in pieces:
-            ok = p.nbytes >= direct_bytes and contiguous(src_box[(s, p.src)].box, p.box) \
-                and contiguous(dst_box[(r, p.dst)].box, p.box)
+            held = (dst_box if p.arrived else src_box)[(s, p.src)].box
+            ok = p.nbytes >= direct_bytes and contiguous(held, p.box) and contiguous(dst_box[(r, p.dst)].box, p.box)
             (direct if ok else packed).append(p)
         msgs = [Message(next(ids), s, r, (p,), True) for p in direct]
         bucket: list[Piece] = []
@@ -216,8 +237,9 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             bucket.append(p)
         if bucket:
             msgs.append(Message(next(ids), s, r, tuple(bucket), False))
-        rounds[(s, lv)][0].extend(msgs)
-        rounds[(r, lv)][1].extend(msgs)
+        rounds[(s, lv, sub)][0].extend(msgs)
+        rounds[(r, lv, sub)][1].extend(msgs)
+    round_no = {k: i for i, k in enumerate(sorted({(lv, sub) for (_, lv, sub) in rounds}))}
 
     groups: list[tuple[int, ...]] = []
     bsteps: dict[tuple[int, int], list[Step]] = defaultdict(list)
@@ -246,10 +268,11 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             steps.append(Step("alloc", keys=alloc))
         for lv in range(n_levels):
             steps += before.get((r, lv), [])
-            sends, recvs = rounds.get((r, lv), ([], []))
-            if sends or recvs:
-                steps.append(Step("round", sends=tuple(sorted(sends, key=lambda x: x.id)),
-                                  recvs=tuple(sorted(recvs, key=lambda x: x.id)), round=lv))
+            for (level, sub), no in round_no.items():
+                sends, recvs = rounds.get((r, level, sub), ([], []))
+                if level == lv and (sends or recvs):
+                    steps.append(Step("round", sends=tuple(sorted(sends, key=lambda x: x.id)),
+                                      recvs=tuple(sorted(recvs, key=lambda x: x.id)), round=no))
             steps += bsteps.get((r, lv), [])
             steps += after.get((r, lv), [])
         if releases.get(r):

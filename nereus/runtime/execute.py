@@ -167,35 +167,47 @@ class _Rank:
         return now
 
     def exchange(self, step: Step) -> None:
+        """One round. Receives are posted first; on gloo each send is posted as soon as its
+        payload is packed, so packing overlaps the wire (NCCL gets one batch: a group of p2p
+        calls must be issued together). Per peer, messages go in id order on both sides."""
         fault = self._fault(step.round)
         t = time.perf_counter()
-        ops, sums_out, recv_bufs = [], {}, []
-        for msg in step.sends:
-            buf = self.payload(msg)
-            sums_out.setdefault(msg.receiver, []).append(checksum(buf))
-            if fault is not None and fault.kind == "corrupt" and msg is step.sends[0]:
-                buf = buf.clone()  # never touch the source shard itself
-                buf[0] ^= 0x5A
-                fault = None
-            ops.append(dist.P2POp(dist.isend, buf, msg.receiver))
-            self.stats.sent += msg.nbytes
+        overlap = dist.get_backend() == "gloo"
+        recv_ops, recv_bufs = [], []
         for msg in step.recvs:
             buf = self.landing(msg)
             recv_bufs.append((msg, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, msg.sender))
+            recv_ops.append(dist.P2POp(dist.irecv, buf, msg.sender))
             self.stats.received += msg.nbytes
-        # one checksum vector per peer, after the data
-        for peer, sums in sorted(sums_out.items()):
-            ops.append(dist.P2POp(dist.isend, torch.cat(sums).to(self.device), peer))
         expect: dict[int, torch.Tensor] = {}
-        for peer in sorted({m.sender for m in step.recvs}):
+        for peer in sorted({m.sender for m in step.recvs}):  # one checksum vector per peer, after its data
             expect[peer] = torch.empty(sum(1 for m in step.recvs if m.sender == peer), dtype=torch.int64, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
+            recv_ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
+        works, ops = [], list(recv_ops)
+        if overlap and recv_ops:
+            works += dist.batch_isend_irecv(recv_ops)
+            ops = []
+        sums_out: dict[int, list[torch.Tensor]] = {}
+        for msg in step.sends:
+            buf = self.payload(msg)
+            sums_out.setdefault(msg.receiver, []).append(checksum(buf))
+            if fault is not None and fault.kind == "corrupt":
+                buf = buf.clone()  # never touch the source shard itself
+                buf[0] ^= 0x5A
+                fault = None
+            op = dist.P2POp(dist.isend, buf, msg.receiver)
+            if overlap:
+                works += dist.batch_isend_irecv([op])
+            else:
+                ops.append(op)
+            self.stats.sent += msg.nbytes
+        ops += [dist.P2POp(dist.isend, torch.cat(sums).to(self.device), peer) for peer, sums in sorted(sums_out.items())]
         self.stats.messages += len(step.sends) + len(step.recvs)
         t = self._tick("pack", t)
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait(self.timeout)
+            works += dist.batch_isend_irecv(ops)
+        for work in works:
+            work.wait(self.timeout)
         t = self._tick("wire", t)
         seen: dict[int, int] = {}
         for msg, buf in recv_bufs:
