@@ -14,7 +14,8 @@ Wall time is the slowest rank's, between barriers. Every method's result is chec
 against the full tensors (outside the timing). The lower bound on time: the bytes the busiest
 rank must receive (what it lacks under plan B: the planner's lower bound, per rank) over the
 bandwidth every rank gets when all send at once, measured in the same run with a ring of
-simultaneous sends (``ring_bandwidth``).
+simultaneous sends (``ring_bandwidth``) before every case; the bound uses the best measurement,
+so that a busy moment of the machine cannot flatter the ratio.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
     init_from_env(timeout=600)
     out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
     for case in cases:
+        # the bound must hold in the worst case for us: the best bandwidth seen during the run
+        out["ring"] = max(out["ring"], ring_bandwidth(ring_bytes, rank, world))
         m = case_module(case, world, hidden=hidden)
         m.transitions["t"] = plan_transition(m, "a", "b", "t")
         prog = lower(m, "t")

@@ -33,9 +33,18 @@ def dp_sharded(state: str, zero: int) -> bool:
 
 def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0) -> list[SliceEntry]:
     """The slices held at pipeline stage ``pp``, tensor rank ``tp`` of DP replica ``dp_rank``, in inventory order."""
+    return _dp_entries(_tp_slices(model, layout, pp, tp, states), layout.dp, dp_rank)
+
+
+def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[tuple]:
+    """The slices at (``pp``, ``tp``) before ZeRO splits them, in inventory order: (state,
+    family, layers, TP box, split over DP); a slice no replica splits comes as its ``SliceEntry``
+    (None when empty), which every replica shares."""
     lo, hi = layout.layers[pp]
+    boxes: dict[str, tuple] = {}  # the TP box of a tensor is the same for every state
     out = []
     for state in states:
+        split = dp_sharded(state, layout.zero) and layout.dp > 1
         for spec in model.tensors.values():
             if spec.per_layer:
                 layers = (lo, hi)
@@ -43,14 +52,35 @@ def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weigh
                 layers = None
             else:
                 continue
-            box = model.tp_box(spec, layout.tp, tp)
-            if dp_sharded(state, layout.zero) and layout.dp > 1:
-                a, b = box[0]
-                s, e = even_split(b - a, layout.dp, dp_rank)
-                box = ((a + s, a + e),) + box[1:]
-            if any(hi <= lo for lo, hi in box):
-                continue  # a dimension smaller than TP (or DP) leaves the last ranks with nothing of it
-            out.append(SliceEntry(family=spec.family, layers=layers, box=box, state=state))
+            box = boxes.get(spec.family)
+            if box is None:
+                box = boxes[spec.family] = model.tp_box(spec, layout.tp, tp)
+            if split:
+                out.append((state, spec.family, layers, box))
+            elif any(b <= a for a, b in box):
+                out.append(None)  # a dimension smaller than TP leaves the last ranks with nothing of it
+            else:
+                out.append(SliceEntry(family=spec.family, layers=layers, box=box, state=state))
+    return out
+
+
+def _dp_entries(slices: list, dp: int, dp_rank: int) -> list[SliceEntry]:
+    """The entries of DP replica ``dp_rank`` from ``_tp_slices``: dimension 0 of the split ones
+    divided among ``dp`` replicas."""
+    out = []
+    for s in slices:
+        if s is None:
+            continue
+        if isinstance(s, SliceEntry):
+            out.append(s)
+            continue
+        state, family, layers, box = s
+        a, b = box[0]
+        lo, hi = even_split(b - a, dp, dp_rank)
+        box = ((a + lo, a + hi),) + box[1:]
+        if any(hi <= lo for lo, hi in box):
+            continue  # a dimension smaller than TP (or DP) leaves the last ranks with nothing of it
+        out.append(SliceEntry(family=family, layers=layers, box=box, state=state))
     return out
 
 
@@ -62,6 +92,7 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
     """
     sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.dp > 1
     cache: dict[tuple[int, int, int], list[SliceEntry]] = {}
+    tp_slices: dict[tuple[int, int], list[tuple]] = {}  # replicas differ only in what ZeRO splits
     emus = []
     for d in range(layout.dp):
         shards = []
@@ -69,7 +100,9 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
             for t in range(layout.tp):
                 key = (d if sharded else 0, p, t)
                 if key not in cache:
-                    cache[key] = shard_entries(model, layout, p, t, states, key[0])
+                    if (p, t) not in tp_slices:
+                        tp_slices[(p, t)] = _tp_slices(model, layout, p, t, states)
+                    cache[key] = _dp_entries(tp_slices[(p, t)], layout.dp, key[0])
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
     return emus

@@ -29,23 +29,24 @@ pass reports the GPU and the shortfall.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef, Transition
+from ..ir import (
+    Diagnostic,
+    DiagnosticError,
+    HostRef,
+    Loc,
+    Module,
+    Op,
+    ShardRef,
+    Transition,
+)
 from ..ir.verify_state import state_dtype_bytes
 from .pass_manager import ModulePass, register
+from .transition_grid import Box, Grid, Piece, local
 
-Box = tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class Piece:
-    ref: ShardRef
-    gpu: int
-    region: Box  # half-open spans; the layer axis first for per-layer families
+__all__ = ["Piece", "ensure_emus", "plan_transition"]
 
 
 def ensure_emus(m: Module, plan_name: str) -> None:
@@ -61,43 +62,21 @@ def ensure_emus(m: Module, plan_name: str) -> None:
 def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
     """(model, state, family) -> pieces, from the plan's EMUs."""
     out: dict[tuple[str, str, str], list[Piece]] = defaultdict(list)
+    slices: dict[tuple[str, int], list[tuple]] = {}  # replicas share entry lists: read each list once
+    rid = 0
     for (plan, ms, dp), emu in sorted(m.emus.items()):
         if plan != plan_name:
             continue
         model = ms.rpartition(".")[0]
         for s in emu.shards:
             ref = ShardRef(ms, dp, s.pp, s.tp)
-            for e in s.entries:
-                out[(model, e.state, e.family)].append(Piece(ref, s.gpu, e.region))
+            held = slices.get((model, id(s.entries)))
+            if held is None:
+                held = slices[(model, id(s.entries))] = [((model, e.state, e.family), e.region) for e in s.entries]
+            for key, region in held:
+                out[key].append(Piece(ref, s.gpu, region, rid))
+            rid += 1
     return out
-
-
-def _cells(region: Box, cuts: list[list[int]]):
-    """The cells of ``cuts`` inside ``region`` (as tuples of interval indices)."""
-    ranges = []
-    for (lo, hi), c in zip(region, cuts):
-        i, j = bisect.bisect_left(c, lo), bisect.bisect_left(c, hi)
-        ranges.append(range(i, j))
-    return itertools.product(*ranges)
-
-
-def _merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
-    """Merge a set of grid cells into boxes of cell-index spans (greedy along each axis)."""
-    if len(cells) == 1:  # the common case: one cell, one box
-        return [tuple((i, i + 1) for i in cells[0])]
-    boxes = [tuple((i, i + 1) for i in c) for c in sorted(cells)]
-    for axis in reversed(range(len(boxes[0]) if boxes else 0)):
-        boxes.sort(key=lambda b: (tuple(x for k, x in enumerate(b) if k != axis), b[axis]))
-        merged: list = []
-        for b in boxes:
-            if merged:
-                p = merged[-1]
-                if all(p[k] == b[k] for k in range(len(b)) if k != axis) and p[axis][1] == b[axis][0]:
-                    merged[-1] = tuple((p[k][0], b[k][1]) if k == axis else p[k] for k in range(len(b)))
-                    continue
-            merged.append(b)
-        boxes = merged
-    return boxes
 
 
 def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None) -> Transition:
@@ -106,137 +85,228 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     ``lost``: GPUs whose state is gone (default: those plan B's cluster marks unavailable). Pass
     an empty set for GPUs that leave with notice (a planned scale-in): they still send.
     """
-    plan_a, plan_b = m.plans[source], m.plans[target]
-    cluster = m.clusters[plan_b.cluster]
+    cluster = m.clusters[m.plans[target].cluster]
     for p in (source, target):
         ensure_emus(m, p)
     src_all, dst_all = _pieces(m, source), _pieces(m, target)
     # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
     lost = set(cluster.unavailable) if lost is None else set(lost)
     src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
-    ops: list[Op] = []
-    load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
-    bytes_moved = lower = 0
-    reads: dict[tuple, list[str]] = defaultdict(list)  # source slice -> ops that read it (for frees)
-    kept: set[tuple] = set()  # (ref, state, family, region) of source slices reused in place
-    recv_bytes: dict[int, int] = defaultdict(int)
-    recv_ops: dict[int, list[str]] = defaultdict(list)
-    kept_b: set[tuple] = set()  # (ref, state, family, region) of destination slices kept in place
-    delivers: dict[tuple, list[str]] = defaultdict(list)  # (destination ref, state, family) -> ops writing it
-    counter = itertools.count()
-
-    def new_id() -> str:
-        return f"%{next(counter)}"
-
+    planner = _Planner(m, source, target, cluster, src_all, dst_all)
     for key in sorted(dst_all):
+        planner.family(key, src_all.get(key, []), dst_all[key])
+    planner.residency()
+    problems = planner.frees_and_memory()
+    if problems:
+        raise DiagnosticError(problems)
+    return Transition(name=name, source=source, target=target, ops=planner.ops, bytes_moved=planner.bytes_moved,
+                      lower_bound=planner.lower)
+
+
+def _index(pieces: dict[tuple, list[Piece]]) -> dict[tuple, int]:
+    """The index of each family's first piece when all pieces are numbered in key order."""
+    out, n = {}, 0
+    for key in sorted(pieces):
+        out[key] = n
+        n += len(pieces[key])
+    return out
+
+
+class _Planner:
+    """The operations of one transition, family by family. A piece is named by its number
+    (``_index`` of its family plus its position), so that bookkeeping hashes integers."""
+
+    def __init__(self, m: Module, source: str, target: str, cluster, src_all, dst_all) -> None:
+        self.m, self.source, self.target, self.cluster = m, source, target, cluster
+        self.plan_a, self.plan_b = m.plans[source], m.plans[target]
+        self.src_all, self.dst_all = src_all, dst_all
+        self.sbase, self.dbase = _index(src_all), _index(dst_all)
+        self.ops: list[Op] = []  # op "%i" is ops[i]
+        self.load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
+        self.bytes_moved = self.lower = 0
+        self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
+        self.kept: set[int] = set()  # source pieces reused in place
+        self.kept_b: set[int] = set()  # destination pieces kept in place
+        self.delivers: dict[tuple[int, int], list[str]] = defaultdict(list)  # (family, destination shard) -> ops writing it
+        self.recv_bytes: dict[int, int] = defaultdict(int)
+        self.recv_ops: dict[int, list[str]] = defaultdict(list)
+
+    def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
+        if per_layer:
+            (l0, l1), box = region[0], region[1:]
+            layers = (l0, l1 - 1)
+        else:
+            layers, box = None, region
+        op = Op(id=f"%{len(self.ops)}", kind=kind, state=state, family=family, layers=layers, box=tuple(box), src=src,
+                dst=dst, bytes=nbytes, link=link)
+        self.ops.append(op)
+        return op
+
+    def family(self, key: tuple[str, str, str], srcs: list[Piece], dsts: list[Piece]) -> None:
+        """Keep, copy, send and broadcast the cells of one (model, state, family)."""
         model_name, state, family = key
-        model, itemsize, per_layer = _family(m, model_name, state, family)
-        srcs, dsts = src_all.get(key, []), dst_all[key]
+        _, itemsize, per_layer = _family(self.m, model_name, state, family)
         if not srcs:
-            raise DiagnosticError([Diagnostic(plan_a.loc, f"plan @{source} holds no {state} of {family} of @{model_name}, "
-                                                          f"which plan @{target} needs", "both plans must carry the same state")])
-        ndim = len(dsts[0].region)
-        cuts = [sorted({x for p in srcs + dsts for x in p.region[d]}) for d in range(ndim)]
-        sizes = [[c[i + 1] - c[i] for i in range(len(c) - 1)] for c in cuts]
-
-        def cell_bytes(cell) -> int:
-            n = itemsize
-            for d, i in enumerate(cell):
-                n *= sizes[d][i]
-            return n
-
-        cell_cache: dict[Box, list[tuple]] = {}  # replicas share regions: cut each region once
-
-        def cells_of(region: Box) -> list[tuple]:
-            if region not in cell_cache:
-                cell_cache[region] = list(_cells(region, cuts))
-            return cell_cache[region]
-
-        holders: dict[tuple, list[Piece]] = defaultdict(list)
-        on_gpu: dict[int, dict[tuple, list[Piece]]] = defaultdict(lambda: defaultdict(list))  # gpu -> cell -> local pieces
-        for p in srcs:
-            for cell in cells_of(p.region):
-                holders[cell].append(p)
-                on_gpu[p.gpu][cell].append(p)
-        need: dict[int, dict[tuple, list[Piece]]] = defaultdict(lambda: defaultdict(list))  # gpu -> cell -> dst pieces
-        for p in dsts:
-            for cell in cells_of(p.region):
-                need[p.gpu][cell].append(p)
-        # local: keep in place, or copy from a source piece on the same GPU
-        local_copies: dict[tuple, list[tuple]] = defaultdict(list)  # (src ref, dst ref) -> cells
-        missing: dict[tuple, list[int]] = defaultdict(list)  # cell -> receiving GPUs
-        for gpu in sorted(need):
-            for cell, pieces in sorted(need[gpu].items()):
-                local = on_gpu[gpu].get(cell)
-                if not local:
-                    missing[cell].append(gpu)
-                    lower += cell_bytes(cell)
-                    continue
-                for d in pieces:
-                    same = next((p for p in local if p.ref.model_stage == d.ref.model_stage and p.region == d.region), None)
-                    if same is not None:  # the same model-stage keeps this very slice here: nothing to do
-                        kept.add((same.ref, state, family, same.region))
-                        kept_b.add((d.ref, state, family, d.region))
-                    else:  # merged boxes must stay inside one source slice and one destination slice
-                        local_copies[(local[0].ref, local[0].region, d.ref, d.region)].append(cell)
+            raise DiagnosticError([Diagnostic(self.plan_a.loc, f"plan @{self.source} holds no {state} of {family} of "
+                                                               f"@{model_name}, which plan @{self.target} needs",
+                                              "both plans must carry the same state")])
+        sbase, dbase = self.sbase[key], self.dbase[key]
+        src_regions = {p.region for p in srcs}
+        dst_regions = {p.region for p in dsts}
+        grid = Grid(src_regions | dst_regions)
+        src_on: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(srcs):
+            src_on[p.gpu].append(i)
+        dst_on: dict[int, list[int]] = defaultdict(list)
+        for j, p in enumerate(dsts):
+            dst_on[p.gpu].append(j)
+        # local: keep in place, or copy from a source piece on the same GPU; GPUs holding the
+        # same slices (replicas) decide the same, so their decisions are computed once
+        shared = 2 * len(dst_regions) <= len(dsts)
+        memo: dict[tuple, object] = {}
+        copies: list[tuple[int, int, list[int]]] = []  # (source, destination, cells)
+        missing: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # cell -> (GPU, destinations), GPUs ascending
+        for g in sorted(dst_on):
+            sl, dl = src_on.get(g, ()), dst_on[g]
+            s_items = [(srcs[i].ref.model_stage, srcs[i].region) for i in sl]
+            d_items = [(dsts[j].ref.model_stage, dsts[j].region) for j in dl]
+            if shared:
+                sig = (tuple(s_items), tuple(d_items))
+                res = memo.get(sig)
+                if res is None:
+                    res = memo[sig] = local(grid, s_items, d_items)
+            else:
+                res = local(grid, s_items, d_items)
+            for i, j in res.keeps:
+                self.kept.add(sbase + sl[i])
+                self.kept_b.add(dbase + dl[j])
+            for i, j, cells in res.copies:
+                copies.append((sl[i], dl[j], cells))
+            for c, js in res.missing:
+                missing[c].append((g, [dl[j] for j in js]))
+            self.lower += res.missing_elems * itemsize
         # remote: one sender per cell, least loaded first; several receivers make a broadcast
-        transfers: dict[tuple, list[tuple]] = defaultdict(list)  # (sender piece ref, receivers) -> cells
-        for cell in sorted(missing):
-            gpus = missing[cell]
-            cands = holders.get(cell)
+        groups: dict[Box, list[int]] = defaultdict(list)
+        for i, p in enumerate(srcs):
+            groups[p.region].append(i)
+        holders: dict[int, list[list[int]]] = defaultdict(list)  # cell -> groups of source pieces holding it
+        for region, idx in groups.items():
+            for c in grid.cells(region):
+                holders[c].append(idx)
+        load = self.load
+        transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (sender, receivers) -> cells
+        for c in sorted(missing):
+            recv = missing[c]
+            cands = holders.get(c)
             if not cands:
-                raise DiagnosticError([Diagnostic(plan_b.loc, f"no GPU of plan @{source} holds part of {state} {family} "
-                                                              f"of @{model_name} that plan @{target} needs")])
-            best = min(cands, key=lambda p: (load[p.gpu], p.gpu, p.ref.model_stage))
-            load[best.gpu] += cell_bytes(cell) * len(gpus)
-            receivers = tuple(dict.fromkeys((g, d.ref, d.region) for g in gpus for d in need[g][cell]))
-            transfers[(best.ref, best.gpu, best.region, receivers)].append(cell)
-        # insertion order is deterministic (it follows the sorted loops above): no need to sort
-        for (sref, sregion, dref, _), cells in local_copies.items():
-            for box in _merge(cells):
-                region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
+                raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
+                                                                   f"{family} of @{model_name} that plan @{self.target} needs")])
+            if len(cands) == 1 and len(cands[0]) == 1:
+                best = cands[0][0]
+            else:  # ties: the first holder in plan order
+                best = min((i for idx in cands for i in idx),
+                           key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
+            load[srcs[best].gpu] += grid.elems(c) * itemsize * len(recv)
+            receivers = tuple(j for _, js in recv for j in js)
+            if (best, receivers) in transfers:
+                transfers[(best, receivers)].append(c)
+            else:
+                transfers[(best, receivers)] = [c]
+        reads, delivers = self.reads, self.delivers
+        for si, dj, cells in copies:
+            s, d = srcs[si], dsts[dj]
+            for region in grid.boxes(cells):
+                op = self.op("copy", state, family, region, [s.ref], [d.ref], _volume(region) * itemsize, "local", per_layer)
+                reads[sbase + si].append(op.id)
+                delivers[(dbase, d.rid)].append(op.id)
+        node_of = self.cluster.node_of
+        recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
+        for (si, receivers), cells in transfers.items():
+            s = srcs[si]
+            rgpus = sorted({dsts[j].gpu for j in receivers})
+            link = "nic" if any(node_of(g) != node_of(s.gpu) for g in rgpus) else "nvlink"
+            kind = "send" if len(receivers) == 1 else "broadcast"
+            to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
+            for region in grid.boxes(cells):
                 nbytes = _volume(region) * itemsize
-                op = _op(new_id(), "copy", state, family, region, [sref], [dref], nbytes, "local", per_layer)
-                ops.append(op)
-                reads[(sref, state, family, sregion)].append(op.id)
-                delivers[(dref, state, family)].append(op.id)
-        for (sref, sgpu, sregion, receivers), cells in transfers.items():
-            rgpus = sorted({g for g, _, _ in receivers})
-            link = "nic" if any(cluster.node_of(g) != cluster.node_of(sgpu) for g in rgpus) else "nvlink"
-            for box in _merge(cells):
-                region = tuple((cuts[d][a], cuts[d][b]) for d, (a, b) in enumerate(box))
-                nbytes = _volume(region) * itemsize
-                kind = "send" if len(receivers) == 1 else "broadcast"
-                op = _op(new_id(), kind, state, family, region, [sref], list(dict.fromkeys(r for _, r, _ in receivers)), nbytes, link, per_layer)
-                ops.append(op)
-                reads[(sref, state, family, sregion)].append(op.id)
-                for dref in op.dst:
-                    delivers[(dref, state, family)].append(op.id)
-                bytes_moved += nbytes * len(rgpus)
+                op = self.op(kind, state, family, region, [s.ref], list(to.values()), nbytes, link, per_layer)
+                reads[sbase + si].append(op.id)
+                for rid in to:
+                    delivers[(dbase, rid)].append(op.id)
+                self.bytes_moved += nbytes * len(rgpus)
                 for g in rgpus:
                     recv_bytes[g] += nbytes
                     recv_ops[g].append(op.id)
-    _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, delivers, new_id)
-    # frees: every source slice not kept in place, after the operations that read it
-    mem_a: dict[int, int] = defaultdict(int)
-    freeable: dict[int, list[Op]] = defaultdict(list)
-    for key, srcs in sorted(src_all.items()):
-        model_name, state, family = key
-        model, itemsize, per_layer = _family(m, model_name, state, family)
-        for p in srcs:
-            nbytes = _volume(p.region) * itemsize
-            mem_a[p.gpu] += nbytes
-            if (p.ref, state, family, p.region) in kept:
+
+    def residency(self) -> None:
+        """Loads and offloads where the plans differ in what lives in host memory.
+
+        At a step boundary, plan A's offloaded state is in host memory: a slice that is read, or
+        kept in place for a model-stage plan B keeps on the GPU, is loaded first (``load`` into
+        plan A's shard; its readers wait for it). Plan B's offloaded state goes to host memory once
+        it has arrived (``offload`` from plan B's shard, after the operations that wrote it); a slice
+        both plans keep in host memory stays there.
+        """
+        plan_a, plan_b, reads, ops = self.plan_a, self.plan_b, self.reads, self.ops
+        for key, pieces in sorted(self.src_all.items()):
+            model_name, state, family = key
+            if not _any_offloaded(plan_a, model_name, state):
                 continue
-            op = _op(new_id(), "free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
-            op.deps = list(reads.get((p.ref, state, family, p.region), []))  # already in creation order
-            ops.append(op)
-            if not op.deps:
-                freeable[p.gpu].append(op)
-    problems = _order_for_memory(cluster, ops, mem_a, recv_ops, recv_bytes, freeable)
-    if problems:
-        raise DiagnosticError(problems)
-    return Transition(name=name, source=source, target=target, ops=ops, bytes_moved=bytes_moved, lower_bound=lower)
+            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            base = self.sbase[key]
+            for i, p in enumerate(pieces):
+                ms = p.ref.model_stage
+                if not _offloaded(plan_a, ms, state):
+                    continue
+                n = base + i
+                stays_on_host = n in self.kept and ms in plan_b.layouts and _offloaded(plan_b, ms, state)
+                readers = reads.get(n, [])
+                if not readers and (n not in self.kept or stays_on_host):
+                    continue
+                op = self.op("load", state, family, p.region, [HostRef(p.gpu)], [p.ref], _volume(p.region) * itemsize,
+                             "pcie", per_layer)
+                for reader in readers:
+                    r = ops[int(reader[1:])]
+                    r.deps = sorted(set(r.deps) | {op.id}, key=_number)
+                reads[n] = [op.id] + readers  # its free waits for the load too
+        for key, pieces in sorted(self.dst_all.items()):
+            model_name, state, family = key
+            if not _any_offloaded(plan_b, model_name, state):
+                continue
+            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            base = self.dbase[key]
+            for j, p in enumerate(pieces):
+                ms = p.ref.model_stage
+                if not _offloaded(plan_b, ms, state):
+                    continue
+                if base + j in self.kept_b and ms in plan_a.layouts and _offloaded(plan_a, ms, state):
+                    continue  # already in host memory, and stays there
+                op = self.op("offload", state, family, p.region, [p.ref], [HostRef(p.gpu)], _volume(p.region) * itemsize,
+                             "pcie", per_layer)
+                op.deps = list(self.delivers.get((base, p.rid), []))
+
+    def frees_and_memory(self) -> list[Diagnostic]:
+        """Free every source slice not kept in place, after the operations that read it; then
+        make receives wait for frees where a GPU would overflow."""
+        mem_a: dict[int, int] = defaultdict(int)
+        freeable: dict[int, list[Op]] = defaultdict(list)
+        for key, pieces in sorted(self.src_all.items()):
+            model_name, state, family = key
+            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            base = self.sbase[key]
+            volume: dict[Box, int] = {}
+            for i, p in enumerate(pieces):
+                nbytes = volume.get(p.region)
+                if nbytes is None:
+                    nbytes = volume[p.region] = _volume(p.region) * itemsize
+                mem_a[p.gpu] += nbytes
+                if base + i in self.kept:
+                    continue
+                op = self.op("free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
+                op.deps = list(self.reads.get(base + i, ()))  # already in creation order
+                if not op.deps:
+                    freeable[p.gpu].append(op)
+        return _order_for_memory(self.cluster, self.ops, mem_a, self.recv_ops, self.recv_bytes, freeable)
 
 
 def _family(m: Module, model_name: str, state: str, family: str):
@@ -250,53 +320,18 @@ def _offloaded(plan, model_stage: str, state: str) -> bool:
     return ("weights" if state == "weight" else "optimizer") in plan.layouts[model_stage].offload
 
 
-def _residency(m, plan_a, plan_b, src_all, dst_all, ops, reads, kept, kept_b, delivers, new_id) -> None:
-    """Loads and offloads where the plans differ in what lives in host memory.
+def _any_offloaded(plan, model_name: str, state: str) -> bool:
+    """Whether the plan keeps this state of any model-stage of the model in host memory."""
+    return any(ms.rpartition(".")[0] == model_name and _offloaded(plan, ms, state) for ms in plan.layouts)
 
-    At a step boundary, plan A's offloaded state is in host memory: a slice that is read, or
-    kept in place for a model-stage plan B keeps on the GPU, is loaded first (``load`` into
-    plan A's shard; its readers wait for it). Plan B's offloaded state goes to host memory once
-    it has arrived (``offload`` from plan B's shard, after the operations that wrote it); a slice
-    both plans keep in host memory stays there.
-    """
-    by_id = {op.id: op for op in ops}
-    gpu_of = {}
-    for key, pieces in list(src_all.items()) + list(dst_all.items()):
-        for p in pieces:
-            gpu_of[p.ref] = p.gpu
-    for (model_name, state, family), pieces in sorted(src_all.items()):
-        model, itemsize, per_layer = _family(m, model_name, state, family)
-        for p in pieces:
-            if not _offloaded(plan_a, p.ref.model_stage, state):
-                continue
-            key = (p.ref, state, family, p.region)
-            stays_on_host = key in kept and p.ref.model_stage in plan_b.layouts and _offloaded(plan_b, p.ref.model_stage, state)
-            if not reads.get(key) and (key not in kept or stays_on_host):
-                continue
-            op = _op(new_id(), "load", state, family, p.region, [HostRef(p.gpu)], [p.ref], _volume(p.region) * itemsize,
-                     "pcie", per_layer)
-            ops.append(op)
-            for reader in reads.get(key, []):
-                by_id[reader].deps = sorted(set(by_id[reader].deps) | {op.id}, key=lambda x: int(x[1:]))
-            reads[key] = [op.id] + reads.get(key, [])  # its free waits for the load too
-    for (model_name, state, family), pieces in sorted(dst_all.items()):
-        model, itemsize, per_layer = _family(m, model_name, state, family)
-        for p in pieces:
-            if not _offloaded(plan_b, p.ref.model_stage, state):
-                continue
-            if (p.ref, state, family, p.region) in kept_b and p.ref.model_stage in plan_a.layouts \
-                    and _offloaded(plan_a, p.ref.model_stage, state):
-                continue  # already in host memory, and stays there
-            op = _op(new_id(), "offload", state, family, p.region, [p.ref], [HostRef(p.gpu)],
-                     _volume(p.region) * itemsize, "pcie", per_layer)
-            op.deps = list(delivers.get((p.ref, state, family), []))
-            ops.append(op)
+
+def _number(op_id: str) -> int:
+    return int(op_id[1:])
 
 
 def _order_for_memory(cluster, ops: list[Op], mem_a, recv_ops, recv_bytes, freeable) -> list[Diagnostic]:
     """Make receives wait for frees of dead slices on GPUs that would otherwise overflow."""
     problems = []
-    by_id = {op.id: op for op in ops}
     for g, rb in sorted(recv_bytes.items()):
         if mem_a[g] + rb <= cluster.gpu_memory:
             continue
@@ -308,8 +343,8 @@ def _order_for_memory(cluster, ops: list[Op], mem_a, recv_ops, recv_bytes, freea
                                        "stage state through host memory, or transition in two steps"))
             continue
         for op_id in recv_ops[g]:
-            op = by_id[op_id]
-            op.deps = sorted(set(op.deps) | {d.id for d in dead}, key=lambda s: int(s[1:]))
+            op = ops[_number(op_id)]
+            op.deps = sorted(set(op.deps) | {d.id for d in dead}, key=_number)
     return problems
 
 
@@ -318,16 +353,6 @@ def _volume(region: Box) -> int:
     for lo, hi in region:
         n *= hi - lo
     return n
-
-
-def _op(op_id, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
-    if per_layer:
-        (l0, l1), box = region[0], region[1:]
-        layers = (l0, l1 - 1)
-    else:
-        layers, box = None, region
-    return Op(id=op_id, kind=kind, state=state, family=family, layers=layers, box=tuple(box), src=list(src),
-              dst=list(dst), bytes=nbytes, link=link)
 
 
 @register
