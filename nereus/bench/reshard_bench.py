@@ -42,7 +42,7 @@ METHODS = ("nereus", "dcp", "allgather", "gather+bcast")
 
 def _exact(dst_specs, new) -> bool:
     return set(new) == {s.key for s in dst_specs} and all(
-        torch.equal(new[s.key], cut(full_tensor(s), s.box)) for s in dst_specs)
+        torch.equal(new[s.key].cpu(), cut(full_tensor(s), s.box)) for s in dst_specs)
 
 
 def _method(method: str, prog, src, rank: int, world: int, path: str):
@@ -64,7 +64,7 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
     """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
     from .reshard_peers import ring_bandwidth
 
-    init_from_env(timeout=600)
+    device = init_from_env(timeout=600)  # gloo on CPU; NCCL with one GPU per rank (untested here)
     out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
     for case in cases:
         # the bound must hold in the worst case for us: the best bandwidth seen during the run
@@ -72,7 +72,7 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         m = case_module(case, world, hidden=hidden)
         m.transitions["t"] = plan_transition(m, "a", "b", "t")
         prog = lower(m, "t")
-        src = synthetic_state(prog.src.get(rank, []))
+        src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
         dst_specs = prog.dst.get(rank, [])
         row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, []))}
         for method in METHODS:
