@@ -48,15 +48,24 @@ def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[
 
 
 def run_modules(rank: int, world: int, texts: list[str]) -> list[list[str]]:
-    """Each module's transition @a_to_b (planned and scheduled), on ranks = GPUs 0..world-1."""
+    """Each module's transition @a_to_b (planned and scheduled), on ranks = GPUs 0..world-1;
+    broadcasts as p2p, chains or subgroup broadcasts in turn; every other pair with a 1-byte
+    memory limit, so that destination shards are allocated lazily."""
     init_from_env(timeout=30)
     out = []
-    for text in texts:
+    for i, text in enumerate(texts):
         m = nereus.parse(text)
         nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
-        prog = lower(m, "a_to_b", gpus=list(range(world)), direct_bytes=256, bucket_bytes=4096)
-        new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30)
-        out.append(check(prog, rank, new))
+        mode = ("p2p", "chain", "collective")[i % 3]
+        prog = lower(m, "a_to_b", gpus=list(range(world)), direct_bytes=256, bucket_bytes=4096, broadcast=mode,
+                     chunk_bytes=2048)
+        stats = Stats()
+        limit = 1 if i % 2 else None
+        new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, stats=stats, memory_limit=limit)
+        problems = check(prog, rank, new)
+        if limit is not None and prog.dst.get(rank) and not stats.lazy:
+            problems.append("allocated up front despite the memory limit")
+        out.append(problems)
     return out
 
 

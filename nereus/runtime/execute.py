@@ -47,6 +47,7 @@ class Stats:
     sent: int = 0  # payload bytes this rank sent
     received: int = 0
     messages: int = 0
+    lazy: bool = False  # destination shards allocated at their first write, not up front
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -83,8 +84,10 @@ def _layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
 
 
 class _Rank:
-    def __init__(self, prog: Program, rank: int, state: LocalState, device, timeout: float, faults, stats: Stats):
+    def __init__(self, prog: Program, rank: int, state: LocalState, device, timeout: float, faults, stats: Stats,
+                 memory_limit: int | None = None):
         self.prog, self.rank, self.device, self.stats = prog, rank, device, stats
+        self.memory_limit = memory_limit
         self.timeout = datetime.timedelta(seconds=timeout)
         self.faults = [f for f in faults if f.rank == rank]
         self.src_spec = {s.key: s for s in prog.src.get(rank, [])}
@@ -108,6 +111,9 @@ class _Rank:
         return self.src[p.src][_region(self.src_spec[p.src], p.box)]
 
     def write(self, key: StateKey, box) -> torch.Tensor:
+        if key not in self.new:  # lazy allocation: the first write
+            spec = self.dst_spec[key]
+            self.new[key] = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
         return self.new[key][_region(self.dst_spec[key], box)]
 
     def _fault(self, rnd: int) -> Fault | None:
@@ -124,6 +130,10 @@ class _Rank:
             for k in step.keys:
                 self.new[k] = self.src[k]
         elif step.kind == "alloc":
+            held = sum(t.numel() * t.element_size() for t in self.src.values())
+            if self.memory_limit is not None and held + sum(self.dst_spec[k].nbytes for k in step.keys) > self.memory_limit:
+                self.stats.lazy = True  # no room for all of plan B beside plan A: allocate in the graph's order
+                return
             for k in step.keys:
                 spec = self.dst_spec[k]
                 self.new[k] = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
@@ -257,14 +267,19 @@ def _agree(ok: bool, device, timeout: datetime.timedelta) -> bool:
 
 
 def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
-            faults: tuple[Fault, ...] = (), stats: Stats | None = None) -> LocalState:
-    """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring."""
+            faults: tuple[Fault, ...] = (), stats: Stats | None = None, memory_limit: int | None = None) -> LocalState:
+    """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
+
+    ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
+    not fit together, destination shards are allocated at their first write, in the program's
+    order, instead of up front.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != program.world:
         raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-    me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats())
+    me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit)
     for members in program.groups:  # every rank creates every subgroup, in the same order
         me.groups[members] = dist.new_group(list(members))
     error: BaseException | None = None
