@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
     lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
     lo.add_argument("--bucket", type=int, default=64 * 2**20, metavar="BYTES", help="bucket size for packed slices")
-    lo.add_argument("--broadcast", choices=("p2p", "chain", "collective"), default="p2p",
+    lo.add_argument("--broadcast", choices=("auto", "p2p", "chain", "collective"), default="auto",
                     help="send one slice to many as point-to-point messages or as a subgroup broadcast")
     lo.set_defaults(func=cmd_lower)
     b = sub.add_parser("bench", help="run a benchmark and print its table")

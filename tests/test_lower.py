@@ -110,17 +110,19 @@ def test_a_name_cannot_inject_code_into_the_script():
         pyrepr(object())
 
 
-def test_rendered_script_runs_under_torchrun(tmp_path):
-    m = planned("tp4-tp2x2")
+@pytest.mark.parametrize("case,shards", [("tp4-tp2x2", 156), ("train-gen", 39)])
+def test_rendered_script_runs_under_torchrun(tmp_path, case, shards):
+    """tp4-tp2x2: direct sends; train-gen: chained broadcasts that forward what arrived."""
+    m = planned(case)
     script = tmp_path / "transition.py"
-    script.write_text(render_script(lower(m, "t", direct_bytes=4096)))
+    script.write_text(render_script(lower(m, "t", direct_bytes=4096, chunk_bytes=64 * 1024)))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     r = subprocess.run([str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), str(script),
                         "--selftest", "--timeout", "60"], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("rank")) == \
-        [f"rank {i}: 156 shards, 0 wrong" for i in range(4)]
+        [f"rank {i}: {shards} shards, 0 wrong" for i in range(4)]
 
 
 def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path):

@@ -14,8 +14,11 @@ layer range; the runtime moves tensors as a training loop names them, one per la
    the receiver's destination shard travels as is; the rest is packed into buckets of at most
    ``bucket_bytes`` (one message each), as verl and NeMo-RL pack weights;
 4. a ``broadcast`` operation is sent from its root to each receiver inside the same round
-   (``broadcast="p2p"``), or, with ``broadcast="collective"``, as one ``dist.broadcast`` in a
-   subgroup created once per program;
+   (``broadcast="p2p"``); or as a pipelined chain (``"chain"``): the payload in chunks of
+   ``chunk_bytes`` passes from the root through the receivers in ring order, chunk c crossing
+   hop h in sub-round c + h, so each rank sends to one neighbour and every link is busy; or as
+   one ``dist.broadcast`` in a subgroup created once per program (``"collective"``). ``"auto"``
+   (the default) chains broadcasts to three receivers or more and sends the others directly;
 5. frees become ``release`` steps at commit and offloads follow them, so that the source state
    survives until every destination slice has arrived and checked out;
 6. checks that every destination shard that is not kept is written exactly once (by volume).
@@ -36,7 +39,8 @@ from .program import Message, Piece, Program, Step
 DEFAULT_BUCKET = 64 * 2**20
 DEFAULT_DIRECT = 64 * 2**10
 DEFAULT_CHUNK = 8 * 2**20
-BROADCASTS = ("p2p", "chain", "collective")
+BROADCASTS = ("auto", "p2p", "chain", "collective")
+CHAIN_MIN = 3  # auto: a broadcast to this many remote receivers or more becomes a chain
 
 
 def contiguous(outer: tuple, inner: tuple) -> bool:
@@ -85,7 +89,7 @@ def _error(msg: str, hint: str | None = None, file: str | None = None) -> Diagno
 
 
 def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
-          broadcast: str = "p2p", gpus: list[int] | None = None, chunk_bytes: int = DEFAULT_CHUNK) -> Program:
+          broadcast: str = "auto", gpus: list[int] | None = None, chunk_bytes: int = DEFAULT_CHUNK) -> Program:
     """The collective program of ``transition``; see the module docstring.
 
     ``gpus``: the GPUs of the process group, rank r on ``gpus[r]`` (default: every GPU that holds
@@ -181,7 +185,8 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                     piece = Piece(sk, first, box, nb)
                     if r == s:
                         before[(r, lv)].append(Step("copy", piece=piece))
-                    elif op.kind == "broadcast" and broadcast != "p2p" and len(remote) > 1:
+                    elif op.kind == "broadcast" and len(remote) > 1 and (
+                            broadcast in ("chain", "collective") or (broadcast == "auto" and len(remote) >= CHAIN_MIN)):
                         group_pieces[r] = piece
                     else:
                         pending[(lv, 0, s, r)].append(piece)
@@ -317,7 +322,7 @@ class LowerCollectives(ModulePass):
     name = "lower-collectives"
     transition: str = ""
     bucket: int = DEFAULT_BUCKET
-    broadcast: str = "p2p"
+    broadcast: str = "auto"
 
     def apply(self, module: Module) -> None:
         lower(module, pick_transition(module, self.transition), bucket_bytes=self.bucket, broadcast=self.broadcast)

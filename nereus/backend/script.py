@@ -51,8 +51,8 @@ def _step(rank: int, s: Step) -> list[tuple]:
         p = s.piece
         return [("copy", str(p.src), str(p.dst), p.box, p.arrived)]
     if s.kind == "round":
-        msgs = sorted([(m.id, "send", m.receiver, [(str(p.src), p.box) for p in m.pieces]) for m in s.sends]
-                      + [(m.id, "recv", m.sender, [(str(p.dst), p.box) for p in m.pieces]) for m in s.recvs])
+        msgs = sorted([(m.id, "send", m.receiver, [(str(p.src), p.box, p.arrived) for p in m.pieces]) for m in s.sends]
+                      + [(m.id, "recv", m.sender, [(str(p.dst), p.box, False) for p in m.pieces]) for m in s.recvs])
         return [("round", [(verb, peer, pieces) for _, verb, peer, pieces in msgs])]
     if s.kind == "broadcast":
         root = s.group[0]
