@@ -43,8 +43,9 @@ from ..ir import (
     Transition,
 )
 from ..ir.verify_state import state_dtype_bytes
+from .gc_pause import gc_paused
 from .pass_manager import ModulePass, register
-from .transition_grid import Box, Grid, Piece, local
+from .transition_grid import Box, Grid, Local, Piece, local
 
 __all__ = ["Piece", "ensure_emus", "plan_transition"]
 
@@ -86,17 +87,18 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     an empty set for GPUs that leave with notice (a planned scale-in): they still send.
     """
     cluster = m.clusters[m.plans[target].cluster]
-    for p in (source, target):
-        ensure_emus(m, p)
-    src_all, dst_all = _pieces(m, source), _pieces(m, target)
-    # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
-    lost = set(cluster.unavailable) if lost is None else set(lost)
-    src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
-    planner = _Planner(m, source, target, cluster, src_all, dst_all)
-    for key in sorted(dst_all):
-        planner.family(key, src_all.get(key, []), dst_all[key])
-    planner.residency()
-    problems = planner.frees_and_memory()
+    with gc_paused():
+        for p in (source, target):
+            ensure_emus(m, p)
+        src_all, dst_all = _pieces(m, source), _pieces(m, target)
+        # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
+        lost = set(cluster.unavailable) if lost is None else set(lost)
+        src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
+        planner = _Planner(m, source, target, cluster, src_all, dst_all)
+        for key in sorted(dst_all):
+            planner.family(key, src_all.get(key, []), dst_all[key])
+        planner.residency()
+        problems = planner.frees_and_memory()
     if problems:
         raise DiagnosticError(problems)
     return Transition(name=name, source=source, target=target, ops=planner.ops, bytes_moved=planner.bytes_moved,
@@ -150,24 +152,92 @@ class _Planner:
             raise DiagnosticError([Diagnostic(self.plan_a.loc, f"plan @{self.source} holds no {state} of {family} of "
                                                                f"@{model_name}, which plan @{self.target} needs",
                                               "both plans must carry the same state")])
-        sbase, dbase = self.sbase[key], self.dbase[key]
-        src_regions = {p.region for p in srcs}
         dst_regions = {p.region for p in dsts}
-        grid = Grid(src_regions | dst_regions)
+        grid = Grid({p.region for p in srcs} | dst_regions)
+        copies, missing = self._local(key, grid, srcs, dsts, shared=2 * len(dst_regions) <= len(dsts))
+        transfers = self._senders(key, grid, srcs, dsts, missing, itemsize)
+        sbase, dbase = self.sbase[key], self.dbase[key]
+        reads, delivers, op = self.reads, self.delivers, self.op
+        for si, dj, cells in copies:
+            s, d = srcs[si], dsts[dj]
+            for region in grid.boxes(cells):
+                o = op("copy", state, family, region, [s.ref], [d.ref], _volume(region) * itemsize, "local", per_layer)
+                reads[sbase + si].append(o.id)
+                delivers[(dbase, d.rid)].append(o.id)
+        per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
+        recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
+        for (si, receivers), cells in transfers.items():
+            s = srcs[si]
+            node = s.gpu // per_node
+            if len(receivers) == 1 and len(cells) == 1:  # the common case: one cell to one GPU
+                d = dsts[receivers[0]]
+                region, n = grid.info(cells[0])
+                nbytes = n * itemsize
+                oid = op("send", state, family, region, [s.ref], [d.ref], nbytes,
+                         "nvlink" if d.gpu // per_node == node else "nic", per_layer).id
+                reads[sbase + si].append(oid)
+                delivers[(dbase, d.rid)].append(oid)
+                self.bytes_moved += nbytes
+                recv_bytes[d.gpu] += nbytes
+                recv_ops[d.gpu].append(oid)
+                continue
+            rgpus = sorted({dsts[j].gpu for j in receivers})
+            to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
+            kind = "send" if len(receivers) == 1 else "broadcast"
+            link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
+            for region in grid.boxes(cells):
+                nbytes = _volume(region) * itemsize
+                oid = op(kind, state, family, region, [s.ref], list(to.values()), nbytes, link, per_layer).id
+                reads[sbase + si].append(oid)
+                for rid in to:
+                    delivers[(dbase, rid)].append(oid)
+                self.bytes_moved += nbytes * len(rgpus)
+                for g in rgpus:
+                    recv_bytes[g] += nbytes
+                    recv_ops[g].append(oid)
+
+    def _local(self, key, grid: Grid, srcs: list[Piece], dsts: list[Piece], shared: bool):
+        """Keep in place, or copy from a source piece on the same GPU; collect the rest.
+
+        Returns the copies (source, destination, cells) and the missing cells (cell -> the
+        destination pieces needing it, by GPU ascending). With ``shared``, GPUs holding the same
+        slices (replicas) decide the same: once.
+        """
+        sbase, dbase, kept, kept_b = self.sbase[key], self.dbase[key], self.kept, self.kept_b
+        cells_of = grid.cells
         src_on: dict[int, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             src_on[p.gpu].append(i)
         dst_on: dict[int, list[int]] = defaultdict(list)
         for j, p in enumerate(dsts):
             dst_on[p.gpu].append(j)
-        # local: keep in place, or copy from a source piece on the same GPU; GPUs holding the
-        # same slices (replicas) decide the same, so their decisions are computed once
-        shared = 2 * len(dst_regions) <= len(dsts)
-        memo: dict[tuple, object] = {}
-        copies: list[tuple[int, int, list[int]]] = []  # (source, destination, cells)
-        missing: dict[int, list[tuple[int, list[int]]]] = defaultdict(list)  # cell -> (GPU, destinations), GPUs ascending
+        memo: dict[tuple, Local] = {}
+        copies: list[tuple[int, int, list[int]]] = []
+        missing: dict[int, list[int]] = defaultdict(list)
         for g in sorted(dst_on):
-            sl, dl = src_on.get(g, ()), dst_on[g]
+            sl, dl = src_on.get(g), dst_on[g]
+            if not shared and len(dl) == 1 and (sl is None or len(sl) == 1):
+                # one slice needed, at most one held: ``local`` without its per-cell tables
+                j = dl[0]
+                d = dsts[j]
+                s = srcs[sl[0]] if sl else None
+                if s is not None and s.region == d.region and s.ref.model_stage == d.ref.model_stage:
+                    kept.add(sbase + sl[0])
+                    kept_b.add(dbase + j)
+                    continue
+                held = () if s is None else cells_of(s.region)
+                if len(held) > 8:
+                    held = set(held)
+                copied = []
+                for c in cells_of(d.region):
+                    if c in held:
+                        copied.append(c)
+                    else:
+                        missing[c].append(j)
+                if copied:
+                    copies.append((sl[0], j, copied))
+                continue
+            sl = sl or ()
             s_items = [(srcs[i].ref.model_stage, srcs[i].region) for i in sl]
             d_items = [(dsts[j].ref.model_stage, dsts[j].region) for j in dl]
             if shared:
@@ -178,14 +248,20 @@ class _Planner:
             else:
                 res = local(grid, s_items, d_items)
             for i, j in res.keeps:
-                self.kept.add(sbase + sl[i])
-                self.kept_b.add(dbase + dl[j])
+                kept.add(sbase + sl[i])
+                kept_b.add(dbase + dl[j])
             for i, j, cells in res.copies:
                 copies.append((sl[i], dl[j], cells))
             for c, js in res.missing:
-                missing[c].append((g, [dl[j] for j in js]))
-            self.lower += res.missing_elems * itemsize
-        # remote: one sender per cell, least loaded first; several receivers make a broadcast
+                missing[c].extend(dl[j] for j in js)
+        return copies, missing
+
+    def _senders(self, key, grid: Grid, srcs: list[Piece], dsts: list[Piece], missing,
+                 itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells.
+
+        Every receiving GPU misses the cell: its bytes count toward the lower bound once per GPU.
+        """
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             groups[p.region].append(i)
@@ -193,12 +269,14 @@ class _Planner:
         for region, idx in groups.items():
             for c in grid.cells(region):
                 holders[c].append(idx)
-        load = self.load
-        transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (sender, receivers) -> cells
+        load, info = self.load, grid.info
+        lower = 0
+        transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for c in sorted(missing):
-            recv = missing[c]
+            recv = tuple(missing[c])
             cands = holders.get(c)
             if not cands:
+                model_name, state, family = key
                 raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
                                                                    f"{family} of @{model_name} that plan @{self.target} needs")])
             if len(cands) == 1 and len(cands[0]) == 1:
@@ -206,37 +284,17 @@ class _Planner:
             else:  # ties: the first holder in plan order
                 best = min((i for idx in cands for i in idx),
                            key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
-            load[srcs[best].gpu] += grid.elems(c) * itemsize * len(recv)
-            receivers = tuple(j for _, js in recv for j in js)
-            if (best, receivers) in transfers:
-                transfers[(best, receivers)].append(c)
+            gpus = 1 if len(recv) == 1 else len({dsts[j].gpu for j in recv})
+            nbytes = info(c)[1] * itemsize * gpus
+            load[srcs[best].gpu] += nbytes
+            lower += nbytes
+            t = transfers.get((best, recv))
+            if t is None:
+                transfers[(best, recv)] = [c]
             else:
-                transfers[(best, receivers)] = [c]
-        reads, delivers = self.reads, self.delivers
-        for si, dj, cells in copies:
-            s, d = srcs[si], dsts[dj]
-            for region in grid.boxes(cells):
-                op = self.op("copy", state, family, region, [s.ref], [d.ref], _volume(region) * itemsize, "local", per_layer)
-                reads[sbase + si].append(op.id)
-                delivers[(dbase, d.rid)].append(op.id)
-        node_of = self.cluster.node_of
-        recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
-        for (si, receivers), cells in transfers.items():
-            s = srcs[si]
-            rgpus = sorted({dsts[j].gpu for j in receivers})
-            link = "nic" if any(node_of(g) != node_of(s.gpu) for g in rgpus) else "nvlink"
-            kind = "send" if len(receivers) == 1 else "broadcast"
-            to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
-            for region in grid.boxes(cells):
-                nbytes = _volume(region) * itemsize
-                op = self.op(kind, state, family, region, [s.ref], list(to.values()), nbytes, link, per_layer)
-                reads[sbase + si].append(op.id)
-                for rid in to:
-                    delivers[(dbase, rid)].append(op.id)
-                self.bytes_moved += nbytes * len(rgpus)
-                for g in rgpus:
-                    recv_bytes[g] += nbytes
-                    recv_ops[g].append(op.id)
+                t.append(c)
+        self.lower += lower
+        return transfers
 
     def residency(self) -> None:
         """Loads and offloads where the plans differ in what lives in host memory.

@@ -1,0 +1,157 @@
+"""The cell grid of one (model, state, family) for ``plan-transition``, and what one GPU keeps,
+copies and misses on it.
+
+Every boundary of every source and destination slice, per dimension, cuts the tensor into
+cells. A cell is an ``int``: its interval indices in mixed radix, so that the order of cells is
+the lexicographic order of their index tuples and dictionary keys hash as machine integers.
+The replicas of a layout hold the same slices (derive-emus shares one entry list between them),
+so a region is cut into cells once, and the decisions of a GPU are computed once per distinct
+set of slices on a GPU and reused for every GPU holding the same set.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from ..ir import ShardRef
+
+Box = tuple[tuple[int, int], ...]
+
+
+class Piece(NamedTuple):
+    ref: ShardRef
+    gpu: int
+    region: Box  # half-open spans; the layer axis first for per-layer families
+    rid: int  # the shard's index in its plan: ``ref`` as an integer key
+
+
+class Grid:
+    """The cells of the regions of one (model, state, family)."""
+
+    def __init__(self, regions) -> None:
+        regions = list(regions)
+        ndim = len(regions[0])
+        self.cuts = [sorted({x for r in regions for x in r[d]}) for d in range(ndim)]
+        self.radix = [max(len(c) - 1, 1) for c in self.cuts]
+        self._cells: dict[Box, list[int]] = {}
+        self._info: dict[int, tuple[Box, int]] = {}
+
+    def cells(self, region: Box) -> list[int]:
+        """The cells inside ``region``, in ascending order."""
+        out = self._cells.get(region)
+        if out is None:
+            out = [0]
+            for (lo, hi), c, n in zip(region, self.cuts, self.radix):
+                r = range(bisect.bisect_left(c, lo), bisect.bisect_left(c, hi))
+                out = [x * n + i for x in out for i in r]
+            self._cells[region] = out
+        return out
+
+    def index(self, cell: int) -> tuple[int, ...]:
+        """The interval index of ``cell`` along every dimension."""
+        out = []
+        for n in reversed(self.radix):
+            cell, i = divmod(cell, n)
+            out.append(i)
+        return tuple(reversed(out))
+
+    def info(self, cell: int) -> tuple[Box, int]:
+        """``cell`` as a region in elements, and its number of elements."""
+        out = self._info.get(cell)
+        if out is None:
+            region = tuple((c[i], c[i + 1]) for c, i in zip(self.cuts, self.index(cell)))
+            n = 1
+            for lo, hi in region:
+                n *= hi - lo
+            out = self._info[cell] = (region, n)
+        return out
+
+    def boxes(self, cells: list[int]) -> list[Box]:
+        """Merge cells into boxes (greedy along each axis), as regions in elements."""
+        if len(cells) == 1:
+            return [self.info(cells[0])[0]]
+        cuts = self.cuts
+        return [tuple((c[a], c[b]) for c, (a, b) in zip(cuts, box)) for box in merge([self.index(x) for x in cells])]
+
+
+def merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
+    """Merge a set of distinct grid cells into boxes of cell-index spans (greedy along each axis)."""
+    if len(cells) == 1:  # the common case: one cell, one box
+        return [tuple((i, i + 1) for i in cells[0])]
+    lo, hi = [min(x) for x in zip(*cells)], [max(x) for x in zip(*cells)]
+    n = 1
+    for a, b in zip(lo, hi):
+        n *= b - a + 1
+    if n == len(cells):  # every cell of their bounding box: the greedy merge ends with that box
+        return [tuple((a, b + 1) for a, b in zip(lo, hi))]
+    boxes = [tuple((i, i + 1) for i in c) for c in sorted(cells)]
+    for axis in reversed(range(len(boxes[0]) if boxes else 0)):
+        boxes.sort(key=lambda b: (tuple(x for k, x in enumerate(b) if k != axis), b[axis]))
+        merged: list = []
+        for b in boxes:
+            if merged:
+                p = merged[-1]
+                if all(p[k] == b[k] for k in range(len(b)) if k != axis) and p[axis][1] == b[axis][0]:
+                    merged[-1] = tuple((p[k][0], b[k][1]) if k == axis else p[k] for k in range(len(b)))
+                    continue
+            merged.append(b)
+        boxes = merged
+    return boxes
+
+
+class Local(NamedTuple):
+    """What one GPU does with its cells, by position in its source and destination slice lists."""
+
+    keeps: list[tuple[int, int]]  # (source, destination): the same model-stage keeps this slice here
+    copies: list[tuple[int, int, list[int]]]  # (source, destination, cells) copied on the GPU
+    missing: list[tuple[int, list[int]]]  # (cell, destinations needing it), ascending cells
+
+
+def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) -> Local:
+    """Decisions of a GPU holding source slices ``srcs`` and needing ``dsts`` ((model-stage, region) each).
+
+    A cell that some source slice on the GPU covers is kept (when a slice of the same model-stage
+    and region is there) or copied from the first source slice covering it; any other cell is
+    missing and will be received.
+    """
+    cells = grid.cells
+    if len(dsts) == 1 and len(srcs) <= 1:  # the common case, decided without per-cell tables
+        if srcs and srcs[0] == dsts[0]:
+            return Local([(0, 0)], [], [])
+        held = set(cells(srcs[0][1])) if srcs else ()
+        copied, miss = [], []
+        for c in cells(dsts[0][1]):
+            (copied if c in held else miss).append(c)
+        return Local([], [(0, 0, copied)] if copied else [], [(c, [0]) for c in miss])
+    need: dict[int, list[int]] = {}
+    for j, (_, r) in enumerate(dsts):
+        for c in cells(r):
+            if c in need:
+                need[c].append(j)
+            else:
+                need[c] = [j]
+    on_gpu: dict[int, list[int]] = {}
+    for i, (_, r) in enumerate(srcs):
+        for c in cells(r):
+            if c in on_gpu:
+                on_gpu[c].append(i)
+            else:
+                on_gpu[c] = [i]
+    keeps: dict[tuple[int, int], None] = {}
+    copies: dict[tuple[int, int], list[int]] = {}
+    missing = []
+    for c in sorted(need):
+        js = need[c]
+        held = on_gpu.get(c)
+        if held is None:
+            missing.append((c, js))
+            continue
+        for j in js:
+            d = dsts[j]
+            same = next((i for i in held if srcs[i] == d), None)
+            if same is not None:
+                keeps[(same, j)] = None
+            else:  # merged boxes must stay inside one source slice and one destination slice
+                copies.setdefault((held[0], j), []).append(c)
+    return Local(list(keeps), [(i, j, cs) for (i, j), cs in copies.items()], missing)
