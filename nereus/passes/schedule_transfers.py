@@ -7,8 +7,11 @@ on its link (NVLink inside a node, the NIC across nodes; efficiencies from the c
 calibrated cost model). Every GPU has a send port and a receive port per link kind, each a
 no-overlap resource; a broadcast holds its sender's port and every receiver's. Dependencies
 between operations become precedences between their buckets. The solver minimises the
-makespan, starting from a greedy list schedule (longest bucket first, each at the earliest
-time its ports are free), and past the time limit returns the best schedule with its gap.
+makespan, starting from the better of two list schedules (``greedy``: the bucket whose ports
+have the most work left, at the earliest time its ports are free; ``insertion``: buckets by
+their busiest port, each in the earliest gap that all its ports share), and past the time limit
+returns the best schedule with its gap. When a list schedule meets the port bound, no search
+is needed.
 
 The port lower bound is the busiest port's total busy time: no schedule is shorter. Local
 copies run on HBM after their dependencies and frees after the operations that read what they
@@ -17,6 +20,7 @@ free; both are timed but hold no link port.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ from ortools.sat.python import cp_model
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
 from .cost_model import CostModel
+from .gc_pause import gc_paused
 from .pass_manager import ModulePass, register
 
 TICK = 1e-6  # schedule resolution: 1 us
@@ -47,16 +52,31 @@ def _gpu(m: Module, plan: str, ref) -> int:
     return m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp).gpu
 
 
+def _gpus(m: Module, plan: str):
+    """``_gpu`` under ``plan``, remembered per endpoint (a transition names each shard many times)."""
+    known: dict = {}
+
+    def gpu(ref) -> int:
+        g = known.get(ref)
+        if g is None:
+            g = known[ref] = _gpu(m, plan, ref)
+        return g
+
+    return gpu
+
+
 def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket], dict[str, int]]:
     """Group transfers into buckets; returns the buckets and op id -> bucket index."""
     cluster = model.cluster
     eff = model.efficiency
     groups: dict[tuple, Bucket] = {}
+    on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
     for op in t.ops:
         if op.kind not in ("send", "broadcast", "allgather", "offload", "load"):
             continue
-        src = _gpu(m, t.target if op.kind == "offload" else t.source, op.src[0])
-        dsts = tuple(sorted({_gpu(m, t.source if op.kind == "load" else t.target, d) for d in op.dst}))
+        src = (on_b if op.kind == "offload" else on_a)(op.src[0])
+        dst_gpu = on_a if op.kind == "load" else on_b
+        dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
         direction = {"load": "h2d", "offload": "d2h"}.get(op.kind, "net")
         key = (src, dsts, op.link, direction)
         b = groups.setdefault(key, Bucket(src, dsts, op.link, [], direction))
@@ -88,13 +108,15 @@ def _ports(b: Bucket) -> list[tuple]:
 
 def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
     """Bucket-level precedences from op dependencies, through frees and copies (transitively)."""
-    by_id = {op.id: op for op in t.ops}
+    by_id: dict[str, object] = {}
     memo: dict[str, set[int]] = {}
 
     def buckets_before(op_id: str) -> set[int]:
-        """Buckets that op ``op_id`` waits for, directly or through non-bucket ops."""
+        """Buckets that the non-bucket op ``op_id`` waits for, directly or through non-bucket ops."""
         if op_id in memo:
             return memo[op_id]
+        if not by_id:
+            by_id.update((op.id, op) for op in t.ops)
         memo[op_id] = set()
         out: set[int] = set()
         for d in by_id[op_id].deps:
@@ -107,10 +129,14 @@ def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
 
     pairs = set()
     for op in t.ops:
-        if op.id in index:
-            for b in buckets_before(op.id):
-                if b != index[op.id]:
-                    pairs.add((b, index[op.id]))
+        i = index.get(op.id)
+        if i is None or not op.deps:  # only what buckets wait for matters
+            continue
+        for d in op.deps:
+            j = index.get(d)
+            for b in (j,) if j is not None else buckets_before(d):
+                if b != i:
+                    pairs.add((b, i))
     return pairs
 
 
@@ -162,6 +188,58 @@ def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     return [start[i] for i in range(len(buckets))]
 
 
+def insertion(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
+    """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
+    then the bucket with more ports, then the longer), each at the earliest time after its
+    predecessors at which all its ports are free for its whole duration, in a gap left between
+    buckets already placed when one is long enough.
+
+    Placing the many-port broadcasts first and filling the gaps they leave with point-to-point
+    buckets keeps the busiest receive ports working from start to end, where ``greedy`` (which
+    appends to each port) leaves them idle while a broadcast waits for all its ports.
+    """
+    preds: dict[int, list[int]] = defaultdict(list)
+    succs: dict[int, list[int]] = defaultdict(list)
+    for a, b in prec:
+        preds[b].append(a)
+        succs[a].append(b)
+    ports = [_ports(b) for b in buckets]
+    busy: dict[tuple, int] = defaultdict(int)
+    for b, ps in zip(buckets, ports):
+        for p in ps:
+            busy[p] += b.duration
+    prio = [(-max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
+    waiting = {i: len(preds[i]) for i in range(len(buckets))}
+    heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    placed: dict[tuple, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # port -> starts, ends
+    start: dict[int, int] = {}
+    while heap:
+        i = heapq.heappop(heap)[3]
+        d = buckets[i].duration
+        t = max((start[j] + buckets[j].duration for j in preds[i]), default=0)
+        lines = [placed[p] for p in ports[i]]
+        moved = True
+        while moved:  # the earliest gap of length d from t on, on every port at once
+            moved = False
+            for starts, ends in lines:
+                k = bisect.bisect_right(ends, t)  # the first bucket on this port ending after t
+                if k < len(starts) and starts[k] < t + d:
+                    t, moved = ends[k], True
+        start[i] = t
+        for starts, ends in lines:
+            k = bisect.bisect_left(starts, t)
+            starts.insert(k, t)
+            ends.insert(k, t + d)
+        for j in succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, prio[j])
+    if len(start) != len(buckets):
+        raise ValueError("cyclic dependencies between transfer buckets")
+    return [start[i] for i in range(len(buckets))]
+
+
 @dataclass
 class Schedule:
     starts: list[int]
@@ -181,7 +259,12 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
         return Schedule([], 0, 0, "optimal", 0)
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
-    if horizon == port_bound:  # the greedy schedule meets the lower bound: optimal, no search needed
+    if horizon > port_bound:  # then the list schedule with insertion, and the better of the two
+        other = insertion(buckets, prec)
+        span = max(s + b.duration for s, b in zip(other, buckets))
+        if span < horizon:
+            warm, horizon = other, span
+    if horizon == port_bound:  # a list schedule meets the lower bound: optimal, no search needed
         return Schedule(warm, horizon, port_bound, "optimal", port_bound)
     m = cp_model.CpModel()
     starts, ends, intervals = [], [], []
@@ -221,6 +304,11 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
 
 def schedule_transition(m: Module, t: Transition, time_limit: float = 5.0, seed: int = 0) -> Schedule:
     """Set start and duration of every operation; makespan, port bound and status on the transition."""
+    with gc_paused():
+        return _schedule_transition(m, t, time_limit, seed)
+
+
+def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int) -> Schedule:
     cluster = m.clusters[m.plans[t.target].cluster]
     model = CostModel(cluster)
     buckets, index = buckets_of(m, t, model)
@@ -231,8 +319,9 @@ def schedule_transition(m: Module, t: Transition, time_limit: float = 5.0, seed:
         t0 = s * TICK
         per_byte = b.duration * TICK / max(b.bytes, 1)
         for op in b.ops:  # a bucket's operations in order, back to back
-            op.start, op.duration = _r(t0), _r(op.bytes * per_byte)
-            t0 += op.bytes * per_byte
+            d = op.bytes * per_byte
+            op.start, op.duration = _r(t0), _r(d)
+            t0 += d
             end[op.id] = t0
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
     for op in t.ops:  # copies and frees: after their dependencies, on no link port

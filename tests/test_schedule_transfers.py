@@ -1,0 +1,76 @@
+"""schedule-transfers: the list schedules place every bucket without overlapping a port and
+after its predecessors; the schedule with insertion fills the gaps broadcasts leave."""
+
+from collections import defaultdict
+from itertools import pairwise
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nereus.passes.schedule_transfers import (
+    Bucket,
+    _ports,
+    greedy,
+    insertion,
+    solve_schedule,
+)
+
+
+def port_bound(buckets):
+    busy = defaultdict(int)
+    for b in buckets:
+        for p in _ports(b):
+            busy[p] += b.duration
+    return max(busy.values())
+
+
+def assert_valid(buckets, prec, starts):
+    by_port = defaultdict(list)
+    for b, s in zip(buckets, starts):
+        assert s >= 0
+        for p in _ports(b):
+            by_port[p].append((s, s + b.duration))
+    for spans in by_port.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in pairwise(spans))  # one bucket at a time on a port
+    for a, b in prec:
+        assert starts[b] >= starts[a] + buckets[a].duration
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 14))
+    buckets = []
+    for _ in range(n):
+        src = draw(st.integers(0, 5))
+        dsts = tuple(sorted(draw(st.sets(st.integers(0, 5).filter(lambda g, s=src: g != s), min_size=1, max_size=4))))
+        link = draw(st.sampled_from(["nic", "nvlink", "pcie"]))
+        direction = draw(st.sampled_from(["h2d", "d2h"])) if link == "pcie" else "net"
+        buckets.append(Bucket(src, dsts, link, [], direction, duration=draw(st.integers(1, 9))))
+    prec = {(a, b) for a in range(n) for b in range(a + 1, n) if draw(st.integers(0, 4)) == 0}
+    return buckets, prec
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances())
+def test_list_schedules_respect_ports_and_precedences(inst):
+    buckets, prec = inst
+    for schedule in (greedy, insertion):
+        assert_valid(buckets, prec, schedule(buckets, prec))
+    sched = solve_schedule(buckets, prec, time_limit=1.0)
+    assert_valid(buckets, prec, sched.starts)
+    assert sched.makespan == max(s + b.duration for s, b in zip(sched.starts, buckets)) >= port_bound(buckets)
+
+
+def test_insertion_fills_the_gaps_broadcasts_leave():
+    # receive port 5 carries 8 ticks of work; appending to ports, greedy leaves it idle while the
+    # broadcast from GPU 3 waits for ports 4 and 6, and ends at 11
+    buckets = [Bucket(1, (7,), "nic", [], duration=4), Bucket(2, (5,), "nic", [], duration=4),
+               Bucket(1, (4, 6, 7), "nic", [], duration=3), Bucket(3, (4, 5, 6), "nic", [], duration=4)]
+    assert port_bound(buckets) == 8
+    assert max(s + b.duration for s, b in zip(greedy(buckets, set()), buckets)) == 11
+    starts = insertion(buckets, set())
+    assert_valid(buckets, set(), starts)
+    assert max(s + b.duration for s, b in zip(starts, buckets)) == 8
+    sched = solve_schedule(buckets, set(), time_limit=1.0)
+    assert (sched.makespan, sched.status) == (8, "optimal")
