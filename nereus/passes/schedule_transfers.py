@@ -77,9 +77,11 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         src = (on_b if op.kind == "offload" else on_a)(op.src[0])
         dst_gpu = on_a if op.kind == "load" else on_b
         dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
-        direction = {"load": "h2d", "offload": "d2h"}.get(op.kind, "net")
+        direction = "h2d" if op.kind == "load" else "d2h" if op.kind == "offload" else "net"
         key = (src, dsts, op.link, direction)
-        b = groups.setdefault(key, Bucket(src, dsts, op.link, [], direction))
+        b = groups.get(key)
+        if b is None:
+            b = groups[key] = Bucket(src, dsts, op.link, [], direction)
         b.ops.append(op)
         b.bytes += op.bytes
     out = sorted(groups.values(), key=lambda b: (b.src, b.dsts, b.link, b.direction))
@@ -318,9 +320,13 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
     for b, s in zip(buckets, sched.starts):
         t0 = s * TICK
         per_byte = b.duration * TICK / max(b.bytes, 1)
+        durations: dict[int, float] = {}  # a bucket's operations often have the same size
         for op in b.ops:  # a bucket's operations in order, back to back
             d = op.bytes * per_byte
-            op.start, op.duration = _r(t0), _r(d)
+            r = durations.get(op.bytes)
+            if r is None:
+                r = durations[op.bytes] = _r(d)
+            op.start, op.duration = _r(t0), r
             t0 += d
             end[op.id] = t0
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
