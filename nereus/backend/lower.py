@@ -27,11 +27,9 @@ layer range; the runtime moves tensors as a training loop names them, one per la
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, ShardRef
 from ..ir.diagnostics import did_you_mean
-from ..passes.pass_manager import ModulePass, register
 from ..passes.plan_transition import ensure_emus
 from ..runtime.state import StateKey, plan_layout
 from .program import Message, Piece, Program, Step
@@ -310,22 +308,6 @@ def _check_slices(prog: Program) -> None:
             for p in writes:
                 if p.dst not in dst or not _inside(p.box, dst[p.dst]):
                     raise _error(f"lower-collectives: rank {r} writes {p.dst} {list(p.box)} outside its shard")
-
-
-@register
-@dataclass(frozen=True)
-class LowerCollectives(ModulePass):
-    """Checks that a transition lowers to a collective program (every destination byte delivered
-    exactly once); the program itself is printed by ``nereus lower``. Options: ``transition``
-    (``@name``; default: the module's only transition), ``bucket`` (bytes), ``broadcast``."""
-
-    name = "lower-collectives"
-    transition: str = ""
-    bucket: int = DEFAULT_BUCKET
-    broadcast: str = "auto"
-
-    def apply(self, module: Module) -> None:
-        lower(module, pick_transition(module, self.transition), bucket_bytes=self.bucket, broadcast=self.broadcast)
 
 
 def pick_transition(module: Module, name: str = "") -> str:

@@ -1,6 +1,15 @@
 """Optimizer passes over the IR and the pass manager that runs pipelines of them."""
 
-from . import admit, calibrate, derive_emus, estimate, plan_search, plan_transition, schedule_transfers  # noqa: F401  (registers the passes)
+from . import (  # noqa: F401  (registers the passes)
+    admit,
+    calibrate,
+    derive_emus,
+    estimate,
+    lower_collectives,
+    plan_search,
+    plan_transition,
+    schedule_transfers,
+)
 from .cost_model import Candidates, CostModel
 from .pass_manager import PASSES, ModulePass, PipelineError, parse_pipeline, register, run_pipeline
 
