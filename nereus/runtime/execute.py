@@ -198,9 +198,14 @@ class _Rank:
             works += dist.batch_isend_irecv(recv_ops)
             ops = []
         sums_out: dict[int, list[torch.Tensor]] = {}
+        made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one slice list sent to several receivers: pack it once
         for msg in step.sends:
-            buf = self.payload(msg)
-            sums_out.setdefault(msg.receiver, []).append(checksum(buf))
+            what = tuple((p.src, p.box, p.arrived) for p in msg.pieces)
+            if what not in made:
+                buf = self.payload(msg)
+                made[what] = (buf, checksum(buf))
+            buf, total = made[what]
+            sums_out.setdefault(msg.receiver, []).append(total)
             if fault is not None and fault.kind == "corrupt":
                 buf = buf.clone()  # never touch the source shard itself
                 buf[0] ^= 0x5A
