@@ -29,6 +29,9 @@ demo: $(STAMP)
 	$(BIN)/nereus opt tests/golden/plan-transition/tp4_to_tp2.nir -p "plan-transition{to=@b},schedule-transfers,admit" -o out/tp4_to_tp2.nir
 	$(BIN)/nereus show out/tp4_to_tp2.nir
 	$(BIN)/nereus bench transition --quick
+	$(BIN)/nereus lower tests/golden/plan-transition/tp4_to_tp2.nir -p "plan-transition{to=@b},schedule-transfers" --script out/tp4_to_tp2.py
+	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 --master-port 29517 out/tp4_to_tp2.py --selftest
+	$(BIN)/nereus bench reshard --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -60,11 +60,24 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
     return gather_broadcast(src, prog.src, prog.dst, rank, world)
 
 
+def _connect_all(rank: int, world: int, device) -> None:
+    """A tiny message between every pair of ranks: gloo connects a pair at its first message, so
+    without this the first method to talk to a peer would pay for the connection."""
+    peers = [p for p in range(world) if p != rank]
+    bufs = [torch.empty(8, dtype=torch.uint8, device=device) for _ in peers]
+    ops = [dist.P2POp(dist.isend, torch.zeros(8, dtype=torch.uint8, device=device), p) for p in peers]
+    ops += [dist.P2POp(dist.irecv, b, p) for b, p in zip(bufs, peers)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    dist.barrier()
+
+
 def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int) -> dict:
     """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
     from .reshard_peers import ring_bandwidth
 
     device = init_from_env(timeout=600)  # gloo on CPU; NCCL with one GPU per rank (untested here)
+    _connect_all(rank, world, device)
     out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
     for case in cases:
         # the bound must hold in the worst case for us: the best bandwidth seen during the run
@@ -103,7 +116,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
     with Progress(transient=True, disable=json_output) as progress, tempfile.TemporaryDirectory(prefix="nereus-reshard-") as tmp:
         task = progress.add_task("reshard: 4 methods x cases on gloo processes", total=len(worlds))
         for world in worlds:
-            per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, 1 if quick else 2, timeout=3600)
+            per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, 2, timeout=3600)
             ring = min(r["ring"] for r in per_rank)
             results["ring_GBps"][world] = ring / 1e9
             for case in cases:
