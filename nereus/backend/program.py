@@ -124,12 +124,14 @@ def print_program(prog: Program, ranks: list[int] | None = None) -> str:
         out.append(f"  group [{', '.join(map(str, g))}]")
     for r in ranks if ranks is not None else range(prog.world):
         steps = prog.steps.get(r, [])
+        src_box = {x.key: x.box for x in prog.src.get(r, [])}
+        dst_box = {x.key: x.box for x in prog.dst.get(r, [])}
         out.append(f"  rank {r} {{  // sends {_size(prog.sent_bytes(r))}, receives {_size(prog.received_bytes(r))}")
         for s in steps:
             if s.kind in ("alloc", "keep", "load", "offload", "release"):
+                boxes = dst_box if s.kind in ("alloc", "keep", "offload") else src_box
                 for k in s.keys:
-                    box = next((x.box for x in (prog.dst if s.kind in ("alloc", "keep", "offload") else prog.src)[r]
-                                if x.key == k), ())
+                    box = boxes.get(k, ())
                     out.append(f"    {s.kind} {k} {_box(box)}")
             elif s.kind == "copy":
                 out.append(f"    copy {_piece(s.piece)}")

@@ -67,9 +67,9 @@ def render_script(prog: Program) -> str:
     env.filters["pyrepr"] = pyrepr
     env.filters["ident"] = ident
 
-    def specs(by_rank):
-        return [(r, [type("S", (), {"key": str(s.key), "shape": s.shape, "box": s.box, "dtype": s.dtype})
-                     for s in by_rank.get(r, [])]) for r in range(prog.world)]
+    def specs(by_rank):  # the template reads key, shape, box and dtype; keys as their text
+        return [(r, [{"key": str(s.key), "shape": s.shape, "box": s.box, "dtype": s.dtype} for s in by_rank.get(r, [])])
+                for r in range(prog.world)]
 
     steps = [(r, [t for s in prog.steps.get(r, []) for t in _step(r, s)]) for r in range(prog.world)]
     return env.get_template("transition_script.py.j2").render(prog=prog, src=specs(prog.src), dst=specs(prog.dst),

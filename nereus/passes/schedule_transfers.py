@@ -142,6 +142,21 @@ def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
     return pairs
 
 
+def _graph(buckets: list[Bucket], prec: set[tuple[int, int]]):
+    """Predecessors and successors of every bucket, its ports, and each port's total busy time."""
+    preds: dict[int, list[int]] = defaultdict(list)
+    succs: dict[int, list[int]] = defaultdict(list)
+    for a, b in prec:
+        preds[b].append(a)
+        succs[a].append(b)
+    ports = [_ports(b) for b in buckets]
+    busy: dict[tuple, int] = defaultdict(int)
+    for b, ps in zip(buckets, ports):
+        for p in ps:
+            busy[p] += b.duration
+    return preds, succs, ports, busy
+
+
 def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     """List schedule: repeatedly start, as early as its ports and predecessors allow, the ready
     bucket whose busiest port has the most work left (ties: the longer bucket), so that the
@@ -150,16 +165,7 @@ def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     A heap keyed by earliest start; keys only grow as ports fill, so a popped bucket whose key
     is stale goes back with its new key (lazy update). O(n log n) for n buckets.
     """
-    preds: dict[int, set[int]] = defaultdict(set)
-    succs: dict[int, list[int]] = defaultdict(list)
-    for a, b in prec:
-        preds[b].add(a)
-        succs[a].append(b)
-    ports = [_ports(b) for b in buckets]
-    left: dict[tuple, int] = defaultdict(int)
-    for b, ps in zip(buckets, ports):
-        for p in ps:
-            left[p] += b.duration
+    preds, succs, ports, left = _graph(buckets, prec)  # left: each port's work not yet placed
     start: dict[int, int] = {}
     free_at: dict[tuple, int] = defaultdict(int)
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
@@ -200,16 +206,7 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     buckets keeps the busiest receive ports working from start to end, where ``greedy`` (which
     appends to each port) leaves them idle while a broadcast waits for all its ports.
     """
-    preds: dict[int, list[int]] = defaultdict(list)
-    succs: dict[int, list[int]] = defaultdict(list)
-    for a, b in prec:
-        preds[b].append(a)
-        succs[a].append(b)
-    ports = [_ports(b) for b in buckets]
-    busy: dict[tuple, int] = defaultdict(int)
-    for b, ps in zip(buckets, ports):
-        for p in ps:
-            busy[p] += b.duration
+    preds, succs, ports, busy = _graph(buckets, prec)
     prio = [(-max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
@@ -252,11 +249,7 @@ class Schedule:
 
 
 def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit: float, seed: int = 0) -> Schedule:
-    busy: dict[tuple, int] = defaultdict(int)
-    for b in buckets:
-        for p in _ports(b):
-            busy[p] += b.duration
-    port_bound = max(busy.values(), default=0)
+    port_bound = max(_graph(buckets, prec)[3].values(), default=0)
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
     warm = greedy(buckets, prec)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -190,8 +191,8 @@ class _Rank:
             recv_ops.append(dist.P2POp(dist.irecv, buf, msg.sender))
             self.stats.received += msg.nbytes
         expect: dict[int, torch.Tensor] = {}
-        for peer in sorted({m.sender for m in step.recvs}):  # one checksum vector per peer, after its data
-            expect[peer] = torch.empty(sum(1 for m in step.recvs if m.sender == peer), dtype=torch.int64, device=self.device)
+        for peer, n in sorted(Counter(m.sender for m in step.recvs).items()):  # one checksum vector per peer, after its data
+            expect[peer] = torch.empty(n, dtype=torch.int64, device=self.device)
             recv_ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
         works, ops = [], list(recv_ops)
         if overlap and recv_ops:
