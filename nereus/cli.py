@@ -42,6 +42,16 @@ def _modules(paths: list[str]):
         yield path, m, text
 
 
+def _write(path: str, text: str) -> bool:
+    """Write an output file; a path that cannot be written is a diagnostic (False), not a traceback."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        _report(DiagnosticError([Diagnostic(Loc(0, 0, path), f"cannot write: {e.strerror}")]))
+        return False
+    return True
+
+
 def _report(err: DiagnosticError) -> None:
     print(err.render(), file=sys.stderr)
     n = len(err.diagnostics)
@@ -67,7 +77,9 @@ def cmd_fmt(args) -> int:
         elif args.stdout:
             sys.stdout.write(canonical)
         elif canonical != text:
-            Path(path).write_text(canonical, encoding="utf-8")
+            if not _write(path, canonical):
+                status = 1
+                continue
             print(f"formatted {path}")
     return status
 
@@ -121,7 +133,7 @@ def cmd_opt(args) -> int:
         print(f"{args.golden}: matches")
         return 0
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        return 0 if _write(args.output, text) else 1
     else:
         sys.stdout.write(text)
     return 0
@@ -145,7 +157,8 @@ def cmd_lower(args) -> int:
         _report(e)
         return 1
     if args.script:
-        Path(args.script).write_text(render_script(prog), encoding="utf-8")
+        if not _write(args.script, render_script(prog)):
+            return 1
         print(f"{args.script}: torchrun --nproc-per-node {prog.world} {args.script} --selftest", file=sys.stderr)
     else:
         sys.stdout.write(print_program(prog))

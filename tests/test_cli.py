@@ -121,3 +121,11 @@ def test_bench_reshard_json_smoke(capsys):
         assert all(case[m]["exact"] for m in ("nereus", "dcp", "allgather", "gather+bcast"))
         assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
         assert case["bound_s"] > 0
+
+
+def test_an_output_path_that_cannot_be_written_is_a_diagnostic(tmp_path, capsys):
+    bad = str(tmp_path / "no" / "such" / "dir" / "out")
+    assert main(["opt", str(GRPO), "-p", "estimate", "-o", bad + ".nir"]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}.nir: error: cannot write: No such file or directory" in err
+    assert "Traceback" not in err

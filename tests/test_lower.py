@@ -127,7 +127,7 @@ def test_rendered_script_runs_under_torchrun(tmp_path, case, shards):
     assert reports == [(str(i), str(shards), "0") for i in range(4)], r.stdout
 
 
-def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path):
+def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path, capsys):
     m = case_module("pp2-pp4", 4, hidden=64, layers=4)
     m.emus.clear()
     f = tmp_path / "job.nir"
@@ -138,3 +138,6 @@ def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path)
     assert main(["lower", str(f), "-p", "plan-transition{to=@b}", "--script", str(out)]) == 0
     ast.parse(out.read_text())
     assert main(["lower", str(f)]) == 1
+    unwritable = tmp_path / "no" / "dir" / "s.py"
+    assert main(["lower", str(f), "-p", "plan-transition{to=@b}", "--script", str(unwritable)]) == 1
+    assert f"{unwritable}: error: cannot write" in capsys.readouterr().err
