@@ -111,20 +111,48 @@ def test_a_name_cannot_inject_code_into_the_script():
         pyrepr(object())
 
 
-@pytest.mark.parametrize("case,shards", [("tp4-tp2x2", 156), ("train-gen", 39)])
-def test_rendered_script_runs_under_torchrun(tmp_path, case, shards):
-    """tp4-tp2x2: direct sends; train-gen: chained broadcasts that forward what arrived."""
-    m = planned(case)
+STAGING = Path(__file__).parent / "golden" / "plan-transition" / "staging.nir"
+
+
+def staged():
+    """Two GPUs swap TP shards without room for both: part of each new shard is staged in host memory."""
+    m = nereus.parse(STAGING.read_text(), str(STAGING))
+    nereus.run_pipeline(m, "plan-transition{to=@b}")
+    return m
+
+
+def test_staged_slices_land_in_host_buffers_and_are_unstaged_after(request):
+    m = staged()
+    prog = lower(m, "a_to_b", direct_bytes=4096)
+    for r, steps in prog.steps.items():
+        kinds = [s.kind for s in steps]
+        staged_recvs = [p for s in steps for msg in s.recvs for p in msg.pieces if p.staged]
+        assert staged_recvs and "unstage" in kinds
+        assert kinds.index("unstage") > max(i for i, s in enumerate(steps) if s.kind == "round")
+    try:
+        compare(print_program(prog), GOLDEN / "staging.program", request.config.getoption("--update-goldens"))
+    except GoldenMismatch as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.mark.parametrize("case", ["tp4-tp2x2", "train-gen", "staging"])
+def test_rendered_script_runs_under_torchrun(tmp_path, case):
+    """tp4-tp2x2: direct sends; train-gen: chained broadcasts that forward what arrived;
+    staging: slices staged in host buffers, then unstaged."""
+    if case == "staging":
+        prog = lower(staged(), "a_to_b", direct_bytes=4096)
+    else:
+        prog = lower(planned(case), "t", direct_bytes=4096, chunk_bytes=64 * 1024)
     script = tmp_path / "transition.py"
-    script.write_text(render_script(lower(m, "t", direct_bytes=4096, chunk_bytes=64 * 1024)))
+    script.write_text(render_script(prog))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    r = subprocess.run([str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), str(script),
+    r = subprocess.run([str(torchrun), "--nproc-per-node", str(prog.world), "--master-port", str(free_port()), str(script),
                         "--selftest", "--timeout", "60"], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr  # a rank with a wrong shard exits 1
-    # four processes share one stdout: lines may run together, so find the reports anywhere
+    # the processes share one stdout: lines may run together, so find the reports anywhere
     reports = sorted(re.findall(r"rank (\d): (\d+) shards, (\d+) wrong", r.stdout))
-    assert reports == [(str(i), str(shards), "0") for i in range(4)], r.stdout
+    assert reports == [(str(i), str(len(prog.dst[i])), "0") for i in range(prog.world)], r.stdout
 
 
 def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path, capsys):

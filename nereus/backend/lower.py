@@ -19,9 +19,12 @@ layer range; the runtime moves tensors as a training loop names them, one per la
    hop h in sub-round c + h, so each rank sends to one neighbour and every link is busy; or as
    one ``dist.broadcast`` in a subgroup created once per program (``"collective"``). ``"auto"``
    (the default) chains broadcasts to three receivers or more and sends the others directly;
-5. frees become ``release`` steps at commit and offloads follow them, so that the source state
+5. a copy or transfer that the transition stages in ``host[g]`` writes a host buffer on g's
+   rank instead of the destination shard (such a broadcast is sent directly, never chained),
+   and the ``unstage`` that waits for it copies the buffer into the shard;
+6. frees become ``release`` steps at commit and offloads follow them, so that the source state
    survives until every destination slice has arrived and checked out;
-6. checks that every destination shard that is not kept is written exactly once (by volume).
+7. checks that every destination shard that is not kept is written exactly once (by volume).
 """
 
 from __future__ import annotations
@@ -135,6 +138,16 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     def key(ref: ShardRef, state: str, name: str) -> StateKey:
         return StateKey(ref.model_stage, state, name)
 
+    # a slice staged in host[g]: the destination shards on g that its unstage fills
+    by_id = {op.id: op for op in t.ops}
+    staged_for: dict[tuple[str, int], list[ShardRef]] = {}
+    for op in t.ops:
+        if op.kind == "unstage":
+            g = op.src[0].gpu
+            for d in op.deps:
+                if any(isinstance(r, HostRef) and r.gpu == g for r in by_id[d].dst):
+                    staged_for[(d, g)] = list(op.dst)
+
     for op in t.ops:
         lv, names = level[op.id], _names(op)
         if op.kind == "free":
@@ -142,6 +155,17 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                 g = gpu_of[(t.source, ref)]
                 if g in rank_of:
                     releases[rank_of[g]] += [key(ref, op.state, n) for n in names]
+            continue
+        if op.kind == "unstage":
+            r = rank_of[op.src[0].gpu]
+            first = op.dst[0]
+            for name in names:
+                fk = key(first, op.state, name)
+                itemsize = dst_box[(r, fk)].dtype.itemsize
+                for ref in op.dst:
+                    dk = key(ref, op.state, name)
+                    before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, op.box, _nbytes(op.box, itemsize), staged=True)))
+                    written[(r, dk)] += _nbytes(op.box, itemsize)
             continue
         if op.kind in ("load", "offload"):
             refs = op.dst if op.kind == "load" else op.src
@@ -165,10 +189,16 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                 if all(lo < hi for lo, hi in inter):
                     parts.append((ref, inter))
         by_gpu: dict[int, list[ShardRef]] = defaultdict(list)
+        staged: set[int] = set()  # GPUs that receive into a host staging buffer
         for ref in op.dst:
             if isinstance(ref, HostRef):
-                raise _error(f"lower-collectives: {op.id} ({op.kind}) writes host memory")
-            by_gpu[gpu_of[(t.target, ref)]].append(ref)
+                refs = staged_for.get((op.id, ref.gpu))
+                if refs is None:
+                    raise _error(f"lower-collectives: {op.id} ({op.kind}) stages a slice in {ref} that no unstage takes")
+                by_gpu[ref.gpu] += refs[:1]  # staged once; the unstage fills every shard
+                staged.add(ref.gpu)
+            else:
+                by_gpu[gpu_of[(t.target, ref)]].append(ref)
         for sref, box in parts:
             s = rank_of[gpu_of[(t.source, sref)]]
             remote = sorted(rank_of[g] for g in by_gpu if rank_of[g] != s)
@@ -180,14 +210,16 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                 for g, refs in by_gpu.items():
                     r = rank_of[g]
                     first = key(refs[0], op.state, name)
-                    piece = Piece(sk, first, box, nb)
+                    piece = Piece(sk, first, box, nb, staged=g in staged)
                     if r == s:
                         before[(r, lv)].append(Step("copy", piece=piece))
-                    elif op.kind == "broadcast" and len(remote) > 1 and (
+                    elif op.kind == "broadcast" and len(remote) > 1 and not staged and (
                             broadcast in ("chain", "collective") or (broadcast == "auto" and len(remote) >= CHAIN_MIN)):
                         group_pieces[r] = piece
                     else:
                         pending[(lv, 0, s, r)].append(piece)
+                    if g in staged:
+                        continue  # written into the shards by the unstage
                     written[(r, first)] += nb
                     for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
                         ek = key(extra, op.state, name)
@@ -229,7 +261,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
         direct, packed = [], []
         for p in pieces:
             held = (dst_box if p.arrived else src_box)[(s, p.src)].box
-            ok = p.nbytes >= direct_bytes and contiguous(held, p.box) and contiguous(dst_box[(r, p.dst)].box, p.box)
+            ok = p.nbytes >= direct_bytes and contiguous(held, p.box) and (p.staged or contiguous(dst_box[(r, p.dst)].box, p.box))
             (direct if ok else packed).append(p)
         msgs = [Message(next(ids), s, r, (p,), True) for p in direct]
         bucket: list[Piece] = []
@@ -259,11 +291,17 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             bsteps[(member, lv)].append(Step("broadcast", group=(s, *remote), round=lv,
                                              message=Message(mid, s, -1, mine, False)))
 
+    def before_all(r: int) -> list[Step]:
+        return [st for lv in range(n_levels) for st in before.get((r, lv), [])]
+
     prog = Program(transition=transition, source=t.source, target=t.target, gpus=gpus, src=src, dst=dst,
                    groups=groups, bucket_bytes=bucket_bytes)
     for r in range(len(gpus)):
         steps: list[Step] = []
-        alloc = tuple(s.key for s in dst[r] if (r, s.key) not in kept)
+        # a shard that takes staged slices is allocated at its first write, not up front: the
+        # GPU has no room for it beside plan A's state
+        late = {st.piece.dst for st in before_all(r) if st.kind == "unstage"}
+        alloc = tuple(s.key for s in dst[r] if (r, s.key) not in kept and s.key not in late)
         keep = tuple(s.key for s in dst[r] if (r, s.key) in kept)
         if keep:
             steps.append(Step("keep", keys=keep))
@@ -292,13 +330,17 @@ def _inside(box, outer) -> bool:
 
 
 def _check_slices(prog: Program) -> None:
-    """Every piece reads inside a shard the rank holds and writes inside one it will hold."""
+    """Every piece reads inside a shard the rank holds and writes inside one it will hold; an
+    unstage reads a staging buffer that an earlier step of the rank wrote."""
     for r, steps in prog.steps.items():
         src = {s.key: s.box for s in prog.src.get(r, [])}
         dst = {s.key: s.box for s in prog.dst.get(r, [])}
+        staged: set[tuple] = set()
         for step in steps:
+            if step.kind == "unstage" and (step.piece.src, step.piece.box) not in staged:
+                raise _error(f"lower-collectives: rank {r} unstages {step.piece.src} {list(step.piece.box)} before it is staged")
             reads = [step.piece] if step.kind == "copy" else [p for m in step.sends for p in m.pieces]
-            writes = [step.piece] if step.kind == "copy" else [p for m in step.recvs for p in m.pieces]
+            writes = [step.piece] if step.kind in ("copy", "unstage") else [p for m in step.recvs for p in m.pieces]
             if step.kind == "broadcast":
                 (reads if step.group[0] == r else writes).extend(step.message.pieces)
             for p in reads:
@@ -306,6 +348,8 @@ def _check_slices(prog: Program) -> None:
                 if held is None or not _inside(p.box, held):
                     raise _error(f"lower-collectives: rank {r} reads {p.src} {list(p.box)}, which it does not hold")
             for p in writes:
+                if p.staged and step.kind != "unstage":
+                    staged.add((p.dst, p.box))
                 if p.dst not in dst or not _inside(p.box, dst[p.dst]):
                     raise _error(f"lower-collectives: rank {r} writes {p.dst} {list(p.box)} outside its shard")
 

@@ -12,6 +12,9 @@ shard, whose box it knows from ``src`` and ``dst``):
   sides, no packing) or a bucket that packs many slices into one flat byte buffer;
 - ``broadcast``: one bucket from a root to the ranks of a subgroup (``dist.broadcast``);
 - ``load`` / ``offload``: a source shard comes from host memory, a destination shard goes to it;
+- ``unstage``: a slice that a copy or a message *staged* (wrote into a host-memory buffer of
+  its own instead of the destination shard, where the GPU had no room for it yet) is copied
+  into its destination shard;
 - ``release``: a source shard that plan B does not keep, dropped at commit (never earlier: the
   source state is what a failed transition rolls back to).
 
@@ -35,6 +38,7 @@ class Piece:
     box: Box
     nbytes: int
     arrived: bool = False  # read from a destination shard this transition filled, not from plan A's state
+    staged: bool = False  # written to (copy, message) or read from (unstage) a host staging buffer for dst's box
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,9 @@ class Message:
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # alloc | keep | copy | round | broadcast | load | offload | release
+    kind: str  # alloc | keep | copy | round | broadcast | load | unstage | offload | release
     keys: tuple[StateKey, ...] = ()  # alloc, keep, load, offload, release
-    piece: Piece | None = None  # copy
+    piece: Piece | None = None  # copy, unstage
     sends: tuple[Message, ...] = ()  # round
     recvs: tuple[Message, ...] = ()  # round
     group: tuple[int, ...] = ()  # broadcast: the subgroup's ranks (the root first)
@@ -111,7 +115,7 @@ def _size(n: int) -> str:
 
 def _piece(p: Piece) -> str:
     same = "" if p.dst == p.src else f" -> {p.dst}"
-    return f"{'arrived ' if p.arrived else ''}{p.src} {_box(p.box)}{same}"
+    return f"{'arrived ' if p.arrived else ''}{p.src} {_box(p.box)}{same}{' (staged)' if p.staged else ''}"
 
 
 def print_program(prog: Program, ranks: list[int] | None = None) -> str:
@@ -133,8 +137,8 @@ def print_program(prog: Program, ranks: list[int] | None = None) -> str:
                 for k in s.keys:
                     box = boxes.get(k, ())
                     out.append(f"    {s.kind} {k} {_box(box)}")
-            elif s.kind == "copy":
-                out.append(f"    copy {_piece(s.piece)}")
+            elif s.kind in ("copy", "unstage"):
+                out.append(f"    {s.kind} {_piece(s.piece)}")
             elif s.kind == "round":
                 out.append(f"    round {s.round} {{")
                 for verb, msgs in (("send", s.sends), ("recv", s.recvs)):

@@ -49,10 +49,13 @@ def _step(rank: int, s: Step) -> list[tuple]:
         return [(s.kind, str(k)) for k in s.keys]
     if s.kind == "copy":
         p = s.piece
-        return [("copy", str(p.src), str(p.dst), p.box, p.arrived)]
+        return [("copy", str(p.src), str(p.dst), p.box, p.arrived, p.staged)]
+    if s.kind == "unstage":
+        p = s.piece
+        return [("unstage", str(p.src), str(p.dst), p.box)]
     if s.kind == "round":
         msgs = sorted([(m.id, "send", m.receiver, [(str(p.src), p.box, p.arrived) for p in m.pieces]) for m in s.sends]
-                      + [(m.id, "recv", m.sender, [(str(p.dst), p.box, False) for p in m.pieces]) for m in s.recvs])
+                      + [(m.id, "recv", m.sender, [(str(p.dst), p.box, p.staged) for p in m.pieces]) for m in s.recvs])
         return [("round", [(verb, peer, pieces) for _, verb, peer, pieces in msgs])]
     if s.kind == "broadcast":
         root = s.group[0]

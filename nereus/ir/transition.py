@@ -8,7 +8,18 @@ from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 from .emu import Box, tensor_name
 
-OP_KINDS = ("copy", "send", "broadcast", "allgather", "free", "offload", "load")
+OP_KINDS = ("copy", "send", "broadcast", "allgather", "free", "offload", "load", "unstage")
+"""What each kind does:
+
+- ``copy``, ``send``, ``broadcast``, ``allgather``: a slice of plan A's state to plan B's shards
+  (on the same GPU, to one GPU, from one GPU to many, from many to many). A ``copy``, ``send``
+  or ``broadcast`` may write ``host[g]`` instead of a shard on GPU g: the slice is *staged* in
+  the host memory beside g, because g has no room for it until its own plan-A slices are freed;
+- ``unstage``: a staged slice from ``host[g]`` into plan B's shards on GPU g;
+- ``free``: plan A's slice leaves its GPU;
+- ``load``: plan A's slice, offloaded to host memory between steps, comes back before it is read;
+- ``offload``: plan B's slice goes to host memory once it has arrived.
+"""
 LINKS = ("local", "nvlink", "nic", "pcie")
 
 @dataclass(frozen=True)

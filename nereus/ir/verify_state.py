@@ -289,7 +289,10 @@ _ARITY = {  # kind -> (sources, destinations) as (min, max); None = unbounded
     "free": ((1, None), (0, 0)),
     "offload": ((1, 1), (1, 1)),
     "load": ((1, 1), (1, 1)),
+    "unstage": ((1, 1), (1, None)),
 }
+HOST_READERS = ("load", "unstage")  # kinds that read host memory
+HOST_WRITERS = ("offload", "copy", "send", "broadcast")  # kinds that may write it (copies, sends: staging)
 
 
 def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
@@ -310,6 +313,7 @@ def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
             if plans["source"] is not None and plans["target"] is not None:
                 _op(m, t, op, sink)
         _cycles(t, ids, sink)
+        _staging(t, sink)
         if plans["source"] is not None and plans["target"] is not None and not sink.diagnostics:
             _destinations_complete(m, t, sink)
 
@@ -352,6 +356,33 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
                     sink.error(t.loc, f"transition @{t.name} leaves {ref} without all of {e.state} {e.tensor} "
                                       f"{_fmt_box(e.box)}", "no operation delivers part of it and it is not kept in place")
                     return
+
+
+def _staging(t: Transition, sink: DiagnosticSink) -> None:
+    """A slice staged in ``host[g]`` by a copy or send is moved onto GPU g by an ``unstage`` that
+    depends on that operation, and an ``unstage`` reads only what such an operation staged."""
+    staged: dict[tuple, list[Op]] = defaultdict(list)
+    for op in t.ops:
+        if op.kind in ("copy", "send", "broadcast"):
+            for ref in op.dst:
+                if isinstance(ref, HostRef):
+                    staged[(ref.gpu, op.state, op.family, op.layers, op.box)].append(op)
+    taken: set[str] = set()
+    for op in t.ops:
+        if op.kind != "unstage" or not op.src or not isinstance(op.src[0], HostRef):
+            continue
+        key = (op.src[0].gpu, op.state, op.family, op.layers, op.box)
+        feeders = [s.id for s in staged.get(key, []) if s.id in op.deps]
+        if not feeders:
+            sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {_fmt_box(op.box)} "
+                                                    f"from {op.src[0]}, but depends on no operation that stages it there")
+        taken.update(feeders)
+    for ops in staged.values():
+        for op in ops:
+            if op.id not in taken:
+                host = next(r for r in op.dst if isinstance(r, HostRef))
+                sink.error(op.loc, f"{op.id} stages {op.state} {op.tensor} {_fmt_box(op.box)} in {host}, but no unstage "
+                                   f"moves it onto GPU {host.gpu}", f"add: unstage ... from [{host}] to [SHARD] {{deps = [{op.id}]}}")
 
 
 def _uncovered(region, boxes) -> bool:
@@ -420,14 +451,16 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     locs = op.endpoint_locs or [op.loc] * (len(op.src) + len(op.dst))
     src_host = [isinstance(e, HostRef) for e in op.src]
     dst_host = [isinstance(e, HostRef) for e in op.dst]
-    if op.kind == "load" and not all(src_host) or op.kind != "load" and any(src_host):
-        sink.error(op.loc, f"{op.id}: only load reads from host memory" if any(src_host) else f"{op.id}: load reads from host[GPU]")
+    if op.kind in HOST_READERS and not all(src_host) or op.kind not in HOST_READERS and any(src_host):
+        sink.error(op.loc, f"{op.id}: only load and unstage read from host memory" if any(src_host)
+                   else f"{op.id}: {op.kind} reads from host[GPU]")
         return
-    if op.kind == "offload" and not all(dst_host) or op.kind != "offload" and any(dst_host):
-        sink.error(op.loc, f"{op.id}: only offload writes to host memory" if any(dst_host) else f"{op.id}: offload writes to host[GPU]")
+    if op.kind == "offload" and not all(dst_host) or op.kind not in HOST_WRITERS and any(dst_host):
+        sink.error(op.loc, f"{op.id}: only offload, copy, send and broadcast write to host memory" if any(dst_host)
+                   else f"{op.id}: offload writes to host[GPU]")
         return
     # load restores a slice of plan A from host memory before it is read; offload moves a slice
-    # of plan B to host memory after it arrived: both act on the plan whose state they move
+    # of plan B to host memory after it arrived; unstage moves a staged slice into plan B's shard
     src_plan = t.target if op.kind == "offload" else t.source
     dst_plan = t.source if op.kind == "load" else t.target
     src = [_endpoint(m, src_plan, e, l, sink) for e, l in zip(op.src, locs)]
@@ -470,7 +503,10 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     if cluster is None:
         return
     gpus = [x[0] for x in src + dst]
-    if op.kind in ("offload", "load"):
+    if op.kind in ("offload", "load", "unstage") or op.kind == "copy" and any(dst_host):
+        if op.kind == "unstage" and any(g != gpus[0] for g in gpus):
+            sink.error(op.loc, f"{op.id}: unstage moves a slice from host[g] onto GPU g, not onto GPUs {sorted(set(gpus[1:]))}")
+            return
         link = "pcie"
     elif op.kind == "free" or len(set(gpus)) == 1:
         link = "local"

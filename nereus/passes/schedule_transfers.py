@@ -72,19 +72,22 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     groups: dict[tuple, Bucket] = {}
     on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
     for op in t.ops:
-        if op.kind not in ("send", "broadcast", "allgather", "offload", "load"):
+        staged_copy = op.kind == "copy" and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
+        if op.kind not in ("send", "broadcast", "allgather", "offload", "load", "unstage") and not staged_copy:
             continue
         src = (on_b if op.kind == "offload" else on_a)(op.src[0])
         dst_gpu = on_a if op.kind == "load" else on_b
         dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
-        direction = "h2d" if op.kind == "load" else "d2h" if op.kind == "offload" else "net"
-        key = (src, dsts, op.link, direction)
+        direction = "h2d" if op.kind in ("load", "unstage") else "d2h" if op.kind == "offload" or staged_copy else "net"
+        # PCIe moves of different kinds go in different buckets: a staged copy, its unstage and
+        # an offload after the unstage share a direction, and one bucket would order them in a cycle
+        key = (src, dsts, op.link, direction, "" if direction == "net" else op.kind)
         b = groups.get(key)
         if b is None:
             b = groups[key] = Bucket(src, dsts, op.link, [], direction)
         b.ops.append(op)
         b.bytes += op.bytes
-    out = sorted(groups.values(), key=lambda b: (b.src, b.dsts, b.link, b.direction))
+    out = [groups[k] for k in sorted(groups)]
     index = {}
     for i, b in enumerate(out):
         if b.link == "nvlink":

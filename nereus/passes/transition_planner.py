@@ -4,7 +4,7 @@ memory ordering of receives."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op
 from ..ir.verify_state import state_dtype_bytes
@@ -36,8 +36,12 @@ class Planner:
         self.kept: set[int] = set()  # source pieces reused in place
         self.kept_b: set[int] = set()  # destination pieces kept in place
         self.delivers: dict[tuple[int, int], list[str]] = defaultdict(list)  # (family, destination shard) -> ops writing it
+        # memory that receives take on each GPU: once per destination shard written (two
+        # model-stages on one GPU each hold their copy) and the receiving ops with their share
         self.recv_bytes: dict[int, int] = defaultdict(int)
-        self.recv_ops: dict[int, list[str]] = defaultdict(list)
+        self.recv_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        self.copy_bytes: dict[int, int] = defaultdict(int)  # bytes local copies write, per GPU
+        self.copy_ops: dict[int, list[str]] = defaultdict(list)
 
     def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
         if per_layer:
@@ -70,6 +74,8 @@ class Planner:
                 o = op("copy", state, family, region, [s.ref], [d.ref], _volume(region) * itemsize, "local", per_layer)
                 reads[sbase + si].append(o.id)
                 delivers[(dbase, d.rid)].append(o.id)
+                self.copy_bytes[d.gpu] += o.bytes
+                self.copy_ops[d.gpu].append(o.id)
         per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
         recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
         for (si, receivers), cells in transfers.items():
@@ -85,10 +91,11 @@ class Planner:
                 delivers[(dbase, d.rid)].append(oid)
                 self.bytes_moved += nbytes
                 recv_bytes[d.gpu] += nbytes
-                recv_ops[d.gpu].append(oid)
+                recv_ops[d.gpu].append((oid, nbytes))
                 continue
             rgpus = sorted({dsts[j].gpu for j in receivers})
             to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
+            shards_on = Counter(dsts[j].gpu for j in {dsts[j].rid: j for j in receivers}.values())
             kind = "send" if len(receivers) == 1 else "broadcast"
             link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
             for region in grid.boxes(cells):
@@ -99,8 +106,8 @@ class Planner:
                     delivers[(dbase, rid)].append(oid)
                 self.bytes_moved += nbytes * len(rgpus)
                 for g in rgpus:
-                    recv_bytes[g] += nbytes
-                    recv_ops[g].append(oid)
+                    recv_bytes[g] += nbytes * shards_on[g]
+                    recv_ops[g].append((oid, nbytes * shards_on[g]))
 
     def _local(self, key, grid: Grid, srcs: list[Piece], dsts: list[Piece], shared: bool):
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
@@ -251,9 +258,11 @@ class Planner:
 
     def frees_and_memory(self) -> list[Diagnostic]:
         """Free every source slice not kept in place, after the operations that read it; then
-        make receives wait for frees where a GPU would overflow."""
+        order what grows each GPU's memory after frees, staging through host memory where
+        nothing else fits (``Memory``)."""
         mem_a: dict[int, int] = defaultdict(int)
         freeable: dict[int, list[Op]] = defaultdict(list)
+        frees: dict[int, list[Op]] = defaultdict(list)
         for key, pieces in sorted(self.src_all.items()):
             model_name, state, family = key
             _, itemsize, per_layer = _family(self.m, model_name, state, family)
@@ -268,9 +277,11 @@ class Planner:
                     continue
                 op = self.op("free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
                 op.deps = list(self.reads.get(base + i, ()))  # already in creation order
+                frees[p.gpu].append(op)
                 if not op.deps:
                     freeable[p.gpu].append(op)
-        return _order_for_memory(self.cluster, self.ops, mem_a, self.recv_ops, self.recv_bytes, freeable)
+        gpu_b = {p.ref: p.gpu for pieces in self.dst_all.values() for p in pieces}
+        return Memory(self, mem_a, freeable, frees, gpu_b).order()
 
 
 def _family(m: Module, model_name: str, state: str, family: str):
@@ -293,23 +304,90 @@ def _number(op_id: str) -> int:
     return int(op_id[1:])
 
 
-def _order_for_memory(cluster, ops: list[Op], mem_a, recv_ops, recv_bytes, freeable) -> list[Diagnostic]:
-    """Make receives wait for frees of dead slices on GPUs that would otherwise overflow."""
-    problems = []
-    for g, rb in sorted(recv_bytes.items()):
-        if mem_a[g] + rb <= cluster.gpu_memory:
-            continue
-        dead = freeable.get(g, [])
-        short = mem_a[g] - sum(op.bytes for op in dead) + rb - cluster.gpu_memory
-        if short > 0:
-            problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: it would need {short:,} bytes more than "
-                                                         "its memory even after freeing every slice no one reads first",
-                                       "stage state through host memory, or transition in two steps"))
-            continue
-        for op_id in recv_ops[g]:
-            op = ops[_number(op_id)]
-            op.deps = sorted(set(op.deps) | {d.id for d in dead}, key=_number)
-    return problems
+class Memory:
+    """Order what grows each GPU's memory so that no GPU ever holds more than its memory.
+
+    A GPU g holds ``mem_a`` bytes of plan A (offloaded slices counted as if loaded) and grows
+    by what local copies write and what it receives (once per destination shard). Where that
+    does not fit, the copies and receives wait for the frees of g's slices that no one reads
+    (``dead``), so that any order the dependencies allow stays within memory. Where even that
+    does not fit, g stages: copies first, then receives in order, go to the GPU while they fit;
+    each of the others writes ``host[g]`` instead (a copy over PCIe, a send over its link) and an
+    ``unstage`` that waits for every free on g, when only what plan B keeps in place is left,
+    moves it onto the GPU. That always fits when plans A and B each fit on the GPU.
+    """
+
+    def __init__(self, planner: Planner, mem_a, dead, frees, gpu_b) -> None:
+        self.p, self.mem_a, self.dead, self.frees, self.gpu_b = planner, mem_a, dead, frees, gpu_b
+        self.cap = planner.cluster.gpu_memory
+        self.staged_on_node: dict[int, int] = defaultdict(int)
+        self.unstaged: dict[tuple[str, object], str] = {}  # (staged op, destination shard) -> unstage op
+
+    def order(self) -> list[Diagnostic]:
+        p, problems = self.p, []
+        for g in sorted(set(p.recv_bytes) | set(p.copy_bytes)):
+            grow = p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
+            if self.mem_a[g] + grow <= self.cap:
+                continue
+            dead = self.dead.get(g, [])
+            room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
+            ops = [(oid, p.ops[_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
+            if grow <= room:
+                direct = [oid for oid, _ in ops]
+            else:
+                direct = self._stage(g, room, grow, ops, problems)
+            for op_id in direct:
+                op = p.ops[_number(op_id)]
+                op.deps = sorted(set(op.deps) | {d.id for d in dead}, key=_number)
+        self._offloads_after_unstage()
+        host = self.p.cluster.host_memory
+        for node, nbytes in sorted(self.staged_on_node.items()):
+            if host is not None and nbytes > host:
+                problems.append(Diagnostic(Loc(0, 0, None), f"staging needs {nbytes:,} bytes of host memory on node {node}, "
+                                                             f"which has {host:,}", "transition in two steps"))
+        return problems
+
+    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]], problems: list[Diagnostic]) -> list[str]:
+        """Stage the copies and receives of GPU g that do not fit in ``room``; returns the others."""
+        p = self.p
+        kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
+        if room < 0 or kept + grow > self.cap:
+            what, short = ("plan A's state", -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
+            problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: {what} alone would take {short:,} bytes "
+                                                         "more than its memory", "choose a plan that fits"))
+            return []
+        direct, staged = [], []
+        for op_id, nbytes in ops:
+            if nbytes <= room:
+                room -= nbytes
+                direct.append(op_id)
+            else:
+                staged.append(p.ops[_number(op_id)])
+        freed = [f.id for f in self.frees.get(g, [])]
+        for op in staged:
+            mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
+            at = op.dst.index(mine[0])
+            rest = [r for r in op.dst if r not in mine]
+            op.dst = rest[:at] + [HostRef(g)] + rest[at:]
+            if op.kind == "copy":
+                op.link = "pcie"  # device to its own host memory
+            un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
+                    src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=sorted({op.id, *freed}, key=_number))
+            p.ops.append(un)
+            for r in mine:
+                self.unstaged[(op.id, r)] = un.id
+            self.staged_on_node[p.cluster.node_of(g)] += op.bytes
+        return direct
+
+    def _offloads_after_unstage(self) -> None:
+        """An offload of plan B's slice waits for the unstage that put a staged part of it on the GPU."""
+        if not self.unstaged:
+            return
+        for op in self.p.ops:
+            if op.kind == "offload":
+                extra = {self.unstaged[(d, op.src[0])] for d in op.deps if (d, op.src[0]) in self.unstaged}
+                if extra:
+                    op.deps = sorted(set(op.deps) | extra, key=_number)
 
 
 def _volume(region: Box) -> int:

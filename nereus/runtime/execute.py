@@ -10,7 +10,11 @@ every surviving rank raise ``TransitionError`` with its plan-A ``state`` untouch
 group that saw a failure should be re-created before the next collective, as torchelastic does.
 
 Messages are raw bytes: a slice that is contiguous on both sides is sent from and received into
-the shard itself; the others are packed into buckets (8-byte aligned offsets). A checksum (the
+the shard itself; the others are packed into buckets (8-byte aligned offsets). A slice the
+program stages lands in a host-memory buffer (pinned on CUDA) and an ``unstage`` step copies it
+into its shard, which is allocated at that first write. Plan A's shards stay on the device until
+commit (they are the rollback state, and the caller's ``state`` holds them), so on this executor
+staging bounds the destination's allocations, not the source's. A checksum (the
 wrapping sum of the payload's 32-bit words, or bytes for odd sizes) travels with every round.
 """
 
@@ -103,6 +107,7 @@ class _Rank:
                                       f"{spec.local_shape} {spec.dtype}")
             self.src[k] = t
         self.new: dict[StateKey, torch.Tensor] = {}
+        self.staging: dict[tuple, torch.Tensor] = {}  # (key, box) -> host buffer of a staged slice
         self.groups: dict[tuple[int, ...], object] = {}
 
     # -- slices --------------------------------------------------------------------------------
@@ -110,6 +115,16 @@ class _Rank:
         if p.arrived:
             return self.new[p.src][_region(self.dst_spec[p.src], p.box)]
         return self.src[p.src][_region(self.src_spec[p.src], p.box)]
+
+    def land(self, p: Piece) -> torch.Tensor:
+        """Where piece ``p`` is written: its destination shard's box, or a host staging buffer."""
+        if not p.staged:
+            return self.write(p.dst, p.box)
+        spec = self.dst_spec[p.dst]
+        buf = torch.empty([hi - lo for lo, hi in p.box], dtype=spec.dtype, device="cpu",
+                          pin_memory=self.device.type == "cuda")
+        self.staging[(p.dst, p.box)] = buf
+        return buf
 
     def write(self, key: StateKey, box) -> torch.Tensor:
         if key not in self.new:  # lazy allocation: the first write
@@ -142,7 +157,10 @@ class _Rank:
             for k in step.keys:
                 self.src[k] = self.src[k].to(self.device, non_blocking=False)
         elif step.kind == "copy":
-            self.write(step.piece.dst, step.piece.box).copy_(self.read(step.piece))
+            self.land(step.piece).copy_(self.read(step.piece))
+        elif step.kind == "unstage":  # a staged slice, from its host buffer into the destination shard
+            p = step.piece
+            self.write(p.dst, p.box).copy_(self.staging[(p.src, p.box)], non_blocking=False)
         elif step.kind == "round":
             self.exchange(step)
         elif step.kind == "broadcast":
@@ -161,15 +179,14 @@ class _Rank:
 
     def landing(self, msg: Message) -> torch.Tensor:
         if msg.direct:
-            p = msg.pieces[0]
-            return _bytes(self.write(p.dst, p.box))
+            return _bytes(self.land(msg.pieces[0]))
         return torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
 
     def unpack(self, msg: Message, buf: torch.Tensor) -> None:
         if msg.direct:
             return
         for p, o in zip(msg.pieces, _layout(msg.pieces)[0]):
-            dst = self.write(p.dst, p.box)
+            dst = self.land(p)
             dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
 
     def _tick(self, what: str, since: float) -> float:

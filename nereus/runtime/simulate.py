@@ -1,19 +1,22 @@
 """A reference executor of transitions on numpy arrays: each GPU a dict of slices.
 
 Runs a transition's operations in dependency order on real arrays: plan A's slices are cut
-from full tensors, operations copy, send and broadcast slices between the GPUs' dicts and free
-them, and at the end every slice of plan B is compared with the same slice of the full tensor.
+from full tensors, operations copy, send and broadcast slices between the GPUs' dicts (or into
+the host memory beside a GPU, to be unstaged later) and free them, and at the end every slice of
+plan B is compared with the same slice of the full tensor. Along the way it records the most
+bytes each GPU held (at the state's dtype): receives run as early as their dependencies allow
+and frees as late, the order that needs the most memory.
 It is the oracle the torch.distributed executor is tested against, and a dry run for users.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir import Module, ShardRef, Transition
+from ..ir import HostRef, Module, ShardRef, Transition
 from ..ir.emu import SliceEntry, region_of
 from ..ir.verify_state import state_dtype_bytes
 
@@ -22,6 +25,7 @@ from ..ir.verify_state import state_dtype_bytes
 class SimulationResult:
     mismatches: list[str]  # destination slices that differ from the full tensor
     received_bytes: int  # bytes (at the state's dtype) delivered to GPUs other than the sender, once per GPU
+    peak: dict[int, int] = field(default_factory=dict)  # GPU -> most bytes it held at once
 
 
 def full_tensors(m: Module, plans: list[str], seed: int = 0) -> dict[tuple[str, str, str], np.ndarray]:
@@ -73,6 +77,19 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
     # memory: (plan, ref, state, family, where) -> list of (region, array); where is gpu or host
     mem: dict[tuple, list[tuple[tuple, np.ndarray]]] = defaultdict(list)
     gpu_of: dict[tuple[str, ShardRef], int] = {}
+    held: dict[int, int] = defaultdict(int)  # bytes on each GPU now
+    peak: dict[int, int] = defaultdict(int)
+    itemsize = {(name, state): state_dtype_bytes(md, state) for name, md in m.models.items()
+                for state in ("weight", "grad", "master", "exp_avg", "exp_avg_sq")}
+
+    def put(key, region, arr, model: str) -> None:
+        """Store a slice; on a GPU it counts toward that GPU's bytes."""
+        mem[key].append((region, arr))
+        plan, ref, state, _, where = key
+        if where == "gpu":
+            g = gpu_of[(plan, ref)]
+            held[g] += arr.size * itemsize[(model, state)]
+            peak[g] = max(peak[g], held[g])
     for (plan, ms, dp), emu in m.emus.items():
         model = ms.rpartition(".")[0]
         for s in emu.shards:
@@ -84,7 +101,7 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
                 region = region_of(e.layers, e.box)
                 arr = tensors[(model, e.state, e.family)][tuple(slice(a, b) for a, b in region)].copy()
                 where = "host" if _offloaded(m, plan, ms, e.state) else "gpu"  # at a step boundary
-                mem[(plan, ref, e.state, e.family, where)].append((region, arr))
+                put((plan, ref, e.state, e.family, where), region, arr, model)
 
     def take(key, region) -> np.ndarray:
         """``region`` of what ``key`` holds, assembled from the pieces it received; KeyError if incomplete."""
@@ -102,15 +119,23 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
     received = 0
     for op in _order(t):
         region = region_of(op.layers, op.box)
+        model = (op.src[0] if isinstance(op.src[0], ShardRef) else op.dst[0]).model_stage.rpartition(".")[0]
         if op.kind == "free":
             for ref in op.src:
                 key = (t.source, ref, op.state, op.family, "gpu")
+                gone = sum(a.size for r, a in mem[key] if r == region)
+                held[gpu_of[(t.source, ref)]] -= gone * itemsize[(model, op.state)]
                 mem[key] = [(r, a) for r, a in mem[key] if r != region]
             continue
         if op.kind == "load":  # plan A's slice, from its host memory back onto its GPU
             for ref in op.dst:
                 data = take((t.source, ref, op.state, op.family, "host"), region)
-                mem[(t.source, ref, op.state, op.family, "gpu")].append((region, data.copy()))
+                put((t.source, ref, op.state, op.family, "gpu"), region, data.copy(), model)
+            continue
+        if op.kind == "unstage":  # a staged slice, from the host memory beside GPU g onto g
+            data = take(_staging(op.src[0], model, op.state, op.family), region)
+            for ref in op.dst:
+                put((t.target, ref, op.state, op.family, "gpu"), region, data.copy(), model)
             continue
         if op.kind == "offload":  # plan B's slice, once arrived (or kept in place), to host memory
             for ref in op.src:
@@ -123,15 +148,22 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
                                 and r.model_stage == ref.model_stage and gpu_of[(plan, r)] == g
                                 for reg, a in pieces if reg == region)
                 mem[(t.target, ref, op.state, op.family, "host")].append((region, data.copy()))
+                g = gpu_of[(t.target, ref)]
+                arrived = mem[(t.target, ref, op.state, op.family, "gpu")]
+                gone = sum(a.size for r, a in arrived if all(lo <= a0 and b0 <= hi for (a0, b0), (lo, hi) in zip(r, region)))
+                held[g] -= gone * itemsize[(model, op.state)]
             continue
-        model = op.src[0].model_stage.rpartition(".")[0]
         data = take((t.source, op.src[0], op.state, op.family, "gpu"), region)
         src_gpu = gpu_of[(t.source, op.src[0])]
         nbytes = data.size * state_dtype_bytes(m.models[model], op.state)
         receivers = set()
         for ref in op.dst:
-            mem[(t.target, ref, op.state, op.family, "gpu")].append((region, data.copy()))
-            g = gpu_of[(t.target, ref)]
+            if isinstance(ref, HostRef):  # staged beside GPU g
+                mem[_staging(ref, model, op.state, op.family)].append((region, data.copy()))
+                g = ref.gpu
+            else:
+                put((t.target, ref, op.state, op.family, "gpu"), region, data.copy(), model)
+                g = gpu_of[(t.target, ref)]
             if g != src_gpu:
                 receivers.add(g)
         received += len(receivers) * nbytes
@@ -152,7 +184,12 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
                 arrived = mem[(t.target, ref, e.state, e.family, "gpu")] + mem[(t.target, ref, e.state, e.family, "host")]
                 if not _complete(arrived, kept, e, tensors[(model, e.state, e.family)]):
                     mismatches.append(f"{ref} {e.state} {e.tensor} {list(e.box)}")
-    return SimulationResult(mismatches, received)
+    return SimulationResult(mismatches, received, dict(peak))
+
+
+def _staging(host: HostRef, model: str, state: str, family: str) -> tuple:
+    """Where a staged slice waits: the host memory beside GPU ``host.gpu`` (a ``take`` key)."""
+    return (f"staging of @{model}", host, state, family, "host")
 
 
 def _complete(arrived, kept, e: SliceEntry, full: np.ndarray) -> bool:
