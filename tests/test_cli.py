@@ -129,3 +129,15 @@ def test_an_output_path_that_cannot_be_written_is_a_diagnostic(tmp_path, capsys)
     err = capsys.readouterr().err
     assert f"{bad}.nir: error: cannot write: No such file or directory" in err
     assert "Traceback" not in err
+
+
+def test_a_plan_that_overflows_a_small_gpu_names_sizes_in_readable_units(tmp_path, capsys):
+    from pathlib import Path
+
+    golden = Path(__file__).parent / "golden" / "plan-transition" / "staging.nir"
+    small = tmp_path / "small.nir"
+    small.write_text(golden.read_text().replace("gpu_memory = 640KiB", "gpu_memory = 600KiB"))
+    assert main(["opt", str(small), "-p", "estimate"]) == 1
+    err = capsys.readouterr().err
+    assert "error: ref.infer needs 625.25 KiB on GPU 0, 25,856 bytes more than its 600.00 KiB" in err
+    assert "hint: breakdown: weights 449.25 KiB, activations 176.00 KiB" in err

@@ -138,8 +138,10 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
         elif peak > cluster.gpu_memory:
             short = int(round(peak - cluster.gpu_memory))
             problems.append(Diagnostic(
-                lay.loc, f"{ms} needs {_gib(peak)} on GPU {gpu}, {short:,} bytes more than its {_gib(cluster.gpu_memory)}",
-                "breakdown: " + ", ".join(f"{k} {_gib(v)}" for k, v in vars(lay.memory_breakdown).items() if v)))
+                lay.loc, f"{ms} needs {_size(peak)} on GPU {gpu}, {short:,} bytes more than its {_size(cluster.gpu_memory)}",
+                "breakdown: " + ", ".join(f"{k} {_size(v)}" for k, v in (
+                    ("weights", c.weights[0]), ("grads", c.grads[0]), ("optimizer", c.optimizer[0]),
+                    ("activations", c.activations[0]), ("kv_cache", c.kv_cache[0]), ("resident", others)) if v)))
     plan.step_time = round_time(step_time(m, plan, times)) if all(np.isfinite(list(times.values()))) else None
     return problems
 
@@ -154,8 +156,12 @@ def round_bytes(n: float) -> int:
     return int(round(n / 2**20)) * 2**20
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps at least 1 (2 decimals): 73.41 GiB, 625.25 KiB."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 @register

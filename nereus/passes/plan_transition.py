@@ -22,9 +22,12 @@ other replicas, and the pass reports what no surviving GPU holds.
 Bytes moved (each received byte counted once per receiving GPU) and the lower bound
 ``sum over GPUs of |destination slices \\ slices already there|`` are recorded on the
 transition; by construction every missing byte is received exactly once, so the ratio is 1.000.
-Memory: where a GPU would exceed its memory holding plan A's state plus what it receives,
-receives wait for the frees of that GPU's slices that no one reads; if that is not enough the
-pass reports the GPU and the shortfall.
+Memory: where a GPU would exceed its memory holding plan A's state plus what its copies and
+receives write, those wait for the frees of the GPU's slices that no one reads; where that is
+not enough, the ones that do not fit are staged in the host memory beside the GPU (a copy or
+send into ``host[g]``) and moved onto it by an ``unstage`` once every plan-A slice it gives up
+is freed (``transition_planner.Memory``). That fits whenever plans A and B each fit; otherwise
+the pass reports the GPU and the shortfall, and staging beyond a node's ``host_memory``.
 """
 
 from __future__ import annotations
