@@ -80,8 +80,11 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
         direction = "h2d" if op.kind in ("load", "unstage") else "d2h" if op.kind == "offload" or staged_copy else "net"
         # PCIe moves of different kinds go in different buckets: a staged copy, its unstage and
-        # an offload after the unstage share a direction, and one bucket would order them in a cycle
-        key = (src, dsts, op.link, direction, "" if direction == "net" else op.kind)
+        # an offload after the unstage share a direction, and one bucket would order them in a
+        # cycle. Unstages wait for a growing prefix of their GPU's frees: one bucket per prefix
+        # (the number of dependencies tells them apart), so that the first need not wait for all
+        phase = "" if direction == "net" else (op.kind, len(op.deps)) if op.kind == "unstage" else (op.kind, 0)
+        key = (src, dsts, op.link, direction, phase)
         b = groups.get(key)
         if b is None:
             b = groups[key] = Bucket(src, dsts, op.link, [], direction)
@@ -199,7 +202,30 @@ def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     return [start[i] for i in range(len(buckets))]
 
 
-def insertion(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
+def _tails(buckets: list[Bucket], succs) -> list[int]:
+    """Each bucket's bottom level: its duration plus the longest chain of buckets after it."""
+    order, seen = [], [False] * len(buckets)
+    for root in range(len(buckets)):  # iterative post-order DFS: successors before each bucket
+        if seen[root]:
+            continue
+        seen[root] = True
+        stack = [(root, iter(succs[root]))]
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            elif not seen[nxt]:
+                seen[nxt] = True
+                stack.append((nxt, iter(succs[nxt])))
+    tail = [0] * len(buckets)
+    for i in order:
+        tail[i] = buckets[i].duration + max((tail[j] for j in succs[i]), default=0)
+    return tail
+
+
+def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False) -> list[int]:
     """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
     then the bucket with more ports, then the longer), each at the earliest time after its
     predecessors at which all its ports are free for its whole duration, in a gap left between
@@ -210,14 +236,15 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
     appends to each port) leaves them idle while a broadcast waits for all its ports.
     """
     preds, succs, ports, busy = _graph(buckets, prec)
-    prio = [(-max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
+    tail = _tails(buckets, succs) if chains else [0] * len(buckets)
+    prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
     placed: dict[tuple, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # port -> starts, ends
     start: dict[int, int] = {}
     while heap:
-        i = heapq.heappop(heap)[3]
+        i = heapq.heappop(heap)[-1]
         d = buckets[i].duration
         t = max((start[j] + buckets[j].duration for j in preds[i]), default=0)
         lines = [placed[p] for p in ports[i]]
@@ -251,19 +278,45 @@ class Schedule:
     bound: int
 
 
+def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]]) -> int:
+    """No schedule is shorter: for every port, the work on it that cannot start before some
+    moment, from that moment on. A bucket cannot start before the longest chain of buckets
+    that must precede it (its head); on a port whose buckets sorted by head are b_1..b_n, the
+    makespan is at least head(b_k) + the durations of b_k..b_n, for every k. With k = 1 (head
+    0 without dependencies) this is the port's busy time."""
+    preds, _, ports, busy = _graph(buckets, prec)
+    if not prec:
+        return max(busy.values(), default=0)
+    head = [t - b.duration for t, b in zip(_tails(buckets, preds), buckets)]  # chains before, on the reversed graph
+    on_port: dict[tuple, list[int]] = defaultdict(list)
+    for i, ps in enumerate(ports):
+        for p in ps:
+            on_port[p].append(i)
+    best = 0
+    for idx in on_port.values():
+        idx.sort(key=head.__getitem__)
+        work = 0
+        for i in reversed(idx):
+            work += buckets[i].duration
+            best = max(best, head[i] + work)
+    return best
+
+
 def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit: float, seed: int = 0) -> Schedule:
-    port_bound = max(_graph(buckets, prec)[3].values(), default=0)
+    bound = port_bound(buckets, prec)
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
-    if horizon > port_bound:  # then the list schedule with insertion, and the better of the two
-        other = insertion(buckets, prec)
+    for chains in (False, True):  # then list schedules with insertion; the best of them
+        if horizon == bound or (chains and not prec):
+            break
+        other = insertion(buckets, prec, chains)
         span = max(s + b.duration for s, b in zip(other, buckets))
         if span < horizon:
             warm, horizon = other, span
-    if horizon == port_bound:  # a list schedule meets the lower bound: optimal, no search needed
-        return Schedule(warm, horizon, port_bound, "optimal", port_bound)
+    if horizon == bound:  # a list schedule meets the lower bound: optimal, no search needed
+        return Schedule(warm, horizon, bound, "optimal", bound)
     m = cp_model.CpModel()
     starts, ends, intervals = [], [], []
     for i, b in enumerate(buckets):
@@ -282,7 +335,7 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
             m.add_no_overlap(ivs)
     for a, b in prec:
         m.add(starts[b] >= ends[a])
-    makespan = m.new_int_var(port_bound, horizon, "makespan")
+    makespan = m.new_int_var(bound, horizon, "makespan")
     m.add_max_equality(makespan, ends)
     m.minimize(makespan)
     solver = cp_model.CpSolver()
@@ -291,12 +344,12 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
     solver.parameters.random_seed = seed
     status = solver.solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return Schedule(warm, horizon, port_bound, "feasible", port_bound)
+        return Schedule(warm, horizon, bound, "feasible", bound)
     found = [solver.value(s) for s in starts]
     span = int(solver.objective_value)
     if span > horizon:  # never worse than the warm start
         found, span = warm, horizon
-    return Schedule(found, span, port_bound, "optimal" if status == cp_model.OPTIMAL else "feasible",
+    return Schedule(found, span, bound, "optimal" if status == cp_model.OPTIMAL else "feasible",
                     int(solver.best_objective_bound))
 
 

@@ -4,6 +4,7 @@ memory ordering of receives."""
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op
@@ -304,17 +305,23 @@ def _number(op_id: str) -> int:
     return int(op_id[1:])
 
 
+WAVE_BYTES = 64 * 2**20  # smallest wave of unstages that waits for one prefix of frees
+
+
 class Memory:
-    """Order what grows each GPU's memory so that no GPU ever holds more than its memory.
+    """Order what grows each GPU's memory so that no GPU ever holds more than its memory, in
+    any order the dependencies allow.
 
     A GPU g holds ``mem_a`` bytes of plan A (offloaded slices counted as if loaded) and grows
     by what local copies write and what it receives (once per destination shard). Where that
-    does not fit, the copies and receives wait for the frees of g's slices that no one reads
-    (``dead``), so that any order the dependencies allow stays within memory. Where even that
-    does not fit, g stages: copies first, then receives in order, go to the GPU while they fit;
-    each of the others writes ``host[g]`` instead (a copy over PCIe, a send over its link) and an
-    ``unstage`` that waits for every free on g, when only what plan B keeps in place is left,
-    moves it onto the GPU. That always fits when plans A and B each fit on the GPU.
+    does not fit, each copy or receive, in order, waits for the shortest prefix of g's frees of
+    slices no one reads (``dead``) that leaves room for it and those before it. Where even all
+    dead frees leave too little room, g stages: the copies, then the receives, go to the GPU
+    while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
+    over its link) and an ``unstage`` moves it onto the GPU. Unstages go in waves, each after
+    the dead frees and the shortest prefix of g's other frees that leaves room for it, so that
+    unstaging overlaps the sends those frees wait for. That always fits when plans A and B
+    each fit on the GPU.
     """
 
     def __init__(self, planner: Planner, mem_a, dead, frees, gpu_b) -> None:
@@ -332,13 +339,8 @@ class Memory:
             dead = self.dead.get(g, [])
             room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
             ops = [(oid, p.ops[_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
-            if grow <= room:
-                direct = [oid for oid, _ in ops]
-            else:
-                direct = self._stage(g, room, grow, ops, problems)
-            for op_id in direct:
-                op = p.ops[_number(op_id)]
-                op.deps = sorted(set(op.deps) | {d.id for d in dead}, key=_number)
+            direct = ops if grow <= room else self._stage(g, room, grow, ops, problems)
+            self._after_dead(g, direct, dead)
         self._offloads_after_unstage()
         host = self.p.cluster.host_memory
         for node, nbytes in sorted(self.staged_on_node.items()):
@@ -347,7 +349,23 @@ class Memory:
                                                              f"which has {host:,}", "transition in two steps"))
         return problems
 
-    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]], problems: list[Diagnostic]) -> list[str]:
+    def _after_dead(self, g: int, direct: list[tuple[str, int]], dead: list[Op]) -> None:
+        """Each copy or receive that writes GPU g directly waits for the shortest prefix of g's
+        dead frees that leaves room for it and the ones before it (the first need none)."""
+        p = self.p
+        avail, k, need, prefix = self.cap - self.mem_a[g], 0, 0, []
+        for op_id, nbytes in direct:
+            need += nbytes
+            while avail < need and k < len(dead):
+                avail += dead[k].bytes
+                prefix.append(dead[k].id)  # frees are numbered in creation order: the prefix stays sorted
+                k += 1
+            if prefix:
+                op = p.ops[_number(op_id)]
+                op.deps = prefix[:] if not op.deps else sorted({*op.deps, *prefix}, key=_number)
+
+    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]],
+               problems: list[Diagnostic]) -> list[tuple[str, int]]:
         """Stage the copies and receives of GPU g that do not fit in ``room``; returns the others."""
         p = self.p
         kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
@@ -360,24 +378,49 @@ class Memory:
         for op_id, nbytes in ops:
             if nbytes <= room:
                 room -= nbytes
-                direct.append(op_id)
+                direct.append((op_id, nbytes))
             else:
-                staged.append(p.ops[_number(op_id)])
-        freed = [f.id for f in self.frees.get(g, [])]
-        for op in staged:
-            mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
-            at = op.dst.index(mine[0])
-            rest = [r for r in op.dst if r not in mine]
-            op.dst = rest[:at] + [HostRef(g)] + rest[at:]
-            if op.kind == "copy":
-                op.link = "pcie"  # device to its own host memory
-            un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
-                    src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=sorted({op.id, *freed}, key=_number))
-            p.ops.append(un)
-            for r in mine:
-                self.unstaged[(op.id, r)] = un.id
-            self.staged_on_node[p.cluster.node_of(g)] += op.bytes
+                staged.append((p.ops[_number(op_id)], nbytes))
+        # unstages go in waves of at least WAVE_BYTES (or an eighth of what g stages): a wave
+        # waits for the dead frees and for the shortest prefix of the other frees that leaves
+        # room for it and the waves before, so unstaging overlaps the sends that free the rest
+        # (room left >= 0, and all frees together cover every staged byte since plan B fits)
+        dead = [f.id for f in self.dead.get(g, [])]
+        live = [f for f in self.frees.get(g, []) if f.deps]
+        wave_bytes = max(WAVE_BYTES, sum(n for _, n in staged) // 8)
+        freed, k, need, wave, in_wave = room, 0, 0, [], 0
+        for i, (op, nbytes) in enumerate(staged):
+            need += nbytes
+            wave.append(op)
+            in_wave += nbytes
+            if in_wave < wave_bytes and i + 1 < len(staged):
+                continue
+            while freed < need:
+                freed += live[k].bytes
+                k += 1
+            deps = sorted({*dead, *(f.id for f in live[:k])}, key=_number) if dead else [f.id for f in live[:k]]
+            for w in wave:
+                self._unstage(g, w, deps)
+            wave, in_wave = [], 0
         return direct
+
+    def _unstage(self, g: int, op: Op, frees: list[str]) -> None:
+        """Send or copy ``op``'s slice for GPU g into host[g]; an unstage moves it on after
+        ``frees`` (sorted by number, as all dependency lists are)."""
+        p = self.p
+        mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
+        at = op.dst.index(mine[0])
+        rest = [r for r in op.dst if r not in mine]
+        op.dst = rest[:at] + [HostRef(g)] + rest[at:]
+        if op.kind == "copy":
+            op.link = "pcie"  # device to its own host memory
+        un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
+                src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=list(frees))
+        bisect.insort(un.deps, op.id, key=_number)
+        p.ops.append(un)
+        for r in mine:
+            self.unstaged[(op.id, r)] = un.id
+        self.staged_on_node[p.cluster.node_of(g)] += op.bytes
 
     def _offloads_after_unstage(self) -> None:
         """An offload of plan B's slice waits for the unstage that put a staged part of it on the GPU."""
