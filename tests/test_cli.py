@@ -110,6 +110,7 @@ def test_bench_transition_json_smoke(capsys):
         assert row["bytes_moved"] == row["lower_bound"]  # the planner reaches the lower bound
         assert row["makespan_s"] >= row["port_bound_s"] > 0
         assert all(v["bytes"] > row["bytes_moved"] for v in row["peers"].values())
+    assert [row["staged_bytes"] > 0 for row in data["rows"]] == [False, False, True]  # no memory to spare: staged
 
 
 def test_bench_reshard_json_smoke(capsys):

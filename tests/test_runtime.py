@@ -20,7 +20,7 @@ from nereus.runtime.execute import Fault
 from nereus.runtime.launch import LaunchError, run_local
 
 from . import runtime_workers as w
-from .test_transition import _state_bytes, job
+from .test_transition import job
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -72,12 +72,12 @@ def random_pairs(n: int, seed: int = 0) -> list[str]:
 def staging_pairs(n: int, seed: int = 1) -> list[str]:
     """Random plan pairs on GPUs with just the memory that plan A or plan B needs on the fullest
     GPU, kept where the transition stages slices through host memory."""
-    from nereus.passes.plan_transition import plan_transition
+    from nereus.passes.plan_transition import plan_transition, state_bytes
 
     out = []
     for text in random_pairs(4 * n, seed):
         m = nereus.parse(text)
-        a, b = _state_bytes(m, "a"), _state_bytes(m, "b")
+        a, b = state_bytes(m, "a"), state_bytes(m, "b")
         m.clusters["c"].gpu_memory = max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b))
         if any(op.kind == "unstage" for op in plan_transition(m, "a", "b", "t").ops):
             out.append(nereus.print_ir(m))  # with the EMUs the planner derived

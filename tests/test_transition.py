@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import nereus
 from nereus.ir import Cluster, Layout, Link, Model, Module, Plan, Stage, Workload
 from nereus.ir.model import even_split
+from nereus.passes.plan_transition import state_bytes
 from nereus.runtime.simulate import simulate
 
 GIB = 2**30
@@ -100,33 +101,13 @@ def test_a_missing_delivery_is_caught_by_the_verifier():
         nereus.verify(m)
 
 
-def _state_bytes(m, plan: str) -> dict[int, int]:
-    """Bytes of state each GPU holds under a plan (offloaded slices counted on their GPU)."""
-    from nereus.ir.verify_state import state_dtype_bytes
-    from nereus.passes.plan_transition import ensure_emus
-
-    ensure_emus(m, plan)
-    out: dict[int, int] = {}
-    for (p, ms, _), emu in m.emus.items():
-        if p != plan:
-            continue
-        model = m.models[ms.rpartition(".")[0]]
-        for s in emu.shards:
-            for e in s.entries:
-                n = state_dtype_bytes(model, e.state)
-                for lo, hi in e.region:
-                    n *= hi - lo
-                out[s.gpu] = out.get(s.gpu, 0) + n
-    return out
-
-
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plan_pairs(), st.floats(1.0, 1.5))
 def test_tight_memory_never_overflows_and_stages_through_host(m, slack):
     """GPU memory just above what plan A or plan B needs on the fullest GPU: the transition
     still reconstructs every tensor with lower-bound bytes, and in the order that needs the
     most memory (receives as early as allowed) no GPU ever holds more than its memory."""
-    a, b = _state_bytes(m, "a"), _state_bytes(m, "b")
+    a, b = state_bytes(m, "a"), state_bytes(m, "b")
     cap = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
     m.clusters["c"].gpu_memory = cap
     nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
@@ -158,7 +139,7 @@ def test_a_swap_that_cannot_hold_both_shards_stages_the_rest():
     unordered = simulate(roomy, roomy.transitions["a_to_b"]).peak
     assert not any(op.kind == "unstage" for op in roomy.transitions["a_to_b"].ops)  # room: nothing staged
 
-    need = max(max(_state_bytes(roomy, p).values()) for p in ("a", "b"))
+    need = max(max(state_bytes(roomy, p).values()) for p in ("a", "b"))
     m = _swap(need + need // 4)
     assert max(unordered.values()) > m.clusters["c"].gpu_memory  # without staging it would overflow
     nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
@@ -176,7 +157,7 @@ def test_a_swap_that_cannot_hold_both_shards_stages_the_rest():
 
 def test_a_plan_that_does_not_fit_is_a_diagnostic_naming_the_gpu():
     m = _swap(80 * GIB)
-    need = max(_state_bytes(m, "a").values())
+    need = max(state_bytes(m, "a").values())
     m.clusters["c"].gpu_memory = need // 2
     with pytest.raises(nereus.DiagnosticError, match=r"no order fits on GPU \d: plan A's state alone would take [\d,]+ bytes more"):
         nereus.run_pipeline(m, "plan-transition{to=@b}")

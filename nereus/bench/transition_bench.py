@@ -7,6 +7,10 @@ Cases, on the 70B PPO job (actor and critic train with TP 8 x PP 4, colocated on
    its DP to the GPUs left; the leaving GPUs still send their state. (Had they failed, ZeRO-1's
    optimizer shards on them would be lost: the planner reports exactly that, since no other
    GPU holds those shards.)
+3. case 1 with no memory to spare: each GPU's memory is the larger of its state under plan A
+   and under plan B, as when activations and the KV cache fill the rest. No GPU can hold its
+   old and new shards at once: what does not fit beside the old state is staged through host
+   memory (``unstage``), which the time to beat includes.
 
 Peers, costed with the same links (per-GPU NVLink inside a node, NIC across) and efficiencies:
 - all-gather then slice (verl's resharding of training weights): every destination GPU
@@ -32,7 +36,7 @@ from rich.table import Table
 from ..ir import parse, verify
 from ..jobs import ppo_70b
 from ..passes.cost_model import CostModel
-from ..passes.plan_transition import _pieces, plan_transition
+from ..passes.plan_transition import _pieces, plan_transition, state_bytes
 from ..passes.schedule_transfers import schedule_transition
 from ..ir.verify_state import state_dtype_bytes
 
@@ -52,6 +56,7 @@ def cases(gpus: int):
         lay.tp, lay.pp = 4, 8
         lay.layers = [(i * 10, i * 10 + 9) for i in range(8)]
     m1.plans[b.name] = b
+    tight = copy.deepcopy(m1)
     yield "TP8 PP4 -> TP4 PP8", m1, "ppo70b_p0", "tp4pp8"
     m2 = copy.deepcopy(base)
     after = copy.deepcopy(m2.clusters[a.cluster])
@@ -77,6 +82,9 @@ def cases(gpus: int):
             lay.mesh = alive[first:first + lay.dp * per]
     m2.plans[c.name] = c
     yield "DP 32 -> 30: 64 GPUs reclaimed", m2, "ppo70b_p0", "dp_shrunk"
+    before, after_ = state_bytes(tight, "ppo70b_p0"), state_bytes(tight, "tp4pp8")
+    tight.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
+    yield "TP8 PP4 -> TP4 PP8, no memory to spare", tight, "ppo70b_p0", "tp4pp8"
 
 
 def peers(m, source: str, target: str) -> dict[str, tuple[int, float]]:
@@ -148,7 +156,8 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
                "bytes_ratio": round(t.bytes_moved / t.lower_bound, 4) if t.lower_bound else 1.0,
                "makespan_s": t.makespan, "port_bound_s": t.port_bound,
                "makespan_ratio": round(t.makespan / t.port_bound, 3) if t.port_bound else 1.0,
-               "schedule_status": t.schedule_status, "peers": {}}
+               "schedule_status": t.schedule_status,
+               "staged_bytes": sum(op.bytes for op in t.ops if op.kind == "unstage"), "peers": {}}
         for name, (nbytes, seconds) in peers(m, source, target).items():
             row["peers"][name] = {"bytes": nbytes, "seconds": round(seconds, 3),
                                   "bytes_vs_nereus": round(nbytes / max(t.bytes_moved, 1), 2),
@@ -158,11 +167,13 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
     if not json_output:
         console = Console(width=170)
         t = Table(title=f"transitions of the 70B PPO job on {gpus} GPUs", title_justify="left")
-        for col in ("case", "ops", "plan s", "schedule s", "bytes moved", "vs lower bound", "makespan", "vs port bound", "status"):
+        for col in ("case", "ops", "plan s", "schedule s", "bytes moved", "vs lower bound", "staged", "makespan",
+                    "vs port bound", "status"):
             t.add_column(col, justify="left" if col == "case" else "right")
         for r in rows:
             t.add_row(r["case"], f"{r['ops']:,}", f"{r['plan_s']:.2f}", f"{r['schedule_s']:.2f}", f"{r['bytes_moved'] / 2**30:,.1f} GiB",
-                      f"{r['bytes_ratio']:.3f}", f"{r['makespan_s']:.3f} s", f"{r['makespan_ratio']:.3f}", r["schedule_status"])
+                      f"{r['bytes_ratio']:.3f}", f"{r['staged_bytes'] / 2**30:,.1f} GiB", f"{r['makespan_s']:.3f} s",
+                      f"{r['makespan_ratio']:.3f}", r["schedule_status"])
         console.print(t)
         p = Table(title="peers, same links (bytes over links; modeled time)", title_justify="left")
         for col in ("case", "strategy", "bytes", "x Nereus bytes", "time", "x Nereus time"):

@@ -36,12 +36,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
+from ..ir.verify_state import state_dtype_bytes
 from .gc_pause import gc_paused
 from .pass_manager import ModulePass, register
 from .transition_grid import Piece
 from .transition_planner import Planner
 
-__all__ = ["Piece", "ensure_emus", "plan_transition"]
+__all__ = ["Piece", "ensure_emus", "plan_transition", "state_bytes"]
 
 
 def ensure_emus(m: Module, plan_name: str) -> None:
@@ -52,6 +53,22 @@ def ensure_emus(m: Module, plan_name: str) -> None:
         if not m.emus_of(plan_name, ms):
             for e in model_stage_emus(m, plan_name, ms):
                 m.emus[e.key] = e
+
+
+def state_bytes(m: Module, plan_name: str) -> dict[int, int]:
+    """Bytes of state (weights, fp32 master, Adam moments) each GPU holds under a plan, as
+    the planner counts them (offloaded slices on their GPU)."""
+    ensure_emus(m, plan_name)
+    out: dict[int, int] = defaultdict(int)
+    for key, pieces in _pieces(m, plan_name).items():
+        model_name, state, _ = key
+        itemsize = state_dtype_bytes(m.models[model_name], state)
+        for p in pieces:
+            n = itemsize
+            for lo, hi in p.region:
+                n *= hi - lo
+            out[p.gpu] += n
+    return dict(out)
 
 
 def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
