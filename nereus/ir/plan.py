@@ -54,6 +54,18 @@ SEARCH = RecordSpec("search", (AttrSpec("status", "choice", choices=("optimal", 
                                AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint")),
                     SearchRecord)
 
+@dataclass(frozen=True)
+class RemapRecord:
+    """What ``remap`` did to a plan: the bytes its GPUs lack of plan B's state (the transition's
+    lower bound) with the GPUs as written and as renamed, and how many GPUs were renamed."""
+
+    before: int
+    after: int
+    gpus: int
+
+
+REMAP = RecordSpec("remap", (AttrSpec("before", "size"), AttrSpec("after", "size"), AttrSpec("gpus", "int")), RemapRecord)
+
 PLAN_ATTRS = [
     AttrSpec("workload", "symbol"),
     AttrSpec("cluster", "symbol"),
@@ -61,6 +73,7 @@ PLAN_ATTRS = [
              doc="groups of model-stages of one stage that share GPUs and run one after another"),
     AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
     record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates"),
+    record("remap", REMAP, default=None, doc="set by remap: bytes to move with the GPUs as written and as renamed, GPUs renamed"),
 ]
 
 LAYOUT_ATTRS = [
@@ -132,6 +145,7 @@ class Plan:
     colocate: list[list[str]] = field(default_factory=list)
     step_time: float | None = None
     search: SearchRecord | None = None
+    remap: RemapRecord | None = None
     layouts: dict[str, Layout] = field(default_factory=dict)
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)

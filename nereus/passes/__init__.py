@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (registers the passes)
     lower_collectives,
     plan_search,
     plan_transition,
+    remap,
     schedule_transfers,
 )
 from .cost_model import Candidates, CostModel

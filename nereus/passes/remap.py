@@ -1,0 +1,160 @@
+"""``remap{to=@plan_b}``: place plan B on the GPUs so that the transition moves the fewest bytes.
+
+A plan's parallel shape (TP, PP, DP, which model-stages share GPUs) fixes its step time and
+memory; which physical GPU plays which part does not, as long as GPUs in one node stay in one
+node. Plan B as written (by hand or by ``plan-search``) puts its parts on GPUs in mesh order,
+blind to where plan A's state is. This pass renames plan B's GPUs by the permutation, among
+those that keep every node's GPUs together (GPUs permuted inside their node, whole nodes
+permuted), that maximizes the bytes every GPU already holds of what plan B needs there:
+
+    value(i, j) = bytes of the state plan B puts on GPU j that GPU i holds under plan A
+
+(any model-stage of the same model, every state and tensor, cut into the cells both plans'
+slices define; ``scipy.sparse`` products per tensor family). The best permutation is exact for
+that group: for every pair of nodes the best assignment of the GPUs inside them (Hungarian,
+``linear_sum_assignment``), then the best assignment of nodes on those values. A GPU that plan
+B's cluster marks unavailable hosts none of plan B's state; a GPU lost since plan A holds
+nothing. Plan B's meshes and EMUs are rewritten; its estimated time and memory do not change.
+
+The transition's lower bound is ``sum_j need(j) - value(pi(j), j)``, so maximizing the value
+minimizes what ``plan-transition`` must move. The bytes before and after are recorded on the
+plan (``remap``), and the pass leaves plan B alone where no permutation keeps more in place.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+
+from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir.plan import RemapRecord
+from .pass_manager import ModulePass, register
+from .plan_transition import _pieces, ensure_emus
+from .transition_grid import Grid
+
+NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
+
+
+def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``value[i, j]``: bytes of plan B's state on GPU j that GPU i holds under plan A, and
+    ``need[j]``: bytes of plan B's state on GPU j (each once per GPU, as the lower bound counts)."""
+    from ..ir.verify_state import state_dtype_bytes
+
+    for p in (source, target):
+        ensure_emus(m, p)
+    src_all, dst_all = _pieces(m, source), _pieces(m, target)
+    value = np.zeros((gpus, gpus))
+    need = np.zeros(gpus)
+    for key, dsts in dst_all.items():
+        srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
+        itemsize = state_dtype_bytes(m.models[key[0]], key[1])
+        grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
+        held: dict[int, set[int]] = defaultdict(set)
+        for p in srcs:
+            held[p.gpu].update(grid.cells(p.region))
+        needed: dict[int, set[int]] = defaultdict(set)
+        for p in dsts:
+            needed[p.gpu].update(grid.cells(p.region))
+        cols: dict[int, int] = {}  # cell -> column
+        for cells in needed.values():
+            for c in cells:
+                cols.setdefault(c, len(cols))
+        size = np.zeros(len(cols))
+        for c, k in cols.items():
+            size[k] = grid.info(c)[1] * itemsize
+
+        def matrix(by_gpu: dict[int, set[int]], weights: np.ndarray | None) -> csr_matrix:
+            rows, idx, vals = [], [], []
+            for g, cells in by_gpu.items():
+                ks = [cols[c] for c in cells if c in cols]
+                rows += [g] * len(ks)
+                idx += ks
+                vals += [1.0] * len(ks) if weights is None else list(weights[ks])
+            return csr_matrix((vals, (rows, idx)), shape=(gpus, len(cols)))
+
+        n = matrix(needed, size)
+        need += np.asarray(n.sum(axis=1)).ravel()
+        value += (matrix(held, None) @ n.T).toarray()
+    return value, need
+
+
+def best_permutation(value: np.ndarray, per_node: int, can_host: np.ndarray, used: np.ndarray) -> list[int] | None:
+    """``pi`` with ``pi[j]`` the GPU that takes plan B's part j, among permutations that keep
+    nodes together, maximizing ``sum_j value[pi[j], j]``, with used parts only on GPUs that can
+    host; None if no such permutation puts every used part on a GPU that can host it."""
+    gpus = len(value)
+    v = np.where(can_host[:, None] | ~used[None, :], value, NEVER)
+    nodes = gpus // per_node
+    inner: dict[tuple[int, int], tuple[float, np.ndarray]] = {}
+    node_value = np.zeros((nodes, nodes))
+    for a in range(nodes):  # physical node a takes plan B's node b
+        for b in range(nodes):
+            block = v[a * per_node:(a + 1) * per_node, b * per_node:(b + 1) * per_node]
+            rows, cols = linear_sum_assignment(block, maximize=True)
+            node_value[a, b] = block[rows, cols].sum()
+            inner[(a, b)] = (node_value[a, b], rows[np.argsort(cols)])  # part j of b -> GPU rows[..] of a
+    rows, cols = linear_sum_assignment(node_value, maximize=True)
+    pi = [0] * gpus
+    for a, b in zip(rows, cols):
+        local = inner[(a, b)][1]
+        for j in range(per_node):
+            pi[int(b) * per_node + j] = int(a) * per_node + int(local[j])
+    if any(used[j] and not can_host[pi[j]] for j in range(gpus)):
+        return None
+    return pi
+
+
+def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> RemapRecord:
+    """Rename plan B's GPUs (see the module docstring); returns what it did. ``lost``: GPUs
+    whose state is gone, as for ``plan_transition`` (default: those plan B cannot use)."""
+    plan_b = m.plans[target]
+    cluster = m.clusters[plan_b.cluster]
+    per_node = cluster.gpus_per_node
+    gpus = cluster.nodes * per_node
+    unavailable = set(cluster.unavailable)
+    value, need = reuse_matrix(m, source, target, gpus, lost=unavailable if lost is None else set(lost))
+    used = need > 0
+    can_host = np.array([g not in unavailable for g in range(gpus)])
+    identity = list(range(gpus))
+    pi = best_permutation(value, per_node, can_host, used)
+    base = float(np.trace(value))
+    before = int(round(need.sum() - base))
+    gain = base if pi is None else float(sum(value[pi[j], j] for j in range(gpus)))
+    if gain <= base:  # as written is as good
+        return RemapRecord(before, before, 0)
+    for lay in plan_b.layouts.values():
+        lay.mesh = [pi[g] for g in lay.mesh]
+    for key, emu in list(m.emus.items()):
+        if key[0] == target:
+            m.emus[key] = replace(emu, shards=[replace(s, gpu=pi[s.gpu]) for s in emu.shards])
+    return RemapRecord(before, int(round(need.sum() - gain)), sum(int(p != i) for i, p in zip(identity, pi)))
+
+
+@register
+@dataclass(frozen=True)
+class RemapPass(ModulePass):
+    """Options: ``to`` (``@plan_b``, whose GPUs are renamed), ``source`` (``@plan_a``; default:
+    the other plan of the job), ``drain`` (as for ``plan-transition``: GPUs plan B cannot use
+    still hold their state)."""
+
+    name = "remap"
+    to: str = ""
+    source: str = ""
+    drain: bool = False
+
+    def apply(self, module: Module) -> None:
+        target = self.to.lstrip("@")
+        if target not in module.plans:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"remap: no plan @{target}", "remap{to=@plan_b}")])
+        source = self.source.lstrip("@")
+        if not source:
+            others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
+            if len(others) != 1:
+                raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
+                                                  f"remap needs source=@plan_a: {len(others)} other plans of the job")])
+            source = others[0]
+        module.plans[target].remap = remap(module, source, target, lost=set() if self.drain else None)

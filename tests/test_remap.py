@@ -1,0 +1,90 @@
+"""remap: plan B's GPUs renamed (inside nodes, whole nodes) so the transition moves the fewest
+bytes; the best renaming equals brute force, the plan's cost does not change, and the
+transition after it is exact with the lower bound it predicts."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nereus
+from nereus.bench.reshard_cases import case_module
+from nereus.passes.plan_transition import plan_transition
+from nereus.passes.remap import best_permutation, remap
+from nereus.runtime.simulate import simulate
+
+
+def brute_force(value, per_node, can_host, used):
+    gpus = len(value)
+    nodes = gpus // per_node
+    best = None
+    for order in itertools.permutations(range(nodes)):  # plan B's node b goes to physical node order[b]
+        for inner in itertools.product(*[list(itertools.permutations(range(per_node)))] * nodes):
+            pi = [order[j // per_node] * per_node + inner[j // per_node][j % per_node] for j in range(gpus)]
+            if any(used[j] and not can_host[pi[j]] for j in range(gpus)):
+                continue
+            v = sum(value[pi[j], j] for j in range(gpus))
+            best = v if best is None else max(best, v)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([(2, 2), (2, 3), (3, 2)]), st.integers(0, 2**32 - 1), st.integers(0, 2))
+def test_best_permutation_equals_brute_force(shape, seed, holes):
+    nodes, per_node = shape
+    gpus = nodes * per_node
+    rng = np.random.default_rng(seed)
+    value = rng.integers(0, 100, size=(gpus, gpus)).astype(float)
+    can_host = np.ones(gpus, dtype=bool)
+    can_host[rng.choice(gpus, size=holes, replace=False)] = False
+    used = np.ones(gpus, dtype=bool)
+    used[rng.choice(gpus, size=holes, replace=False)] = False  # as many idle parts as unusable GPUs
+    pi = best_permutation(value, per_node, can_host, used)
+    best = brute_force(value, per_node, can_host, used)
+    if best is None:  # the unusable GPUs and the idle parts are in different nodes
+        assert pi is None
+        return
+    assert sorted(pi) == list(range(gpus))  # a permutation
+    assert all(pi[j] // per_node == pi[j - j % per_node] // per_node for j in range(gpus))  # nodes stay together
+    assert not any(used[j] and not can_host[pi[j]] for j in range(gpus))
+    assert sum(value[pi[j], j] for j in range(gpus)) == best
+
+
+@pytest.mark.parametrize("case,n,after", [("tp4-tp2x2", 4, 2 / 3), ("tp2x2-tp4", 8, 0.0), ("pp2-pp4", 4, 0.0),
+                                          ("train-gen", 4, 1.0)])
+def test_remap_moves_fewer_bytes_and_keeps_the_plan_cost(case, n, after):
+    m = case_module(case, n, hidden=64, layers=4)
+    nereus.run_pipeline(m, "estimate")
+    step = m.plans["b"].step_time
+    written = plan_transition(m, "a", "b", "written").lower_bound
+    nereus.run_pipeline(m, "remap{to=@b},estimate,plan-transition{to=@b}")
+    rec = m.plans["b"].remap
+    t = m.transitions["a_to_b"]
+    assert rec.before == written and rec.after == t.lower_bound == t.bytes_moved
+    assert t.lower_bound == pytest.approx(after * written)
+    assert (rec.gpus > 0) == (after < 1.0)
+    assert m.plans["b"].step_time == step  # same shape, same links: same cost
+    nereus.verify(m)
+    assert simulate(m, t).mismatches == []
+    text = nereus.print_ir(m)
+    assert "remap = remap(before = " in text and nereus.parse(text) == m
+
+
+def test_unavailable_gpus_never_take_plan_b_state():
+    """TP 4 x DP 2 on 8 GPUs -> TP 2 x DP 2 on four of them, GPU 1 failed: plan B as written
+    uses GPU 6 instead; remap finds a better four, never GPU 1."""
+    m = case_module("tp4-tp2", 8, hidden=64, layers=4)
+    b = m.plans["b"]
+    m.clusters["after"] = nereus.ir.Cluster(**{**vars(m.clusters[b.cluster]), "name": "after", "unavailable": [1]})
+    b.cluster = "after"
+    b.layouts["actor.train"].mesh = [0, 6, 2, 3]
+    for key in [k for k in m.emus if k[0] == "b"]:
+        del m.emus[key]
+    nereus.run_pipeline(m, "remap{to=@b},plan-transition{to=@b}")
+    assert 1 not in b.layouts["actor.train"].mesh
+    assert b.remap.after < b.remap.before
+    t = m.transitions["a_to_b"]
+    assert t.lower_bound == b.remap.after
+    assert simulate(m, t).mismatches == []
