@@ -119,8 +119,9 @@ def test_bench_reshard_json_smoke(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out["cases"]) == {"tp4-tp2x2 x4", "train-gen x4"}
     for case in out["cases"].values():
-        assert all(case[m]["exact"] for m in ("nereus", "dcp", "allgather", "gather+bcast"))
+        assert all(case[m]["exact"] for m in ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast"))
         assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
+        assert case["nereus+remap"]["sent_MB"] == pytest.approx(case["planned_remap_MB"]) <= case["planned_MB"]
         assert case["bound_s"] > 0
 
 

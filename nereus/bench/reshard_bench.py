@@ -6,6 +6,9 @@ gloo processes of this machine, each method in turn on the same synthetic state:
 
 - ``nereus``: the transition planned by ``plan-transition``, lowered by ``lower-collectives``
   and run by ``runtime.execute`` (checksums and commit included);
+- ``nereus+remap``: the same after ``remap`` renamed plan B's GPUs to keep the most state in
+  place (the same layout on other GPUs: the peers' cost does not depend on which GPU plays which
+  part, since they move whole tensors);
 - ``dcp``: PyTorch DCP save under plan A, then load into plan B's boxes (``runtime.dcp``);
 - ``allgather``: every rank all-gathers every tensor, then slices (verl's resharding);
 - ``gather+bcast``: rank 0 gathers every tensor, then broadcasts it (OpenRLHF's weight sync).
@@ -32,12 +35,14 @@ from rich.table import Table
 
 from ..backend.lower import lower
 from ..passes.plan_transition import plan_transition
+from ..passes.remap import remap
 from ..runtime.execute import Stats, execute
 from ..runtime.launch import init_from_env, run_local
 from ..runtime.state import cut, full_tensor, synthetic_state
 from .reshard_cases import CASES, case_module
 
-METHODS = ("nereus", "dcp", "allgather", "gather+bcast")
+METHODS = ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast")
+PEERS = METHODS[2:]
 
 
 def _exact(dst_specs, new) -> bool:
@@ -50,7 +55,7 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
     from ..runtime.dcp import dcp_reshard
     from .reshard_peers import allgather_slice, gather_broadcast
 
-    if method == "nereus":
+    if method.startswith("nereus"):
         stats = Stats()
         return execute(prog, src, timeout=600, stats=stats), stats.sent
     if method == "dcp":
@@ -85,16 +90,22 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         m = case_module(case, world, hidden=hidden)
         m.transitions["t"] = plan_transition(m, "a", "b", "t")
         prog = lower(m, "t")
+        placed = case_module(case, world, hidden=hidden)
+        remap(placed, "a", "b")
+        placed.transitions["t"] = plan_transition(placed, "a", "b", "t")
+        programs = {"nereus+remap": lower(placed, "t")}
         src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
-        dst_specs = prog.dst.get(rank, [])
-        row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, []))}
+        row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, [])),
+               "must_receive_remap": programs["nereus+remap"].received_bytes(rank)}
         for method in METHODS:
+            run_prog = programs.get(method, prog)
+            dst_specs = run_prog.dst.get(rank, [])
             best = None
             for i in range(repeats):
                 path = str(Path(tmp) / f"{case}-{world}-{i}")
                 dist.barrier()
                 t0 = time.perf_counter()
-                new, sent = _method(method, prog, src, rank, world, path)
+                new, sent = _method(method, run_prog, src, rank, world, path)
                 dist.barrier()
                 secs = time.perf_counter() - t0
                 exact = _exact(dst_specs, new)
@@ -122,12 +133,14 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             for case in cases:
                 rows = [r[case] for r in per_rank]
                 bound = max(r["must_receive"] for r in rows) / ring
-                entry = {"state_MB": sum(r["held"] for r in rows) / 1e6, "bound_s": bound}
+                entry = {"state_MB": sum(r["held"] for r in rows) / 1e6, "bound_s": bound,
+                         "bound_remap_s": max(r["must_receive_remap"] for r in rows) / ring}
                 for method in METHODS:
                     entry[method] = {"seconds": max(r[method]["seconds"] for r in rows),
                                      "sent_MB": sum(r[method]["sent"] for r in rows) / 1e6,
                                      "exact": all(r[method]["exact"] for r in rows)}
                 entry["planned_MB"] = sum(r["must_receive"] for r in rows) / 1e6
+                entry["planned_remap_MB"] = sum(r["must_receive_remap"] for r in rows) / 1e6
                 results["cases"][f"{case} x{world}"] = entry
             progress.advance(task)
     if not json_output:
@@ -139,17 +152,20 @@ def _table(results: dict) -> None:
     t = Table(title="reshard: live state between layouts, gloo on this machine (wall s, MB sent; all bit-exact unless marked)",
               title_justify="left")
     for col in ("case x procs", "state MB", "bound s", "nereus s", "dcp s", "allgather s", "gather+bcast s",
-                "best peer / nereus", "nereus / bound", "nereus MB", "planned MB"):
+                "best peer / nereus", "nereus / bound", "nereus MB", "planned MB", "+remap s", "best peer / +remap",
+                "+remap MB"):
         t.add_column(col, justify="right" if col != "case x procs" else "left")
     def cell(e, method):
         v = e[method]
         return f"{v['seconds']:.2f}" + ("" if v["exact"] else " WRONG")
 
     for name, e in results["cases"].items():
-        best_peer = min(e[m]["seconds"] for m in METHODS[1:])
+        best_peer = min(e[m]["seconds"] for m in PEERS)
         t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", cell(e, "nereus"), cell(e, "dcp"), cell(e, "allgather"),
                   cell(e, "gather+bcast"), f"{best_peer / e['nereus']['seconds']:.1f}x",
-                  f"{e['nereus']['seconds'] / e['bound_s']:.2f}", f"{e['nereus']['sent_MB']:.0f}", f"{e['planned_MB']:.0f}")
-    Console(width=max(160, Console().width)).print(t)
+                  f"{e['nereus']['seconds'] / e['bound_s']:.2f}", f"{e['nereus']['sent_MB']:.0f}", f"{e['planned_MB']:.0f}",
+                  cell(e, "nereus+remap"), f"{best_peer / e['nereus+remap']['seconds']:.1f}x",
+                  f"{e['nereus+remap']['sent_MB']:.0f}")
+    Console(width=max(200, Console().width)).print(t)
     rings = ", ".join(f"{w} procs {v:.2f} GB/s" for w, v in results["ring_GBps"].items())
     Console().print(f"ring bandwidth per rank, all sending at once: {rings}")
