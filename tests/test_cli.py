@@ -121,7 +121,8 @@ def test_bench_reshard_json_smoke(capsys):
     for case in out["cases"].values():
         assert all(case[m]["exact"] for m in ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast"))
         assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
-        assert case["nereus+remap"]["sent_MB"] == pytest.approx(case["planned_remap_MB"]) <= case["planned_MB"]
+        assert case["nereus+remap"]["sent_MB"] == pytest.approx(case["planned_remap_MB"])
+        assert case["planned_remap_MB"] <= case["planned_MB"]
         assert case["bound_s"] > 0
 
 
