@@ -10,9 +10,10 @@ layer range; the runtime moves tensors as a training loop names them, one per la
    round of batched point-to-point messages, then the broadcasts, then the copies from what
    arrived to a second model-stage on the same rank;
 3. cuts every transfer into per-layer pieces and groups them per (level, sender, receiver):
-   a piece of at least ``direct_bytes`` that is contiguous in both the sender's source shard and
-   the receiver's destination shard travels as is; the rest is packed into buckets of at most
-   ``bucket_bytes`` (one message each), as verl and NeMo-RL pack weights;
+   a piece of at least ``direct_bytes`` that is contiguous in the sender's source shard or in
+   the receiver's destination shard travels alone (``direct``: the contiguous side sends from or
+   receives into the shard itself, only a strided side copies); the rest is packed into
+   buckets of at most ``bucket_bytes`` (one message each), as verl and NeMo-RL pack weights;
 4. a ``broadcast`` operation is sent from its root to each receiver inside the same round
    (``broadcast="p2p"``); or as a pipelined chain (``"chain"``): the payload in chunks of
    ``chunk_bytes`` passes from the root through the receivers in ring order, chunk c crossing
@@ -261,7 +262,9 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
         direct, packed = [], []
         for p in pieces:
             held = (dst_box if p.arrived else src_box)[(s, p.src)].box
-            ok = p.nbytes >= direct_bytes and contiguous(held, p.box) and (p.staged or contiguous(dst_box[(r, p.dst)].box, p.box))
+            # one side contiguous is enough: the sender sends its slice as is, or the receiver
+            # receives into its slice as is; only the strided side copies
+            ok = p.nbytes >= direct_bytes and (contiguous(held, p.box) or p.staged or contiguous(dst_box[(r, p.dst)].box, p.box))
             (direct if ok else packed).append(p)
         msgs = [Message(next(ids), s, r, (p,), True) for p in direct]
         bucket: list[Piece] = []

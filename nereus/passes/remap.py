@@ -49,6 +49,10 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     src_all, dst_all = _pieces(m, source), _pieces(m, target)
     value = np.zeros((gpus, gpus))
     need = np.zeros(gpus)
+    outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})
+    if outside:
+        raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
+                                                               f"outside plan @{target}'s cluster of {gpus} GPUs")])
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
         itemsize = state_dtype_bytes(m.models[key[0]], key[1])

@@ -168,8 +168,10 @@ class _Rank:
         # release and offload happen at commit
 
     def payload(self, msg: Message) -> torch.Tensor:
+        """The bytes to send: a direct piece's slice as is (copied only if strided), or a bucket."""
         if msg.direct:
-            return _bytes(self.read(msg.pieces[0]))
+            src = self.read(msg.pieces[0])
+            return _bytes(src if src.is_contiguous() else src.contiguous())
         offs, n = _layout(msg.pieces)
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         for p, o in zip(msg.pieces, offs):
@@ -178,12 +180,20 @@ class _Rank:
         return buf
 
     def landing(self, msg: Message) -> torch.Tensor:
+        """Where a message is received: a direct piece's destination slice if it is contiguous,
+        else a flat buffer that ``unpack`` copies out."""
         if msg.direct:
-            return _bytes(self.land(msg.pieces[0]))
+            dst = self.land(msg.pieces[0])
+            if dst.is_contiguous():
+                return _bytes(dst)
+            return torch.empty(msg.pieces[0].nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
 
     def unpack(self, msg: Message, buf: torch.Tensor) -> None:
         if msg.direct:
+            dst = self.land(msg.pieces[0]) if not msg.pieces[0].staged else self.staging[(msg.pieces[0].dst, msg.pieces[0].box)]
+            if buf.data_ptr() != dst.data_ptr():  # received beside a strided slice: copy it in
+                dst.copy_(buf.view(dst.dtype).view(dst.shape))
             return
         for p, o in zip(msg.pieces, _layout(msg.pieces)[0]):
             dst = self.land(p)
