@@ -142,7 +142,8 @@ def test_rendered_script_runs_under_torchrun(tmp_path, case):
     if case == "staging":
         prog = lower(staged(), "a_to_b", direct_bytes=4096)
     else:
-        prog = lower(planned(case), "t", direct_bytes=4096, chunk_bytes=64 * 1024)
+        mode = "chain" if case == "train-gen" else "auto"
+        prog = lower(planned(case), "t", direct_bytes=4096, chunk_bytes=64 * 1024, broadcast=mode)
     script = tmp_path / "transition.py"
     script.write_text(render_script(prog))
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -169,3 +170,19 @@ def test_cli_lower_prints_the_program_and_reports_a_missing_transition(tmp_path,
     unwritable = tmp_path / "no" / "dir" / "s.py"
     assert main(["lower", str(f), "-p", "plan-transition{to=@b}", "--script", str(unwritable)]) == 1
     assert f"{unwritable}: error: cannot write" in capsys.readouterr().err
+
+
+def test_auto_chains_a_broadcast_only_where_its_root_is_the_busiest_sender():
+    """Full replication (every rank a root of its share): direct sends are balanced. One root to
+    many (TP 4 -> TP 1 x DP 4 from a single source copy): that root is chained."""
+    balanced = lower(planned("train-gen"), "t")
+    assert not any(s.sends and any(p.arrived for m in s.sends for p in m.pieces) for st in balanced.steps.values() for s in st)
+    m = case_module("train-gen", 4, hidden=64, layers=4)
+    lay = m.plans["a"].layouts["actor.generate"]
+    lay.tp, lay.mesh = 1, [0]  # one GPU holds everything under plan A
+    for key in [k for k in m.emus if k[0] == "a"]:
+        del m.emus[key]
+    m.transitions["t"] = plan_transition(m, "a", "b", "t")
+    prog = lower(m, "t")
+    forwarded = [p for st in prog.steps.values() for s in st for msg in s.sends for p in msg.pieces if p.arrived]
+    assert forwarded  # receivers pass chunks on: a chain

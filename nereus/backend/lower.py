@@ -19,7 +19,10 @@ layer range; the runtime moves tensors as a training loop names them, one per la
    ``chunk_bytes`` passes from the root through the receivers in ring order, chunk c crossing
    hop h in sub-round c + h, so each rank sends to one neighbour and every link is busy; or as
    one ``dist.broadcast`` in a subgroup created once per program (``"collective"``). ``"auto"``
-   (the default) chains broadcasts to three receivers or more and sends the others directly;
+   (the default) chains a broadcast to three receivers or more when its root is the busiest
+   sender: sent directly, the root would send more than any rank receives (one source to many);
+   where every rank is a root of its own share (full replication) direct sends are balanced and
+   use every connection at once, and they stay direct;
 5. a copy or transfer that the transition stages in ``host[g]`` writes a host buffer on g's
    rank instead of the destination shard (such a broadcast is sent directly, never chained),
    and the ``unstage`` that waits for it copies the buffer into the shard;
@@ -42,7 +45,7 @@ DEFAULT_BUCKET = 64 * 2**20
 DEFAULT_DIRECT = 64 * 2**10
 DEFAULT_CHUNK = 8 * 2**20
 BROADCASTS = ("auto", "p2p", "chain", "collective")
-CHAIN_MIN = 3  # auto: a broadcast to this many remote receivers or more becomes a chain
+CHAIN_MIN = 3  # auto: a broadcast to this many remote receivers or more may become a chain
 
 
 def contiguous(outer: tuple, inner: tuple) -> bool:
@@ -139,6 +142,23 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     def key(ref: ShardRef, state: str, name: str) -> StateKey:
         return StateKey(ref.model_stage, state, name)
 
+    # auto: what each GPU would send and receive if every broadcast went direct
+    direct_send: dict[int, int] = defaultdict(int)
+    direct_recv: dict[int, int] = defaultdict(int)
+    for op in t.ops:
+        if op.kind in ("send", "broadcast"):
+            g = gpu_of[(t.source, op.src[0])]
+            rcv = {r.gpu if isinstance(r, HostRef) else gpu_of[(t.target, r)] for r in op.dst} - {g}
+            direct_send[g] += op.bytes * len(rcv)
+            for h in rcv:
+                direct_recv[h] += op.bytes
+    busiest_receiver = max(direct_recv.values(), default=0)
+
+    def chained(root_gpu: int, remote: int) -> bool:
+        if broadcast in ("chain", "collective"):
+            return True
+        return broadcast == "auto" and remote >= CHAIN_MIN and direct_send[root_gpu] > busiest_receiver
+
     # a slice staged in host[g]: the destination shards on g that its unstage fills
     by_id = {op.id: op for op in t.ops}
     staged_for: dict[tuple[str, int], list[ShardRef]] = {}
@@ -214,8 +234,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                     piece = Piece(sk, first, box, nb, staged=g in staged)
                     if r == s:
                         before[(r, lv)].append(Step("copy", piece=piece))
-                    elif op.kind == "broadcast" and len(remote) > 1 and not staged and (
-                            broadcast in ("chain", "collective") or (broadcast == "auto" and len(remote) >= CHAIN_MIN)):
+                    elif op.kind == "broadcast" and len(remote) > 1 and not staged and chained(gpus[s], len(remote)):
                         group_pieces[r] = piece
                     else:
                         pending[(lv, 0, s, r)].append(piece)
