@@ -97,6 +97,14 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
         row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, [])),
                "must_receive_remap": programs["nereus+remap"].received_bytes(rank)}
+        if case == cases[0]:
+            # warm-up, untimed: every method once. A process's first large allocations are
+            # slower (the allocator's thresholds adapt to the sizes it sees), and without this
+            # whichever method runs first pays for it (measured: 0.70 s for Nereus on TP 4 ->
+            # TP 2 x DP 2 as the first case, 0.26 s as a later one)
+            for method in METHODS:
+                dist.barrier()
+                _method(method, programs.get(method, prog), src, rank, world, str(Path(tmp) / f"warm-{world}"))
         for method in METHODS:
             run_prog = programs.get(method, prog)
             dst_specs = run_prog.dst.get(rank, [])
