@@ -21,7 +21,7 @@ def test_registry_keys_are_pass_names():
 def test_parse_pipeline_options_and_errors():
     assert parse_pipeline("derive-emus{plan=@p, model_stage=actor.train}") == [DeriveEmus(plan="@p", model_stage="actor.train")]
     assert parse_pipeline("derive-emus,derive-emus{}") == [DeriveEmus(), DeriveEmus()]
-    for spec, fragment in [("nope", "unknown pass 'nope'; known passes: admit, calibrate, derive-emus, estimate, lower-collectives, plan-search, plan-transition, schedule-transfers"),
+    for spec, fragment in [("nope", "unknown pass 'nope'; known passes: admit, calibrate, derive-emus, estimate, lower-collectives, plan-search, plan-transition, remap, schedule-transfers"),
                            ("derive-emus{foo=1}", "has no option 'foo'; options: model_stage, plan"),
                            ("derive-emus{plan}", "needs a value"),
                            ("derive-emus{", "malformed pipeline at column 1")]:
