@@ -28,9 +28,13 @@ demo: $(STAMP)
 	$(BIN)/nereus bench plan-search --quick
 	$(BIN)/nereus opt tests/golden/plan-transition/tp4_to_tp2.nir -p "plan-transition{to=@b},schedule-transfers,admit" -o out/tp4_to_tp2.nir
 	$(BIN)/nereus show out/tp4_to_tp2.nir
+	$(BIN)/nereus opt tests/golden/remap/tp4_to_tp2x2.nir -p "remap{to=@b},plan-transition{to=@b},schedule-transfers,admit" -o out/tp4_to_tp2x2.remapped.nir
+	$(BIN)/nereus show out/tp4_to_tp2x2.remapped.nir
 	$(BIN)/nereus bench transition --quick
 	$(BIN)/nereus lower tests/golden/plan-transition/tp4_to_tp2.nir -p "plan-transition{to=@b},schedule-transfers" --script out/tp4_to_tp2.py
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 --master-port 29517 out/tp4_to_tp2.py --selftest
+	$(BIN)/nereus lower tests/golden/plan-transition/staging.nir -p "plan-transition{to=@b},schedule-transfers" --script out/staging.py
+	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 --master-port 29518 out/staging.py --selftest
 	$(BIN)/nereus bench reshard --quick
 
 test: $(STAMP)
