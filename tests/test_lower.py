@@ -124,7 +124,7 @@ def staged():
 def test_staged_slices_land_in_host_buffers_and_are_unstaged_after(request):
     m = staged()
     prog = lower(m, "a_to_b", direct_bytes=4096)
-    for r, steps in prog.steps.items():
+    for steps in prog.steps.values():
         kinds = [s.kind for s in steps]
         staged_recvs = [p for s in steps for msg in s.recvs for p in msg.pieces if p.staged]
         assert staged_recvs and "unstage" in kinds

@@ -35,12 +35,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse, verify
+from ..ir.verify_state import state_dtype_bytes
 from ..jobs import ppo_70b
 from ..passes.cost_model import CostModel
 from ..passes.plan_transition import _pieces, plan_transition, state_bytes
 from ..passes.remap import remap
 from ..passes.schedule_transfers import schedule_transition
-from ..ir.verify_state import state_dtype_bytes
 
 STORAGE_GBPS = 400.0  # aggregate shared-storage bandwidth assumed for DCP (GB/s)
 TARGET_PLAN_S = 5.0

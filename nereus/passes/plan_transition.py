@@ -116,6 +116,23 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
                       lower_bound=planner.lower)
 
 
+def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str, str]:
+    """(plan A, plan B) from a pass's ``source`` and ``to`` options; plan A defaults to the
+    only other plan of plan B's job."""
+    target = to.lstrip("@")
+    if target not in module.plans:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no plan @{target}",
+                                          f"{pass_name}{{to=@plan_b}}")])
+    source = source.lstrip("@")
+    if not source:
+        others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
+        if len(others) != 1:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
+                                              f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job")])
+        source = others[0]
+    return source, target
+
+
 @register
 @dataclass(frozen=True)
 class PlanTransition(ModulePass):
@@ -130,16 +147,6 @@ class PlanTransition(ModulePass):
     drain: bool = False
 
     def apply(self, module: Module) -> None:
-        target = self.to.lstrip("@")
-        if target not in module.plans:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"plan-transition: no plan @{target}",
-                                              "plan-transition{to=@plan_b}")])
-        source = self.source.lstrip("@")
-        if not source:
-            others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
-            if len(others) != 1:
-                raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                                  f"plan-transition needs source=@plan_a: {len(others)} other plans of the job")])
-            source = others[0]
+        source, target = plan_pair(module, self.name, self.source, self.to)
         name = self.into.lstrip("@") or f"{source}_to_{target}"
         module.transitions[name] = plan_transition(module, source, target, name, lost=set() if self.drain else None)

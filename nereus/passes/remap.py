@@ -30,10 +30,10 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.plan import RemapRecord
 from .pass_manager import ModulePass, register
-from .plan_transition import _pieces, ensure_emus
+from .plan_transition import _pieces, ensure_emus, plan_pair
 from .transition_grid import Grid
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
@@ -71,19 +71,21 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         for c, k in cols.items():
             size[k] = grid.info(c)[1] * itemsize
 
-        def matrix(by_gpu: dict[int, set[int]], weights: np.ndarray | None) -> csr_matrix:
-            rows, idx, vals = [], [], []
-            for g, cells in by_gpu.items():
-                ks = [cols[c] for c in cells if c in cols]
-                rows += [g] * len(ks)
-                idx += ks
-                vals += [1.0] * len(ks) if weights is None else list(weights[ks])
-            return csr_matrix((vals, (rows, idx)), shape=(gpus, len(cols)))
-
-        n = matrix(needed, size)
+        n = _cell_matrix(needed, cols, gpus, size)
         need += np.asarray(n.sum(axis=1)).ravel()
-        value += (matrix(held, None) @ n.T).toarray()
+        value += (_cell_matrix(held, cols, gpus, None) @ n.T).toarray()
     return value, need
+
+
+def _cell_matrix(by_gpu: dict[int, set[int]], cols: dict[int, int], gpus: int, weights: np.ndarray | None) -> csr_matrix:
+    """GPUs x cells: 1 (or the cell's bytes) where a GPU has the cell; cells outside ``cols`` dropped."""
+    rows, idx, vals = [], [], []
+    for g, cells in by_gpu.items():
+        ks = [cols[c] for c in cells if c in cols]
+        rows += [g] * len(ks)
+        idx += ks
+        vals += [1.0] * len(ks) if weights is None else list(weights[ks])
+    return csr_matrix((vals, (rows, idx)), shape=(gpus, len(cols)))
 
 
 def best_permutation(value: np.ndarray, per_node: int, can_host: np.ndarray, used: np.ndarray) -> list[int] | None:
@@ -126,7 +128,7 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
     identity = list(range(gpus))
     pi = best_permutation(value, per_node, can_host, used)
     base = float(np.trace(value))
-    before = int(round(need.sum() - base))
+    before = round(need.sum() - base)
     gain = base if pi is None else float(sum(value[pi[j], j] for j in range(gpus)))
     if gain <= base:  # as written is as good
         return RemapRecord(before, before, 0)
@@ -135,7 +137,7 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
     for key, emu in list(m.emus.items()):
         if key[0] == target:
             m.emus[key] = replace(emu, shards=[replace(s, gpu=pi[s.gpu]) for s in emu.shards])
-    return RemapRecord(before, int(round(need.sum() - gain)), sum(int(p != i) for i, p in zip(identity, pi)))
+    return RemapRecord(before, round(need.sum() - gain), sum(int(p != i) for i, p in zip(identity, pi)))
 
 
 @register
@@ -151,14 +153,5 @@ class RemapPass(ModulePass):
     drain: bool = False
 
     def apply(self, module: Module) -> None:
-        target = self.to.lstrip("@")
-        if target not in module.plans:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"remap: no plan @{target}", "remap{to=@plan_b}")])
-        source = self.source.lstrip("@")
-        if not source:
-            others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
-            if len(others) != 1:
-                raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                                  f"remap needs source=@plan_a: {len(others)} other plans of the job")])
-            source = others[0]
+        source, target = plan_pair(module, self.name, self.source, self.to)
         module.plans[target].remap = remap(module, source, target, lost=set() if self.drain else None)
