@@ -306,6 +306,7 @@ def _number(op_id: str) -> int:
 
 
 WAVE_BYTES = 64 * 2**20  # smallest wave of unstages that waits for one prefix of frees
+WAVES = 32  # at most this many waves per GPU (more: earlier unstages, more buckets to schedule)
 
 
 class Memory:
@@ -387,7 +388,7 @@ class Memory:
         # (room left >= 0, and all frees together cover every staged byte since plan B fits)
         dead = [f.id for f in self.dead.get(g, [])]
         live = [f for f in self.frees.get(g, []) if f.deps]
-        wave_bytes = max(WAVE_BYTES, sum(n for _, n in staged) // 8)
+        wave_bytes = max(WAVE_BYTES, sum(n for _, n in staged) // WAVES)
         freed, k, need, wave, in_wave = room, 0, 0, [], 0
         for i, (op, nbytes) in enumerate(staged):
             need += nbytes
