@@ -86,3 +86,28 @@ def run_fault(rank: int, world: int, case: str, fault: Fault) -> dict:
                                                for k, (i, c) in before.items())
     full = all(torch.equal(v, cut(full_tensor(s), s.box)) for s in prog.src.get(rank, []) for v in [state[s.key]])
     return {"raised": raised, "intact": intact and full, "held": len(state)}
+
+
+def run_out(rank: int, world: int, case: str) -> dict:
+    """Plan B written into buffers the caller already has (``out``); then a buffer of the wrong
+    shape on rank 1 only: every rank must fail the same way, with plan A intact."""
+    init_from_env(timeout=30)
+    m = case_module(case, world, hidden=64, layers=4)
+    m.transitions["t"] = plan_transition(m, "a", "b", "t")
+    prog = lower(m, "t", direct_bytes=4096, bucket_bytes=64 * 1024)
+    state = synthetic_state(prog.src.get(rank, []))
+    out = {s.key: torch.full(s.local_shape, 7, dtype=s.dtype) for s in prog.dst.get(rank, [])}
+    new = execute(prog, state, timeout=30, out=out)
+    in_place = all(new[k] is t for k, t in out.items())
+    problems = check(prog, rank, new)
+    bad = dict(out)
+    if rank == 1 and bad:
+        k = next(iter(bad))
+        bad[k] = torch.empty(1, dtype=bad[k].dtype)
+    try:
+        execute(prog, state, timeout=4, out=bad)  # the others wait for rank 1 until the timeout
+        raised = None
+    except TransitionError as e:
+        raised = str(e)
+    intact = all(torch.equal(state[s.key], cut(full_tensor(s), s.box)) for s in prog.src.get(rank, []))
+    return {"problems": problems, "in_place": in_place, "raised": raised, "intact": intact}

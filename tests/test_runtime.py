@@ -115,3 +115,14 @@ def test_a_failure_on_one_rank_leaves_every_survivor_with_plan_a_state(fault):
         assert res["intact"] and res["held"] > 0, f"rank {rank} lost plan-A state"
     if fault.kind == "corrupt":  # the receiver of the corrupted message names it
         assert any("corrupted" in r["raised"] for r in results)
+
+
+def test_plan_b_lands_in_buffers_the_caller_already_has():
+    """As a generation engine's weights: filled in place, bit-exact; a wrong buffer on one rank
+    fails every rank (not a hang) and leaves plan A intact."""
+    results = run_local(w.run_out, 4, "train-gen", timeout=120)
+    for rank, r in enumerate(results):
+        assert r["problems"] == [] and r["in_place"], f"rank {rank}: {r['problems'][:3]}"
+        assert r["raised"] is not None and "is intact" in r["raised"], f"rank {rank} did not fail"
+        assert r["intact"]
+    assert "out[" in results[1]["raised"]

@@ -90,7 +90,7 @@ def _layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
 
 class _Rank:
     def __init__(self, prog: Program, rank: int, state: LocalState, device, timeout: float, faults, stats: Stats,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, out: LocalState | None = None):
         self.prog, self.rank, self.device, self.stats = prog, rank, device, stats
         self.memory_limit = memory_limit
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -106,6 +106,7 @@ class _Rank:
                 raise TransitionError(f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
                                       f"{spec.local_shape} {spec.dtype}")
             self.src[k] = t
+        self.out = _check_out(out or {}, self.dst_spec, self.src, rank)
         self.new: dict[StateKey, torch.Tensor] = {}
         self.staging: dict[tuple, torch.Tensor] = {}  # (key, box) -> host buffer of a staged slice
         self.groups: dict[tuple[int, ...], object] = {}
@@ -115,6 +116,13 @@ class _Rank:
         if p.arrived:
             return self.new[p.src][_region(self.dst_spec[p.src], p.box)]
         return self.src[p.src][_region(self.src_spec[p.src], p.box)]
+
+    def fresh(self, key: StateKey) -> torch.Tensor:
+        """A destination shard to fill: the caller's buffer from ``out``, or a new tensor."""
+        if key in self.out:
+            return self.out[key]
+        spec = self.dst_spec[key]
+        return torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
 
     def land(self, p: Piece) -> torch.Tensor:
         """Where piece ``p`` is written: its destination shard's box, or a host staging buffer."""
@@ -128,8 +136,7 @@ class _Rank:
 
     def write(self, key: StateKey, box) -> torch.Tensor:
         if key not in self.new:  # lazy allocation: the first write
-            spec = self.dst_spec[key]
-            self.new[key] = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+            self.new[key] = self.fresh(key)
         return self.new[key][_region(self.dst_spec[key], box)]
 
     def _fault(self, rnd: int) -> Fault | None:
@@ -144,15 +151,15 @@ class _Rank:
     def run(self, step: Step) -> None:
         if step.kind == "keep":
             for k in step.keys:
-                self.new[k] = self.src[k]
+                self.new[k] = self.out[k].copy_(self.src[k]) if k in self.out else self.src[k]
         elif step.kind == "alloc":
             held = sum(t.numel() * t.element_size() for t in self.src.values())
-            if self.memory_limit is not None and held + sum(self.dst_spec[k].nbytes for k in step.keys) > self.memory_limit:
+            new = sum(self.dst_spec[k].nbytes for k in step.keys if k not in self.out)
+            if self.memory_limit is not None and held + new > self.memory_limit:
                 self.stats.lazy = True  # no room for all of plan B beside plan A: allocate in the graph's order
                 return
             for k in step.keys:
-                spec = self.dst_spec[k]
-                self.new[k] = torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+                self.new[k] = self.fresh(k)
         elif step.kind == "load":  # a source shard offloaded to host memory comes back to the device
             for k in step.keys:
                 self.src[k] = self.src[k].to(self.device, non_blocking=False)
@@ -290,6 +297,22 @@ class _Rank:
         return out
 
 
+def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[StateKey, torch.Tensor],
+               rank: int) -> LocalState:
+    """The caller's destination buffers, checked: plan-B keys of this rank, right shape and dtype,
+    contiguous, and none of them a plan-A tensor (that one must survive a failure)."""
+    for k, t in out.items():
+        spec = dst_spec.get(k)
+        if spec is None:
+            raise TransitionError(f"rank {rank}: out has {k}, which plan B does not put on this rank")
+        if tuple(t.shape) != spec.local_shape or t.dtype != spec.dtype or not t.is_contiguous():
+            raise TransitionError(f"rank {rank}: out[{k}] is {tuple(t.shape)} {t.dtype}, the program needs a contiguous "
+                                  f"{spec.local_shape} {spec.dtype}")
+        if any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for s in src.values()):
+            raise TransitionError(f"rank {rank}: out[{k}] shares storage with plan A's state, which a failure must leave intact")
+    return dict(out)
+
+
 def _agree(ok: bool, device, timeout: datetime.timedelta) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     try:
@@ -300,28 +323,33 @@ def _agree(ok: bool, device, timeout: datetime.timedelta) -> bool:
 
 
 def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
-            faults: tuple[Fault, ...] = (), stats: Stats | None = None, memory_limit: int | None = None) -> LocalState:
+            faults: tuple[Fault, ...] = (), stats: Stats | None = None, memory_limit: int | None = None,
+            out: LocalState | None = None) -> LocalState:
     """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
 
     ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
     not fit together, destination shards are allocated at their first write, in the program's
     order, instead of up front.
+
+    ``out``: buffers that already exist for some of plan B's shards (a generation engine's
+    weights, say), filled in place and returned as those shards instead of new tensors. After a
+    failure they hold partial data; plan A's ``state`` is intact as always.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != program.world:
         raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-    me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit)
-    for members in program.groups:  # every rank creates every subgroup, in the same order
-        me.groups[members] = dist.new_group(list(members))
+    groups = {members: dist.new_group(list(members)) for members in program.groups}  # every rank, in the same order
     error: BaseException | None = None
-    try:
+    try:  # a rank whose state or buffers do not match the program fails here, and every rank learns it below
+        me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out)
+        me.groups = groups
         for step in program.steps.get(rank, []):
             me.run(step)
     except Exception as e:  # noqa: BLE001 - any failure rolls back
         error = e
-    if not _agree(error is None, device, me.timeout):
+    if not _agree(error is None, device, datetime.timedelta(seconds=timeout)):
         why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
         raise TransitionError(f"rank {rank}: transition @{program.transition} failed ({why}); "
                               f"the state of plan @{program.source} is intact") from error
