@@ -114,10 +114,22 @@ def test_a_name_cannot_inject_code_into_the_script():
 STAGING = Path(__file__).parent / "golden" / "plan-transition" / "staging.nir"
 
 
-def staged():
-    """Two GPUs swap TP shards without room for both: part of each new shard is staged in host memory."""
-    m = nereus.parse(STAGING.read_text(), str(STAGING))
+def staged(shared: bool = False):
+    """Two GPUs swap TP shards without room for both: part of each new shard is staged in host
+    memory. ``shared``: a second model-stage of the model on the same GPUs, so that one unstage
+    fills two shards on a GPU."""
+    text = STAGING.read_text()
+    if shared:
+        text = text.replace("  stage infer { kind = infer, models = [@ref] }\n",
+                            "  stage infer { kind = infer, models = [@ref] }\n  stage score { kind = infer, models = [@ref] }\n")
+        for mesh in ("[0, 1]", "[1, 0]"):
+            line = f"  layout ref.infer {{ tp = 2, pp = 1, dp = 1, layers = [0..1], mesh = {mesh} }}\n"
+            text = text.replace(line, line + line.replace("ref.infer", "ref.score"))
+        text = text.replace("gpu_memory = 640KiB", "gpu_memory = 1280KiB")
+    m = nereus.parse(text, str(STAGING))
     nereus.run_pipeline(m, "plan-transition{to=@b}")
+    if shared:
+        assert any(op.kind == "unstage" and len(op.dst) == 2 for op in m.transitions["a_to_b"].ops)
     return m
 
 
@@ -138,9 +150,9 @@ def test_staged_slices_land_in_host_buffers_and_are_unstaged_after(request):
 @pytest.mark.parametrize("case", ["tp4-tp2x2", "train-gen", "staging"])
 def test_rendered_script_runs_under_torchrun(tmp_path, case):
     """tp4-tp2x2: direct sends; train-gen: chained broadcasts that forward what arrived;
-    staging: slices staged in host buffers, then unstaged."""
+    staging: slices staged in host buffers, then unstaged into two model-stages' shards."""
     if case == "staging":
-        prog = lower(staged(), "a_to_b", direct_bytes=4096)
+        prog = lower(staged(shared=True), "a_to_b", direct_bytes=4096)
     else:
         mode = "chain" if case == "train-gen" else "auto"
         prog = lower(planned(case), "t", direct_bytes=4096, chunk_bytes=64 * 1024, broadcast=mode)

@@ -504,8 +504,9 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
         return
     gpus = [x[0] for x in src + dst]
     if op.kind in ("offload", "load", "unstage") or op.kind == "copy" and any(dst_host):
-        if op.kind == "unstage" and any(g != gpus[0] for g in gpus):
-            sink.error(op.loc, f"{op.id}: unstage moves a slice from host[g] onto GPU g, not onto GPUs {sorted(set(gpus[1:]))}")
+        if op.kind in ("unstage", "copy") and any(g != gpus[0] for g in gpus):
+            what = "from host[g] onto GPU g" if op.kind == "unstage" else "from GPU g into host[g]"
+            sink.error(op.loc, f"{op.id}: {op.kind} moves a slice {what}, not between GPUs {sorted(set(gpus))}")
             return
         link = "pcie"
     elif op.kind == "free" or len(set(gpus)) == 1:

@@ -106,7 +106,7 @@ class _Rank:
                 raise TransitionError(f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
                                       f"{spec.local_shape} {spec.dtype}")
             self.src[k] = t
-        self.out = _check_out(out or {}, self.dst_spec, self.src, rank)
+        self.out = _check_out(out or {}, self.dst_spec, self.src, rank, device)
         self.new: dict[StateKey, torch.Tensor] = {}
         self.staging: dict[tuple, torch.Tensor] = {}  # (key, box) -> host buffer of a staged slice
         self.groups: dict[tuple[int, ...], object] = {}
@@ -191,7 +191,7 @@ class _Rank:
         else a flat buffer that ``unpack`` copies out."""
         if msg.direct:
             dst = self.land(msg.pieces[0])
-            if dst.is_contiguous():
+            if dst.is_contiguous() and dst.device == self.device:  # NCCL receives into device memory only
                 return _bytes(dst)
             return torch.empty(msg.pieces[0].nbytes, dtype=torch.uint8, device=self.device)
         return torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
@@ -298,10 +298,16 @@ class _Rank:
 
 
 def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[StateKey, torch.Tensor],
-               rank: int) -> LocalState:
-    """The caller's destination buffers, checked: plan-B keys of this rank, right shape and dtype,
-    contiguous, and none of them a plan-A tensor (that one must survive a failure)."""
+               rank: int, device) -> LocalState:
+    """The caller's destination buffers, checked: plan-B keys of this rank, right shape, dtype
+    and device, contiguous, none sharing storage with another or with a plan-A tensor (that one
+    must survive a failure)."""
+    storages = [t.untyped_storage().data_ptr() for t in out.values()]
+    if len(set(storages)) != len(storages):
+        raise TransitionError(f"rank {rank}: two buffers in out share storage")
     for k, t in out.items():
+        if t.device != torch.device(device):
+            raise TransitionError(f"rank {rank}: out[{k}] is on {t.device}, the transition runs on {device}")
         spec = dst_spec.get(k)
         if spec is None:
             raise TransitionError(f"rank {rank}: out has {k}, which plan B does not put on this rank")

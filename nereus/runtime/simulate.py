@@ -4,13 +4,14 @@ Runs a transition's operations in dependency order on real arrays: plan A's slic
 from full tensors, operations copy, send and broadcast slices between the GPUs' dicts (or into
 the host memory beside a GPU, to be unstaged later) and free them, and at the end every slice of
 plan B is compared with the same slice of the full tensor. Along the way it records the most
-bytes each GPU held (at the state's dtype): receives run as early as their dependencies allow
-and frees as late, the order that needs the most memory.
+bytes each GPU held (at the state's dtype) in the order that needs the most memory: copies,
+receives and unstages as early as their dependencies allow, frees as late.
 It is the oracle the torch.distributed executor is tested against, and a dry run for users.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -47,23 +48,28 @@ def full_tensors(m: Module, plans: list[str], seed: int = 0) -> dict[tuple[str, 
 
 
 def _order(t: Transition) -> list:
-    """Operations in a valid order: each after its dependencies, otherwise as listed."""
-    by_id = {op.id: op for op in t.ops}
-    done, order = set(), []
+    """Operations in the dependency order that needs the most memory: whatever grows a GPU
+    (copies, sends, unstages, loads) as soon as its dependencies allow, in listed order; a
+    ``free`` only when nothing else can run."""
+    index = {op.id: i for i, op in enumerate(t.ops)}
+    waiting = {op.id: len(op.deps) for op in t.ops}
+    after: dict[str, list[str]] = defaultdict(list)
     for op in t.ops:
-        stack = [(op, iter(op.deps))]
-        while stack:
-            cur, it = stack[-1]
-            if cur.id in done:
-                stack.pop()
-                continue
-            nxt = next(it, None)
-            if nxt is None:
-                done.add(cur.id)
-                order.append(cur)
-                stack.pop()
-            elif nxt not in done:
-                stack.append((by_id[nxt], iter(by_id[nxt].deps)))
+        for d in op.deps:
+            after[d].append(op.id)
+    ready = [((op.kind == "free"), i) for i, op in enumerate(t.ops) if not op.deps]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        op = t.ops[i]
+        order.append(op)
+        for nxt in after[op.id]:
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                heapq.heappush(ready, (t.ops[index[nxt]].kind == "free", index[nxt]))
+    if len(order) != len(t.ops):
+        raise ValueError(f"transition @{t.name} has a dependency cycle")
     return order
 
 
