@@ -161,3 +161,21 @@ def test_a_plan_that_does_not_fit_is_a_diagnostic_naming_the_gpu():
     m.clusters["c"].gpu_memory = need // 2
     with pytest.raises(nereus.DiagnosticError, match=r"no order fits on GPU \d: plan A's state alone would take [\d,]+ bytes more"):
         nereus.run_pipeline(m, "plan-transition{to=@b}")
+
+
+def test_state_that_stays_in_host_memory_takes_no_gpu_memory():
+    """The reference model is offloaded under both plans and does not move: it stays in host
+    memory, so a GPU with room for the actor's state (and 5% more) but not for the
+    reference model's too can still swap the actor's shards."""
+    m = _swap(80 * GIB)
+    for name in ("a", "b"):
+        m.plans[name].layouts["ref.infer"] = Layout(model_stage="ref.infer", tp=4, pp=1, dp=1, layers=[(0, 4)],
+                                                    mesh=[0, 1, 2, 3], offload=["weights"])
+    resident = max(max(state_bytes(m, p, offloaded=False).values()) for p in ("a", "b"))
+    assert max(state_bytes(m, "a").values()) > resident + resident // 20  # counted on the GPU, it would not fit
+    m.clusters["c"].gpu_memory = resident + resident // 20
+    nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+    t = m.transitions["a_to_b"]
+    assert not any(op.kind in ("load", "offload") for op in t.ops)  # the reference model never moves
+    result = simulate(m, t)
+    assert result.mismatches == [] and max(result.peak.values()) <= m.clusters["c"].gpu_memory

@@ -55,15 +55,18 @@ def ensure_emus(m: Module, plan_name: str) -> None:
                 m.emus[e.key] = e
 
 
-def state_bytes(m: Module, plan_name: str) -> dict[int, int]:
-    """Bytes of state (weights, fp32 master, Adam moments) each GPU holds under a plan, as
-    the planner counts them (offloaded slices on their GPU)."""
+def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
+    """Bytes of state (weights, fp32 master, Adam moments) each GPU holds under a plan; with
+    ``offloaded=False`` only what stays on the GPU between steps."""
     ensure_emus(m, plan_name)
+    plan = m.plans[plan_name]
     out: dict[int, int] = defaultdict(int)
     for key, pieces in _pieces(m, plan_name).items():
         model_name, state, _ = key
         itemsize = state_dtype_bytes(m.models[model_name], state)
         for p in pieces:
+            if not offloaded and ("weights" if state == "weight" else "optimizer") in plan.layouts[p.ref.model_stage].offload:
+                continue
             n = itemsize
             for lo, hi in p.region:
                 n *= hi - lo

@@ -43,6 +43,8 @@ class Planner:
         self.recv_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)
         self.copy_bytes: dict[int, int] = defaultdict(int)  # bytes local copies write, per GPU
         self.copy_ops: dict[int, list[str]] = defaultdict(list)
+        self.loaded: set[int] = set()  # plan A's offloaded pieces that a load brings onto their GPU
+        self.load_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)  # GPU -> (load, bytes)
 
     def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
         if per_layer:
@@ -237,6 +239,8 @@ class Planner:
                     continue
                 op = self.op("load", state, family, p.region, [HostRef(p.gpu)], [p.ref], _volume(p.region) * itemsize,
                              "pcie", per_layer)
+                self.loaded.add(n)
+                self.load_ops[p.gpu].append((op.id, op.bytes))
                 for reader in readers:
                     r = ops[int(reader[1:])]
                     r.deps = sorted(set(r.deps) | {op.id}, key=_number)
@@ -269,18 +273,22 @@ class Planner:
             _, itemsize, per_layer = _family(self.m, model_name, state, family)
             base = self.sbase[key]
             volume: dict[Box, int] = {}
+            offloaded = {ms: _offloaded(self.plan_a, ms, state) for ms in {p.ref.model_stage for p in pieces}}
             for i, p in enumerate(pieces):
                 nbytes = volume.get(p.region)
                 if nbytes is None:
                     nbytes = volume[p.region] = _volume(p.region) * itemsize
-                mem_a[p.gpu] += nbytes
+                on_gpu = not offloaded[p.ref.model_stage]  # at the step boundary; a load brings the others
+                if on_gpu:
+                    mem_a[p.gpu] += nbytes
                 if base + i in self.kept:
                     continue
                 op = self.op("free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
                 op.deps = list(self.reads.get(base + i, ()))  # already in creation order
-                frees[p.gpu].append(op)
-                if not op.deps:
-                    freeable[p.gpu].append(op)
+                if on_gpu or base + i in self.loaded:  # a slice that never left host memory frees no GPU memory
+                    frees[p.gpu].append(op)
+                    if not op.deps:
+                        freeable[p.gpu].append(op)
         gpu_b = {p.ref: p.gpu for pieces in self.dst_all.values() for p in pieces}
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
 
@@ -313,12 +321,13 @@ class Memory:
     """Order what grows each GPU's memory so that no GPU ever holds more than its memory, in
     any order the dependencies allow.
 
-    A GPU g holds ``mem_a`` bytes of plan A (offloaded slices counted as if loaded) and grows
-    by what local copies write and what it receives (once per destination shard). Where that
+    A GPU g holds ``mem_a`` bytes of plan A (what is not offloaded at the step boundary) and
+    grows by what loads bring back, what local copies write and what it receives (once per
+    destination shard); the frees of slices that never left host memory free nothing on it. Where that
     does not fit, each copy or receive, in order, waits for the shortest prefix of g's frees of
     slices no one reads (``dead``) that leaves room for it and those before it. Where even all
-    dead frees leave too little room, g stages: the copies, then the receives, go to the GPU
-    while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
+    dead frees leave too little room, g stages: the loads (whose data is in host memory already),
+    then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
     over its link) and an ``unstage`` moves it onto the GPU. Unstages go in waves, each after
     the dead frees and the shortest prefix of g's other frees that leaves room for it, so that
     unstaging overlaps the sends those frees wait for. That always fits when plans A and B
@@ -333,14 +342,15 @@ class Memory:
 
     def order(self) -> list[Diagnostic]:
         p, problems = self.p, []
-        for g in sorted(set(p.recv_bytes) | set(p.copy_bytes)):
-            grow = p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
+        for g in sorted(set(p.recv_bytes) | set(p.copy_bytes) | set(p.load_ops)):
+            loads = p.load_ops.get(g, [])
+            grow = sum(n for _, n in loads) + p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
             if self.mem_a[g] + grow <= self.cap:
                 continue
             dead = self.dead.get(g, [])
             room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
             ops = [(oid, p.ops[_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
-            direct = ops if grow <= room else self._stage(g, room, grow, ops, problems)
+            direct = loads + (ops if grow <= room else self._stage(g, room - sum(n for _, n in loads), grow, ops, problems))
             self._after_dead(g, direct, dead)
         self._offloads_after_unstage()
         host = self.p.cluster.host_memory
@@ -371,7 +381,8 @@ class Memory:
         p = self.p
         kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
         if room < 0 or kept + grow > self.cap:
-            what, short = ("plan A's state", -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
+            a_state = "plan A's state and its loads" if p.load_ops.get(g) else "plan A's state"
+            what, short = (a_state, -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
             problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: {what} alone would take {short:,} bytes "
                                                          "more than its memory", "choose a plan that fits"))
             return []
