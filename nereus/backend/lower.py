@@ -138,6 +138,9 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     releases: dict[int, list[StateKey]] = defaultdict(list)
     offloads: dict[int, list[StateKey]] = defaultdict(list)
     written: dict[tuple[int, StateKey], int] = defaultdict(int)
+    # a shard that takes staged slices is allocated at its first write, not up front: the GPU
+    # has no room for it beside plan A's state
+    late: dict[int, set[StateKey]] = defaultdict(set)
 
     def key(ref: ShardRef, state: str, name: str) -> StateKey:
         return StateKey(ref.model_stage, state, name)
@@ -187,6 +190,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
                     dk = key(ref, op.state, name)
                     before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, op.box, _nbytes(op.box, itemsize), staged=True)))
                     written[(r, dk)] += _nbytes(op.box, itemsize)
+                    late[r].add(dk)
             continue
         if op.kind in ("load", "offload"):
             refs = op.dst if op.kind == "load" else op.src
@@ -313,17 +317,11 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             bsteps[(member, lv)].append(Step("broadcast", group=(s, *remote), round=lv,
                                              message=Message(mid, s, -1, mine, False)))
 
-    def before_all(r: int) -> list[Step]:
-        return [st for lv in range(n_levels) for st in before.get((r, lv), [])]
-
     prog = Program(transition=transition, source=t.source, target=t.target, gpus=gpus, src=src, dst=dst,
                    groups=groups, bucket_bytes=bucket_bytes)
     for r in range(len(gpus)):
         steps: list[Step] = []
-        # a shard that takes staged slices is allocated at its first write, not up front: the
-        # GPU has no room for it beside plan A's state
-        late = {st.piece.dst for st in before_all(r) if st.kind == "unstage"}
-        alloc = tuple(s.key for s in dst[r] if (r, s.key) not in kept and s.key not in late)
+        alloc = tuple(s.key for s in dst[r] if (r, s.key) not in kept and s.key not in late[r])
         keep = tuple(s.key for s in dst[r] if (r, s.key) in kept)
         if keep:
             steps.append(Step("keep", keys=keep))

@@ -344,13 +344,14 @@ class Memory:
         p, problems = self.p, []
         for g in sorted(set(p.recv_bytes) | set(p.copy_bytes) | set(p.load_ops)):
             loads = p.load_ops.get(g, [])
-            grow = sum(n for _, n in loads) + p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
+            loaded = sum(n for _, n in loads)
+            grow = loaded + p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
             if self.mem_a[g] + grow <= self.cap:
                 continue
             dead = self.dead.get(g, [])
             room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
             ops = [(oid, p.ops[_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
-            direct = loads + (ops if grow <= room else self._stage(g, room - sum(n for _, n in loads), grow, ops, problems))
+            direct = loads + (ops if grow <= room else self._stage(g, room - loaded, grow, ops, problems))
             self._after_dead(g, direct, dead)
         self._offloads_after_unstage()
         host = self.p.cluster.host_memory
