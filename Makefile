@@ -1,5 +1,5 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
-# make test: same set-up, then the whole test suite.
+# make test: same set-up, then the layer contracts (lint-imports) and the whole test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -38,6 +38,7 @@ demo: $(STAMP)
 	$(BIN)/nereus bench reshard --quick
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.backend.lower import lower
-from nereus.bench.reshard_cases import CASES, case_module
+from nereus.testing.cases import CASES, case_module
 from nereus.passes.plan_transition import plan_transition
 from nereus.runtime.execute import execute
 from nereus.runtime.launch import init_from_env

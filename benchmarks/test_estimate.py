@@ -2,7 +2,7 @@
 
 from nereus.bench.estimate_bench import candidates
 from nereus.ir import parse
-from nereus.jobs import ppo_70b
+from nereus.testing.jobs import ppo_70b
 from nereus.passes import CostModel
 from nereus.passes.estimate import estimate_plan
 

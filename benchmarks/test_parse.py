@@ -5,7 +5,7 @@ import pytest
 
 from nereus.bench.parse_bench import SIZES, roundtrip
 from nereus.ir import parse, print_ir
-from nereus.jobs import ppo_70b
+from nereus.testing.jobs import ppo_70b
 
 
 @pytest.mark.parametrize("gpus", SIZES)

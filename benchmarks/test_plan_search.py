@@ -1,7 +1,7 @@
 """pytest-benchmark: plan-search on the 70B job at 1,024 GPUs (run: make bench)."""
 
 from nereus.ir import parse
-from nereus.jobs import ppo_70b
+from nereus.testing.jobs import ppo_70b
 from nereus.passes.plan_search import solve
 from nereus.passes.search_space import build_problem
 

@@ -1,6 +1,6 @@
 """The ``nereus`` command line: a thin layer over the Python API.
 
-Exit codes (DESIGN.md): 0 success; 1 diagnostics (or ``fmt --check`` found a difference);
+Exit codes (docs/ARCHITECTURE.md, "the command line"): 0 success; 1 diagnostics (or ``fmt --check`` found a difference);
 2 usage errors (argparse). Bad input never prints a traceback: every error a user can cause
 is a diagnostic ``FILE:LINE:COL: error: MESSAGE`` with the source line and a caret.
 """
@@ -97,7 +97,8 @@ def cmd_show(args) -> int:
 
 
 def cmd_opt(args) -> int:
-    from .passes import PipelineError, run_pipeline
+    from .passes import PipelineError
+    from .registry import run_pipeline
 
     try:
         m, _ = _load(args.file)
@@ -123,7 +124,7 @@ def cmd_opt(args) -> int:
         print(w.render(m.source), file=sys.stderr)
     text = print_ir(m)
     if args.golden:
-        from .testing import GoldenMismatch, compare
+        from .testing.golden import GoldenMismatch, compare
 
         try:
             compare(text, Path(args.golden), args.update_goldens)
@@ -143,7 +144,8 @@ def cmd_lower(args) -> int:
     from .backend.lower import lower, pick_transition
     from .backend.program import print_program
     from .backend.script import render_script
-    from .passes import PipelineError, run_pipeline
+    from .passes import PipelineError
+    from .registry import run_pipeline
 
     try:
         m, _ = _load(args.file)
@@ -177,6 +179,37 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """A size option: ``64MiB`` or a plain number of bytes (argparse reports a bad one)."""
+    from .ir.units import Dim, UnitError, parse_quantity
+
+    if text.isdigit():
+        return int(text)
+    try:
+        dim, value = parse_quantity(text)
+    except UnitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if dim is not Dim.SIZE or value != int(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (64MiB, 1GiB or bytes)")
+    return int(value)
+
+
+def cmd_passes(args) -> int:
+    import dataclasses
+
+    from .passes.pass_manager import option_type
+    from .registry import get_all_passes
+
+    for name, cls in get_all_passes().items():
+        doc = " ".join((cls.__doc__ or "").split())
+        print(f"{name}  ({cls.__module__})")
+        for f in dataclasses.fields(cls):
+            print(f"    {f.name}: {option_type(cls, f.name)} = {f.default!r}")
+        if doc:
+            print(f"    -- {doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nereus", description="Adaptive parallelism for RL post-training: IR tools.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -204,10 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("-p", "--pipeline", help="passes to run first, e.g. plan-transition{to=@b},schedule-transfers")
     lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
     lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
-    lo.add_argument("--bucket", type=int, default=64 * 2**20, metavar="BYTES", help="bucket size for packed slices")
+    lo.add_argument("--bucket", type=_size, default=64 * 2**20, metavar="SIZE",
+                    help="bucket size for packed slices, with a unit (64MiB) or in bytes")
     lo.add_argument("--broadcast", choices=("auto", "p2p", "chain", "collective"), default="auto",
                     help="send one slice to many as point-to-point messages or as a subgroup broadcast")
     lo.set_defaults(func=cmd_lower)
+    ps = sub.add_parser("passes", help="list every pass with its options, their types and defaults")
+    ps.set_defaults(func=cmd_passes)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition or reshard")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")

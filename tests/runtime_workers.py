@@ -11,11 +11,11 @@ import torch
 
 import nereus
 from nereus.backend.lower import lower
-from nereus.bench.reshard_cases import case_module
+from nereus.testing.cases import case_module
 from nereus.passes.plan_transition import plan_transition
 from nereus.runtime.execute import Fault, Stats, TransitionError, execute
 from nereus.runtime.launch import init_from_env
-from nereus.runtime.state import cut, full_tensor, synthetic_state
+from nereus.runtime.state import cut, full_tensor, synthetic_state, torch_dtype
 
 
 def check(prog, rank: int, new) -> list[str]:
@@ -26,7 +26,7 @@ def check(prog, rank: int, new) -> list[str]:
         t = new.get(k)
         if t is None:
             bad.append(f"missing {k}")
-        elif t.dtype != spec.dtype or not torch.equal(t, cut(full_tensor(spec), spec.box)):
+        elif t.dtype != torch_dtype(spec.dtype) or not torch.equal(t, cut(full_tensor(spec), spec.box)):
             bad.append(f"wrong {k} {list(spec.box)}")
     return bad
 
@@ -96,7 +96,7 @@ def run_out(rank: int, world: int, case: str) -> dict:
     m.transitions["t"] = plan_transition(m, "a", "b", "t")
     prog = lower(m, "t", direct_bytes=4096, bucket_bytes=64 * 1024)
     state = synthetic_state(prog.src.get(rank, []))
-    out = {s.key: torch.full(s.local_shape, 7, dtype=s.dtype) for s in prog.dst.get(rank, [])}
+    out = {s.key: torch.full(s.local_shape, 7, dtype=torch_dtype(s.dtype)) for s in prog.dst.get(rank, [])}
     new = execute(prog, state, timeout=30, out=out)
     in_place = all(new[k] is t for k, t in out.items())
     problems = check(prog, rank, new)

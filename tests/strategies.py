@@ -679,9 +679,12 @@ def modules(draw, valid: bool = True, tiny_dims: bool = False) -> Module:
         if valid:
             # A valid transition leaves every destination EMU complete (a verifier rule), which
             # random operations do not: let the planner build it, with random scheduling fields.
+            from nereus.passes.derive_emus import derive_missing_emus
             from nereus.passes.plan_transition import plan_transition
 
             try:
+                for plan in (source.name, target.name):
+                    derive_missing_emus(m, plan)
                 t = plan_transition(m, source.name, target.name, tname)
             except DiagnosticError:
                 continue  # e.g. a 1-byte GPU: no order fits, or the plans carry different state

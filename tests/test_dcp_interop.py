@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.tensor import Replicate, Shard
 
-from nereus.bench.reshard_cases import CASES, case_module
+from nereus.testing.cases import CASES, case_module
 from nereus.runtime.dcp import METADATA_FILE, dcp_reshard, fqn, save
 from nereus.runtime.dtensor import device_mesh, family_and_layer, placements, to_dtensor
 from nereus.runtime.launch import init_from_env, run_local

@@ -4,7 +4,7 @@ import pytest
 
 import nereus
 from nereus.cli import main
-from nereus.jobs import EXAMPLES as BUILDERS
+from nereus.testing.jobs import EXAMPLES as BUILDERS
 
 from .conftest import EXAMPLES, ROOT
 
@@ -16,7 +16,7 @@ def test_every_example_is_generated():
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_example_in_sync_with_generator(name):
     assert (ROOT / "examples" / name).read_text() == BUILDERS[name](), (
-        f"examples/{name} is stale: run python -m nereus.jobs examples")
+        f"examples/{name} is stale: run python -m nereus.testing.jobs examples")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -10,7 +10,7 @@ import pytest
 
 import nereus
 from nereus.cli import main
-from nereus.testing import GoldenMismatch, compare, run_header
+from nereus.testing.golden import GoldenMismatch, compare, run_header
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CASES = sorted(GOLDEN.glob("*/*.nir"))

@@ -17,11 +17,12 @@ import nereus
 from nereus.backend.lower import contiguous, lower
 from nereus.backend.program import Message, Piece, Program, Step, print_program
 from nereus.backend.script import pyrepr, render_script
-from nereus.bench.reshard_cases import CASES, case_module
+from nereus.testing.cases import CASES, case_module
+from nereus.passes.derive_emus import derive_missing_emus
 from nereus.passes.plan_transition import plan_transition
 from nereus.runtime.launch import free_port
 from nereus.runtime.state import ShardSpec, StateKey
-from nereus.testing import GoldenMismatch, compare
+from nereus.testing.golden import GoldenMismatch, compare
 
 GOLDEN = Path(__file__).parent / "golden" / "lower"
 
@@ -89,7 +90,7 @@ EVIL = "x'''\"\"\"); import os; os.system('touch /tmp/nereus_pwned') #\n"
 
 def evil_program() -> Program:
     key = StateKey("actor.train", "weight", EVIL)
-    spec = ShardSpec(key, (4,), ((0, 4),), __import__("torch").float32)
+    spec = ShardSpec(key, (4,), ((0, 4),), "fp32")
     piece = Piece(key, key, ((0, 4),), 16)
     msg = Message(0, 0, 1, (piece,), True)
     return Program(transition="t", source="a", target="b", gpus=[0, 1], src={0: [spec], 1: []}, dst={0: [], 1: [spec]},
@@ -194,6 +195,7 @@ def test_auto_chains_a_broadcast_only_where_its_root_is_the_busiest_sender():
     lay.tp, lay.mesh = 1, [0]  # one GPU holds everything under plan A
     for key in [k for k in m.emus if k[0] == "a"]:
         del m.emus[key]
+    derive_missing_emus(m, "a")
     m.transitions["t"] = plan_transition(m, "a", "b", "t")
     prog = lower(m, "t")
     forwarded = [p for st in prog.steps.values() for s in st for msg in s.sends for p in msg.pieces if p.arrived]

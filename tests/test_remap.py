@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nereus
-from nereus.bench.reshard_cases import case_module
+from nereus.testing.cases import case_module
 from nereus.passes.plan_transition import plan_transition
 from nereus.passes.remap import best_permutation
 from nereus.runtime.simulate import simulate

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.bench.reshard_cases import CASES, case_module
-from nereus.bench.reshard_peers import (
+from nereus.testing.cases import CASES, case_module
+from nereus.testing.peers import (
     BUCKET_BYTES,
     _tree_sends,
     allgather_slice,
@@ -49,7 +49,7 @@ def worker(rank: int, world: int, cases: tuple[str, ...], bucket_bytes: int) -> 
         src_layout, dst_layout = plan_layout(m, "a"), plan_layout(m, "b")
         src = synthetic_state(src_layout[rank])
         want = {s.key: cut(full_tensor(s), s.box) for s in dst_layout.get(rank, [])}
-        needed = {s.key: math.prod(s.shape) * s.dtype.itemsize for specs in dst_layout.values() for s in specs}
+        needed = {s.key: math.prod(s.shape) * s.itemsize for specs in dst_layout.values() for s in specs}
         for peer in PEERS:
             dist.barrier()
             before = _written()

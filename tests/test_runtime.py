@@ -13,7 +13,7 @@ import random
 import pytest
 
 import nereus
-from nereus.bench.reshard_cases import CASES
+from nereus.testing.cases import CASES
 from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
 from nereus.runtime.execute import Fault
@@ -72,11 +72,14 @@ def random_pairs(n: int, seed: int = 0) -> list[str]:
 def staging_pairs(n: int, seed: int = 1) -> list[str]:
     """Random plan pairs on GPUs with just the memory that plan A or plan B needs on the fullest
     GPU, kept where the transition stages slices through host memory."""
+    from nereus.passes.derive_emus import derive_missing_emus
     from nereus.passes.plan_transition import plan_transition, state_bytes
 
     out = []
     for text in random_pairs(4 * n, seed):
         m = nereus.parse(text)
+        for plan in ("a", "b"):
+            derive_missing_emus(m, plan)
         a, b = state_bytes(m, "a"), state_bytes(m, "b")
         m.clusters["c"].gpu_memory = max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b))
         if any(op.kind == "unstage" for op in plan_transition(m, "a", "b", "t").ops):

@@ -8,10 +8,17 @@ from hypothesis import strategies as st
 import nereus
 from nereus.ir import Cluster, Layout, Link, Model, Module, Plan, Stage, Workload
 from nereus.ir.model import even_split
-from nereus.passes.plan_transition import state_bytes
+from nereus.passes.derive_emus import derive_missing_emus
+from nereus.passes.plan_transition import state_bytes as _state_bytes
 from nereus.runtime.simulate import simulate
 
 GIB = 2**30
+
+
+def state_bytes(m, plan: str, offloaded: bool = True) -> dict[int, int]:
+    """Bytes of state per GPU under ``plan``, its EMUs derived first (derive-emus)."""
+    derive_missing_emus(m, plan)
+    return _state_bytes(m, plan, offloaded)
 
 
 def job(heads=4, kv=2, hidden=48, ffn=90, vocab=101, layers=5, gpus=8, per_node=4):

@@ -28,7 +28,7 @@ def test_wheel_install_finds_packaged_grammar(tmp_path):
         text = pathlib.Path({str(ROOT / 'examples' / 'grpo_7b_8gpu.nir')!r}).read_text()
         assert nereus.print_ir(nereus.verify(nereus.parse(text))) == text
         # the script template ships too
-        from nereus.bench.reshard_cases import case_module
+        from nereus.testing.cases import case_module
         from nereus.backend.lower import lower
         from nereus.backend.script import render_script
         m = nereus.run_pipeline(case_module("pp2-pp4", 4, hidden=64, layers=4), "plan-transition{{to=@b}}")

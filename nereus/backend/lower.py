@@ -37,9 +37,8 @@ from collections import defaultdict
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, ShardRef
 from ..ir.diagnostics import did_you_mean
-from ..passes.plan_transition import ensure_emus
-from ..runtime.state import StateKey, plan_layout
 from .program import Message, Piece, Program, Step
+from .shards import StateKey, plan_layout
 
 DEFAULT_BUCKET = 64 * 2**20
 DEFAULT_DIRECT = 64 * 2**10
@@ -104,7 +103,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
         raise ValueError(f"broadcast is one of {', '.join(BROADCASTS)}")
     t = m.transitions[transition]
     for p in (t.source, t.target):
-        ensure_emus(m, p)
+        m.require_emus(p, "lower-collectives")
     gpu_of: dict[tuple[str, ShardRef], int] = {}
     for (plan, ms, dp), emu in m.emus.items():
         for s in emu.shards:
@@ -185,7 +184,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             first = op.dst[0]
             for name in names:
                 fk = key(first, op.state, name)
-                itemsize = dst_box[(r, fk)].dtype.itemsize
+                itemsize = dst_box[(r, fk)].itemsize
                 for ref in op.dst:
                     dk = key(ref, op.state, name)
                     before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, op.box, _nbytes(op.box, itemsize), staged=True)))
@@ -229,7 +228,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
             remote = sorted(rank_of[g] for g in by_gpu if rank_of[g] != s)
             for name in names:
                 sk = key(sref, op.state, name)
-                itemsize = src_box[(s, sk)].dtype.itemsize
+                itemsize = src_box[(s, sk)].itemsize
                 nb = _nbytes(box, itemsize)
                 group_pieces: dict[int, Piece] = {}
                 for g, refs in by_gpu.items():

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.emu import Box
-from ..runtime.state import ShardSpec, StateKey
+from .shards import ShardSpec, StateKey
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import jinja2
-import torch
 
 from .program import Program, Step
 
@@ -31,8 +30,6 @@ def pyrepr(value) -> str:
         return repr(value)
     if isinstance(value, float):
         return repr(value)
-    if isinstance(value, torch.dtype):
-        return repr(str(value).removeprefix("torch."))
     if isinstance(value, tuple):
         inner = ", ".join(pyrepr(v) for v in value)
         return f"({inner},)" if len(value) == 1 else f"({inner})"

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse
-from ..jobs import ppo_70b
+from ..testing.jobs import ppo_70b
 from ..passes import Candidates, CostModel
 from ..passes.estimate import estimate_plan
 

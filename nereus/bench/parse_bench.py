@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse, print_ir, verify
-from ..jobs import ppo_70b
+from ..testing.jobs import ppo_70b
 
 SIZES = (128, 256, 512, 1024)
 TARGET_MS = 200.0
@@ -37,10 +37,10 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def run(quick: bool = False, json_output: bool = False) -> dict:
-    from ..ir import parser as _parser
+    from ..ir.parser import lark_parser
 
     t0 = time.perf_counter()
-    _parser._lark()
+    lark_parser()
     grammar_ms = (time.perf_counter() - t0) * 1e3
     repeats = 2 if quick else 9
     rows = []

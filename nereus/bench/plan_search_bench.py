@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse
-from ..jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
+from ..testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
 from ..passes.estimate import estimate_plan
 from ..passes.greedy_plan import greedy_plan
 from ..passes.plan_search import solve, to_plan

@@ -1,6 +1,6 @@
 """``nereus bench reshard``: live state moved between layouts by real processes, Nereus vs its peers.
 
-Every case of ``reshard_cases`` (TP 4 -> 2 x DP 2 and back, TP 4 -> 2 on half the GPUs, PP 2 -> 4,
+Every case of ``nereus.testing.cases`` (TP 4 -> 2 x DP 2 and back, TP 4 -> 2 on half the GPUs, PP 2 -> 4,
 DP 4 -> 2 under ZeRO-1, a training layout -> full replication for generation), on 4 and 8
 gloo processes of this machine, each method in turn on the same synthetic state:
 
@@ -34,12 +34,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..backend.lower import lower
-from ..passes.plan_transition import plan_transition
-from ..passes.remap import remap
+from ..passes import run_pipeline
 from ..runtime.execute import Stats, execute
 from ..runtime.launch import init_from_env, run_local
 from ..runtime.state import cut, full_tensor, synthetic_state
-from .reshard_cases import CASES, case_module
+from ..testing.cases import CASES, case_module
 
 METHODS = ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast")
 PEERS = METHODS[2:]
@@ -53,7 +52,7 @@ def _exact(dst_specs, new) -> bool:
 def _method(method: str, prog, src, rank: int, world: int, path: str):
     """Run one method on this rank: (its plan-B state, bytes it sent)."""
     from ..runtime.dcp import dcp_reshard
-    from .reshard_peers import allgather_slice, gather_broadcast
+    from ..testing.peers import allgather_slice, gather_broadcast
 
     if method.startswith("nereus"):
         stats = Stats()
@@ -79,7 +78,7 @@ def _connect_all(rank: int, world: int, device) -> None:
 
 def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int) -> dict:
     """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
-    from .reshard_peers import ring_bandwidth
+    from ..testing.peers import ring_bandwidth
 
     device = init_from_env(timeout=600)  # gloo on CPU; NCCL with one GPU per rank (untested here)
     _connect_all(rank, world, device)
@@ -88,11 +87,10 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         # the bound must hold in the worst case for us: the best bandwidth seen during the run
         out["ring"] = max(out["ring"], ring_bandwidth(ring_bytes, rank, world))
         m = case_module(case, world, hidden=hidden)
-        m.transitions["t"] = plan_transition(m, "a", "b", "t")
+        run_pipeline(m, "plan-transition{to=@b,into=@t}")
         prog = lower(m, "t")
         placed = case_module(case, world, hidden=hidden)
-        remap(placed, "a", "b")
-        placed.transitions["t"] = plan_transition(placed, "a", "b", "t")
+        run_pipeline(placed, "remap{to=@b},plan-transition{to=@b,into=@t}")
         programs = {"nereus+remap": lower(placed, "t")}
         src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
         row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, [])),

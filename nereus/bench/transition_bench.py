@@ -36,11 +36,10 @@ from rich.table import Table
 
 from ..ir import parse, verify
 from ..ir.verify_state import state_dtype_bytes
-from ..jobs import ppo_70b
-from ..passes.cost_model import CostModel
-from ..passes.plan_transition import _pieces, plan_transition, state_bytes
-from ..passes.remap import remap
-from ..passes.schedule_transfers import schedule_transition
+from ..testing.jobs import ppo_70b
+from ..passes import CostModel, run_pipeline
+from ..passes.derive_emus import derive_missing_emus
+from ..passes.plan_transition import plan_pieces, state_bytes
 
 STORAGE_GBPS = 400.0  # aggregate shared-storage bandwidth assumed for DCP (GB/s)
 TARGET_PLAN_S = 5.0
@@ -84,6 +83,8 @@ def cases(gpus: int):
             lay.mesh = alive[first:first + lay.dp * per]
     m2.plans[c.name] = c
     yield "DP 32 -> 30: 64 GPUs reclaimed", m2, "ppo70b_p0", "dp_shrunk"
+    for plan in ("ppo70b_p0", "tp4pp8"):
+        derive_missing_emus(tight, plan)
     before, after_ = state_bytes(tight, "ppo70b_p0"), state_bytes(tight, "tp4pp8")
     tight.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
     yield "TP8 PP4 -> TP4 PP8, no memory to spare", tight, "ppo70b_p0", "tp4pp8"
@@ -94,7 +95,7 @@ def peers(m, source: str, target: str) -> dict[str, tuple[int, float]]:
     cluster = m.clusters[m.plans[target].cluster]
     eff = CostModel(cluster).efficiency
     nic = cluster.inter_node.bandwidth * eff.nic
-    src, dst = _pieces(m, source), _pieces(m, target)
+    src, dst = plan_pieces(m, source), plan_pieces(m, target)
     full: dict[tuple, int] = {}
     for key, pieces in src.items():
         model = m.models[key[0]]
@@ -147,11 +148,12 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
     rows = []
     for label, m, source, target in cases(gpus):
         verify(m)
+        # planning time counts deriving the EMUs the pass needs (derive-emus, run by the pipeline)
         t0 = time.perf_counter()
-        t = plan_transition(m, source, target, "t", lost=set())  # reclaimed GPUs still send before they go
+        run_pipeline(m, f"plan-transition{{source=@{source},to=@{target},into=@t,drain=true}}")  # reclaimed GPUs still send
         t1 = time.perf_counter()
-        m.transitions["t"] = t
-        schedule_transition(m, t, time_limit=time_limit)
+        t = m.transitions["t"]
+        run_pipeline(m, f"schedule-transfers{{transition=@t,time_limit={time_limit}}}")
         t2 = time.perf_counter()
         row = {"case": label, "gpus": gpus, "ops": len(t.ops), "plan_s": round(t1 - t0, 2), "schedule_s": round(t2 - t1, 2),
                "bytes_moved": t.bytes_moved, "lower_bound": t.lower_bound,
@@ -168,9 +170,11 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
         placed = copy.deepcopy(m)
         placed.transitions.clear()
         t3 = time.perf_counter()
-        rec = remap(placed, source, target, lost=set())
+        run_pipeline(placed, f"remap{{source=@{source},to=@{target},drain=true}}")
         row["remap_s"] = round(time.perf_counter() - t3, 2)
-        row["remap_bytes"] = plan_transition(placed, source, target, "t", lost=set()).lower_bound
+        rec = placed.plans[target].remap
+        run_pipeline(placed, f"plan-transition{{source=@{source},to=@{target},into=@t,drain=true}}")
+        row["remap_bytes"] = placed.transitions["t"].lower_bound
         assert row["remap_bytes"] == rec.after
         rows.append(row)
     result = {"benchmark": "transition", "gpus": gpus, "storage_gbps": STORAGE_GBPS, "rows": rows}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cluster import Cluster
+from .diagnostics import Diagnostic, DiagnosticError, Loc
 from .emu import Emu
 from .model import Model
 from .plan import Plan
@@ -29,3 +30,19 @@ class Module:
     def emus_of(self, plan: str, model_stage: str) -> list[Emu]:
         return sorted((e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage),
                       key=lambda e: e.replica)
+
+    def missing_emus(self, plan: str) -> list[str]:
+        """The model-stages of ``plan`` whose EMUs the module does not hold."""
+        return [ms for ms in self.plans[plan].layouts if not self.emus_of(plan, ms)]
+
+    def require_emus(self, plan: str, who: str) -> None:
+        """Raise a diagnostic naming the pass to run when ``plan``'s EMUs are not all here.
+
+        Passes and the backend read EMUs; only ``derive-emus`` derives them (it runs the cost
+        model to size KV caches). The pass manager runs it for the passes that declare it.
+        """
+        missing = self.missing_emus(plan)
+        if missing:
+            raise DiagnosticError([Diagnostic(
+                Loc(0, 0, self.filename), f"{who}: plan @{plan} has no EMUs for {', '.join(missing)}",
+                f"run derive-emus{{plan=@{plan},only_missing=true}} first")])

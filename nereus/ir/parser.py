@@ -51,7 +51,7 @@ def _on_comment(tok: Token) -> Token:
 
 
 @lru_cache(maxsize=1)
-def _lark() -> lark.Lark:
+def lark_parser() -> lark.Lark:
     return lark.Lark(grammar_path().read_text(), parser="lalr", lexer="contextual",
                      transformer=_ToSyntax(), lexer_callbacks={"COMMENT": _on_comment},
                      maybe_placeholders=True)
@@ -503,7 +503,7 @@ def parse(text: str, filename: str | None = None) -> Module:
     _tls.filename = filename
     _tls.comments = []
     try:
-        decls = _lark().parse(text)
+        decls = lark_parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
         raise DiagnosticError([_syntax_diagnostic(e, text, filename)], text) from None
     except lark.exceptions.VisitError as e:  # an error inside a callback: a malformed token

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.transition import Admission
 from .estimate import estimate_plan
-from .pass_manager import ModulePass, register
+from .pass_manager import ModulePass, Ref, register
 
 
 def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float, engine_restart: float) -> Admission:
@@ -62,7 +62,7 @@ class Admit(ModulePass):
     margin: float = 0.1
     pg_init: float = 2.0
     engine_restart: float = 30.0
-    transition: str = ""
+    transition: Ref = ""
 
     def apply(self, module: Module) -> None:
         names = [self.transition.lstrip("@")] if self.transition else list(module.transitions)

@@ -14,17 +14,20 @@ from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.diagnostics import did_you_mean
 from ..ir.sharding import derive_emus, states_of
 from .estimate import layout_costs
-from .pass_manager import ModulePass, register
+from .pass_manager import ModulePass, Ref, register
 
 
 @register
 @dataclass(frozen=True)
 class DeriveEmus(ModulePass):
-    """Options: ``plan`` (``@name``; default: the only plan), ``model_stage`` (default: all)."""
+    """Options: ``plan`` (``@name``; default: the only plan), ``model_stage`` (default: all),
+    ``only_missing`` (true: keep the EMUs the module has and derive only the model-stages that
+    have none; what ``plan-transition`` and ``remap`` declare they need)."""
 
     name = "derive-emus"
-    plan: str = ""
+    plan: Ref = ""
     model_stage: str = ""
+    only_missing: bool = False
 
     def apply(self, module: Module) -> None:
         plan_name = self.plan.lstrip("@")
@@ -37,11 +40,25 @@ class DeriveEmus(ModulePass):
             raise _error(module, f"derive-emus: no plan @{plan_name}", did_you_mean(plan_name, module.plans))
         stages = [self.model_stage] if self.model_stage else list(plan.layouts)
         for ms in stages:
+            if self.only_missing and module.emus_of(plan_name, ms):
+                continue
             layout = plan.layouts.get(ms)
             if layout is None:
                 raise _error(module, f"derive-emus: plan @{plan_name} has no layout {ms}", did_you_mean(ms, plan.layouts))
             for emu in model_stage_emus(module, plan_name, ms):
                 module.emus[emu.key] = emu
+
+
+def emus_required(module: Module, *plans: str) -> list[ModulePass]:
+    """``derive-emus{plan=@p,only_missing=true}`` for each plan whose EMUs are not all in the
+    module: what a pass that reads those EMUs declares in ``requires``."""
+    return [DeriveEmus(plan=f"@{p}", only_missing=True) for p in dict.fromkeys(plans) if module.missing_emus(p)]
+
+
+def derive_missing_emus(module: Module, plan: str) -> None:
+    """Derive the EMUs of every model-stage of ``plan`` that has none (``derive-emus{plan=@plan,
+    only_missing=true}``), for callers of the passes' Python functions."""
+    DeriveEmus(plan=f"@{plan}", only_missing=True).apply(module)
 
 
 def model_stage_emus(m: Module, plan_name: str, model_stage: str, weights_only: bool = False):

@@ -21,7 +21,7 @@ from ..ir import Diagnostic, DiagnosticError, Loc, Module, Plan
 from ..ir.plan import MemoryBreakdown, TimeBreakdown
 from ..ir.units import Dim, format_quantity
 from .cost_model import C_PCIE, Candidates, CostModel, StageCost
-from .pass_manager import ModulePass, register
+from .pass_manager import ModulePass, Ref, register
 
 
 @dataclass
@@ -170,7 +170,7 @@ class Estimate(ModulePass):
     """Options: ``plan`` (``@name``; default: every plan)."""
 
     name = "estimate"
-    plan: str = ""
+    plan: Ref = ""
 
     def apply(self, module: Module) -> None:
         names = [self.plan.lstrip("@")] if self.plan else list(module.plans)

@@ -2,6 +2,17 @@
 options and whose ``name`` is its pipeline name; a pipeline string ``a,b{key=value,...}``
 names passes and sets options. The module is verified after every pass, and a failure names
 the pass and the ones that ran before it.
+
+Options are typed once, by their annotation: ``bool``, ``int``, ``float``, ``str``, ``Ref``
+(a symbol reference written ``@name``) and ``Size`` (bytes, written with a unit: ``64MiB``).
+
+A pass that needs another pass's results says so in ``requires(module)``; the pass manager
+runs what it returns first, as pipeline steps of their own (verified, and shown by
+``--print-ir-after-all``), so no pass runs another behind the pipeline's back.
+
+Which passes exist is not this module's business: ``run_pipeline`` and ``parse_pipeline`` take
+a registry (name -> pass class). This layer's own passes are in ``PASSES``; the registry of
+every layer's passes is ``nereus.registry.get_all_passes()``, above the layers, as xDSL's is.
 """
 
 from __future__ import annotations
@@ -10,9 +21,16 @@ import dataclasses
 import re
 import typing
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from collections.abc import Mapping
+from typing import Callable, ClassVar, NewType
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, print_ir, verify
+from ..ir.units import Dim, UnitError, parse_quantity
+
+Ref = NewType("Ref", str)
+"""An option that names a plan or transition: ``@name`` (stored with its ``@``; ``""`` for none)."""
+Size = NewType("Size", int)
+"""An option in bytes, written with a unit in pipelines (``64MiB``) or as a plain integer."""
 
 
 @dataclass(frozen=True)
@@ -24,12 +42,19 @@ class ModulePass:
     def apply(self, module: Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def requires(self, module: Module) -> list[ModulePass]:
+        """Passes that must run on ``module`` before this one (none by default)."""
+        return []
+
 
 PASSES: dict[str, type[ModulePass]] = {}
+"""The passes of this layer (``nereus.passes``), by name."""
+
+Registry = Mapping[str, type[ModulePass]]
 
 
 def register(cls: type[ModulePass]) -> type[ModulePass]:
-    """Class decorator: make a pass available to pipelines by its ``name``."""
+    """Class decorator: add a pass of this layer to ``PASSES`` by its ``name``."""
     assert cls.name and cls.name not in PASSES, f"pass name {cls.name!r} missing or taken"
     PASSES[cls.name] = cls
     return cls
@@ -55,13 +80,36 @@ def _coerce(cls: type[ModulePass], key: str, text: str):
             return int(text)
         if kind is float:
             return float(text)
-    except ValueError:
-        raise PipelineError(f"option {key} of pass {cls.name} expects {kind.__name__}, got '{text}'") from None
+        if kind is Size:
+            if text.isdigit():
+                return int(text)
+            dim, value = parse_quantity(text)
+            if dim is not Dim.SIZE or value != int(value):
+                raise ValueError
+            return int(value)
+        if kind is Ref:
+            if not _REF.fullmatch(text):
+                raise ValueError
+            return text
+    except (ValueError, UnitError):
+        raise PipelineError(f"option {key} of pass {cls.name} expects {option_type(cls, key)}, got '{text}'") from None
     return text
 
 
-def parse_pipeline(spec: str) -> list[ModulePass]:
-    """``"derive-emus{plan=@p}"`` -> ``[DeriveEmus(plan="@p")]``; raises PipelineError."""
+_REF = re.compile(r"@[A-Za-z_][A-Za-z0-9_.-]*")
+_TYPE_NAMES = {Ref: "@name", Size: "a size such as 64MiB"}
+
+
+def option_type(cls: type[ModulePass], key: str) -> str:
+    """How an option's value is written, for messages and ``nereus passes``."""
+    kind = typing.get_type_hints(cls)[key]
+    return _TYPE_NAMES.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def parse_pipeline(spec: str, registry: Registry | None = None) -> list[ModulePass]:
+    """``"derive-emus{plan=@p}"`` -> ``[DeriveEmus(plan="@p")]``; raises PipelineError.
+    ``registry``: the passes a pipeline may name (default: this layer's, ``PASSES``)."""
+    registry = PASSES if registry is None else registry
     passes: list[ModulePass] = []
     pos = 0
     spec = spec.strip()
@@ -70,9 +118,9 @@ def parse_pipeline(spec: str) -> list[ModulePass]:
         if m is None or m.end() == pos:
             raise PipelineError(f"malformed pipeline at column {pos + 1}: {spec[pos:]!r}; expected name or name{{key=value,...}}")
         name, _, body, _sep = m.groups()
-        cls = PASSES.get(name)
+        cls = registry.get(name)
         if cls is None:
-            raise PipelineError(f"unknown pass '{name}'; known passes: {', '.join(sorted(PASSES)) or '(none)'}")
+            raise PipelineError(f"unknown pass '{name}'; known passes: {', '.join(sorted(registry)) or '(none)'}")
         fields = {f.name for f in dataclasses.fields(cls)}
         options = {}
         for item in (body or "").split(","):
@@ -94,23 +142,33 @@ def parse_pipeline(spec: str) -> list[ModulePass]:
 
 
 def run_pipeline(module: Module, spec: str | list[ModulePass],
-                 after_each: Callable[[ModulePass, Module], None] | None = None) -> Module:
-    """Run the passes of ``spec`` on ``module`` in place, verifying after each one.
+                 after_each: Callable[[ModulePass, Module], None] | None = None,
+                 registry: Registry | None = None) -> Module:
+    """Run the passes of ``spec`` on ``module`` in place, verifying after each one; before each
+    pass, the passes it ``requires`` (recursively), as steps of their own.
 
     A pass that reports problems raises DiagnosticError itself; a pass that leaves invalid IR
     behind raises DiagnosticError whose first diagnostic names it and the passes before it.
     """
-    passes = parse_pipeline(spec) if isinstance(spec, str) else spec
+    passes = parse_pipeline(spec, registry) if isinstance(spec, str) else spec
     ran: list[str] = []
     for p in passes:
-        p.apply(module)
-        try:
-            verify(module)
-        except DiagnosticError as e:
-            before = ", ".join(ran) or "none"
-            head = Diagnostic(Loc(0, 0, module.filename), f"IR is invalid after pass {p.name} (passes before it: {before})")
-            raise DiagnosticError([head, *e.diagnostics], print_ir(module)) from None
-        ran.append(p.name)
-        if after_each is not None:
-            after_each(p, module)
+        _run(module, p, ran, after_each, depth=0)
     return module
+
+
+def _run(module: Module, p: ModulePass, ran: list[str], after_each, depth: int) -> None:
+    if depth > 8:
+        raise PipelineError(f"pass {p.name}: its requirements do not end ({' <- '.join(ran[-8:])})")
+    for q in p.requires(module):
+        _run(module, q, ran, after_each, depth + 1)
+    p.apply(module)
+    try:
+        verify(module)
+    except DiagnosticError as e:
+        before = ", ".join(ran) or "none"
+        head = Diagnostic(Loc(0, 0, module.filename), f"IR is invalid after pass {p.name} (passes before it: {before})")
+        raise DiagnosticError([head, *e.diagnostics], print_ir(module)) from None
+    ran.append(p.name)
+    if after_each is not None:
+        after_each(p, module)

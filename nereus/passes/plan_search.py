@@ -28,7 +28,7 @@ from ..ir.model import even_split
 from ..ir.plan import SearchRecord
 from ..ir.units import Dim, format_quantity
 from .estimate import estimate_plan, round_time
-from .pass_manager import ModulePass, register
+from .pass_manager import ModulePass, Ref, register
 from .cost_model import CostModel
 from .search_space import SearchProblem, _candidates, build_problem
 
@@ -208,9 +208,9 @@ class PlanSearch(ModulePass):
     time_limit: float = 10.0
     seed: int = 0
     objective: str = "step-time"
-    workload: str = ""
-    cluster: str = ""
-    into: str = ""
+    workload: Ref = ""
+    cluster: Ref = ""
+    into: Ref = ""
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":

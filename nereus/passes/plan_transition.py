@@ -38,30 +38,21 @@ from dataclasses import dataclass
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
 from ..ir.verify_state import state_dtype_bytes
 from .gc_pause import gc_paused
-from .pass_manager import ModulePass, register
+from .derive_emus import emus_required
+from .pass_manager import ModulePass, Ref, register
 from .transition_grid import Piece
 from .transition_planner import Planner
 
-__all__ = ["Piece", "ensure_emus", "plan_transition", "state_bytes"]
-
-
-def ensure_emus(m: Module, plan_name: str) -> None:
-    """Derive the EMUs of every model-stage of a plan that the module does not declare."""
-    from .derive_emus import model_stage_emus
-
-    for ms in m.plans[plan_name].layouts:
-        if not m.emus_of(plan_name, ms):
-            for e in model_stage_emus(m, plan_name, ms):
-                m.emus[e.key] = e
+__all__ = ["Piece", "plan_pieces", "plan_transition", "state_bytes"]
 
 
 def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
     """Bytes of state (weights, fp32 master, Adam moments) each GPU holds under a plan; with
-    ``offloaded=False`` only what stays on the GPU between steps."""
-    ensure_emus(m, plan_name)
+    ``offloaded=False`` only what stays on the GPU between steps. Needs the plan's EMUs."""
+    m.require_emus(plan_name, "state_bytes")
     plan = m.plans[plan_name]
     out: dict[int, int] = defaultdict(int)
-    for key, pieces in _pieces(m, plan_name).items():
+    for key, pieces in plan_pieces(m, plan_name).items():
         model_name, state, _ = key
         itemsize = state_dtype_bytes(m.models[model_name], state)
         for p in pieces:
@@ -74,7 +65,7 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
     return dict(out)
 
 
-def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
+def plan_pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
     """(model, state, family) -> pieces, from the plan's EMUs."""
     out: dict[tuple[str, str, str], list[Piece]] = defaultdict(list)
     slices: dict[tuple[str, int], list[tuple]] = {}  # replicas share entry lists: read each list once
@@ -95,7 +86,8 @@ def _pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]
 
 
 def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None) -> Transition:
-    """Build the transition graph; see the module docstring.
+    """Build the transition graph; see the module docstring. Needs both plans' EMUs
+    (``derive-emus``; the pass declares it and the pass manager runs it).
 
     ``lost``: GPUs whose state is gone (default: those plan B's cluster marks unavailable). Pass
     an empty set for GPUs that leave with notice (a planned scale-in): they still send.
@@ -103,8 +95,8 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     cluster = m.clusters[m.plans[target].cluster]
     with gc_paused():
         for p in (source, target):
-            ensure_emus(m, p)
-        src_all, dst_all = _pieces(m, source), _pieces(m, target)
+            m.require_emus(p, "plan-transition")
+        src_all, dst_all = plan_pieces(m, source), plan_pieces(m, target)
         # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
         lost = set(cluster.unavailable) if lost is None else set(lost)
         src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
@@ -144,10 +136,13 @@ class PlanTransition(ModulePass):
     and still send; default false: they failed and their state is lost)."""
 
     name = "plan-transition"
-    to: str = ""
-    source: str = ""
-    into: str = ""
+    to: Ref = ""
+    source: Ref = ""
+    into: Ref = ""
     drain: bool = False
+
+    def requires(self, module: Module) -> list[ModulePass]:
+        return emus_required(module, *plan_pair(module, self.name, self.source, self.to))
 
     def apply(self, module: Module) -> None:
         source, target = plan_pair(module, self.name, self.source, self.to)

@@ -32,8 +32,9 @@ from scipy.sparse import csr_matrix
 
 from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.plan import RemapRecord
-from .pass_manager import ModulePass, register
-from .plan_transition import _pieces, ensure_emus, plan_pair
+from .pass_manager import ModulePass, Ref, register
+from .derive_emus import emus_required
+from .plan_transition import plan_pair, plan_pieces
 from .transition_grid import Grid
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
@@ -45,8 +46,8 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     from ..ir.verify_state import state_dtype_bytes
 
     for p in (source, target):
-        ensure_emus(m, p)
-    src_all, dst_all = _pieces(m, source), _pieces(m, target)
+        m.require_emus(p, "remap")
+    src_all, dst_all = plan_pieces(m, source), plan_pieces(m, target)
     value = np.zeros((gpus, gpus))
     need = np.zeros(gpus)
     outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})
@@ -148,9 +149,12 @@ class RemapPass(ModulePass):
     still hold their state)."""
 
     name = "remap"
-    to: str = ""
-    source: str = ""
+    to: Ref = ""
+    source: Ref = ""
     drain: bool = False
+
+    def requires(self, module: Module) -> list[ModulePass]:
+        return emus_required(module, *plan_pair(module, self.name, self.source, self.to))
 
     def apply(self, module: Module) -> None:
         source, target = plan_pair(module, self.name, self.source, self.to)

@@ -30,7 +30,7 @@ from ortools.sat.python import cp_model
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
 from .cost_model import CostModel
 from .gc_pause import gc_paused
-from .pass_manager import ModulePass, register
+from .pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
 
@@ -404,7 +404,7 @@ class ScheduleTransfers(ModulePass):
     name = "schedule-transfers"
     time_limit: float = 5.0
     seed: int = 0
-    transition: str = ""
+    transition: Ref = ""
 
     def apply(self, module: Module) -> None:
         names = [self.transition.lstrip("@")] if self.transition else list(module.transitions)

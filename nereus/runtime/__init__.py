@@ -1,4 +1,4 @@
-"""Nereus runtime layer (see DESIGN.md): collective programs executed on live sharded state.
+"""Nereus runtime layer (docs/ARCHITECTURE.md): collective programs executed on live sharded state.
 
 ``execute(program, state)`` on every rank of a process group (``init_from_env``); the state is
 ``{StateKey: tensor}`` as ``state.plan_layout`` describes it. Importing this package imports torch.

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from .state import LocalState, ShardSpec, StateKey
+from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 METADATA_FILE = ".metadata"  # what FileSystemWriter's coordinator writes next to the data files
 
@@ -159,7 +159,7 @@ def load(path: str | os.PathLike, specs: list[ShardSpec], rank: int, world: int)
     ``spec.dtype`` is cast by that copy.
     """
     _check_world(rank, world)
-    state = {s.key: torch.empty(s.local_shape, dtype=s.dtype) for s in specs}
+    state = {s.key: torch.empty(s.local_shape, dtype=torch_dtype(s.dtype)) for s in specs}
     sd = {fqn(s.key): state[s.key] for s in specs}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=BoxLoadPlanner({fqn(s.key): s for s in specs}))
     return state

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend.program import Message, Piece, Program, Step
-from .state import LocalState, ShardSpec, StateKey
+from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 
 class TransitionError(RuntimeError):
@@ -102,7 +102,7 @@ class _Rank:
             t = state.get(k)
             if t is None:
                 raise TransitionError(f"rank {rank}: the state has no {k}, which plan @{prog.source} puts here")
-            if tuple(t.shape) != spec.local_shape or t.dtype != spec.dtype:
+            if tuple(t.shape) != spec.local_shape or t.dtype != torch_dtype(spec.dtype):
                 raise TransitionError(f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
                                       f"{spec.local_shape} {spec.dtype}")
             self.src[k] = t
@@ -122,14 +122,14 @@ class _Rank:
         if key in self.out:
             return self.out[key]
         spec = self.dst_spec[key]
-        return torch.empty(spec.local_shape, dtype=spec.dtype, device=self.device)
+        return torch.empty(spec.local_shape, dtype=torch_dtype(spec.dtype), device=self.device)
 
     def land(self, p: Piece) -> torch.Tensor:
         """Where piece ``p`` is written: its destination shard's box, or a host staging buffer."""
         if not p.staged:
             return self.write(p.dst, p.box)
         spec = self.dst_spec[p.dst]
-        buf = torch.empty([hi - lo for lo, hi in p.box], dtype=spec.dtype, device="cpu",
+        buf = torch.empty([hi - lo for lo, hi in p.box], dtype=torch_dtype(spec.dtype), device="cpu",
                           pin_memory=self.device.type == "cuda")
         self.staging[(p.dst, p.box)] = buf
         return buf
@@ -311,7 +311,7 @@ def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[S
         spec = dst_spec.get(k)
         if spec is None:
             raise TransitionError(f"rank {rank}: out has {k}, which plan B does not put on this rank")
-        if tuple(t.shape) != spec.local_shape or t.dtype != spec.dtype or not t.is_contiguous():
+        if tuple(t.shape) != spec.local_shape or t.dtype != torch_dtype(spec.dtype) or not t.is_contiguous():
             raise TransitionError(f"rank {rank}: out[{k}] is {tuple(t.shape)} {t.dtype}, the program needs a contiguous "
                                   f"{spec.local_shape} {spec.dtype}")
         if any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for s in src.values()):

@@ -1,7 +1,8 @@
 """``lower-collectives{transition=@t}``: check that a transition lowers to a collective program.
 
-The lowering itself lives in ``nereus.backend.lower`` (it needs torch, imported only when the
-pass runs); ``nereus lower FILE`` prints or renders the program.
+The backend's pass, registered in the backend's ``PASSES`` (``nereus.registry`` gathers every
+layer's); the lowering itself is ``lower.lower``, and ``nereus lower FILE`` prints or renders
+the program.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Module
-from .pass_manager import ModulePass, register
+from ..passes.pass_manager import ModulePass, Ref, Size
+from .lower import DEFAULT_BUCKET, lower, pick_transition
+
+PASSES: dict[str, type[ModulePass]] = {}
+"""The backend's passes, by name."""
 
 
-@register
 @dataclass(frozen=True)
 class LowerCollectives(ModulePass):
     """Checks that every destination byte of the transition is delivered exactly once and every
@@ -21,11 +25,12 @@ class LowerCollectives(ModulePass):
     collective)."""
 
     name = "lower-collectives"
-    transition: str = ""
-    bucket: int = 64 * 2**20
+    transition: Ref = ""
+    bucket: Size = DEFAULT_BUCKET
     broadcast: str = "auto"
 
     def apply(self, module: Module) -> None:
-        from ..backend.lower import lower, pick_transition
-
         lower(module, pick_transition(module, self.transition), bucket_bytes=self.bucket, broadcast=self.broadcast)
+
+
+PASSES[LowerCollectives.name] = LowerCollectives

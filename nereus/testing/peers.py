@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ..runtime.state import LocalState, ShardSpec, StateKey, cut
+from ..runtime.state import LocalState, ShardSpec, StateKey, cut, torch_dtype
 
 # Measured with 4 gloo ranks on 2 cores (default-size cases): 16-32 MB buckets are fastest for both
 # peers; one collective per tensor is 1.2-3x slower, 256 MB buckets up to 2x slower.
@@ -127,7 +127,7 @@ def _unpack(buf: torch.Tensor, specs: list[ShardSpec]) -> Iterator[tuple[ShardSp
     """The shards packed by ``_pack``, as views of ``buf`` in their dtype and local shape."""
     off = 0
     for s in specs:
-        yield s, buf[off:off + s.nbytes].view(s.dtype).view(s.local_shape)
+        yield s, buf[off:off + s.nbytes].view(torch_dtype(s.dtype)).view(s.local_shape)
         off += _padded(s.nbytes)
 
 
@@ -170,7 +170,7 @@ def allgather_slice(src: LocalState, src_layout: Layout, dst_layout: Layout, ran
     for bucket, senders, chunk in steps:
         _all_gather_equal(gathered[:world * chunk], _pack(src, senders[rank], packed[:chunk]))
         sent += (world - 1) * chunk
-        fulls = {k: torch.empty(mine[k].shape, dtype=mine[k].dtype) for k in bucket if k in mine}
+        fulls = {k: torch.empty(mine[k].shape, dtype=torch_dtype(mine[k].dtype)) for k in bucket if k in mine}
         for r, specs in enumerate(senders):
             for s, t in _unpack(gathered[r * chunk:(r + 1) * chunk], specs):
                 if s.key in fulls:

@@ -1,4 +1,4 @@
-"""Golden tests of plans, for this project and for users (a pytest plugin).
+"""Golden tests of plans, for this project and for users.
 
 A golden case is a ``.nir`` input whose first lines name the pipeline to run::
 
@@ -13,8 +13,9 @@ Nereus upgrade or a changed cluster file moves a plan, the diff shows exactly wh
   reads the diff before committing;
 - ``nereus opt FILE -p PIPELINE --golden FILE.expected`` does the same from the command line.
 
-The plugin is registered through the ``pytest11`` entry point, so installing Nereus makes the
-fixture and the option available in any project's tests.
+The fixture lives in ``nereus.testing.plugin``, registered through the ``pytest11`` entry point,
+so installing Nereus makes the fixture and the option available in any project's tests. This
+module does not import pytest: the command line uses it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-
-import pytest
 
 _RUN = re.compile(r"^//\s*RUN:\s*nereus opt %s -p (\S+)\s*$")
 
@@ -45,7 +44,7 @@ def run_header(text: str) -> str:
 
 def produce(path: Path, pipeline: str | None = None) -> str:
     """Parse, verify, run the pipeline and print: what the golden file must contain."""
-    from . import parse, print_ir, run_pipeline, verify
+    from .. import parse, print_ir, run_pipeline, verify
 
     text = path.read_text()
     module = verify(parse(text, str(path)))
@@ -70,26 +69,3 @@ def compare(actual: str, expected_path: Path, update: bool) -> None:
     if not expected_path.exists():
         raise GoldenMismatch(f"{expected_path} does not exist; run with --update-goldens to create it")
     raise GoldenMismatch(f"output differs from {expected_path}:\n" + unified_diff(expected, actual, expected_path.name))
-
-
-def pytest_addoption(parser):
-    group = parser.getgroup("nereus")
-    group.addoption("--update-goldens", action="store_true", default=False,
-                    help="rewrite Nereus golden files (.nir.expected) and fail, so the diff gets read")
-
-
-@pytest.fixture
-def nir_golden(request):
-    """``nir_golden(path, pipeline=None)``: run the case's pipeline and compare with ``path + '.expected'``."""
-    update = request.config.getoption("--update-goldens")
-
-    def check(path, pipeline: str | None = None) -> str:
-        path = Path(path)
-        actual = produce(path, pipeline)
-        try:
-            compare(actual, path.with_name(path.name + ".expected"), update)
-        except GoldenMismatch as e:
-            pytest.fail(str(e), pytrace=False)
-        return actual
-
-    return check

@@ -1,4 +1,4 @@
-"""The resharding cases of ``nereus bench reshard`` and the runtime tests, as IR modules.
+"""The resharding cases of ``nereus bench reshard``, the runtime tests and users' tests, as IR modules.
 
 One Llama-style model on one node of ``n`` GPUs (4 or 8); each case is a pair of plans A -> B
 of one model-stage, with the EMUs of both derived from the layouts:
@@ -19,7 +19,7 @@ cases (hidden 512: 31.6 M parameters x 14 bytes) and 330 MB of bf16 weights in `
 from __future__ import annotations
 
 from ..ir import Module, parse
-from ..passes.derive_emus import model_stage_emus
+from ..passes import run_pipeline
 
 CASES = ("tp4-tp2x2", "tp2x2-tp4", "tp4-tp2", "pp2-pp4", "dp4-dp2", "train-gen")
 
@@ -98,7 +98,4 @@ def case_module(case: str, n: int, hidden: int | None = None, layers: int = 8) -
         raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
     hidden = hidden or (1280 if kind == "generate" else 512)
     m = parse(job_text(n, kind, a, b, layers=layers, hidden=hidden))
-    for plan in ("a", "b"):
-        for e in model_stage_emus(m, plan, f"actor.{kind}"):
-            m.emus[e.key] = e
-    return m
+    return run_pipeline(m, "derive-emus{plan=@a},derive-emus{plan=@b}")

@@ -1,6 +1,6 @@
 """The reference jobs of ``examples/``, built from parameters.
 
-The checked-in examples are produced by ``python -m nereus.jobs examples/`` and a test checks
+The checked-in examples are produced by ``python -m nereus.testing.jobs examples/`` and a test checks
 they are up to date; each carries the weights of one model-stage's EMUs (and, for generation,
 the KV-cache budget); the benchmarks call the same builders at other sizes (the 70B job at
 128 to 1,024 GPUs). Hardware figures are NVIDIA's H100 SXM datasheet: 80 GB HBM3 at 3.35 TB/s,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .ir import parse, print_ir
+from ..ir import parse, print_ir
 
 H100 = """\
   gpu_memory = 80GiB
@@ -36,7 +36,7 @@ def _layout(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: s
 
 
 def _with_emus(text: str, plan: str, model_stage: str, filename: str) -> str:
-    from .passes.derive_emus import model_stage_emus
+    from ..passes.derive_emus import model_stage_emus
 
     m = parse(text, filename)
     # weights (and generation's KV budget) only: with ZeRO-sharded optimizer state the replicas
