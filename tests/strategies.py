@@ -532,7 +532,7 @@ def _link(cluster: Cluster, gpus: list[int]) -> str:
 
 @st.composite
 def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, opid: str, earlier: list[str]) -> Op | None:
-    kind = draw(st.sampled_from(["send", "copy", "broadcast", "allgather", "free", "offload", "load"]))
+    kind = draw(st.sampled_from(["send", "copy", "broadcast", "free", "offload", "load"]))
     if kind == "load" or not src_slots:
         if not dst_slots:
             return None
@@ -547,7 +547,7 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
         e = draw(st.sampled_from(s.entries))
         model = s.model
         region = _region(e)
-        if kind in ("send", "copy", "broadcast", "allgather"):
+        if kind in ("send", "copy", "broadcast"):
             cands = _holders(dst_slots, model, e.state, e.family, region)
             if not cands:
                 kind = draw(st.sampled_from(["free", "offload"]))
@@ -562,18 +562,6 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
                     targets += draw(st.lists(st.sampled_from(more), unique_by=lambda c: c.ref, max_size=3))
             src, dsts = [s.ref], [x.ref for x in targets]
             link = _link(cluster, [s.gpu] + [x.gpu for x in targets])
-        elif kind == "allgather":
-            # gather into one destination slice from every source that holds part of it
-            d, r = draw(st.sampled_from(cands))
-            layers, box = r
-            parts = _holders(src_slots, model, e.state, e.family, (layers, box))
-            srcs = list({p.ref: p for p, _ in parts}.values())
-            if len(srcs) < 2:
-                kind = "free"
-            else:
-                srcs = draw(st.lists(st.sampled_from(srcs), unique_by=lambda c: c.ref, min_size=2))
-                src, dsts = [x.ref for x in srcs], [d.ref]
-                link = _link(cluster, [x.gpu for x in srcs] + [d.gpu])
         if kind == "free":
             layers, box = draw(sub_region(region))
             more = [c for c in src_slots if c.ref != s.ref and c.model.name == model.name
