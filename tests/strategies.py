@@ -33,7 +33,7 @@ from nereus.ir import transition as _transition_mod
 from nereus.ir import workload as _workload_mod
 from nereus.ir.sharding import derive_emus
 from nereus.ir.units import Dim, UnitError, parse_quantity
-from nereus.ir.verify_state import state_dtype_bytes
+from nereus.ir.model import state_dtype_bytes
 
 # ---------------------------------------------------------------------------- names
 
