@@ -11,7 +11,7 @@ from rich.table import Table
 from .ir import Module
 from .ir.attributes import compress_ints
 from .ir.units import Dim, format_quantity
-from .ir.verify_state import state_dtype_bytes
+from .ir.model import state_dtype_bytes
 
 
 def _size(n: int | None) -> str:

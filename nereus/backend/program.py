@@ -56,9 +56,13 @@ class Message:
         return sum(p.nbytes for p in self.pieces)
 
 
+STEP_KINDS = ("alloc", "keep", "copy", "round", "broadcast", "load", "unstage", "offload", "release")
+"""Every kind of program step, as the module docstring defines them."""
+
+
 @dataclass(frozen=True)
 class Step:
-    kind: str  # alloc | keep | copy | round | broadcast | load | unstage | offload | release
+    kind: str  # one of STEP_KINDS
     keys: tuple[StateKey, ...] = ()  # alloc, keep, load, offload, release
     piece: Piece | None = None  # copy, unstage
     sends: tuple[Message, ...] = ()  # round
@@ -66,6 +70,10 @@ class Step:
     group: tuple[int, ...] = ()  # broadcast: the subgroup's ranks (the root first)
     message: Message | None = None  # broadcast: the bucket (receiver = -1)
     round: int = 0
+
+    def __post_init__(self):
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"unknown program step kind {self.kind!r}; kinds: {', '.join(STEP_KINDS)}")
 
 
 @dataclass

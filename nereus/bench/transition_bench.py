@@ -35,11 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse, verify
-from ..ir.verify_state import state_dtype_bytes
+from ..ir.model import state_dtype_bytes
 from ..testing.jobs import ppo_70b
 from ..passes import CostModel, run_pipeline
 from ..passes.derive_emus import derive_missing_emus
-from ..passes.plan_transition import plan_pieces, state_bytes
+from ..passes.plan_transition import plan_holdings, state_bytes
 
 STORAGE_GBPS = 400.0  # aggregate shared-storage bandwidth assumed for DCP (GB/s)
 TARGET_PLAN_S = 5.0
@@ -95,7 +95,7 @@ def peers(m, source: str, target: str) -> dict[str, tuple[int, float]]:
     cluster = m.clusters[m.plans[target].cluster]
     eff = CostModel(cluster).efficiency
     nic = cluster.inter_node.bandwidth * eff.nic
-    src, dst = plan_pieces(m, source), plan_pieces(m, target)
+    src, dst = plan_holdings(m, source), plan_holdings(m, target)
     full: dict[tuple, int] = {}
     for key, pieces in src.items():
         model = m.models[key[0]]

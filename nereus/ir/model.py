@@ -166,3 +166,8 @@ class Model:
     def stages_holding(self, spec: TensorSpec, pp: int) -> list[int]:
         """Pipeline stages that hold a non-layer tensor."""
         return {"first": [0], "last": [pp - 1], "first_and_last": sorted({0, pp - 1})}[spec.placement]
+
+
+def state_dtype_bytes(model: Model, state: str) -> int:
+    """Bytes per element of a state: weights in the model dtype; grads, fp32 master and Adam moments in fp32."""
+    return model.dtype_bytes if state == "weight" else 4

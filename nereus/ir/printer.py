@@ -18,6 +18,17 @@ from .emu import SHARD_ATTRS, Emu, SliceEntry
 from .model import MODEL_ATTRS
 from .module import Module
 from .plan import LAYOUT_ATTRS, PLAN_ATTRS
+
+ANALYSIS_DIGITS = 5
+"""Significant digits of the analysis results passes record (times, costs): a model's estimate
+carries no more, and the printed IR stays readable."""
+
+
+def printed_precision(x: float, digits: int = ANALYSIS_DIGITS) -> float:
+    """``x`` at the precision the IR records analysis results in (``digits`` significant
+    digits); passes store this value, so that printing and parsing it back is exact. Non-finite
+    values pass through."""
+    return float(f"{x:.{digits}g}") if x == x and abs(x) != float("inf") else x
 from .transition import OP_ATTRS, TRANSITION_ATTRS, Op
 from .workload import STAGE_ATTRS, WORKLOAD_ATTRS
 

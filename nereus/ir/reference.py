@@ -36,9 +36,25 @@ transition @NAME { ATTRS  %ID = KIND [STATE] TENSOR [SLICES] from [ENDPOINTS] to
   `layers.0..15.mlp.up_proj.weight`. States: weights (default), `grad`, `master`, `exp_avg`,
   `exp_avg_sq`; weights are in the model's dtype, the others in fp32.
 - Endpoints: `MODEL.STAGE[dp, pp, tp]` (sources in the source plan, destinations in the
-  target plan) or `host[GPU]`. Operation kinds: """ + ", ".join(OP_KINDS) + """.
+  target plan) or `host[GPU]`. Operation kinds: """ + ", ".join(OP_KINDS) + """ (below).
 
 """
+
+
+def _count(lo: int, hi: int | None) -> str:
+    return str(lo) if lo == hi else f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def op_kinds() -> str:
+    """The table of operation kinds, from their definitions (``transition.OP_KINDS``)."""
+    whose = {"a": "plan A", "b": "plan B", "host": "host[g]", "none": "-"}
+    rows = ["## operation kinds", "", "| kind | sources | destinations | reads | writes | what it does |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for k in OP_KINDS.values():
+        writes = whose[k.writes] + (" or host[g] (staged)" if k.stages else "")
+        rows.append(f"| `{k.name}` | {_count(*k.sources)} | {_count(*k.destinations)} | {whose[k.reads]} | {writes} | {k.doc} |")
+    return "\n".join(rows) + "\n"
+
 
 
 def reference() -> str:
@@ -48,6 +64,7 @@ def reference() -> str:
                          ("layout (inside a plan)", LAYOUT_ATTRS), ("transition", TRANSITION_ATTRS),
                          ("operation (inside a transition)", OP_ATTRS)]:
         parts.append(describe(title, specs))
+    parts.append(op_kinds())
     return "\n".join(parts)
 
 

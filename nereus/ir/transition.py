@@ -8,18 +8,75 @@ from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 from .emu import Box, tensor_name
 
-OP_KINDS = ("copy", "send", "broadcast", "allgather", "free", "offload", "load", "unstage")
-"""What each kind does:
+@dataclass(frozen=True)
+class OpKind:
+    """What one kind of transition operation is: every layer asks this table instead of
+    comparing kind names (the verifier, plan-transition, schedule-transfers, the lowering and
+    the reference executor).
 
-- ``copy``, ``send``, ``broadcast``, ``allgather``: a slice of plan A's state to plan B's shards
-  (on the same GPU, to one GPU, from one GPU to many, from many to many). A ``copy``, ``send``
-  or ``broadcast`` may write ``host[g]`` instead of a shard on GPU g: the slice is *staged* in
-  the host memory beside g, because g has no room for it until its own plan-A slices are freed;
-- ``unstage``: a staged slice from ``host[g]`` into plan B's shards on GPU g;
-- ``free``: plan A's slice leaves its GPU;
-- ``load``: plan A's slice, offloaded to host memory between steps, comes back before it is read;
-- ``offload``: plan B's slice goes to host memory once it has arrived.
-"""
+    ``sources`` and ``destinations`` are (min, max) counts of endpoints (max ``None``: any);
+    ``reads`` and ``writes`` say whose state the endpoints are: ``"a"`` (plan A's shards),
+    ``"b"`` (plan B's), ``"host"`` (``host[g]``) or ``"none"``; a kind that ``stages`` may write
+    ``host[g]`` instead of plan B's shard on GPU g (the GPU has no room yet).
+    """
+
+    name: str
+    doc: str
+    sources: tuple[int, int | None]
+    destinations: tuple[int, int | None]
+    reads: str
+    writes: str
+    stages: bool = False  # may write host[g] in place of a plan-B shard on GPU g
+    transfer: bool = False  # carries a slice from plan A's state to plan B's shards (a link or a local copy)
+    delivers: bool = False  # what it writes counts toward plan B's shards being complete
+    frees: bool = False  # the slice leaves its GPU
+    pcie: bool = False  # always between a GPU and its host memory
+    local: bool = False  # source and destinations on one GPU (staged: the GPU and its host memory)
+
+    @property
+    def reads_host(self) -> bool:
+        return self.reads == "host"
+
+    @property
+    def writes_host(self) -> bool:
+        return self.writes == "host"
+
+    @property
+    def one_to_many(self) -> bool:
+        """A transfer that may write many destinations (a broadcast)."""
+        return self.transfer and self.destinations[1] is None
+
+    @property
+    def source_plan(self) -> str:
+        """``"source"`` or ``"target"``: the plan whose EMUs the source endpoints name."""
+        return "target" if self.reads == "b" else "source"
+
+    @property
+    def destination_plan(self) -> str:
+        return "source" if self.writes == "a" else "target"
+
+
+OP_KINDS: dict[str, OpKind] = {k.name: k for k in (
+    OpKind("copy", "a slice of plan A's state into plan B's shard on the same GPU (or staged into host[g])",
+           (1, 1), (1, 1), reads="a", writes="b", stages=True, transfer=True, delivers=True, local=True),
+    OpKind("send", "a slice of plan A's state to plan B's shard on another GPU (or staged into host[g])",
+           (1, 1), (1, 1), reads="a", writes="b", stages=True, transfer=True, delivers=True),
+    OpKind("broadcast", "a slice of plan A's state from one GPU to plan B's shards on many",
+           (1, 1), (1, None), reads="a", writes="b", stages=True, transfer=True, delivers=True),
+    OpKind("free", "plan A's slice leaves its GPU (nobody reads it any more)",
+           (1, None), (0, 0), reads="a", writes="none", frees=True),
+    OpKind("offload", "plan B's slice goes to host[g] once it has arrived",
+           (1, 1), (1, 1), reads="b", writes="host", pcie=True),
+    OpKind("load", "plan A's slice, offloaded between steps, comes back from host[g] before it is read",
+           (1, 1), (1, 1), reads="host", writes="a", pcie=True),
+    OpKind("unstage", "a staged slice from host[g] into plan B's shards on GPU g",
+           (1, 1), (1, None), reads="host", writes="b", delivers=True, pcie=True),
+)}
+"""Every operation kind, by name, in printing order."""
+
+HOST_READING_KINDS = tuple(k.name for k in OP_KINDS.values() if k.reads_host)
+HOST_WRITING_KINDS = tuple(k.name for k in OP_KINDS.values() if k.writes_host) + tuple(
+    k.name for k in OP_KINDS.values() if k.stages)
 LINKS = ("local", "nvlink", "nic", "pcie")
 
 @dataclass(frozen=True)
@@ -106,6 +163,11 @@ class Op:
     @property
     def tensor(self) -> str:
         return tensor_name(self.family, self.layers)
+
+    @property
+    def spec(self) -> OpKind:
+        """The definition of this operation's kind."""
+        return OP_KINDS[self.kind]
 
 
 @dataclass(kw_only=True)

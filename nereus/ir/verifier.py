@@ -10,7 +10,8 @@ from __future__ import annotations
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
 from .module import Module
 from .plan import Layout, Plan
-from .verify_state import verify_emus, verify_transitions
+from .verify_emus import verify_emus
+from .verify_transition import verify_transitions
 
 
 def verify(m: Module) -> Module:
@@ -145,11 +146,11 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
         model = m.models.get(lay.model)
         stage = w.stage_of(ms)
         if model is not None and ms in expected:
-            _layout(lay, model, stage, c, sink)
+            _verify_layout(lay, model, stage, c, sink)
     _colocation(plan, w, sink)
 
 
-def _layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> None:
+def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> None:
     ms = lay.model_stage
     if model.heads % lay.tp:
         ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)]

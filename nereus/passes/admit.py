@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir.printer import printed_precision
 from ..ir.transition import Admission
 from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
@@ -39,16 +40,12 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
     saving = a.step_time - b.step_time
     benefit = saving * horizon
     decision = "accept" if benefit > cost * (1 + margin) else "reject"
-    return Admission(decision=decision, cost=_r(cost), benefit=_r(benefit), saving=_r(saving),
-                     break_even=_r(cost / saving) if saving > 0 else None)
+    return Admission(decision=decision, cost=printed_precision(cost), benefit=printed_precision(benefit), saving=printed_precision(saving),
+                     break_even=printed_precision(cost / saving) if saving > 0 else None)
 
 
 def _shape(lay) -> tuple:
     return (lay.tp, lay.pp, lay.dp, tuple(lay.mesh), tuple(map(tuple, lay.layers)))
-
-
-def _r(x: float) -> float:
-    return float(f"{x:.5g}")
 
 
 @register

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.cluster import Calibration, Efficiency
+from ..ir.printer import printed_precision
 from .cost_model import COEFFS, CostModel, coefficient_vector, efficiency_from_vector
 from .estimate import LayoutCost, layout_costs
 from .pass_manager import ModulePass, register
@@ -154,8 +155,9 @@ class Calibrate(ModulePass):
             obs = observations(module, recs)
             cluster = module.clusters[cluster_name]
             result = fit(obs, cluster.efficiency or Efficiency())
-            cluster.efficiency = Efficiency(**{k: float(f"{v:.4g}") for k, v in vars(result.efficiency).items()})
-            cluster.calibration = Calibration(len(obs), float(f"{result.error_before:.4g}"), float(f"{result.error_after:.4g}"))
+            cluster.efficiency = Efficiency(**{k: printed_precision(v, 4) for k, v in vars(result.efficiency).items()})
+            cluster.calibration = Calibration(len(obs), printed_precision(result.error_before, 4),
+                                              printed_precision(result.error_after, 4))
 
 
 def synthetic_profile(m: Module, hidden: Efficiency, noise: float = 0.0, seed: int = 0, steps: int = 1) -> list[dict]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, Plan
 from ..ir.plan import MemoryBreakdown, TimeBreakdown
+from ..ir.printer import printed_precision
 from ..ir.units import Dim, format_quantity
 from .cost_model import C_PCIE, Candidates, CostModel, StageCost
 from .pass_manager import ModulePass, Ref, register
@@ -125,9 +126,9 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
         parts["offload"] = lc.offload_feature * coeffs[C_PCIE] + lc.offload_latency
         t = lc.time(coeffs)
         times[ms] = t
-        lay.time = round_time(t)
+        lay.time = printed_precision(t)
         lay.memory = round_bytes(peak)
-        lay.time_breakdown = TimeBreakdown(**{k: round_time(v) for k, v in parts.items()})
+        lay.time_breakdown = TimeBreakdown(**{k: printed_precision(v) for k, v in parts.items()})
         lay.memory_breakdown = MemoryBreakdown(
             weights=round_bytes(c.weights[0]), grads=round_bytes(c.grads[0]), optimizer=round_bytes(c.optimizer[0]),
             activations=round_bytes(c.activations[0]), kv_cache=round_bytes(c.kv_cache[0]), resident=round_bytes(others))
@@ -142,13 +143,8 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
                 "breakdown: " + ", ".join(f"{k} {_size(v)}" for k, v in (
                     ("weights", c.weights[0]), ("grads", c.grads[0]), ("optimizer", c.optimizer[0]),
                     ("activations", c.activations[0]), ("kv_cache", c.kv_cache[0]), ("resident", others)) if v)))
-    plan.step_time = round_time(step_time(m, plan, times)) if all(np.isfinite(list(times.values()))) else None
+    plan.step_time = printed_precision(step_time(m, plan, times)) if all(np.isfinite(list(times.values()))) else None
     return problems
-
-
-def round_time(t: float) -> float:
-    """Seconds to 5 significant digits: a model's estimate carries no more, and the IR stays readable."""
-    return float(f"{t:.5g}") if np.isfinite(t) else t
 
 
 def round_bytes(n: float) -> int:

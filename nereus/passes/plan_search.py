@@ -27,7 +27,8 @@ from ..ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
 from ..ir.model import even_split
 from ..ir.plan import SearchRecord
 from ..ir.units import Dim, format_quantity
-from .estimate import estimate_plan, round_time
+from ..ir.printer import printed_precision
+from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
 from .cost_model import CostModel
 from .search_space import SearchProblem, _candidates, build_problem
@@ -231,8 +232,8 @@ class PlanSearch(ModulePass):
                                               "raise time_limit for a proof", severity="warning"))
         name = self.into.lstrip("@") or f"{w.name}_searched"
         plan = to_plan(problem, sol, name, w.name, c.name)
-        plan.search = SearchRecord(status=sol.status, objective=round_time(sol.objective * problem.unit_s),
-                                   bound=round_time(sol.bound * problem.unit_s), gap=float(f"{sol.gap:.4g}"),
+        plan.search = SearchRecord(status=sol.status, objective=printed_precision(sol.objective * problem.unit_s),
+                                   bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),
                                    candidates=sum(len(s.options) for s in problem.spaces.values()))
         module.plans[name] = plan
         problems = estimate_plan(module, plan)

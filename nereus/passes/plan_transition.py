@@ -36,14 +36,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
-from ..ir.verify_state import state_dtype_bytes
+from ..ir.model import state_dtype_bytes
 from .gc_pause import gc_paused
 from .derive_emus import emus_required
 from .pass_manager import ModulePass, Ref, register
-from .transition_grid import Piece
+from .transition_grid import Holding
 from .transition_planner import Planner
 
-__all__ = ["Piece", "plan_pieces", "plan_transition", "state_bytes"]
+__all__ = ["Holding", "plan_holdings", "plan_transition", "state_bytes"]
 
 
 def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
@@ -52,7 +52,7 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
     m.require_emus(plan_name, "state_bytes")
     plan = m.plans[plan_name]
     out: dict[int, int] = defaultdict(int)
-    for key, pieces in plan_pieces(m, plan_name).items():
+    for key, pieces in plan_holdings(m, plan_name).items():
         model_name, state, _ = key
         itemsize = state_dtype_bytes(m.models[model_name], state)
         for p in pieces:
@@ -65,9 +65,9 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
     return dict(out)
 
 
-def plan_pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Piece]]:
+def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Holding]]:
     """(model, state, family) -> pieces, from the plan's EMUs."""
-    out: dict[tuple[str, str, str], list[Piece]] = defaultdict(list)
+    out: dict[tuple[str, str, str], list[Holding]] = defaultdict(list)
     slices: dict[tuple[str, int], list[tuple]] = {}  # replicas share entry lists: read each list once
     rid = 0
     for (plan, ms, dp), emu in sorted(m.emus.items()):
@@ -80,7 +80,7 @@ def plan_pieces(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Pi
             if held is None:
                 held = slices[(model, id(s.entries))] = [((model, e.state, e.family), e.region) for e in s.entries]
             for key, region in held:
-                out[key].append(Piece(ref, s.gpu, region, rid))
+                out[key].append(Holding(ref, s.gpu, region, rid))
             rid += 1
     return out
 
@@ -96,7 +96,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     with gc_paused():
         for p in (source, target):
             m.require_emus(p, "plan-transition")
-        src_all, dst_all = plan_pieces(m, source), plan_pieces(m, target)
+        src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
         # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
         lost = set(cluster.unavailable) if lost is None else set(lost)
         src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}

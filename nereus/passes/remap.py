@@ -34,7 +34,7 @@ from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.plan import RemapRecord
 from .pass_manager import ModulePass, Ref, register
 from .derive_emus import emus_required
-from .plan_transition import plan_pair, plan_pieces
+from .plan_transition import plan_pair, plan_holdings
 from .transition_grid import Grid
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
@@ -43,11 +43,11 @@ NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take i
 def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int]) -> tuple[np.ndarray, np.ndarray]:
     """``value[i, j]``: bytes of plan B's state on GPU j that GPU i holds under plan A, and
     ``need[j]``: bytes of plan B's state on GPU j (each once per GPU, as the lower bound counts)."""
-    from ..ir.verify_state import state_dtype_bytes
+    from ..ir.model import state_dtype_bytes
 
     for p in (source, target):
         m.require_emus(p, "remap")
-    src_all, dst_all = plan_pieces(m, source), plan_pieces(m, target)
+    src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
     value = np.zeros((gpus, gpus))
     need = np.zeros(gpus)
     outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
+from ..ir.printer import printed_precision
 from .cost_model import CostModel
 from .gc_pause import gc_paused
 from .pass_manager import ModulePass, Ref, register
@@ -72,18 +73,19 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     groups: dict[tuple, Bucket] = {}
     on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
     for op in t.ops:
-        staged_copy = op.kind == "copy" and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
-        if op.kind not in ("send", "broadcast", "allgather", "offload", "load", "unstage") and not staged_copy:
-            continue
-        src = (on_b if op.kind == "offload" else on_a)(op.src[0])
-        dst_gpu = on_a if op.kind == "load" else on_b
+        kind = op.spec
+        staged_copy = kind.local and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
+        if not (kind.transfer and not kind.local) and not kind.pcie and not staged_copy:
+            continue  # local copies and frees use no port
+        src = (on_b if kind.source_plan == "target" else on_a)(op.src[0])
+        dst_gpu = on_a if kind.destination_plan == "source" else on_b
         dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
-        direction = "h2d" if op.kind in ("load", "unstage") else "d2h" if op.kind == "offload" or staged_copy else "net"
+        direction = "h2d" if kind.reads_host else "d2h" if kind.writes_host or staged_copy else "net"
         # PCIe moves of different kinds go in different buckets: a staged copy, its unstage and
         # an offload after the unstage share a direction, and one bucket would order them in a
         # cycle. Unstages wait for a growing prefix of their GPU's frees: one bucket per prefix
         # (the number of dependencies tells them apart), so that the first need not wait for all
-        phase = "" if direction == "net" else (op.kind, len(op.deps)) if op.kind == "unstage" else (op.kind, 0)
+        phase = "" if direction == "net" else (op.kind, len(op.deps)) if kind.reads_host and kind.delivers else (op.kind, 0)
         key = (src, dsts, op.link, direction, phase)
         b = groups.get(key)
         if b is None:
@@ -374,8 +376,8 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
             d = op.bytes * per_byte
             r = durations.get(op.bytes)
             if r is None:
-                r = durations[op.bytes] = _r(d)
-            op.start, op.duration = _r(t0), r
+                r = durations[op.bytes] = _printed(d)
+            op.start, op.duration = _printed(t0), r
             t0 += d
             end[op.id] = t0
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
@@ -383,17 +385,13 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
         if op.id in end:
             continue
         ready = max((end.get(d, 0.0) for d in op.deps), default=0.0)
-        op.start = _r(ready)
-        op.duration = _r(2 * op.bytes / hbm) if op.kind == "copy" else 0.0
+        op.start = _printed(ready)
+        op.duration = _printed(2 * op.bytes / hbm) if op.spec.local else 0.0
         end[op.id] = ready + (op.duration or 0.0)
-    t.makespan = _r(max(end.values(), default=0.0))
-    t.port_bound = _r(sched.port_bound * TICK)
+    t.makespan = _printed(max(end.values(), default=0.0))
+    t.port_bound = _printed(sched.port_bound * TICK)
     t.schedule_status = sched.status
     return sched
-
-
-def _r(x: float) -> float:
-    return float(f"{x:.6g}")
 
 
 @register
@@ -418,3 +416,8 @@ class ScheduleTransfers(ModulePass):
                 gap = (sched.makespan - sched.bound) / sched.makespan if sched.makespan else 0.0
                 module.warnings.append(Diagnostic(t.loc, f"schedule-transfers stopped at time_limit={self.time_limit:g} s: "
                                                          f"makespan within {gap:.2%} of the best possible", severity="warning"))
+
+
+def _printed(x: float) -> float:
+    """Schedule times at 6 significant digits (microseconds of a seconds-long transition)."""
+    return printed_precision(x, 6)

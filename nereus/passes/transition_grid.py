@@ -15,11 +15,12 @@ import bisect
 from typing import NamedTuple
 
 from ..ir import ShardRef
+from ..ir.emu import Box
 
-Box = tuple[tuple[int, int], ...]
 
+class Holding(NamedTuple):
+    """A slice one GPU holds under a plan: one EMU shard's entry of one (model, state, family)."""
 
-class Piece(NamedTuple):
     ref: ShardRef
     gpu: int
     region: Box  # half-open spans; the layer axis first for per-layer families

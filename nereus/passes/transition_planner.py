@@ -1,18 +1,20 @@
-"""The planner behind ``plan-transition`` (see that module's docstring for the algorithm): the
-operations of one transition, family by family, then loads and offloads, frees, and the
-memory ordering of receives."""
+"""The planner behind ``plan-transition`` (see that module's docstring for the algorithm): what
+moves (the operations of one transition, family by family, then loads and offloads, and the
+frees). The order that keeps every GPU within its memory, staging through host memory where
+nothing else fits, is ``transition_memory.Memory``."""
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter, defaultdict
 
-from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op
-from ..ir.verify_state import state_dtype_bytes
-from .transition_grid import Box, Grid, Local, Piece, local
+from ..ir import Diagnostic, DiagnosticError, HostRef, Module, Op
+from ..ir.model import state_dtype_bytes
+from ..ir.emu import Box
+from .transition_grid import Grid, Holding, Local, local
+from .transition_memory import Memory, op_number
 
 
-def _index(pieces: dict[tuple, list[Piece]]) -> dict[tuple, int]:
+def _index(pieces: dict[tuple, list[Holding]]) -> dict[tuple, int]:
     """The index of each family's first piece when all pieces are numbered in key order."""
     out, n = {}, 0
     for key in sorted(pieces):
@@ -57,7 +59,7 @@ class Planner:
         self.ops.append(op)
         return op
 
-    def family(self, key: tuple[str, str, str], srcs: list[Piece], dsts: list[Piece]) -> None:
+    def family(self, key: tuple[str, str, str], srcs: list[Holding], dsts: list[Holding]) -> None:
         """Keep, copy, send and broadcast the cells of one (model, state, family)."""
         model_name, state, family = key
         _, itemsize, per_layer = _family(self.m, model_name, state, family)
@@ -112,7 +114,7 @@ class Planner:
                     recv_bytes[g] += nbytes * shards_on[g]
                     recv_ops[g].append((oid, nbytes * shards_on[g]))
 
-    def _local(self, key, grid: Grid, srcs: list[Piece], dsts: list[Piece], shared: bool):
+    def _local(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], shared: bool):
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
 
         Returns the copies (source, destination, cells) and the missing cells (cell -> the
@@ -172,7 +174,7 @@ class Planner:
                 missing[c].extend(dl[j] for j in js)
         return copies, missing
 
-    def _senders(self, key, grid: Grid, srcs: list[Piece], dsts: list[Piece], missing,
+    def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
         """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells.
 
@@ -243,7 +245,7 @@ class Planner:
                 self.load_ops[p.gpu].append((op.id, op.bytes))
                 for reader in readers:
                     r = ops[int(reader[1:])]
-                    r.deps = sorted(set(r.deps) | {op.id}, key=_number)
+                    r.deps = sorted(set(r.deps) | {op.id}, key=op_number)
                 reads[n] = [op.id] + readers  # its free waits for the load too
         for key, pieces in sorted(self.dst_all.items()):
             model_name, state, family = key
@@ -307,143 +309,6 @@ def _offloaded(plan, model_stage: str, state: str) -> bool:
 def _any_offloaded(plan, model_name: str, state: str) -> bool:
     """Whether the plan keeps this state of any model-stage of the model in host memory."""
     return any(ms.rpartition(".")[0] == model_name and _offloaded(plan, ms, state) for ms in plan.layouts)
-
-
-def _number(op_id: str) -> int:
-    return int(op_id[1:])
-
-
-WAVE_BYTES = 64 * 2**20  # smallest wave of unstages that waits for one prefix of frees
-WAVES = 32  # at most this many waves per GPU (more: earlier unstages, more buckets to schedule)
-
-
-class Memory:
-    """Order what grows each GPU's memory so that no GPU ever holds more than its memory, in
-    any order the dependencies allow.
-
-    A GPU g holds ``mem_a`` bytes of plan A (what is not offloaded at the step boundary) and
-    grows by what loads bring back, what local copies write and what it receives (once per
-    destination shard); the frees of slices that never left host memory free nothing on it. Where that
-    does not fit, each copy or receive, in order, waits for the shortest prefix of g's frees of
-    slices no one reads (``dead``) that leaves room for it and those before it. Where even all
-    dead frees leave too little room, g stages: the loads (whose data is in host memory already),
-    then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
-    over its link) and an ``unstage`` moves it onto the GPU. Unstages go in waves, each after
-    the dead frees and the shortest prefix of g's other frees that leaves room for it, so that
-    unstaging overlaps the sends those frees wait for. That always fits when plans A and B
-    each fit on the GPU.
-    """
-
-    def __init__(self, planner: Planner, mem_a, dead, frees, gpu_b) -> None:
-        self.p, self.mem_a, self.dead, self.frees, self.gpu_b = planner, mem_a, dead, frees, gpu_b
-        self.cap = planner.cluster.gpu_memory
-        self.staged_on_node: dict[int, int] = defaultdict(int)
-        self.unstaged: dict[tuple[str, object], str] = {}  # (staged op, destination shard) -> unstage op
-
-    def order(self) -> list[Diagnostic]:
-        p, problems = self.p, []
-        for g in sorted(set(p.recv_bytes) | set(p.copy_bytes) | set(p.load_ops)):
-            loads = p.load_ops.get(g, [])
-            loaded = sum(n for _, n in loads)
-            grow = loaded + p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
-            if self.mem_a[g] + grow <= self.cap:
-                continue
-            dead = self.dead.get(g, [])
-            room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
-            ops = [(oid, p.ops[_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
-            direct = loads + (ops if grow <= room else self._stage(g, room - loaded, grow, ops, problems))
-            self._after_dead(g, direct, dead)
-        self._offloads_after_unstage()
-        host = self.p.cluster.host_memory
-        for node, nbytes in sorted(self.staged_on_node.items()):
-            if host is not None and nbytes > host:
-                problems.append(Diagnostic(Loc(0, 0, None), f"staging needs {nbytes:,} bytes of host memory on node {node}, "
-                                                             f"which has {host:,}", "transition in two steps"))
-        return problems
-
-    def _after_dead(self, g: int, direct: list[tuple[str, int]], dead: list[Op]) -> None:
-        """Each copy or receive that writes GPU g directly waits for the shortest prefix of g's
-        dead frees that leaves room for it and the ones before it (the first need none)."""
-        p = self.p
-        avail, k, need, prefix = self.cap - self.mem_a[g], 0, 0, []
-        for op_id, nbytes in direct:
-            need += nbytes
-            while avail < need and k < len(dead):
-                avail += dead[k].bytes
-                prefix.append(dead[k].id)  # frees are numbered in creation order: the prefix stays sorted
-                k += 1
-            if prefix:
-                op = p.ops[_number(op_id)]
-                op.deps = prefix[:] if not op.deps else sorted({*op.deps, *prefix}, key=_number)
-
-    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]],
-               problems: list[Diagnostic]) -> list[tuple[str, int]]:
-        """Stage the copies and receives of GPU g that do not fit in ``room``; returns the others."""
-        p = self.p
-        kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
-        if room < 0 or kept + grow > self.cap:
-            a_state = "plan A's state and its loads" if p.load_ops.get(g) else "plan A's state"
-            what, short = (a_state, -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
-            problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: {what} alone would take {short:,} bytes "
-                                                         "more than its memory", "choose a plan that fits"))
-            return []
-        direct, staged = [], []
-        for op_id, nbytes in ops:
-            if nbytes <= room:
-                room -= nbytes
-                direct.append((op_id, nbytes))
-            else:
-                staged.append((p.ops[_number(op_id)], nbytes))
-        # unstages go in waves of at least WAVE_BYTES (or an eighth of what g stages): a wave
-        # waits for the dead frees and for the shortest prefix of the other frees that leaves
-        # room for it and the waves before, so unstaging overlaps the sends that free the rest
-        # (room left >= 0, and all frees together cover every staged byte since plan B fits)
-        dead = [f.id for f in self.dead.get(g, [])]
-        live = [f for f in self.frees.get(g, []) if f.deps]
-        wave_bytes = max(WAVE_BYTES, sum(n for _, n in staged) // WAVES)
-        freed, k, need, wave, in_wave = room, 0, 0, [], 0
-        for i, (op, nbytes) in enumerate(staged):
-            need += nbytes
-            wave.append(op)
-            in_wave += nbytes
-            if in_wave < wave_bytes and i + 1 < len(staged):
-                continue
-            while freed < need:
-                freed += live[k].bytes
-                k += 1
-            deps = sorted({*dead, *(f.id for f in live[:k])}, key=_number) if dead else [f.id for f in live[:k]]
-            for w in wave:
-                self._unstage(g, w, deps)
-            wave, in_wave = [], 0
-        return direct
-
-    def _unstage(self, g: int, op: Op, frees: list[str]) -> None:
-        """Send or copy ``op``'s slice for GPU g into host[g]; an unstage moves it on after
-        ``frees`` (sorted by number, as all dependency lists are)."""
-        p = self.p
-        mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
-        at = op.dst.index(mine[0])
-        rest = [r for r in op.dst if r not in mine]
-        op.dst = rest[:at] + [HostRef(g)] + rest[at:]
-        if op.kind == "copy":
-            op.link = "pcie"  # device to its own host memory
-        un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
-                src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=list(frees))
-        bisect.insort(un.deps, op.id, key=_number)
-        p.ops.append(un)
-        for r in mine:
-            self.unstaged[(op.id, r)] = un.id
-        self.staged_on_node[p.cluster.node_of(g)] += op.bytes
-
-    def _offloads_after_unstage(self) -> None:
-        """An offload of plan B's slice waits for the unstage that put a staged part of it on the GPU."""
-        if not self.unstaged:
-            return
-        for op in self.p.ops:
-            if op.kind == "offload":
-                extra = {self.unstaged[(d, op.src[0])] for d in op.deps if (d, op.src[0]) in self.unstaged}
-                if extra:
-                    op.deps = sorted(set(op.deps) | extra, key=_number)
 
 
 def _volume(region: Box) -> int:

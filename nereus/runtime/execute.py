@@ -79,7 +79,7 @@ def checksum(buf: torch.Tensor) -> torch.Tensor:
     return total.reshape(1)
 
 
-def _layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
+def _bucket_layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
     """8-byte aligned offsets of the pieces in a bucket, and its size."""
     offs, n = [], 0
     for p in pieces:
@@ -179,7 +179,7 @@ class _Rank:
         if msg.direct:
             src = self.read(msg.pieces[0])
             return _bytes(src if src.is_contiguous() else src.contiguous())
-        offs, n = _layout(msg.pieces)
+        offs, n = _bucket_layout(msg.pieces)
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         for p, o in zip(msg.pieces, offs):
             src = self.read(p)
@@ -194,7 +194,7 @@ class _Rank:
             if dst.is_contiguous() and dst.device == self.device:  # NCCL receives into device memory only
                 return _bytes(dst)
             return torch.empty(msg.pieces[0].nbytes, dtype=torch.uint8, device=self.device)
-        return torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
+        return torch.empty(_bucket_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
 
     def unpack(self, msg: Message, buf: torch.Tensor) -> None:
         if msg.direct:
@@ -202,7 +202,7 @@ class _Rank:
             if buf.data_ptr() != dst.data_ptr():  # received beside a strided slice: copy it in
                 dst.copy_(buf.view(dst.dtype).view(dst.shape))
             return
-        for p, o in zip(msg.pieces, _layout(msg.pieces)[0]):
+        for p, o in zip(msg.pieces, _bucket_layout(msg.pieces)[0]):
             dst = self.land(p)
             dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
 
@@ -278,7 +278,7 @@ class _Rank:
             buf = self.payload(msg)
             self.stats.sent += msg.nbytes * (len(members) - 1)
         else:
-            buf = torch.empty(_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
+            buf = torch.empty(_bucket_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
             self.stats.received += msg.nbytes
         total = checksum(buf) if self.rank == root else torch.empty(1, dtype=torch.int64, device=self.device)
         for t in (buf, total):

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..ir import HostRef, Module, ShardRef, Transition
 from ..ir.emu import SliceEntry, region_of
-from ..ir.verify_state import state_dtype_bytes
+from ..ir.model import state_dtype_bytes
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _order(t: Transition) -> list:
     for op in t.ops:
         for d in op.deps:
             after[d].append(op.id)
-    ready = [((op.kind == "free"), i) for i, op in enumerate(t.ops) if not op.deps]
+    ready = [(op.spec.frees, i) for i, op in enumerate(t.ops) if not op.deps]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -67,7 +67,7 @@ def _order(t: Transition) -> list:
         for nxt in after[op.id]:
             waiting[nxt] -= 1
             if waiting[nxt] == 0:
-                heapq.heappush(ready, (t.ops[index[nxt]].kind == "free", index[nxt]))
+                heapq.heappush(ready, (t.ops[index[nxt]].spec.frees, index[nxt]))
     if len(order) != len(t.ops):
         raise ValueError(f"transition @{t.name} has a dependency cycle")
     return order
@@ -126,24 +126,25 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
     for op in _order(t):
         region = region_of(op.layers, op.box)
         model = (op.src[0] if isinstance(op.src[0], ShardRef) else op.dst[0]).model_stage.rpartition(".")[0]
-        if op.kind == "free":
+        kind = op.spec
+        if kind.frees:
             for ref in op.src:
                 key = (t.source, ref, op.state, op.family, "gpu")
                 gone = sum(a.size for r, a in mem[key] if r == region)
                 held[gpu_of[(t.source, ref)]] -= gone * itemsize[(model, op.state)]
                 mem[key] = [(r, a) for r, a in mem[key] if r != region]
             continue
-        if op.kind == "load":  # plan A's slice, from its host memory back onto its GPU
+        if kind.reads_host and kind.writes == "a":  # load: plan A's slice, from its host memory back onto its GPU
             for ref in op.dst:
                 data = take((t.source, ref, op.state, op.family, "host"), region)
                 put((t.source, ref, op.state, op.family, "gpu"), region, data.copy(), model)
             continue
-        if op.kind == "unstage":  # a staged slice, from the host memory beside GPU g onto g
+        if kind.reads_host:  # unstage: a staged slice, from the host memory beside GPU g onto g
             data = take(_staging(op.src[0], model, op.state, op.family), region)
             for ref in op.dst:
                 put((t.target, ref, op.state, op.family, "gpu"), region, data.copy(), model)
             continue
-        if op.kind == "offload":  # plan B's slice, once arrived (or kept in place), to host memory
+        if kind.writes_host:  # offload: plan B's slice, once arrived (or kept in place), to host memory
             for ref in op.src:
                 try:
                     data = take((t.target, ref, op.state, op.family, "gpu"), region)

@@ -24,7 +24,7 @@ from ..passes import run_pipeline
 CASES = ("tp4-tp2x2", "tp2x2-tp4", "tp4-tp2", "pp2-pp4", "dp4-dp2", "train-gen")
 
 
-def _layout(kind: str, tp: int, pp: int, dp: int, layers: int, gpus: list[int], zero: int = 0) -> str:
+def _layout_block(kind: str, tp: int, pp: int, dp: int, layers: int, gpus: list[int], zero: int = 0) -> str:
     per = layers // pp
     bounds = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
     extra = f"\n    zero = {zero}" if zero else ""
@@ -73,7 +73,7 @@ workload @job {{
 """
     plans = ""
     for name, (tp, pp, dp, gpus, zero) in (("a", a), ("b", b)):
-        plans += f"\nplan @{name} {{\n  workload = @job\n  cluster = @node\n" + _layout(kind, tp, pp, dp, layers, gpus, zero) + "}\n"
+        plans += f"\nplan @{name} {{\n  workload = @job\n  cluster = @node\n" + _layout_block(kind, tp, pp, dp, layers, gpus, zero) + "}\n"
     return head + plans
 
 

@@ -29,7 +29,7 @@ QWEN2_7B = "layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, v
 LLAMA3_70B = "layers = 80, hidden = 8192, heads = 64, kv_heads = 8, ffn = 28672, vocab = 128256"
 
 
-def _layout(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: str = "") -> str:
+def _layout_line(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: str = "") -> str:
     per = layers // pp
     ranges = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
     return f"  layout {ms} {{ tp = {tp}, pp = {pp}, dp = {dp}, layers = [{ranges}], mesh = [{gpus}]{extra} }}\n"
@@ -83,13 +83,13 @@ workload @ppo {{
 plan @ppo_p0 {{
   workload = @ppo
   cluster = @h100x16
-{_layout("actor.generate", 2, 1, 8, 32, "0..15")}\
-{_layout("actor.infer", 2, 1, 2, 32, "0..3")}\
-{_layout("critic.infer", 2, 1, 2, 32, "4..7")}\
-{_layout("ref.infer", 2, 1, 2, 32, "8..11")}\
-{_layout("reward.infer", 2, 1, 2, 32, "12..15")}\
-{_layout("actor.train", 4, 2, 1, 32, "0..7", ", micro_batches = 16, zero = 1, recompute = true")}\
-{_layout("critic.train", 4, 2, 1, 32, "8..15", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout_line("actor.generate", 2, 1, 8, 32, "0..15")}\
+{_layout_line("actor.infer", 2, 1, 2, 32, "0..3")}\
+{_layout_line("critic.infer", 2, 1, 2, 32, "4..7")}\
+{_layout_line("ref.infer", 2, 1, 2, 32, "8..11")}\
+{_layout_line("reward.infer", 2, 1, 2, 32, "12..15")}\
+{_layout_line("actor.train", 4, 2, 1, 32, "0..7", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout_line("critic.train", 4, 2, 1, 32, "8..15", ", micro_batches = 16, zero = 1, recompute = true")}\
 }}
 """
     return _with_emus(text, "ppo_p0", "actor.train", "ppo_8b_16gpu.nir")
@@ -130,10 +130,10 @@ plan @grpo_p0 {{
   workload = @grpo
   cluster = @h100x8
   colocate = [[actor.infer, ref.infer]]
-{_layout("actor.generate", 2, 1, 4, 28, "0..7")}\
-{_layout("actor.infer", 4, 1, 2, 28, "0..7")}\
-{_layout("ref.infer", 4, 1, 2, 28, "0..7", ", offload = [weights]")}\
-{_layout("actor.train", 4, 1, 2, 28, "0..7", ", micro_batches = 8, recompute = true")}\
+{_layout_line("actor.generate", 2, 1, 4, 28, "0..7")}\
+{_layout_line("actor.infer", 4, 1, 2, 28, "0..7")}\
+{_layout_line("ref.infer", 4, 1, 2, 28, "0..7", ", offload = [weights]")}\
+{_layout_line("actor.train", 4, 1, 2, 28, "0..7", ", micro_batches = 8, recompute = true")}\
 }}
 """
     return _with_emus(text, "grpo_p0", "actor.generate", "grpo_7b_8gpu.nir")
@@ -178,13 +178,13 @@ plan @ppo70b_p0 {{
   workload = @ppo70b
   cluster = @h100x{gpus}
   colocate = [[actor.train, critic.train]]
-{_layout("actor.generate", 8, 1, gpus // 8, 80, f"0..{gpus - 1}")}\
-{_layout("actor.infer", 8, 1, q // 8, 80, f"0..{q - 1}")}\
-{_layout("critic.infer", 8, 1, q // 8, 80, f"{q}..{2 * q - 1}")}\
-{_layout("ref.infer", 8, 1, q // 8, 80, f"{2 * q}..{3 * q - 1}")}\
-{_layout("reward.infer", 8, 1, q // 8, 80, f"{3 * q}..{gpus - 1}")}\
-{_layout("actor.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
-{_layout("critic.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout_line("actor.generate", 8, 1, gpus // 8, 80, f"0..{gpus - 1}")}\
+{_layout_line("actor.infer", 8, 1, q // 8, 80, f"0..{q - 1}")}\
+{_layout_line("critic.infer", 8, 1, q // 8, 80, f"{q}..{2 * q - 1}")}\
+{_layout_line("ref.infer", 8, 1, q // 8, 80, f"{2 * q}..{3 * q - 1}")}\
+{_layout_line("reward.infer", 8, 1, q // 8, 80, f"{3 * q}..{gpus - 1}")}\
+{_layout_line("actor.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout_line("critic.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
 }}
 """
     if not with_emus:

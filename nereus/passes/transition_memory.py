@@ -1,0 +1,148 @@
+"""The memory order of a transition (``plan-transition``, after ``transition_planner`` decided
+what moves): copies and receives wait for frees where a GPU has no room, and where even that
+does not fit they are staged through the host memory beside the GPU and unstaged in waves."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+from ..ir import Diagnostic, HostRef, Loc, Op
+
+
+def op_number(op_id: str) -> int:
+    """``%12`` -> 12: the creation order of an operation."""
+    return int(op_id[1:])
+
+
+WAVE_BYTES = 64 * 2**20  # smallest wave of unstages that waits for one prefix of frees
+WAVES = 32  # at most this many waves per GPU (more: earlier unstages, more buckets to schedule)
+
+
+class Memory:
+    """Order what grows each GPU's memory so that no GPU ever holds more than its memory, in
+    any order the dependencies allow.
+
+    A GPU g holds ``mem_a`` bytes of plan A (what is not offloaded at the step boundary) and
+    grows by what loads bring back, what local copies write and what it receives (once per
+    destination shard); the frees of slices that never left host memory free nothing on it. Where that
+    does not fit, each copy or receive, in order, waits for the shortest prefix of g's frees of
+    slices no one reads (``dead``) that leaves room for it and those before it. Where even all
+    dead frees leave too little room, g stages: the loads (whose data is in host memory already),
+    then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
+    over its link) and an ``unstage`` moves it onto the GPU. Unstages go in waves, each after
+    the dead frees and the shortest prefix of g's other frees that leaves room for it, so that
+    unstaging overlaps the sends those frees wait for. That always fits when plans A and B
+    each fit on the GPU.
+    """
+
+    def __init__(self, planner, mem_a, dead, frees, gpu_b) -> None:
+        self.p, self.mem_a, self.dead, self.frees, self.gpu_b = planner, mem_a, dead, frees, gpu_b
+        self.cap = planner.cluster.gpu_memory
+        self.staged_on_node: dict[int, int] = defaultdict(int)
+        self.unstaged: dict[tuple[str, object], str] = {}  # (staged op, destination shard) -> unstage op
+
+    def order(self) -> list[Diagnostic]:
+        p, problems = self.p, []
+        for g in sorted(set(p.recv_bytes) | set(p.copy_bytes) | set(p.load_ops)):
+            loads = p.load_ops.get(g, [])
+            loaded = sum(n for _, n in loads)
+            grow = loaded + p.copy_bytes.get(g, 0) + p.recv_bytes.get(g, 0)
+            if self.mem_a[g] + grow <= self.cap:
+                continue
+            dead = self.dead.get(g, [])
+            room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
+            ops = [(oid, p.ops[op_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
+            direct = loads + (ops if grow <= room else self._stage(g, room - loaded, grow, ops, problems))
+            self._after_dead(g, direct, dead)
+        self._offloads_after_unstage()
+        host = self.p.cluster.host_memory
+        for node, nbytes in sorted(self.staged_on_node.items()):
+            if host is not None and nbytes > host:
+                problems.append(Diagnostic(Loc(0, 0, None), f"staging needs {nbytes:,} bytes of host memory on node {node}, "
+                                                             f"which has {host:,}", "transition in two steps"))
+        return problems
+
+    def _after_dead(self, g: int, direct: list[tuple[str, int]], dead: list[Op]) -> None:
+        """Each copy or receive that writes GPU g directly waits for the shortest prefix of g's
+        dead frees that leaves room for it and the ones before it (the first need none)."""
+        p = self.p
+        avail, k, need, prefix = self.cap - self.mem_a[g], 0, 0, []
+        for op_id, nbytes in direct:
+            need += nbytes
+            while avail < need and k < len(dead):
+                avail += dead[k].bytes
+                prefix.append(dead[k].id)  # frees are numbered in creation order: the prefix stays sorted
+                k += 1
+            if prefix:
+                op = p.ops[op_number(op_id)]
+                op.deps = prefix[:] if not op.deps else sorted({*op.deps, *prefix}, key=op_number)
+
+    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]],
+               problems: list[Diagnostic]) -> list[tuple[str, int]]:
+        """Stage the copies and receives of GPU g that do not fit in ``room``; returns the others."""
+        p = self.p
+        kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
+        if room < 0 or kept + grow > self.cap:
+            a_state = "plan A's state and its loads" if p.load_ops.get(g) else "plan A's state"
+            what, short = (a_state, -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
+            problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: {what} alone would take {short:,} bytes "
+                                                         "more than its memory", "choose a plan that fits"))
+            return []
+        direct, staged = [], []
+        for op_id, nbytes in ops:
+            if nbytes <= room:
+                room -= nbytes
+                direct.append((op_id, nbytes))
+            else:
+                staged.append((p.ops[op_number(op_id)], nbytes))
+        # unstages go in waves of at least WAVE_BYTES (or an eighth of what g stages): a wave
+        # waits for the dead frees and for the shortest prefix of the other frees that leaves
+        # room for it and the waves before, so unstaging overlaps the sends that free the rest
+        # (room left >= 0, and all frees together cover every staged byte since plan B fits)
+        dead = [f.id for f in self.dead.get(g, [])]
+        live = [f for f in self.frees.get(g, []) if f.deps]
+        wave_bytes = max(WAVE_BYTES, sum(n for _, n in staged) // WAVES)
+        freed, k, need, wave, in_wave = room, 0, 0, [], 0
+        for i, (op, nbytes) in enumerate(staged):
+            need += nbytes
+            wave.append(op)
+            in_wave += nbytes
+            if in_wave < wave_bytes and i + 1 < len(staged):
+                continue
+            while freed < need:
+                freed += live[k].bytes
+                k += 1
+            deps = sorted({*dead, *(f.id for f in live[:k])}, key=op_number) if dead else [f.id for f in live[:k]]
+            for w in wave:
+                self._unstage(g, w, deps)
+            wave, in_wave = [], 0
+        return direct
+
+    def _unstage(self, g: int, op: Op, frees: list[str]) -> None:
+        """Send or copy ``op``'s slice for GPU g into host[g]; an unstage moves it on after
+        ``frees`` (sorted by number, as all dependency lists are)."""
+        p = self.p
+        mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
+        at = op.dst.index(mine[0])
+        rest = [r for r in op.dst if r not in mine]
+        op.dst = rest[:at] + [HostRef(g)] + rest[at:]
+        if op.spec.local:
+            op.link = "pcie"  # a copy staged: device to its own host memory
+        un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
+                src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=list(frees))
+        bisect.insort(un.deps, op.id, key=op_number)
+        p.ops.append(un)
+        for r in mine:
+            self.unstaged[(op.id, r)] = un.id
+        self.staged_on_node[p.cluster.node_of(g)] += op.bytes
+
+    def _offloads_after_unstage(self) -> None:
+        """An offload of plan B's slice waits for the unstage that put a staged part of it on the GPU."""
+        if not self.unstaged:
+            return
+        for op in self.p.ops:
+            if op.spec.writes_host:  # offloads
+                extra = {self.unstaged[(d, op.src[0])] for d in op.deps if (d, op.src[0]) in self.unstaged}
+                if extra:
+                    op.deps = sorted(set(op.deps) | extra, key=op_number)
