@@ -23,6 +23,8 @@ Every message carries a checksum that the receiver checks before the transition 
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from dataclasses import dataclass, field
 
 from ..ir.emu import Box
@@ -91,6 +93,17 @@ class Program:
     @property
     def world(self) -> int:
         return len(self.gpus)
+
+    def digest(self) -> int:
+        """A 63-bit digest of the whole program (every rank's steps and shards): ranks that run
+        different programs disagree on it. Computed once; a program is not changed after lowering."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            content = (self.transition, self.source, self.target, self.gpus, self.src, self.dst, self.steps,
+                       self.groups, self.bucket_bytes)
+            h = hashlib.blake2b(pickle.dumps(content, protocol=4), digest_size=8).digest()
+            cached = self.__dict__["_digest"] = int.from_bytes(h, "little") >> 1
+        return cached
 
     def sent_bytes(self, rank: int) -> int:
         """Payload bytes ``rank`` sends (a broadcast counts once per receiver, as its root sends it to each)."""

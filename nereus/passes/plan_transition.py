@@ -21,7 +21,9 @@ other replicas, and the pass reports what no surviving GPU holds.
 
 Bytes moved (each received byte counted once per receiving GPU) and the lower bound
 ``sum over GPUs of |destination slices \\ slices already there|`` are recorded on the
-transition; by construction every missing byte is received exactly once, so the ratio is 1.000.
+transition. The bound is computed by ``lower_bound.lower_bound`` from the EMU boxes alone,
+independently of the planner, so that ``bytes_moved == lower_bound`` (every missing byte
+received exactly once, nothing else) is a property the tests check, not an identity.
 Memory: where a GPU would exceed its memory holding plan A's state plus what its copies and
 receives write, those wait for the frees of the GPU's slices that no one reads; where that is
 not enough, the ones that do not fit are staged in the host memory beside the GPU (a copy or
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
 from ..ir.model import state_dtype_bytes
 from .gc_pause import gc_paused
+from .lower_bound import lower_bound
 from .derive_emus import emus_required
 from .pass_manager import ModulePass, Ref, register
 from .transition_grid import Holding
@@ -108,7 +111,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
     if problems:
         raise DiagnosticError(problems)
     return Transition(name=name, source=source, target=target, ops=planner.ops, bytes_moved=planner.bytes_moved,
-                      lower_bound=planner.lower)
+                      lower_bound=lower_bound(m, source, target, lost))
 
 
 def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str, str]:

@@ -34,7 +34,7 @@ class Planner:
         self.sbase, self.dbase = _index(src_all), _index(dst_all)
         self.ops: list[Op] = []  # op "%i" is ops[i]
         self.load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
-        self.bytes_moved = self.lower = 0
+        self.bytes_moved = 0
         self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
         self.kept: set[int] = set()  # source pieces reused in place
         self.kept_b: set[int] = set()  # destination pieces kept in place
@@ -176,10 +176,7 @@ class Planner:
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells.
-
-        Every receiving GPU misses the cell: its bytes count toward the lower bound once per GPU.
-        """
+        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells."""
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             groups[p.region].append(i)
@@ -188,7 +185,6 @@ class Planner:
             for c in grid.cells(region):
                 holders[c].append(idx)
         load, info = self.load, grid.info
-        lower = 0
         transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for c in sorted(missing):
             recv = tuple(missing[c])
@@ -205,13 +201,11 @@ class Planner:
             gpus = 1 if len(recv) == 1 else len({dsts[j].gpu for j in recv})
             nbytes = info(c)[1] * itemsize * gpus
             load[srcs[best].gpu] += nbytes
-            lower += nbytes
             t = transfers.get((best, recv))
             if t is None:
                 transfers[(best, recv)] = [c]
             else:
                 t.append(c)
-        self.lower += lower
         return transfers
 
     def residency(self) -> None:

@@ -34,7 +34,20 @@ from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 
 class TransitionError(RuntimeError):
-    """A transition failed on some rank; this rank's plan-A state is intact."""
+    """A transition failed on some rank; this rank's plan-A state is intact.
+
+    Fields: ``rank`` (this rank), ``failed_ranks`` (the ranks that reported a failure in the
+    commit agreement; empty when the agreement itself failed, e.g. a peer died or hung, and then
+    ``unresponsive`` is true), ``reason`` (this rank's own error, or why it gave up) and
+    ``state_intact`` (plan A's state on this rank is untouched: always true when ``execute``
+    raises; false only if a caller constructs it so).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, failed_ranks: tuple[int, ...] = (),
+                 unresponsive: bool = False, reason: str = "", state_intact: bool = True):
+        super().__init__(message)
+        self.rank, self.failed_ranks, self.unresponsive = rank, tuple(failed_ranks), unresponsive
+        self.reason, self.state_intact = reason or message, state_intact
 
 
 @dataclass(frozen=True)
@@ -319,13 +332,29 @@ def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[S
     return dict(out)
 
 
-def _agree(ok: bool, device, timeout: datetime.timedelta) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta) -> tuple[int, ...] | None:
+    """The commit agreement: one all-reduce (MIN) of a flag per rank. Returns the ranks that
+    failed (empty: commit), or None when the agreement itself failed (a dead or hung peer)."""
+    flags = torch.ones(world, dtype=torch.int32, device=device)
+    flags[rank] = 1 if ok else 0
     try:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True).wait(timeout)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True).wait(timeout)
     except Exception:  # noqa: BLE001 - a broken group or a dead peer: no agreement
-        return False
-    return bool(flag.item() == 1)
+        return None
+    return tuple(int(r) for r in torch.nonzero(flags.cpu() == 0).flatten())
+
+
+def _same_program(program: Program, rank: int, world: int, device, timeout: datetime.timedelta) -> None:
+    """Every rank runs the same program: its digest, all-gathered before the first message."""
+    mine = torch.tensor([program.digest()], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, async_op=True).wait(timeout)
+    digests = [int(t.item()) for t in every]
+    others = [r for r, d in enumerate(digests) if d != digests[rank]]
+    if others:
+        raise TransitionError(f"rank {rank}: ranks {others} run a different program than this rank's "
+                              f"(@{program.transition}, digest {digests[rank] & 0xFFFFFFFF:08x}); every rank must "
+                              f"run the same lowered program", rank=rank)
 
 
 def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
@@ -346,17 +375,28 @@ def execute(program: Program, state: LocalState, *, device: torch.device | str |
         raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-    groups = {members: dist.new_group(list(members)) for members in program.groups}  # every rank, in the same order
+    bound = datetime.timedelta(seconds=timeout)
     error: BaseException | None = None
-    try:  # a rank whose state or buffers do not match the program fails here, and every rank learns it below
+    try:  # every collective below, group creation included, is bounded by ``timeout``
+        _same_program(program, rank, world, device, bound)
+        # broadcast subgroups: created by every rank, in the same order
+        groups = {members: dist.new_group(list(members), timeout=bound) for members in program.groups}
+        # a rank whose state or buffers do not match the program fails here, and every rank learns it below
         me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out)
         me.groups = groups
         for step in program.steps.get(rank, []):
             me.run(step)
     except Exception as e:  # noqa: BLE001 - any failure rolls back
         error = e
-    if not _agree(error is None, device, datetime.timedelta(seconds=timeout)):
-        why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
+    failed = _agree(error is None, rank, world, device, bound)
+    if failed is None or failed:
+        if error is not None:
+            why = f"{type(error).__name__}: {error}"
+        elif failed is None:
+            why = f"a peer did not answer the commit agreement within {timeout:g} s (dead or hung)"
+        else:
+            why = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
         raise TransitionError(f"rank {rank}: transition @{program.transition} failed ({why}); "
-                              f"the state of plan @{program.source} is intact") from error
+                              f"the state of plan @{program.source} is intact", rank=rank, failed_ranks=failed or (),
+                              unresponsive=failed is None, reason=why) from error
     return me.commit()

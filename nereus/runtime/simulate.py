@@ -4,8 +4,10 @@ Runs a transition's operations in dependency order on real arrays: plan A's slic
 from full tensors, operations copy, send and broadcast slices between the GPUs' dicts (or into
 the host memory beside a GPU, to be unstaged later) and free them, and at the end every slice of
 plan B is compared with the same slice of the full tensor. Along the way it records the most
-bytes each GPU held (at the state's dtype) in the order that needs the most memory: copies,
-receives and unstages as early as their dependencies allow, frees as late.
+bytes each GPU held (at the state's dtype) in a greedy order chosen to stress memory: copies,
+receives and unstages as early as their dependencies allow, frees as late (``_order``; a
+heuristic, not a proof that no order needs more). A ``free`` that does not match a held slice
+exactly is an error.
 It is the oracle the torch.distributed executor is tested against, and a dry run for users.
 """
 
@@ -48,9 +50,10 @@ def full_tensors(m: Module, plans: list[str], seed: int = 0) -> dict[tuple[str, 
 
 
 def _order(t: Transition) -> list:
-    """Operations in the dependency order that needs the most memory: whatever grows a GPU
-    (copies, sends, unstages, loads) as soon as its dependencies allow, in listed order; a
-    ``free`` only when nothing else can run."""
+    """A dependency order chosen to stress memory, greedily: whatever grows a GPU (copies,
+    sends, unstages, loads) runs as soon as its dependencies allow, in listed order, and a
+    ``free`` only when nothing else can run. A heuristic: it is not proven to be the order
+    that needs the most memory, so a peak within the GPU's memory here is evidence, not proof."""
     index = {op.id: i for i, op in enumerate(t.ops)}
     waiting = {op.id: len(op.deps) for op in t.ops}
     after: dict[str, list[str]] = defaultdict(list)
@@ -130,6 +133,13 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
         if kind.frees:
             for ref in op.src:
                 key = (t.source, ref, op.state, op.family, "gpu")
+                if not any(r == region for r, _ in mem[key]):
+                    host = (t.source, ref, op.state, op.family, "host")
+                    if any(r == region for r, _ in mem[host]):  # never left host memory: frees no GPU memory
+                        mem[host] = [(r, a) for r, a in mem[host] if r != region]
+                        continue
+                    raise ValueError(f"{op.id} frees {op.state} {op.tensor} {list(op.box)} of {ref}, which neither "
+                                     f"its GPU nor its host memory holds as one slice (a free must match a slice exactly)")
                 gone = sum(a.size for r, a in mem[key] if r == region)
                 held[gpu_of[(t.source, ref)]] -= gone * itemsize[(model, op.state)]
                 mem[key] = [(r, a) for r, a in mem[key] if r != region]

@@ -1,0 +1,66 @@
+"""The bytes a transition must move at least, from the EMU boxes alone.
+
+For every GPU g that plan B puts state on: the bytes of what plan B needs on g (every state of
+every tensor, each element once however many model-stages of the model hold it there) that plan
+A does not already hold on g (any model-stage of the same model; nothing on a GPU whose state
+is lost). No transition can do with less: each such byte must arrive at g over some link.
+
+This routine shares nothing with the planner (``transition_planner`` cuts cells on a grid of
+every slice of both plans and picks senders): it intersects, per GPU and tensor, the union of
+plan B's boxes with the union of plan A's by inclusion-exclusion-free coordinate compression
+over that GPU's boxes only. ``plan-transition`` records it as the transition's ``lower_bound``,
+so that ``bytes_moved == lower_bound`` is a check, not an identity.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+import numpy as np
+
+from ..ir import Module
+from ..ir.emu import Box
+from ..ir.model import state_dtype_bytes
+
+
+def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset()) -> int:
+    """Sum over GPUs of the bytes plan ``target`` needs there that plan ``source`` does not hold
+    there; GPUs in ``lost`` hold nothing. Needs both plans' EMUs."""
+    held: dict[tuple, set[Box]] = defaultdict(set)  # (gpu, model, state, family) -> regions
+    need: dict[tuple, set[Box]] = defaultdict(set)
+    for (plan, ms, _dp), emu in m.emus.items():
+        if plan not in (source, target):
+            continue
+        model = ms.rpartition(".")[0]
+        for s in emu.shards:
+            if plan == source and s.gpu in lost:
+                continue
+            into = held if plan == source else need
+            for e in s.entries:
+                into[(s.gpu, model, e.state, e.family)].add(e.region)
+    total = 0
+    for key, regions in need.items():
+        _, model, state, _ = key
+        missing = _missing_volume(frozenset(regions), frozenset(held.get(key, ())))
+        total += missing * state_dtype_bytes(m.models[model], state)
+    return total
+
+
+@lru_cache(maxsize=1 << 16)
+def _missing_volume(need: frozenset[Box], have: frozenset[Box]) -> int:
+    """Volume of union(need) minus union(have), on the grid of these boxes' own boundaries."""
+    boxes = list(need) + list(have)
+    ndim = len(boxes[0])
+    cuts = [np.unique([x for b in boxes for x in b[d]]) for d in range(ndim)]
+    shape = [len(c) - 1 for c in cuts]
+    wanted = np.zeros(shape, dtype=bool)
+    there = np.zeros(shape, dtype=bool)
+    for grid, group in ((wanted, need), (there, have)):
+        for b in group:
+            grid[tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(cuts, b))] = True
+    sizes = np.ones(shape, dtype=np.int64)
+    for d, c in enumerate(cuts):
+        widths = np.diff(c).astype(np.int64)
+        sizes *= widths.reshape([-1 if i == d else 1 for i in range(ndim)])
+    return int(sizes[wanted & ~there].sum())
