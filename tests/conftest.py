@@ -2,8 +2,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.nir"))
+from .support import ROOT
 
 
 @pytest.fixture

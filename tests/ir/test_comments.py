@@ -2,7 +2,7 @@
 
 import nereus
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES
 
 GRPO = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
 

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from .conftest import ROOT
+from ..support import ROOT
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from nereus.ir import Cluster, Link, Model, Module, Stage, Workload
 from nereus.passes.plan_search import solve, to_plan
 from nereus.passes.search_space import Option, brute_force, build_problem, prune, set_partitions
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES
 
 GIB = 2**30
 

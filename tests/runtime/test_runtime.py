@@ -19,8 +19,8 @@ from nereus.ir.model import even_split
 from nereus.runtime.execute import Fault
 from nereus.runtime.launch import LaunchError, run_local
 
-from . import runtime_workers as w
-from .test_transition import job
+from ..support import runtime_workers as w
+from ..support.jobs import job
 
 
 @pytest.mark.parametrize("world", [4, 8])

@@ -5,7 +5,7 @@ import pytest
 import nereus
 from nereus.ir.sharding import derive_emus, states_of
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES
 
 
 def derive_all(m, plan_name):

@@ -6,7 +6,7 @@ import pytest
 
 import nereus
 from nereus.ir.cluster import Efficiency
-from nereus.testing.jobs import _layout, ppo_8b_16gpu
+from nereus.testing.jobs import _layout_line as _layout, ppo_8b_16gpu
 from nereus.passes.calibrate import fit, observations, read_profile, synthetic_profile
 
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6)

@@ -8,7 +8,7 @@ import pytest
 
 from nereus.cli import main
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES, GOLDEN
 
 GRPO = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
 
@@ -135,9 +135,7 @@ def test_an_output_path_that_cannot_be_written_is_a_diagnostic(tmp_path, capsys)
 
 
 def test_a_plan_that_overflows_a_small_gpu_names_sizes_in_readable_units(tmp_path, capsys):
-    from pathlib import Path
-
-    golden = Path(__file__).parent / "golden" / "plan-transition" / "staging.nir"
+    golden = GOLDEN / "plan-transition" / "staging.nir"
     small = tmp_path / "small.nir"
     small.write_text(golden.read_text().replace("gpu_memory = 640KiB", "gpu_memory = 600KiB"))
     assert main(["opt", str(small), "-p", "estimate"]) == 1

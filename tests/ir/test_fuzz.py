@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import random
 import string
-from pathlib import Path
 
 import pytest
 
 import nereus
 from nereus import cli
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-EXAMPLE_FILES = sorted(EXAMPLES.glob("*.nir"))
+from ..support import EXAMPLES as EXAMPLE_FILES
+
 TEXTS = {p.name: p.read_text() for p in EXAMPLE_FILES}
 
 # Characters the language gives meaning to, weighted in beside the whole printable set so that

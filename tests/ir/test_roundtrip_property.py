@@ -7,13 +7,12 @@ For every generated module ``m``:
   same module as the grouped text;
 - a module built to be valid passes ``nereus.verify``, before and after a round trip.
 
-The strategies are in ``tests/strategies.py``.
+The strategies are in ``tests/support/strategies.py``.
 """
 
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -21,12 +20,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 import nereus
 from nereus import parse, print_ir, verify
 
-try:
-    from .strategies import modules
-except ImportError:  # run without the tests package
-    from strategies import modules
-
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.nir"))
+from ..support import EXAMPLES
+from ..support.strategies import modules
 
 PROPERTY = settings(
     max_examples=50,

@@ -6,7 +6,7 @@ import nereus
 from nereus.cli import main
 from nereus.testing.jobs import EXAMPLES as BUILDERS
 
-from .conftest import EXAMPLES, ROOT
+from ..support import EXAMPLES, ROOT
 
 
 def test_every_example_is_generated():

@@ -11,7 +11,7 @@ from nereus.ir import Cluster, Link, Model, Workload
 from nereus.passes import Candidates, CostModel
 from nereus.passes.estimate import stage_groups
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES
 
 # NVIDIA A100-SXM4-80GB in DGX A100 nodes (Selene): 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e,
 # 600 GB/s NVLink (300 GB/s each way), 8 x 200 Gb/s HDR InfiniBand per node = 25 GB/s per GPU.

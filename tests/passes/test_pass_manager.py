@@ -9,7 +9,7 @@ from nereus.cli import main
 from nereus.passes import PASSES, ModulePass, PipelineError, parse_pipeline, register, run_pipeline
 from nereus.passes.derive_emus import DeriveEmus
 
-from .conftest import EXAMPLES
+from ..support import EXAMPLES, GOLDEN
 
 GRPO = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
 
@@ -56,7 +56,7 @@ def test_options_are_typed_refs_and_sizes():
 def test_a_pass_that_reads_emus_runs_derive_emus_visibly(capsys):
     """plan-transition declares that it needs both plans' EMUs: the pass manager runs derive-emus
     for each plan that lacks them, as a step that --print-ir-after-all shows."""
-    case = str(EXAMPLES[0].parent.parent / "tests" / "golden" / "plan-transition" / "tp4_to_tp2.nir")
+    case = str(GOLDEN / "plan-transition" / "tp4_to_tp2.nir")
     ran = []
     m = nereus.parse(open(case).read())
     assert m.missing_emus("a") and m.missing_emus("b")
@@ -74,7 +74,7 @@ def test_the_backend_never_derives_emus():
     the backend does not run the cost model to make them."""
     from nereus.backend.lower import lower
 
-    case = EXAMPLES[0].parent.parent / "tests" / "golden" / "plan-transition" / "tp4_to_tp2.nir"
+    case = GOLDEN / "plan-transition" / "tp4_to_tp2.nir"
     m = nereus.run_pipeline(nereus.parse(case.read_text()), "plan-transition{to=@b,into=@t}")
     for key in [k for k in m.emus if k[0] == "b"]:
         del m.emus[key]
