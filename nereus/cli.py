@@ -151,7 +151,8 @@ def cmd_lower(args) -> int:
         m, _ = _load(args.file)
         if args.pipeline:
             run_pipeline(m, args.pipeline)
-        prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast)
+        prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast,
+                     direct_bytes=args.direct)
     except PipelineError as e:
         print(f"nereus lower: error: {e}", file=sys.stderr)
         return 1
@@ -211,6 +212,8 @@ def cmd_passes(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .backend.lower import DEFAULT_BUCKET, DEFAULT_DIRECT
+
     p = argparse.ArgumentParser(prog="nereus", description="Adaptive parallelism for RL post-training: IR tools.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="parse and verify .nir files")
@@ -237,8 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("-p", "--pipeline", help="passes to run first, e.g. plan-transition{to=@b},schedule-transfers")
     lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
     lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
-    lo.add_argument("--bucket", type=_size, default=64 * 2**20, metavar="SIZE",
+    lo.add_argument("--bucket", type=_size, default=DEFAULT_BUCKET, metavar="SIZE",
                     help="bucket size for packed slices, with a unit (64MiB) or in bytes")
+    lo.add_argument("--direct", type=_size, default=DEFAULT_DIRECT, metavar="SIZE",
+                    help="a slice at least this large that is contiguous on one side travels as its own message "
+                         "(default 64KiB)")
     lo.add_argument("--broadcast", choices=("auto", "p2p", "chain", "collective"), default="auto",
                     help="send one slice to many as point-to-point messages or as a subgroup broadcast")
     lo.set_defaults(func=cmd_lower)

@@ -33,9 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import nereus.backend.lower as _lower_mod
-from nereus.cli import build_parser, main
-from nereus.ir.units import Dim, parse_quantity
+from nereus.cli import main
 
 _RUN = re.compile(r"^//\s*RUN:\s*(.*?)\s*$")
 _CHECK = re.compile(r"^//\s*([A-Z][A-Z0-9_-]*?)(?:-(?:NEXT|NOT|LABEL|SAME|EMPTY|DAG|COUNT-\d+))?:")
@@ -86,46 +84,14 @@ def has_checks(path: Path) -> bool:
     return any(run.filecheck is not None for run in run_lines(path))
 
 
-def _cli_knows(command: str, option: str, value: str) -> bool:
-    _, unknown = build_parser().parse_known_args([command, "FILE", option, value])
-    return not unknown
-
-
-@contextlib.contextmanager
-def _direct_threshold(argv: list[str]):
-    """``nereus lower --direct SIZE`` (slices this large travel as their own message): the
-    command line does not offer the option yet, so the harness applies it to ``lower`` for the
-    duration of the command. Gone as soon as ``nereus lower`` accepts ``--direct`` itself."""
-    if argv[:1] != ["lower"] or "--direct" not in argv[:-1]:
-        yield argv
-        return
-    i = argv.index("--direct")
-    text = argv[i + 1]
-    if _cli_knows("lower", "--direct", text):
-        yield argv
-        return
-    if text.isdigit():
-        size = int(text)
-    else:
-        dim, value = parse_quantity(text)
-        assert dim is Dim.SIZE, f"--direct {text}: not a size"
-        size = int(value)
-    original = _lower_mod.lower
-    _lower_mod.lower = functools.partial(original, direct_bytes=size)
-    try:
-        yield argv[:i] + argv[i + 2:]
-    finally:
-        _lower_mod.lower = original
-
-
 @functools.lru_cache(maxsize=32)
 def run_nereus(argv: tuple[str, ...]) -> str:
     """``nereus ARGV`` in this process: its standard output. Cached: several RUN lines of one case
     run the same command and pipe it to filecheck with different prefixes."""
     out, err = io.StringIO(), io.StringIO()
-    with _direct_threshold(list(argv)) as args, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = main(args)
+            rc = main(list(argv))
         except SystemExit as e:  # argparse: a usage error
             rc = e.code
     if rc != 0:
