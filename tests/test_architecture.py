@@ -38,6 +38,8 @@ def test_the_contracts_hold():
     ("nereus/passes/admit.py", "from ..backend.lower import lower", "layers"),
     ("nereus/ir/units.py", "import torch", "no-torch-below-runtime"),
     ("nereus/cli.py", "import pytest", "no-pytest-at-runtime"),
+    ("nereus/control/decide.py", "import torch.distributed", "control"),
+    ("nereus/control/triggers.py", "from ..backend.lower import lower", "control"),
 ])
 def test_a_wrong_way_import_breaks_a_contract(tmp_path, module, line, contract):
     where = copy_package(tmp_path)

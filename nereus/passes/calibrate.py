@@ -146,18 +146,25 @@ class Calibrate(ModulePass):
     def apply(self, module: Module) -> None:
         if not self.profile:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "calibrate needs profile=FILE")])
-        records = read_profile(self.profile)
-        by_cluster: dict[str, list] = {}
-        for r in records:
-            plan = module.plans.get(r[0])
-            by_cluster.setdefault(plan.cluster if plan else "", []).append(r)
-        for cluster_name, recs in by_cluster.items():
-            obs = observations(module, recs)
-            cluster = module.clusters[cluster_name]
-            result = fit(obs, cluster.efficiency or Efficiency())
-            cluster.efficiency = Efficiency(**{k: printed_precision(v, 4) for k, v in vars(result.efficiency).items()})
-            cluster.calibration = Calibration(len(obs), printed_precision(result.error_before, 4),
-                                              printed_precision(result.error_after, 4))
+        calibrate_records(module, read_profile(self.profile))
+
+
+def calibrate_records(module: Module, records) -> dict[str, FitResult]:
+    """Fit every cluster named by ``records`` (``read_profile``'s tuples: plan, model-stage,
+    seconds, memory, line) and record the result on it; the fit per cluster name."""
+    by_cluster: dict[str, list] = {}
+    for r in records:
+        plan = module.plans.get(r[0])
+        by_cluster.setdefault(plan.cluster if plan else "", []).append(r)
+    results = {}
+    for cluster_name, recs in by_cluster.items():
+        obs = observations(module, recs)
+        cluster = module.clusters[cluster_name]
+        result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency())
+        cluster.efficiency = Efficiency(**{k: printed_precision(v, 4) for k, v in vars(result.efficiency).items()})
+        cluster.calibration = Calibration(len(obs), printed_precision(result.error_before, 4),
+                                          printed_precision(result.error_after, 4))
+    return results
 
 
 def synthetic_profile(m: Module, hidden: Efficiency, noise: float = 0.0, seed: int = 0, steps: int = 1) -> list[dict]:

@@ -1,0 +1,237 @@
+"""The decision: re-plan when a trigger fires, and move only when it pays (or must).
+
+``DecisionCore.decide()`` after each step:
+
+1. every ``recalibrate_every`` steps, refit the cost model's coefficients to the stage times of
+   the last ``window`` steps (``calibrate``) and re-estimate the current plan;
+2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons;
+3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
+   left, the response lengths of the window): ``plan-search`` for plan B on those GPUs,
+   ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
+   announced to leave still send; GPUs that are gone hold nothing), ``schedule-transfers`` and
+   ``admit`` over the remaining steps;
+4. ``transition`` when admitted or forced (the current plan uses GPUs that are gone or leaving,
+   or does not fit any more), else ``stay``; ``infeasible`` when a forced move finds no plan.
+
+The runtime applies a ``transition`` decision (lowers ``decision.module``'s transition and runs
+it) and then calls ``commit(decision)``; the core then runs under plan B.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..ir import DiagnosticError, Module
+from ..passes.admit import admission
+from ..passes.calibrate import calibrate_records
+from ..passes.derive_emus import derive_missing_emus
+from ..passes.estimate import estimate_plan
+from ..passes.plan_search import PlanSearch
+from ..passes.plan_transition import plan_transition
+from ..passes.remap import remap
+from ..passes.schedule_transfers import schedule_transition
+from .measurements import StepRecord
+from .options import ControlOptions
+from .triggers import Trigger, gpu_triggers, measured_triggers
+
+ACTIONS = ("stay", "transition", "infeasible")
+
+
+@dataclass
+class Decision:
+    """What to do after ``step``, and why. ``numbers`` holds every figure behind it (seconds,
+    bytes); ``module`` (not logged) is the job with plans A and B and the transition between them
+    when the core re-planned."""
+
+    step: int
+    action: str
+    source: str
+    target: str | None = None
+    transition: str | None = None
+    forced: bool = False
+    triggers: list[Trigger] = field(default_factory=list)
+    numbers: dict = field(default_factory=dict)
+    message: str = ""
+    module: Module | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "action": self.action, "source": self.source, "target": self.target,
+                "transition": self.transition, "forced": self.forced, "triggers": [t.to_json() for t in self.triggers],
+                "numbers": self.numbers, "message": self.message}
+
+
+class DecisionCore:
+    """Measurements in, decisions out; see the module docstring."""
+
+    def __init__(self, module: Module, plan: str, options: ControlOptions | None = None,
+                 total_steps: int | None = None, log: str | Path | None = None):
+        if options is not None and not isinstance(options, ControlOptions):
+            raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
+        if plan not in module.plans:
+            raise ValueError(f"no plan @{plan} in the module")
+        self.options = options or ControlOptions()
+        self.m = copy.deepcopy(module)
+        self.plan = plan
+        p = self.m.plans[plan]
+        self.workload = self.m.workloads[p.workload]
+        self.total_steps = total_steps if total_steps is not None else (self.workload.steps or 0)
+        self._estimate(self.m, plan)
+        self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
+        self.gpus_now = set(self.gpus_planned)
+        self.leaving: set[int] = set()
+        self.planned_response = float(self.workload.response_len_mean)
+        self.history: list[StepRecord] = []
+        self.last_replan = -10**9
+        self.log = Path(log) if log is not None else None
+        self.decisions: list[Decision] = []
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def observe(self, record: StepRecord) -> None:
+        if not isinstance(record, StepRecord):
+            raise TypeError(f"observe takes a StepRecord, got {type(record).__name__}")
+        self.history.append(record)
+        if record.gpus is not None:
+            self.gpus_now = set(record.gpus)
+        self.leaving = set(record.leaving)
+
+    # -- the decision ----------------------------------------------------------------------------
+    def decide(self) -> Decision:
+        if not self.history:
+            raise ValueError("decide() needs at least one observed step")
+        t0 = time.perf_counter()
+        opts, step = self.options, self.history[-1].step
+        window = self.history[-opts.window:]
+        numbers: dict = {}
+        if opts.recalibrate_every and (step + 1) % opts.recalibrate_every == 0:
+            numbers.update(self._recalibrate(window))
+        plan = self.m.plans[self.plan]
+        triggers = gpu_triggers(plan, self.gpus_now, self.gpus_planned, self.leaving)
+        measured = measured_triggers(self.m, plan, window, self.planned_response, opts)
+        forced_measured = [t for t in measured if t.forced]
+        if step - self.last_replan >= opts.cooldown:
+            triggers += measured
+        else:
+            triggers += forced_measured
+        if not triggers:
+            numbers["decide_s"] = round(time.perf_counter() - t0, 6)
+            return self._record(Decision(step, "stay", self.plan, numbers=numbers))
+        self.last_replan = step
+        decision = self._replan(step, window, triggers, numbers)
+        decision.numbers["decide_s"] = round(time.perf_counter() - t0, 4)
+        return self._record(decision)
+
+    def commit(self, decision: Decision) -> None:
+        """The runtime applied ``decision``'s transition: run under its plan B from now on."""
+        if decision.action != "transition":
+            raise ValueError(f"nothing to commit: the decision was {decision.action}")
+        m = decision.module
+        keep = decision.target
+        for name in [n for n in m.plans if n != keep]:
+            del m.plans[name]
+        for key in [k for k in m.emus if k[0] != keep]:
+            del m.emus[key]
+        m.transitions.clear()
+        self.m, self.plan = m, keep
+        self.workload = m.workloads[m.plans[keep].workload]
+        self.gpus_planned = set(m.clusters[m.plans[keep].cluster].available_gpus())
+        self.gpus_now = set(self.gpus_planned)
+        self.leaving = set()
+        self.planned_response = float(self.workload.response_len_mean)
+
+    # -- steps of a decision ---------------------------------------------------------------------
+    def _recalibrate(self, window: list[StepRecord]) -> dict:
+        records = [(self.plan, ms, s, r.memory.get(ms), r.step) for r in window for ms, s in r.seconds.items()
+                   if ms in self.m.plans[self.plan].layouts]
+        if not records:
+            return {}
+        (fit,) = calibrate_records(self.m, records).values()
+        self._estimate(self.m, self.plan)
+        return {"recalibrated": True, "fit_error_before": round(fit.error_before, 4),
+                "fit_error_after": round(fit.error_after, 4)}
+
+    def _replan(self, step: int, window: list[StepRecord], triggers: list[Trigger], numbers: dict) -> Decision:
+        opts = self.options
+        forced = any(t.forced for t in triggers)
+        m = copy.deepcopy(self.m)
+        a = m.plans[self.plan]
+        w = m.workloads[a.workload]
+        lengths = [n for r in window for n in r.response_lengths]
+        if lengths:  # plan for the responses the job generates now
+            w.response_len_mean = max(1, round(sum(lengths) / len(lengths)))
+            w.response_len_max = max(w.response_len_max, max(lengths))
+        # plan B's cluster: the GPUs available now, less those announced to leave
+        usable = self.gpus_now - self.leaving
+        cluster = copy.deepcopy(m.clusters[a.cluster])
+        cluster.name = f"{a.cluster.split('_at_')[0]}_at_{step}"
+        cluster.unavailable = sorted(set(range(cluster.nodes * cluster.gpus_per_node)) - usable)
+        m.clusters[cluster.name] = cluster
+        lost = self.gpus_planned - self.gpus_now  # gone without notice: their state is lost
+        a_fits = not self._estimate(m, self.plan, raise_on_oom=False)
+        if not a_fits:
+            forced = True
+        numbers["step_time_now"] = a.step_time
+        target = f"p{step}"
+        try:
+            PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
+                       cluster=f"@{cluster.name}", into=f"@{target}").apply(m)
+        except DiagnosticError as e:
+            action = "infeasible" if forced else "stay"
+            return Decision(step, action, self.plan, forced=forced, triggers=triggers, numbers=numbers,
+                            message=f"plan-search found no plan: {e.diagnostics[0].message}")
+        b = m.plans[target]
+        numbers["step_time_new"] = b.step_time
+        numbers["search_status"] = b.search.status
+        # the state each plan holds, derived from its layouts (a module may declare only some of
+        # plan A's EMUs, e.g. weights only; the live job holds all of its states)
+        for key in [k for k in m.emus if k[0] == self.plan]:
+            del m.emus[key]
+        for p in (self.plan, target):
+            derive_missing_emus(m, p)
+        rec = remap(m, self.plan, target, lost=lost)
+        numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
+        name = f"{self.plan}_to_{target}"
+        try:
+            t = plan_transition(m, self.plan, target, name, lost=lost)
+        except DiagnosticError as e:
+            why = e.diagnostics[0].message
+            if lost:
+                why = f"state lost with GPUs {sorted(lost)} (restore it from a checkpoint): {why}"
+            return Decision(step, "infeasible" if forced else "stay", self.plan, target, forced=forced, triggers=triggers,
+                            numbers=numbers, message=f"plan-transition: {why}")
+        m.transitions[name] = t
+        schedule_transition(m, t, time_limit=opts.schedule_time_limit, seed=opts.seed)
+        horizon = max(1, self.total_steps - step - 1)
+        if a.step_time is not None:
+            t.admit = admission(m, name, horizon, opts.margin, opts.pg_init, opts.engine_restart)
+            numbers.update(cost=t.admit.cost, benefit=t.admit.benefit, saving=t.admit.saving,
+                           break_even=t.admit.break_even, admitted=t.admit.decision == "accept")
+        numbers.update(horizon=horizon, bytes_moved=t.bytes_moved, lower_bound=t.lower_bound, makespan=t.makespan,
+                       port_bound=t.port_bound)
+        if forced:
+            action, message = "transition", "forced: the current plan cannot go on"
+        elif t.admit is not None and t.admit.decision == "accept":
+            action, message = "transition", "admitted: it pays back within the remaining steps"
+        else:
+            action, message = "stay", "rejected: it does not pay back within the remaining steps"
+        return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
+                        module=m if action == "transition" else None)
+
+    @staticmethod
+    def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:
+        p = m.plans[plan]
+        p.step_time = None
+        problems = estimate_plan(m, p)
+        if problems and raise_on_oom:
+            raise DiagnosticError(problems)
+        return problems
+
+    def _record(self, decision: Decision) -> Decision:
+        self.decisions.append(decision)
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(json.dumps(decision.to_json(), sort_keys=True) + "\n")
+        return decision

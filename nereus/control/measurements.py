@@ -1,0 +1,35 @@
+"""What a running job measures each step, as the decision core reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step as measured.
+
+    ``seconds`` and ``memory``: per model-stage (``actor.train``...), wall time of the stage on
+    its slowest rank and peak device memory on its fullest GPU (bytes). ``response_lengths``:
+    the lengths (tokens) of the responses generated this step. ``gpus``: the GPUs the job may
+    use now; ``leaving``: GPUs announced to leave (they still hold state and can send it).
+    """
+
+    step: int
+    seconds: dict[str, float]
+    memory: dict[str, int] = field(default_factory=dict)
+    response_lengths: tuple[int, ...] = ()
+    gpus: tuple[int, ...] | None = None  # None: unchanged
+    leaving: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+        for ms, s in self.seconds.items():
+            if not s > 0:
+                raise ValueError(f"seconds of {ms} must be positive, got {s}")
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "seconds": dict(self.seconds), "memory": dict(self.memory),
+                "response_lengths": list(self.response_lengths),
+                "gpus": None if self.gpus is None else list(self.gpus), "leaving": list(self.leaving)}

@@ -1,0 +1,53 @@
+"""The decision core's options: triggers, thresholds and search limits, typed and checked."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    """Defaults a user can read (docs/embedding.md repeats them).
+
+    - ``recalibrate_every``: refit the cost model's coefficients to the measured stage times
+      every this many steps (0: never).
+    - ``window``: how many recent steps the measurements are taken over.
+    - ``response_drift``: re-plan when the mean response length of the window differs from the
+      one the plan was made for by more than this fraction.
+    - ``memory_headroom``: re-plan when a model-stage's measured peak memory leaves less than
+      this fraction of the GPU free.
+    - ``slowdown``: re-plan when a model-stage's measured time exceeds the plan's estimate (after
+      recalibration) by more than this fraction: it became a bottleneck the plan did not expect.
+    - ``cooldown``: steps after a decision to re-plan before an optional trigger may fire again
+      (GPU changes always fire).
+    - ``search_time_limit`` (s) and ``seed``: plan-search's; ``schedule_time_limit`` (s).
+    - ``margin``, ``pg_init``, ``engine_restart``: admit's (a transition must pay back its cost
+      times 1 + margin over the remaining steps).
+    """
+
+    recalibrate_every: int = 10
+    window: int = 5
+    response_drift: float = 0.25
+    memory_headroom: float = 0.05
+    slowdown: float = 0.25
+    cooldown: int = 5
+    search_time_limit: float = 5.0
+    seed: int = 0
+    schedule_time_limit: float = 2.0
+    margin: float = 0.1
+    pg_init: float = 2.0
+    engine_restart: float = 30.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            want = {"int": int, "float": (int, float)}[f.type]
+            if isinstance(value, bool) or not isinstance(value, want):
+                raise TypeError(f"ControlOptions.{f.name} must be {f.type}, got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"ControlOptions.{f.name} must be >= 0, got {value}")
+        if self.window < 1:
+            raise ValueError("ControlOptions.window must be >= 1")
+        if not 0 <= self.memory_headroom < 1:
+            raise ValueError(f"ControlOptions.memory_headroom is a fraction of the GPU, got {self.memory_headroom}")

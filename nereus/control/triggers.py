@@ -1,0 +1,63 @@
+"""When to re-plan: each trigger compares what was measured with what the plan assumed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Module, Plan
+from .measurements import StepRecord
+from .options import ControlOptions
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Why the core re-plans: ``kind`` is one of ``gpus_lost``, ``gpus_joined``, ``gpus_leaving``,
+    ``response_length``, ``memory``, ``slowdown``; ``forced``: the current plan cannot go on
+    (GPUs it uses are gone or leaving, or it ran out of memory)."""
+
+    kind: str
+    detail: str
+    forced: bool = False
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "detail": self.detail, "forced": self.forced}
+
+
+def gpu_triggers(plan: Plan, gpus_now: set[int], gpus_planned: set[int], leaving: set[int]) -> list[Trigger]:
+    used = {g for lay in plan.layouts.values() for g in lay.mesh}
+    out = []
+    lost = gpus_planned - gpus_now
+    if lost:
+        out.append(Trigger("gpus_lost", f"GPUs {sorted(lost)} are gone", forced=bool(lost & used)))
+    joined = gpus_now - gpus_planned
+    if joined:
+        out.append(Trigger("gpus_joined", f"GPUs {sorted(joined)} joined"))
+    if leaving:
+        out.append(Trigger("gpus_leaving", f"GPUs {sorted(leaving)} announced to leave", forced=bool(leaving & used)))
+    return out
+
+
+def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_response: float,
+                      opts: ControlOptions) -> list[Trigger]:
+    """Response length drift, memory headroom and slowdown against the plan's estimates."""
+    out = []
+    lengths = [n for r in window for n in r.response_lengths]
+    if lengths and planned_response > 0:
+        mean = sum(lengths) / len(lengths)
+        drift = mean / planned_response - 1
+        if abs(drift) > opts.response_drift:
+            out.append(Trigger("response_length", f"mean response length {mean:.0f} tokens, planned for "
+                                                  f"{planned_response:.0f} ({drift:+.0%})"))
+    cap = m.clusters[plan.cluster].gpu_memory
+    for ms in plan.layouts:
+        peak = max((r.memory.get(ms, 0) for r in window), default=0)
+        if peak > cap * (1 - opts.memory_headroom):
+            out.append(Trigger("memory", f"{ms} peaked at {peak / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB "
+                                         f"(headroom under {opts.memory_headroom:.0%})", forced=peak > cap))
+    for ms, lay in plan.layouts.items():
+        times = [r.seconds[ms] for r in window if ms in r.seconds]
+        if times and lay.time:
+            measured = sorted(times)[len(times) // 2]
+            if measured > lay.time * (1 + opts.slowdown):
+                out.append(Trigger("slowdown", f"{ms} takes {measured:.3g} s, the plan expected {lay.time:.3g} s"))
+    return out

@@ -1,0 +1,165 @@
+"""The decision core: measurements in, decisions out, on the 8B PPO example (16 GPUs, 2 nodes).
+
+Each test feeds StepRecords as a running job would and checks the decision and its numbers."""
+
+import json
+
+import pytest
+
+import nereus
+from nereus.control import ControlOptions, DecisionCore, StepRecord
+from nereus.passes.lower_bound import lower_bound
+
+from ..support import EXAMPLES
+
+PPO = next(p for p in EXAMPLES if p.name == "ppo_8b_16gpu.nir")
+FAST = dict(recalibrate_every=0, search_time_limit=5.0, schedule_time_limit=1.0)
+
+
+def core(text: str | None = None, **options) -> DecisionCore:
+    m = nereus.parse(text or PPO.read_text())
+    return DecisionCore(m, "ppo_p0", ControlOptions(**{**FAST, **options}))
+
+
+def as_planned(c: DecisionCore, step: int, factor: float = 1.0, length: float = 1.0, **kw) -> StepRecord:
+    """A step whose stage times are the plan's estimates times ``factor`` and whose responses
+    are the planned mean length times ``length``."""
+    plan = c.m.plans[c.plan]
+    seconds = {ms: lay.time * factor for ms, lay in plan.layouts.items()}
+    n = round(c.workload.response_len_mean * length)
+    return StepRecord(step, seconds, response_lengths=(n,) * 8, **kw)
+
+
+def test_a_step_as_planned_stays_without_planning():
+    c = core()
+    c.observe(as_planned(c, 0))
+    d = c.decide()
+    assert d.action == "stay" and d.triggers == [] and "step_time_new" not in d.numbers and d.module is None
+
+
+def test_longer_responses_replan_and_the_move_is_admitted_with_its_numbers():
+    c = core()
+    for step in range(3):
+        c.observe(as_planned(c, step, length=3.0))
+    d = c.decide()
+    assert [t.kind for t in d.triggers] == ["response_length"] and not d.forced
+    n = d.numbers
+    assert d.action == "transition" and n["admitted"] and n["step_time_new"] < n["step_time_now"]
+    assert n["benefit"] == pytest.approx(n["saving"] * n["horizon"], rel=1e-3)
+    assert n["break_even"] == pytest.approx(n["cost"] / n["saving"], rel=1e-3)
+    m = nereus.verify(d.module)
+    t = m.transitions[d.transition]
+    assert t.bytes_moved == t.lower_bound == lower_bound(m, d.source, d.target)
+    assert n["remap_bytes_after"] <= n["remap_bytes_before"]
+    assert m.workloads[m.plans[d.target].workload].response_len_mean == 3 * c.workload.response_len_mean
+    c.commit(d)
+    assert c.plan == d.target and c.planned_response == 3 * 1024
+    c.observe(as_planned(c, 3))
+    assert c.decide().action == "stay"  # under plan B, as planned
+
+
+def test_gpus_announced_to_leave_force_a_move_off_them_while_they_still_send():
+    c = core()
+    gpus = sorted(c.gpus_now)
+    leaving = tuple(gpus[8:])
+    c.observe(as_planned(c, 0, gpus=tuple(gpus), leaving=leaving))
+    d = c.decide()
+    assert d.action == "transition" and d.forced and [t.kind for t in d.triggers] == ["gpus_leaving"]
+    m = d.module
+    used = {g for lay in m.plans[d.target].layouts.values() for g in lay.mesh}
+    assert used and not used & set(leaving)
+    t = m.transitions[d.transition]
+    assert t.bytes_moved == t.lower_bound == lower_bound(m, d.source, d.target, lost=set())  # nothing lost
+    c.commit(d)
+    assert c.gpus_planned == set(gpus[:8])
+
+
+def test_state_lost_with_gpus_that_failed_is_infeasible_without_a_checkpoint():
+    """Under ZeRO-1 each DP rank holds the only copy of its optimizer shard: a GPU that fails
+    without notice takes it along, and no transition can rebuild it."""
+    c = core()
+    c.observe(as_planned(c, 0, gpus=tuple(g for g in sorted(c.gpus_now) if g != 3)))
+    d = c.decide()
+    assert d.action == "infeasible" and d.forced and d.module is None
+    assert "lost with GPUs [3]" in d.message and "checkpoint" in d.message
+
+
+def test_gpus_lost_without_notice_hold_nothing():
+    """Without ZeRO every DP replica holds all of its state: what the failed GPUs held comes
+    from the survivors, and nothing is read from the failed ones."""
+    replicated = PPO.read_text().replace("pp = 2\n    dp = 1\n    layers = [0..15, 16..31]", "pp = 1\n    dp = 2\n    layers = [0..31]")
+    c = core(replicated.replace("zero = 1", "zero = 0"))  # actor and critic train as TP 4 x DP 2, no ZeRO
+    gpus = sorted(c.gpus_now)
+    gone = {3, 12}
+    c.observe(as_planned(c, 0, gpus=tuple(g for g in gpus if g not in gone)))
+    d = c.decide()
+    assert d.action == "transition" and d.forced and d.triggers[0].kind == "gpus_lost"
+    m = d.module
+    t = m.transitions[d.transition]
+    senders = {m.emus[(d.source, op.src[0].model_stage, op.src[0].dp)].shard(op.src[0].pp, op.src[0].tp).gpu
+               for op in t.ops if op.spec.transfer}
+    assert not senders & gone
+    assert t.bytes_moved == t.lower_bound == lower_bound(m, d.source, d.target, lost=gone)
+
+
+def test_a_move_that_does_not_pay_is_rejected_and_the_cooldown_holds():
+    c = core(cooldown=5)
+    c.total_steps = 2  # one step left: no saving repays a transition
+    c.observe(as_planned(c, 0, length=3.0))
+    d = c.decide()
+    assert d.action == "stay" and d.triggers and d.numbers["admitted"] is False and d.module is None
+    assert "rejected" in d.message
+    c.observe(as_planned(c, 1, length=3.0))
+    again = c.decide()
+    assert again.action == "stay" and again.triggers == []  # within the cooldown: no re-plan
+
+
+def test_memory_without_headroom_is_a_trigger_and_over_the_gpu_is_forced():
+    c = core()
+    cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory
+    rec = as_planned(c, 0)
+    c.observe(StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.97)}, response_lengths=rec.response_lengths))
+    d = c.decide()
+    assert [t.kind for t in d.triggers] == ["memory"] and not d.forced
+
+
+def test_recalibration_fits_the_measured_times():
+    c = core(recalibrate_every=4, slowdown=10.0)
+    before = c.m.plans[c.plan].step_time
+    for step in range(4):
+        c.observe(as_planned(c, step, factor=1.5))
+    d = c.decide()
+    assert d.numbers["recalibrated"] and d.numbers["fit_error_after"] < d.numbers["fit_error_before"]
+    assert c.m.plans[c.plan].step_time == pytest.approx(1.5 * before, rel=0.1)
+
+
+def test_decisions_are_logged_as_json_lines(tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    m = nereus.parse(PPO.read_text())
+    c = DecisionCore(m, "ppo_p0", ControlOptions(**FAST), log=log)
+    c.observe(as_planned(c, 0))
+    c.decide()
+    c.observe(as_planned(c, 1, length=3.0))
+    c.decide()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["action"] for x in lines] == ["stay", "transition"]
+    assert lines[1]["triggers"][0]["kind"] == "response_length" and lines[1]["numbers"]["bytes_moved"] > 0
+
+
+@pytest.mark.parametrize("options, error", [
+    (dict(window="5"), TypeError), (dict(cooldown=1.5), TypeError), (dict(margin=True), TypeError),
+    (dict(slowdown=-1.0), ValueError), (dict(memory_headroom=1.0), ValueError), (dict(window=0), ValueError),
+])
+def test_options_of_the_wrong_type_or_range_fail_at_construction(options, error):
+    with pytest.raises(error, match="ControlOptions"):
+        ControlOptions(**options)
+
+
+def test_bad_input_is_refused():
+    m = nereus.parse(PPO.read_text())
+    with pytest.raises(ValueError, match="no plan @nope"):
+        DecisionCore(m, "nope")
+    with pytest.raises(TypeError):
+        DecisionCore(m, "ppo_p0", options={"window": 3})
+    with pytest.raises(ValueError, match="seconds of actor.train must be positive"):
+        StepRecord(0, {"actor.train": 0.0})
