@@ -1,5 +1,6 @@
 """Benchmarks behind ``nereus bench NAME``; ``benchmarks/`` runs the same workloads under pytest-benchmark."""
 
+from .calibrate_bench import run as _calibrate
 from .estimate_bench import run as _estimate
 from .parse_bench import run as _parse
 from .plan_search_bench import run as _plan_search
@@ -7,4 +8,4 @@ from .reshard_bench import run as _reshard
 from .transition_bench import run as _transition
 
 BENCHMARKS = {"parse": _parse, "estimate": _estimate, "plan-search": _plan_search, "transition": _transition,
-              "reshard": _reshard}
+              "reshard": _reshard, "calibrate": _calibrate}

@@ -1,67 +1,199 @@
-"""The plan users write by hand today: the peer ``plan-search`` is measured against.
+"""The baseline ``plan-search`` is measured against: the plan a careful operator writes by hand.
 
-As in verl's hybrid engine and OpenRLHF's colocated mode: every model-stage of a stage shares
-all available GPUs and they run one after another; each model-stage takes the largest TP that
-fits in a node (and divides its heads; after GPU failures, the largest that still uses 90% of
-the GPUs), then the smallest PP (powers of two) with which the
-whole plan fits in memory, and DP fills the GPUs, TP groups inside nodes (the same placement
-plan-search uses, so that failed GPUs hurt both alike). Training uses activation recomputation,
-ZeRO-1 and 4 x PP micro-batches, as the frameworks' defaults do. The plan is costed by the same
+As in verl's hybrid engine and OpenRLHF's colocated mode, every model-stage of a stage shares
+all available GPUs and they run one after another (no search over how a stage's GPUs are split
+between its model-stages: that is what ``plan-search`` adds). For each model-stage, the operator
+tries every layout the frameworks accept and keeps the best one ``estimate`` predicts:
+
+- TP: every size that divides the heads and is a multiple or a divisor of the KV heads, up to a
+  node (TP groups stay inside nodes);
+- PP: every size that divides the layers, and every power of two up to the layers (split as
+  evenly as ``tensor_split`` splits them);
+- DP: fills the GPUs the TP groups can use (after failures, the free GPUs of each node in whole
+  TP groups), at most one replica per sample;
+- the frameworks' defaults otherwise: training with activation recomputation and ZeRO-1 (when
+  DP > 1), pipelines with 4 x PP micro-batches (at most the micro-batches a replica has, as
+  ``plan-search``'s largest choice), no offload.
+
+Each model-stage is chosen with the others fixed, by the plan's step time under ``estimate``
+(plans that do not fit in memory rank after every plan that fits, the smaller shortfall first);
+model-stages are revisited until no single one can change its layout for a shorter step, so the
+result is the best layout of every model-stage given the others. The plan is costed by the same
 ``estimate`` as searched plans, so the comparison is like for like.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
+import numpy as np
+
 from ..ir import Cluster, Layout, Module, Plan, Workload
-from ..ir.model import even_split
-from .estimate import estimate_plan
+from ..ir.model import Model, even_split
+from .cost_model import Candidates, CostModel
+from .estimate import estimate_plan, step_time
 from .plan_search import place_blocks
 
 
-def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "greedy") -> Plan | None:
-    """The hand-written plan, estimated; None when no PP makes it fit."""
+def tp_sizes(model: Model, cluster: Cluster) -> list[int]:
+    """TP sizes the frameworks accept for ``model`` inside one node of ``cluster``."""
+    n = len(cluster.available_gpus())
+    return [t for t in range(1, min(cluster.gpus_per_node, n) + 1)
+            if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)]
+
+
+def pp_sizes(model: Model) -> list[int]:
+    """PP sizes: divisors of the layers and powers of two up to the layers."""
+    return sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0}
+                  | {1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers})
+
+
+def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_stage: str, kind: str) -> list[Layout]:
+    """Every layout of ``model_stage`` the baseline considers (see the module docstring)."""
+    model = m.models[model_stage.rpartition(".")[0]]
     gpus = cluster.available_gpus()
-    n = len(gpus)
     per_node = cluster.gpus_per_node
-    free = {}
+    free: dict[int, int] = {}
     for g in gpus:
-        free[g // per_node] = free.get(g // per_node, 0) + 1
-    pp_of = {ms: 1 for ms in workload.model_stages()}
+        free[cluster.node_of(g)] = free.get(cluster.node_of(g), 0) + 1
+    out = []
+    for tp in tp_sizes(model, cluster):
+        usable = sum(f // tp * tp for f in free.values())  # TP groups inside nodes
+        for pp in pp_sizes(model):
+            dp = min(usable // (tp * pp), workload.samples)
+            if dp < 1:
+                continue
+            (mesh,) = place_blocks(gpus, per_node, [(tp * pp * dp, tp)])
+            train = kind == "train"
+            micro = max(workload.samples // dp // workload.micro_batch, 1)
+            mb = min(4 * pp, micro) if pp > 1 and kind != "generate" else 1
+            layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
+            out.append(Layout(model_stage=model_stage, tp=tp, pp=pp, dp=dp, layers=layers, mesh=mesh, micro_batches=mb,
+                              zero=1 if train and dp > 1 else 0, recompute=train))
+    return out
+
+
+class _Scorer:
+    """``estimate``'s step time and memory check for a choice of layouts (one per model-stage),
+    computed as ``estimate_plan`` computes them (``layout_costs``, ``step_time``) but with each
+    layout's mesh analysis done once: the baseline scores thousands of plans that differ in one
+    layout. ``greedy_plan`` checks the result against ``estimate_plan`` itself."""
+
+    def __init__(self, m: Module, workload: Workload, cluster: Cluster, options: dict[str, list[Layout]],
+                 kinds: dict[str, str], name: str):
+        self.m, self.workload, self.cluster, self.options, self.kinds, self.name = m, workload, cluster, options, kinds, name
+        self.cm = CostModel(cluster)
+        self.coeffs = self.cm.coeffs
+        self.cand: dict[tuple[str, int], Candidates] = {}
+        self.kept: dict[tuple[str, int], float] = {}
+        self.mesh: dict[tuple[str, int], np.ndarray] = {}
+        for ms, opts in options.items():
+            for i, lay in enumerate(opts):
+                cand = Candidates.of_layout(cluster, lay)
+                self.cand[(ms, i)] = cand
+                self.kept[(ms, i)] = float(self._stage(ms, cand).resident_state[0])  # the baseline offloads nothing
+                self.mesh[(ms, i)] = np.array(lay.mesh, dtype=np.int64)
+        self.memo: dict[tuple[str, int, float], tuple[float, float]] = {}
+
+    def _stage(self, ms: str, cand: Candidates):
+        return self.cm.stage(self.m.models[ms.rpartition(".")[0]], self.workload, self.kinds[ms], cand)
+
+    def _cost(self, ms: str, i: int, resident: float) -> tuple[float, float]:
+        """(time, own peak memory) of option ``i`` of ``ms`` beside ``resident`` bytes of others."""
+        key = (ms, i, resident)
+        if key not in self.memo:
+            c = self._stage(ms, dataclasses.replace(self.cand[(ms, i)], resident=np.array([resident])))
+            self.memo[key] = (float(c.features_for(self.coeffs)[0] @ self.coeffs + c.latency[0]), float(c.memory()[0]))
+        return self.memo[key]
+
+    def cost_alone(self, ms: str, i: int) -> float:
+        """Time of option ``i`` of ``ms`` with nothing else on its GPUs."""
+        return self._cost(ms, i, 0.0)[0]
+
+    def plan(self, choice: dict[str, int]) -> Plan:
+        layouts = {ms: copy.copy(self.options[ms][i]) for ms, i in choice.items()}
+        colocate = [list(st.model_stages()) for st in self.workload.stages if len(st.model_stages()) > 1]
+        return Plan(name=self.name, workload=self.workload.name, cluster=self.cluster.name, colocate=colocate, layouts=layouts)
+
+    def score(self, choice: dict[str, int]) -> tuple[int, float, float]:
+        """(does not fit, bytes over the GPU memory, step time): smaller is better."""
+        on_gpu = np.zeros(self.cluster.num_gpus)
+        for ms, i in choice.items():
+            on_gpu[self.mesh[(ms, i)]] += self.kept[(ms, i)]
+        times, bad, short = {}, 0, 0.0
+        memory = self.cluster.gpu_memory
+        for ms, i in choice.items():
+            mesh = self.mesh[(ms, i)]
+            others = float((on_gpu[mesh] - self.kept[(ms, i)]).max()) if len(mesh) else 0.0
+            t, own = self._cost(ms, i, others)
+            times[ms] = t
+            if not np.isfinite(t) or own + others > memory:
+                bad = 1
+                short += max(own + others - memory, 0.0)
+        if bad:
+            return (1, short, float("inf"))
+        plan = self.plan(choice)
+        return (0, 0.0, step_time(self.m, plan, times))
+
+
+def descend(scorer: _Scorer, options: dict[str, list[Layout]], choice: dict[str, int]) -> tuple[tuple, dict[str, int]]:
+    """From ``choice``, each model-stage in turn takes its best layout given the others (ties: the
+    current one), until a whole round changes nothing: (score, choice)."""
+    best = scorer.score(choice)
+    improved = True
+    while improved:  # ends: every change lowers the score, and there are finitely many plans
+        improved = False
+        for ms, opts in options.items():
+            for i in range(len(opts)):
+                if i == choice[ms]:
+                    continue
+                trial = dict(choice, **{ms: i})
+                s = scorer.score(trial)
+                if s < best:
+                    best, choice, improved = s, trial, True
+    return best, choice
+
+
+def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "greedy") -> Plan | None:
+    """The hand-tuned baseline, estimated; None when no choice of layouts fits in memory."""
+    options: dict[str, list[Layout]] = {}
+    colocate = []
+    for st in workload.stages:
+        mss = st.model_stages()
+        if len(mss) > 1:
+            colocate.append(list(mss))
+        for ms in mss:
+            options[ms] = layout_variations(m, workload, cluster, ms, st.kind)
+            if not options[ms]:
+                return None
+
+    kinds = {ms: st.kind for st in workload.stages for ms in st.model_stages()}
+    scorer = _Scorer(m, workload, cluster, options, kinds, name)
+
+    # start from the rule of thumb: the largest TP, then the smallest power-of-two PP with which
+    # the plan fits (doubled for the model-stages that do not fit)
+    def option(ms: str, tp: int, pp: int) -> int | None:
+        return next((i for i, o in enumerate(options[ms]) if (o.tp, o.pp) == (tp, pp)), None)
+
+    top = {ms: max(o.tp for o in opts) for ms, opts in options.items()}
+    choice = {ms: option(ms, top[ms], 1) for ms in options}
     while True:
-        layouts, colocate = {}, []
-        for st in workload.stages:
-            mss = st.model_stages()
-            if len(mss) > 1:
-                colocate.append(list(mss))
-            for ms in mss:
-                model = m.models[ms.rpartition(".")[0]]
-                usable_with = lambda t: sum(f // t * t for f in free.values())  # TP groups inside nodes
-                # the largest TP that fits in a node, among those that still use 90% of the GPUs
-                # (after failures, a full-node TP would leave most GPUs idle; a person would go lower)
-                tp = max(t for t in range(1, min(cluster.gpus_per_node, n) + 1)
-                         if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)
-                         and usable_with(t) >= 0.9 * n)
-                pp = pp_of[ms]
-                usable = usable_with(tp)
-                dp = usable // (tp * pp)
-                if dp < 1 or pp > model.layers:
-                    return None
-                (mesh,) = place_blocks(gpus, per_node, [(tp * pp * dp, tp)])
-                train = st.kind == "train"
-                layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-                layouts[ms] = Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=mesh,
-                                     micro_batches=4 * pp if pp > 1 else 1, zero=1 if train and dp > 1 else 0,
-                                     recompute=train)
-        plan = Plan(name=name, workload=workload.name, cluster=cluster.name, colocate=colocate, layouts=layouts)
-        problems = estimate_plan(m, plan)
-        if not problems:
-            return plan
-        # grow the pipeline of the model-stages that did not fit, and try again
-        short = [d.message.split()[0].rstrip(":") for d in problems]
-        grown = False
-        for ms in short:
-            if ms in pp_of and pp_of[ms] * 2 <= m.models[ms.rpartition(".")[0]].layers:
-                pp_of[ms] *= 2
-                grown = True
+        plan = scorer.plan(choice)
+        short = {d.message.split()[0].rstrip(":") for d in estimate_plan(m, plan)}
+        grown = {ms: option(ms, top[ms], 2 * options[ms][choice[ms]].pp) for ms in short if ms in choice}
+        grown = {ms: i for ms, i in grown.items() if i is not None}
         if not grown:
-            return None
+            break
+        choice.update(grown)
+    # then every model-stage in turn takes its best layout given the others, until none changes;
+    # from that start and from every model-stage's fastest layout on its own (which may not fit
+    # beside the others at first), keeping the better end
+    alone = {ms: min(range(len(opts)), key=lambda i: (scorer.cost_alone(ms, i), i)) for ms, opts in options.items()}
+    best, choice = min((descend(scorer, options, start) for start in (choice, alone)), key=lambda sc: sc[0])
+    if best[0]:
+        return None
+    plan = scorer.plan(choice)
+    if estimate_plan(m, plan) or abs(plan.step_time - best[2]) > 1e-3 * best[2]:
+        raise AssertionError(f"greedy_plan's scorer disagrees with estimate: {best[2]} s vs {plan.step_time} s")
+    return plan
