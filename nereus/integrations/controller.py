@@ -1,0 +1,217 @@
+"""The ``Controller``: the decision core embedded in a running job.
+
+A few lines around a user's loop::
+
+    ctl = Controller(module, "p0", adapter)        # on every rank, after init_process_group
+    for step in range(steps):
+        with ctl.step():
+            with ctl.stage("actor.generate"):
+                responses = generate(...)
+            ctl.responses([len(r) for r in responses])
+            with ctl.stage("actor.train"):
+                train(...)
+        if not ctl.active:                         # this rank's GPU left the job
+            break
+
+Each rank times its stages (wall clock) and, on CUDA, their peak device memory. At the end of a
+step the controller gathers every rank's measurements (one ``all_gather_object``), rank 0 turns
+them into a ``StepRecord`` (a stage's time is its slowest rank's) and runs ``DecisionCore.decide``,
+and the decision goes to every rank (one ``broadcast_object_list``), so all ranks act on the same
+decision. On ``transition`` every rank lowers the decision's transition (ranks = GPU ids), runs it
+on the live state (``adapter.export()`` -> ``execute`` -> ``adapter.load``), and the core commits
+plan B. A transition that fails rolls back: ``execute`` leaves plan A's state intact on every
+survivor, the adapter is not touched, and the loop continues under plan A (the decision log says
+so) in a fresh group of the same ranks; the next transition needs the default group re-created
+(the executor's contract). Ranks that plan B does not use become inactive (``active`` is false: the loop should end
+there); the others go on in a process group of their own (gathers and the decision broadcast
+use it). A further transition after the job shrank needs the default process group re-created
+over the ranks that remain (as torchelastic restarts do); the controller says so instead of
+running it.
+
+The adapter is what knows the live model: ``export() -> LocalState`` (this rank's shards under
+the current plan, keyed as ``plan_layout`` names them) and ``load(module, plan, state)`` (rebuild
+the model and optimizer for ``plan`` from this rank's new shards).
+
+Decisions are JSON lines (``log``) and, on rank 0, one line of a rich table each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..backend.lower import lower
+from ..control import ControlOptions, Decision, DecisionCore, StepRecord
+from ..ir import Module
+from ..runtime.execute import TransitionError, execute
+from ..runtime.state import LocalState
+
+
+class StateAdapter(Protocol):
+    def export(self) -> LocalState: ...
+
+    def load(self, module: Module, plan: str, state: LocalState) -> None: ...
+
+
+class Controller:
+    def __init__(self, module: Module, plan: str, adapter: StateAdapter, *, options: ControlOptions | None = None,
+                 total_steps: int | None = None, log: str | Path | None = None, timeout: float = 120.0,
+                 show: bool = True, faults: tuple = ()):
+        if options is not None and not isinstance(options, ControlOptions):
+            raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("Controller needs an initialised default process group (init_from_env)")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.adapter, self.timeout, self.plan = adapter, timeout, plan
+        self.faults = tuple(faults)  # injected into execute (tests of the rollback)
+        # every rank keeps a core and observes the same records; only the leader (the lowest rank
+        # still in the job) decides, and logs
+        self.log_path = Path(log) if log is not None else None
+        self.core = DecisionCore(module, plan, options, total_steps, self.log_path if self.rank == 0 else None)
+        self.module = self.core.m
+        self.step_no = 0
+        self.active = True
+        self.last: Decision | None = None
+        self._seconds: dict[str, float] = {}
+        self._memory: dict[str, int] = {}
+        self._lengths: list[int] = []
+        self._leaving = False
+        self._console = None
+        self.group = None  # None: the default group (all ranks); after a shrink, the ranks that remain
+        self.members = list(range(self.world))
+        self.degraded = False  # a transition failed: the default group must be re-created before the next
+        if show and self.rank == 0:  # the rich summary on rank 0
+            from rich.console import Console
+
+            self._console = Console(stderr=True)
+
+    # -- measurements ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(self, model_stage: str):
+        """Time one model-stage of this step on this rank (and its peak memory on CUDA)."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize()
+                self._memory[model_stage] = max(self._memory.get(model_stage, 0), torch.cuda.max_memory_allocated())
+            self._seconds[model_stage] = self._seconds.get(model_stage, 0.0) + time.perf_counter() - t0
+
+    def responses(self, lengths) -> None:
+        """The lengths (tokens) of the responses this rank generated this step."""
+        self._lengths.extend(int(n) for n in lengths)
+
+    def leave(self) -> None:
+        """Announce that this rank's GPU leaves the job: the next decision moves its state off it."""
+        self._leaving = True
+
+    @contextlib.contextmanager
+    def step(self):
+        """One training step: measurements inside, the decision (and a transition) at its end."""
+        self._seconds, self._memory, self._lengths = {}, {}, []
+        yield
+        self.last = self._decide()
+        self.step_no += 1
+
+    # -- the decision and its application ----------------------------------------------------------
+    def _decide(self) -> Decision:
+        mine = {"seconds": self._seconds, "memory": self._memory, "lengths": self._lengths, "leaving": self._leaving}
+        every: list = [None] * len(self.members)
+        dist.all_gather_object(every, mine, group=self.group)
+        record, decision = None, None
+        leader = self.members[0]
+        if self.rank == leader:
+            record = self._record(every)
+            self.core.observe(record)
+            decision = self.core.decide()
+        box = [record if self.rank == leader else None, decision]
+        dist.broadcast_object_list(box, src=leader, group=self.group)
+        record, decision = box
+        if self.rank != leader:  # the same history on every rank, so any of them can lead later
+            self.core.observe(record)
+            self.core.decisions.append(decision)
+            if decision.triggers:
+                self.core.last_replan = decision.step
+        if decision.action == "transition" and (len(self.members) < self.world or self.degraded):
+            decision.action = "stay"
+            decision.message = ("not applied: the default process group " + ("saw a failed transition" if self.degraded
+                                else "includes ranks that left") + "; re-create it before the next transition")
+        elif decision.action == "transition":
+            decision = self._apply(decision)
+        self._show(decision)
+        return decision
+
+    def _record(self, every: list[dict]) -> StepRecord:
+        """One StepRecord from every rank's measurements: a stage takes as long as its slowest rank."""
+        seconds: dict[str, float] = {}
+        memory: dict[str, int] = {}
+        for m in every:
+            for ms, s in m["seconds"].items():
+                seconds[ms] = max(seconds.get(ms, 0.0), s)
+            for ms, b in m["memory"].items():
+                memory[ms] = max(memory.get(ms, 0), b)
+        leaving = tuple(self.members[i] for i, m in enumerate(every) if m["leaving"])
+        return StepRecord(self.step_no, seconds, memory, tuple(n for m in every for n in m["lengths"]),
+                          gpus=tuple(sorted(self.core.gpus_now)), leaving=leaving)
+
+    def _apply(self, decision: Decision) -> Decision:
+        m = decision.module
+        t0 = time.perf_counter()
+        prog = lower(m, decision.transition, gpus=list(range(self.world)))
+        t1 = time.perf_counter()
+        try:
+            new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
+        except TransitionError as e:
+            decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
+            # a group that saw a failure may hold half-finished messages: the controller goes on
+            # in a fresh group (created through the store, not the broken connections)
+            self.group = dist.new_group(self.members, timeout=datetime.timedelta(seconds=self.timeout))
+            self.degraded = True
+            decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
+            self._log(decision)
+            return decision
+        t2 = time.perf_counter()
+        used = {g for lay in m.plans[decision.target].layouts.values() for g in lay.mesh}
+        if self.rank in used:
+            self.adapter.load(m, decision.target, new)
+        else:
+            self.active = False
+        remaining = sorted(r for r in range(self.world) if r in used)
+        if remaining != self.members:  # every rank creates the group, in the same order
+            group = dist.new_group(remaining, timeout=datetime.timedelta(seconds=self.timeout))
+            self.group, self.members = (group if self.rank in used else None), remaining
+        t3 = time.perf_counter()
+        self.core.commit(decision)  # every rank: the same decision, the same plan B
+        self.core.log = self.log_path if self.rank == self.members[0] else None
+        self.module, self.plan = self.core.m, decision.target
+        decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(t2 - t1, 4), load_s=round(t3 - t2, 4))
+        self._log(decision)
+        return decision
+
+    def _log(self, decision: Decision) -> None:
+        """The outcome of an applied decision, appended to the decision log by the leader."""
+        if self.core.log is not None:
+            with self.core.log.open("a") as f:
+                f.write(json.dumps({"step": decision.step, "applied": decision.action, "message": decision.message,
+                                    "numbers": decision.numbers}, sort_keys=True) + "\n")
+
+    def _show(self, decision: Decision) -> None:
+        if self._console is None or decision.action == "stay" and not decision.triggers:
+            return
+        n = decision.numbers
+        why = ", ".join(t.kind for t in decision.triggers) or "-"
+        self._console.print(f"[bold]step {decision.step}[/bold] {decision.action} ({why}) "
+                            f"@{decision.source} -> @{decision.target or decision.source}: "
+                            f"{n.get('step_time_now', float('nan')):.3g} s -> {n.get('step_time_new', float('nan')):.3g} s "
+                            f"per step, {n.get('bytes_moved', 0) / 2**20:.1f} MiB, {decision.message}")
