@@ -2,9 +2,10 @@
 
 Each test cites its source and states its tolerance. A time or throughput figure is only
 evidence if the model predicts it better than a predictor that knows nothing about the
-configuration: each such test states the error of the constant-efficiency predictor (every
-GPU at ``CONSTANT_EFFICIENCY`` of its peak) beside the model's and fails unless the model beats
-it. Memory and KV-cache figures are exact accounting identities (no efficiency enters them).
+configuration, the constant-efficiency predictor (every GPU at ``CONSTANT_EFFICIENCY`` of its
+peak). On the one such table here (Megatron's Table 1) the model does not beat it yet: that test
+records both errors and claims nothing (issue 15). Memory and KV-cache figures are exact
+accounting identities (no efficiency enters them), and those are evidence.
 Checks of the model against itself (formulas rebuilt in the test, identities such as the 1F1B
 bubble) are in ``test_cost_model_self_consistency.py``.
 """
@@ -67,33 +68,25 @@ def table_1_predictions() -> tuple[np.ndarray, np.ndarray]:
     return np.array(predicted), np.array(published)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15: the model does not yet beat a constant on Table 1 (mean error "
-                                       "13.4% vs 9.1%, max 23.8% vs 15.6%): one compute efficiency for every GEMM "
-                                       "size, communication never overlapped, plain 1F1B where Megatron ran interleaved")
-def test_throughput_against_megatron_table_1_beats_a_constant():
+def test_table_1_the_model_against_a_constant():
     """Narayanan et al., SC'21, Table 1: achieved TFLOP/s per GPU of 10 GPT models (1.7B-1T) on
-    up to 3,072 A100s, predicted with the *prior* coefficients (not fitted to this table).
+    up to 3,072 A100s, predicted with the *prior* coefficients (not fitted to this table),
+    beside the constant-efficiency predictor (every configuration at 0.5 x 312 TFLOP/s).
 
-    The constant predictor (every configuration at 0.5 x 312 TFLOP/s) has mean error 9.1% and
-    max 15.6% on this table; the model must do better on both to count as evidence. Today it
-    does not (it under-predicts the large models: see the xfail reason), so this test is an
-    expected failure, strict: the day the model beats the constant it fails, and the marker goes.
+    This is a record, not evidence: today the constant wins (mean error 9.1% vs the model's
+    13.4%, max 15.6% vs 23.8%; the model under-predicts the large models: one compute
+    efficiency for every GEMM size, communication never overlapped, plain 1F1B where Megatron
+    ran interleaved). Issue 15 is the work that must turn this around; until then no claim
+    about the model's time predictions rests on this table (docs/PERFORMANCE.md says so). The
+    numbers are pinned so that a change to the model shows here, and the assertion becomes
+    "the model beats the constant" when it does.
     """
     predicted, published = table_1_predictions()
     constant = np.full_like(published, CONSTANT_EFFICIENCY * A100.peak_flops / 1e12, dtype=float)
     model_err = np.abs(predicted - published) / published
     const_err = np.abs(constant - published) / published
     assert const_err.mean() == pytest.approx(0.091, abs=0.001) and const_err.max() == pytest.approx(0.156, abs=0.001)
-    assert model_err.mean() < const_err.mean() and model_err.max() < const_err.max(), (
-        f"model: mean {model_err.mean():.3f}, max {model_err.max():.3f}; "
-        f"constant: mean {const_err.mean():.3f}, max {const_err.max():.3f}")
-
-
-def test_table_1_errors_are_what_the_xfail_states():
-    """The numbers the expected failure above quotes, pinned: a change to the model shows here."""
-    predicted, published = table_1_predictions()
-    err = np.abs(predicted - published) / published
-    assert err.mean() == pytest.approx(0.134, abs=0.001) and err.max() == pytest.approx(0.238, abs=0.001)
+    assert model_err.mean() == pytest.approx(0.134, abs=0.001) and model_err.max() == pytest.approx(0.238, abs=0.001)
 
 
 def test_kv_cache_per_token_matches_vllm_paper():
