@@ -14,6 +14,7 @@ from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.diagnostics import did_you_mean
 from ..ir.sharding import derive_emus, states_of
 from .estimate import layout_costs
+from .gc_pause import gc_paused
 from .pass_manager import ModulePass, Ref, register
 
 
@@ -40,13 +41,14 @@ class DeriveEmus(ModulePass):
             raise _error(module, f"derive-emus: no plan @{plan_name}", did_you_mean(plan_name, module.plans))
         stages = [self.model_stage] if self.model_stage else list(plan.layouts)
         for ms in stages:
-            if self.only_missing and module.emus_of(plan_name, ms):
-                continue
-            layout = plan.layouts.get(ms)
-            if layout is None:
+            if plan.layouts.get(ms) is None:
                 raise _error(module, f"derive-emus: plan @{plan_name} has no layout {ms}", did_you_mean(ms, plan.layouts))
-            for emu in model_stage_emus(module, plan_name, ms):
-                module.emus[emu.key] = emu
+        with gc_paused():  # thousands of EMU shards, nothing cyclic (gc_pause.py)
+            for ms in stages:
+                if self.only_missing and module.emus_of(plan_name, ms):
+                    continue
+                for emu in model_stage_emus(module, plan_name, ms):
+                    module.emus[emu.key] = emu
 
 
 def emus_required(module: Module, *plans: str) -> list[ModulePass]:
