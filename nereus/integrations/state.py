@@ -1,0 +1,153 @@
+"""The adapter between a live HF Llama + AdamW and Nereus's shards: export, import, and the check.
+
+``export_state(live, module, plan)`` is this rank's state as a ``LocalState`` keyed exactly as
+``plan_layout(module, plan)[rank]`` lists it for the live model-stage: ``weight``, ``master``,
+``exp_avg`` and ``exp_avg_sq`` of every tensor (IR names: ``layers.3.mlp.up_proj.weight``, no
+``model.`` prefix), each the rank-local shard of the parameter or of AdamW's state (a view: no
+copy, and ``execute`` never writes its input). AdamW's ``step`` is a scalar and travels apart,
+as an int: the same on every parameter and every rank.
+
+``master``: the live model trains in fp32, so the parameter is the master weight. The IR still
+lists a separate fp32 ``master`` for a trained model (``ir.sharding.states_of`` does not look at
+the dtype); export gives the parameter itself for both keys, and import requires the two to be
+bit-identical (they are whenever they came from one export, since transitions copy bytes).
+
+``load_state(live, module, plan, state, step)`` writes a ``LocalState`` into a freshly built
+model and optimizer (``hf_llama.build``) in place; ``buffers`` are the live tensors themselves,
+for ``execute(..., out=...)`` to fill directly.
+
+Every box is checked: the box a live tensor covers (from its DTensor placements on the tp
+sub-mesh, ``runtime.dtensor.dtensor_box``) must be the box the plan's EMUs give the rank.
+``check_layout`` says, before any state moves, where the live model cannot take a layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..backend.shards import ShardSpec, StateKey, plan_layout
+from ..ir import Diagnostic, DiagnosticError, Module
+from ..ir.sharding import states_of
+from ..runtime.dtensor import dtensor_box, placements
+from ..runtime.state import LocalState, torch_dtype
+from .hf_llama import LiveLlama, local
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def check_layout(module: Module, plan: str, model_stage: str) -> None:
+    """Raise ``DiagnosticError`` where the live HF model cannot take ``plan``'s layout of
+    ``model_stage``; pure IR, so every rank raises the same error without a message."""
+    lay = module.plans[plan].layouts[model_stage]
+    model = module.models[lay.model]
+    stage = module.workloads[module.plans[plan].workload].stage_of(model_stage)
+    at = lambda attr: lay.locs.get(attr, lay.loc)  # noqa: E731
+    where = f"plan @{plan} {model_stage}"
+    problems: list[Diagnostic] = []
+
+    def bad(attr, msg, hint=None):
+        problems.append(Diagnostic(at(attr), f"{where}: {msg}", hint))
+
+    if lay.pp > 1:
+        bad("pp", f"pp = {lay.pp}: pipeline parallelism is not built in the HF Llama adapter", "use pp = 1")
+    if lay.zero:
+        bad("zero", f"zero = {lay.zero}: the adapter keeps whole replicas over DP (DDP); ZeRO/FSDP2 is not built")
+    if model.dtype != "fp32":
+        problems.append(Diagnostic(model.loc, f"model @{model.name}: dtype = {model.dtype}; the adapter trains in fp32"))
+    if model.tied_embeddings or model.mlp != "gated" or model.head != "lm":
+        problems.append(Diagnostic(model.loc, f"model @{model.name}: the adapter takes untied LlamaForCausalLM "
+                                              "(tied_embeddings = false, mlp = gated, head = lm)"))
+    hint = "choose tp from " + ", ".join(str(t) for t in range(1, model.kv_heads + 1)
+                                         if model.heads % t == 0 and model.kv_heads % t == 0)
+    if model.heads % lay.tp:
+        bad("tp", f"tp = {lay.tp} does not divide heads = {model.heads}: HF attention under ColwiseParallel "
+                  "needs whole query heads on every TP rank", hint)
+    elif model.kv_heads % lay.tp:
+        why = (f"the IR replicates each K/V head on {lay.tp // model.kv_heads} TP ranks, which is no DTensor "
+               "placement, and ColwiseParallel would cut K/V heads apart" if lay.tp > model.kv_heads
+               else "ColwiseParallel would cut K/V heads apart")
+        bad("tp", f"tp = {lay.tp} does not divide kv_heads = {model.kv_heads}: {why}", hint)
+    else:  # whole heads everywhere: what remains is torch.chunk against tensor_split (uneven ffn, vocab)
+        seen = set()
+        for state in states_of(model, stage.kind if stage else ""):
+            for family in model.tensors:
+                pl = placements(model, lay, family, state)
+                if pl.placements is None and pl.reason not in seen:
+                    seen.add(pl.reason)
+                    bad("tp", f"DTensor cannot express the layout: {pl.reason}")
+    if problems:
+        raise DiagnosticError(problems)
+
+
+def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
+    rank = dist.get_rank()
+    return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage == live.layout.model_stage]
+
+
+def _box(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    if not isinstance(t, DTensor):
+        return tuple((0, n) for n in t.shape)
+    (tp,) = t.device_mesh.get_coordinate()
+    return dtensor_box(tuple(t.shape), t.placements, (tp,), tuple(t.device_mesh.shape))
+
+
+def _live(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:
+    """The live tensor (parameter or AdamW state; a DTensor under TP) that holds ``spec``."""
+    p = params.get(spec.key.tensor)
+    if p is None:
+        raise KeyError(f"{spec.key}: the live model has no parameter {spec.key.tensor}")
+    t = p if spec.key.state in ("weight", "master") else live.optimizer.state[p][spec.key.state]
+    if tuple(t.shape) != spec.shape or _box(t) != tuple(spec.box) or t.dtype != torch_dtype(spec.dtype):
+        raise ValueError(f"{spec.key}: the live tensor is {tuple(t.shape)} {t.dtype} holding {_box(t)} on this "
+                         f"rank; the plan says {spec.shape} {spec.dtype} holding {spec.box}")
+    return t
+
+
+def buffers(live: LiveLlama, module: Module, plan: str) -> LocalState:
+    """The live tensors (rank-local views) that hold ``plan``'s shards on this rank, ``master``
+    left out (it is the weight's buffer): what ``execute(..., out=)`` fills in place."""
+    if live.model is None:
+        return {}
+    params = live.params()
+    with torch.no_grad():
+        return {s.key: local(_live(live, params, s)) for s in _specs(live, module, plan) if s.key.state != "master"}
+
+
+def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState, int]:
+    """This rank's shards under ``plan`` (views of the live tensors) and AdamW's step."""
+    if live.model is None:
+        return {}, 0
+    steps = {int(s["step"]) for s in live.optimizer.state.values()}
+    if len(steps) != 1:
+        raise ValueError(f"AdamW's parameters are at different steps {sorted(steps)}")
+    specs, params = _specs(live, module, plan), live.params()
+    unnamed = sorted(set(params) - {s.key.tensor for s in specs})
+    if unnamed:
+        raise ValueError(f"plan @{plan} holds no shard of the live parameters {', '.join(unnamed[:3])} on this rank")
+    with torch.no_grad():
+        return {s.key: local(_live(live, params, s)) for s in specs}, steps.pop()
+
+
+def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, step: int) -> None:
+    """Write ``state`` (this rank's shards under ``plan``) and ``step`` into the live model and
+    optimizer, bit for bit. Raises where a key is missing or ``master`` differs from ``weight``."""
+    if live.model is None:
+        return
+    specs, params = _specs(live, module, plan), live.params()
+    missing = [str(s.key) for s in specs if s.key not in state]
+    if missing:
+        raise KeyError(f"the state lacks {len(missing)} shard(s) plan @{plan} puts here: {', '.join(missing[:3])}")
+    with torch.no_grad():
+        for s in specs:
+            if s.key.state == "master":
+                weight = state[StateKey(s.key.model_stage, "weight", s.key.tensor)]
+                if not torch.equal(state[s.key], weight):
+                    raise ValueError(f"{s.key}: the fp32 master differs from the weight; the live model holds one")
+                continue
+            dst = local(_live(live, params, s))
+            if state[s.key].data_ptr() != dst.data_ptr():
+                dst.copy_(state[s.key])
+        for p in live.model.parameters():
+            live.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
