@@ -24,6 +24,8 @@ class ControlOptions:
     - ``search_time_limit`` (s) and ``seed``: plan-search's; ``schedule_time_limit`` (s).
     - ``margin``, ``pg_init``, ``engine_restart``: admit's (a transition must pay back its cost
       times 1 + margin over the remaining steps).
+    - ``max_pp`` (0: any), ``max_zero``, ``offload``: plan-search only proposes layouts the live
+      job can take (a live model without pipeline stages: ``max_pp = 1``).
     """
 
     recalibrate_every: int = 10
@@ -38,10 +40,17 @@ class ControlOptions:
     margin: float = 0.1
     pg_init: float = 2.0
     engine_restart: float = 30.0
+    max_pp: int = 0
+    max_zero: int = 3
+    offload: bool = True
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise TypeError(f"ControlOptions.{f.name} must be bool, got {type(value).__name__} {value!r}")
+                continue
             want = {"int": int, "float": (int, float)}[f.type]
             if isinstance(value, bool) or not isinstance(value, want):
                 raise TypeError(f"ControlOptions.{f.name} must be {f.type}, got {type(value).__name__} {value!r}")

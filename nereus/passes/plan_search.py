@@ -203,7 +203,8 @@ def _min_need(problem: SearchProblem, ms: str) -> int | None:
 @dataclass(frozen=True)
 class PlanSearch(ModulePass):
     """Options: ``time_limit`` (s), ``seed``, ``objective`` (step-time), ``workload``/``cluster``
-    (``@name``; default: the only one), ``into`` (``@name`` of the new plan; default ``@<workload>_searched``)."""
+    (``@name``; default: the only one), ``into`` (``@name`` of the new plan; default ``@<workload>_searched``),
+    ``max_pp`` (0: any), ``max_zero`` and ``offload`` (false: none): only layouts the job can run."""
 
     name = "plan-search"
     time_limit: float = 10.0
@@ -212,6 +213,9 @@ class PlanSearch(ModulePass):
     workload: Ref = ""
     cluster: Ref = ""
     into: Ref = ""
+    max_pp: int = 0
+    max_zero: int = 3
+    offload: bool = True
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":
@@ -219,7 +223,7 @@ class PlanSearch(ModulePass):
                                               "objectives: step-time")])
         w = _pick(module, "workload", self.workload)
         c = _pick(module, "cluster", self.cluster)
-        problem = build_problem(c, w, module.models)
+        problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload)
         sol = solve(problem, self.time_limit, self.seed)
         if sol.status == "unknown":
             raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "

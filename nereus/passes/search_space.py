@@ -124,8 +124,12 @@ class SearchProblem:
 
 
 def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model], cost: CostModel | None = None,
-                  max_tp: int | None = None, time_units: int = 10_000_000) -> SearchProblem:
-    """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``."""
+                  max_tp: int | None = None, time_units: int = 10_000_000, max_pp: int = 0, max_zero: int = 3,
+                  offload: bool = True) -> SearchProblem:
+    """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
+
+    ``max_pp`` (0: no limit), ``max_zero`` and ``offload`` keep only layouts the job can run
+    (a live model without pipeline stages, ZeRO or offload, say)."""
     cost = cost or CostModel(cluster)
     gpus = cluster.available_gpus()
     n = len(gpus)
@@ -158,6 +162,10 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
     for ms, (kind, c) in raw.items():
         fits = np.array([g <= cap.get(int(t), 0) for g, t in zip(c["gpus"], c["tp"])], dtype=bool)
         keep = np.isfinite(c["time"]) & (c["peak"] <= mem_mib) & fits
+        if len(c["tp"]):
+            keep &= (c["pp"] <= (max_pp or c["pp"].max())) & (c["zero"] <= max_zero)
+            if not offload:
+                keep &= np.array([not o for o in c["offload"]], dtype=bool)
         opts = [Option(int(c["tp"][i]), int(c["pp"][i]), int(c["dp"][i]), int(c["mb"][i]), bool(c["rc"][i]),
                        int(c["zero"][i]), c["offload"][i], int(c["rho"][i]), int(c["gpus"][i]),
                        int(c["gpus"][i]) * (capacity // cap[int(c["tp"][i])]), float(c["time"][i]),

@@ -163,3 +163,17 @@ def test_bad_input_is_refused():
         DecisionCore(m, "ppo_p0", options={"window": 3})
     with pytest.raises(ValueError, match="seconds of actor.train must be positive"):
         StepRecord(0, {"actor.train": 0.0})
+
+
+def test_the_search_proposes_only_layouts_the_job_can_take():
+    """A live model without pipeline stages, ZeRO or offload (``max_pp=1, max_zero=0,
+    offload=false``): plan B has none of them, where the unconstrained search uses them."""
+    free, held = core(), core(max_pp=1, max_zero=0, offload=False)
+    for c in (free, held):
+        c.observe(as_planned(c, 0, length=3.0))
+    d_free, d_held = free.decide(), held.decide()
+    assert d_free.action == d_held.action == "transition"
+    lays_free = d_free.module.plans[d_free.target].layouts.values()
+    lays_held = d_held.module.plans[d_held.target].layouts.values()
+    assert any(lay.pp > 1 or lay.zero or lay.offload for lay in lays_free)
+    assert all(lay.pp == 1 and lay.zero == 0 and not lay.offload for lay in lays_held)
