@@ -6,7 +6,9 @@
   ``check_layout`` says where the live model cannot take a layout;
 - ``reshard``: a live model and optimizer moved from plan A to plan B by ``execute``;
 - ``job``: a one-model training job as an IR module;
-- ``controller``: the ``Controller`` that embeds the decision core in a running job.
+- ``controller``: the ``Controller`` that embeds the decision core in a running job;
+- ``llama_adapter``: ``LlamaAdapter``, the Controller's adapter for the live HF Llama (its
+  ``move`` runs ``reshard`` on every rank); ``examples/grpo_tiny.py`` is a loop around it.
 
 This package sits above ``nereus.runtime`` and ``nereus.control`` (docs/ARCHITECTURE.md).
 Importing ``hf_llama`` needs ``transformers`` (the ``hf`` extra).

@@ -31,6 +31,9 @@ running it.
 The adapter is what knows the live model: ``export() -> LocalState`` (this rank's shards under
 the current plan, keyed as ``plan_layout`` names them) and ``load(module, plan, state)`` (rebuild
 the model and optimizer for ``plan`` from this rank's new shards).
+An adapter with a ``move(module, source, target, transition=, timeout=, faults=)`` method moves
+its live model itself, on every rank (``nereus.integrations.llama_adapter.LlamaAdapter`` calls
+``reshard``, which builds plan B's model: a collective), and the controller calls it instead.
 
 Decisions are JSON lines (``log``) and, on rank 0, one line of a rich table each.
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import pickle
 import time
 from pathlib import Path
 from typing import Protocol
@@ -49,7 +53,7 @@ import torch.distributed as dist
 
 from ..backend.lower import lower
 from ..control import ControlOptions, Decision, DecisionCore, StepRecord
-from ..ir import Module
+from ..ir import DiagnosticError, Module
 from ..runtime.execute import TransitionError, execute
 from ..runtime.state import LocalState
 
@@ -58,6 +62,16 @@ class StateAdapter(Protocol):
     def export(self) -> LocalState: ...
 
     def load(self, module: Module, plan: str, state: LocalState) -> None: ...
+
+
+class MovingAdapter(Protocol):
+    """An adapter that moves its live model itself (``LlamaAdapter``: ``reshard``). The controller
+    calls ``move`` on every rank instead of export -> execute -> load; it raises
+    ``TransitionError`` with plan A intact on failure (a rollback) or ``DiagnosticError`` before
+    anything moved (plan B is no layout the live model takes)."""
+
+    def move(self, module: Module, source: str, target: str, *, transition: str, timeout: float,
+             faults: tuple) -> None: ...
 
 
 class Controller:
@@ -137,6 +151,11 @@ class Controller:
             decision = self.core.decide()
         box = [record if self.rank == leader else None, decision]
         dist.broadcast_object_list(box, src=leader, group=self.group)
+        if self.rank == leader:
+            # the leader acts on what the others unpickled, not on its own objects: lowering the
+            # decision's module must give the same program (and ``Program.digest``, a hash of its
+            # pickle, depends on which equal objects are shared, which a pickle round trip changes)
+            box = pickle.loads(pickle.dumps(box))
         record, decision = box
         if self.rank != leader:  # the same history on every rank, so any of them can lead later
             self.core.observe(record)
@@ -167,11 +186,23 @@ class Controller:
 
     def _apply(self, decision: Decision) -> Decision:
         m = decision.module
+        move = getattr(self.adapter, "move", None)
         t0 = time.perf_counter()
-        prog = lower(m, decision.transition, gpus=list(range(self.world)))
+        prog = None if move is not None else lower(m, decision.transition, gpus=list(range(self.world)))
         t1 = time.perf_counter()
         try:
-            new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
+            if move is not None:  # the adapter moves its live model itself (every rank calls it)
+                move(m, decision.source, decision.target, transition=decision.transition, timeout=self.timeout,
+                     faults=self.faults)
+                new = None
+            else:
+                new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
+        except DiagnosticError as e:  # plan B is no layout the live model takes: nothing moved, no collective ran
+            decision.action = "rolled_back"
+            decision.message = f"not applied: the live model cannot take plan @{decision.target}: {e}"
+            decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
+            self._log(decision)
+            return decision
         except TransitionError as e:
             decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
             # a group that saw a failure may hold half-finished messages: the controller goes on
@@ -184,7 +215,8 @@ class Controller:
         t2 = time.perf_counter()
         used = {g for lay in m.plans[decision.target].layouts.values() for g in lay.mesh}
         if self.rank in used:
-            self.adapter.load(m, decision.target, new)
+            if move is None:
+                self.adapter.load(m, decision.target, new)
         else:
             self.active = False
         remaining = sorted(r for r in range(self.world) if r in used)

@@ -1,0 +1,239 @@
+"""GRPO on a tiny Hugging Face Llama, driven by the Nereus Controller, moved twice mid-run.
+
+    torchrun --nproc-per-node 4 examples/grpo_tiny.py --steps 12 --leave-step 4 --decision-log grpo.jsonl
+
+The task is verifiable: the prompt is ``BOS d1 .. dL SEP`` (``L`` digits from ``0..D-1``), the
+answer is the digits again followed by ``EOS``; the reward is the fraction of the ``L + 1``
+answer positions the response gets right. The actor is a tiny ``LlamaForCausalLM`` built
+locally from a config (seeded, nothing downloaded) under the IR plan's layout: TP 2 x DP 2 on
+4 ranks to start (``hf_llama.build``). A frozen reference model is a plain, unsharded copy of
+the initial actor on every rank.
+
+Each step: every DP replica takes its share of the step's prompts (the same global prompts under
+every layout), the actor samples ``group`` responses per prompt (each prompt's sampling
+generator is seeded from the step and the prompt's global index, so the TP ranks of a replica
+draw the same tokens and a layout change does not change the draws), rewards are scored,
+advantages normalised within each group, and one AdamW step minimises the GRPO loss: the
+policy-gradient term (ratio to the sampling policy, clipped) plus ``beta`` times the k3
+estimate of KL(actor || reference), averaged over each response's tokens, then over responses;
+gradients are averaged over DP.
+
+The Controller (``nereus.integrations.controller``) times the train stage, takes the response
+lengths, and decides at the end of each step; ``LlamaAdapter.move`` runs its transitions on the
+live model (``reshard``). Two moves happen mid-run:
+
+- admitted: the IR workload is planned for responses of 1 token (``--planned-response``), the
+  responses are ``L + 1`` long, so the response-length trigger fires at once and, with
+  ``pg_init = engine_restart = margin = 0``, a plan that is faster for the measured workload pays;
+- forced: at ``--leave-step`` rank ``--leave-rank`` calls ``ctl.leave()``; the next decision
+  moves the job to the ranks that remain; the leaving rank hands its state over and ends its loop.
+
+(After the job shrank the controller refuses further transitions until the default group is
+re-created: docs/embedding.md.) ``main`` is what the test runs on 4 gloo processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from nereus.control import ControlOptions
+from nereus.integrations.controller import Controller
+from nereus.integrations.hf_llama import build, ir_model, local
+from nereus.integrations.job import layout, training_job
+from nereus.integrations.llama_adapter import LlamaAdapter
+from nereus.integrations.state import check_layout
+from nereus.runtime.launch import init_from_env
+
+MS = "actor.train"
+SEP, EOS, BOS = 10, 11, 12  # digits are tokens 0..9
+
+
+def config() -> LlamaConfig:
+    """The tiny actor: 2 layers, hidden 64, 4 heads (4 K/V heads: TP 1, 2 or 4), vocabulary 16."""
+    return LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                       max_position_embeddings=32, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                       use_cache=False)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--prompts", type=int, default=12, help="prompts per step, over all DP replicas")
+    p.add_argument("--group", type=int, default=4, help="responses per prompt")
+    p.add_argument("--digits", type=int, default=3, help="L: digits to copy")
+    p.add_argument("--alphabet", type=int, default=4, help="D: digits drawn from 0..D-1")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--beta", type=float, default=0.02, help="KL coefficient")
+    p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--leave-step", type=int, default=3, help="step at which --leave-rank announces it leaves (-1: never)")
+    p.add_argument("--leave-rank", type=int, default=-1, help="the leaving rank (-1: the last)")
+    p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
+    p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def prompts(step: int, n: int, digits: int, alphabet: int, seed: int) -> torch.Tensor:
+    """The step's ``n`` global prompts ``BOS d1 .. dL SEP``: the same under every layout."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    body = torch.randint(0, alphabet, (n, digits), generator=g)
+    return torch.cat([torch.full((n, 1), BOS), body, torch.full((n, 1), SEP)], dim=1)
+
+
+@torch.no_grad()
+def generate(model, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int) -> torch.Tensor:
+    """``group`` samples per prompt row, ``new`` tokens each (no KV cache: the sequences are tiny).
+    Row ``i`` is global prompt ``first + i``; its generator is seeded from (seed, step, first + i)."""
+    seqs = prompt.repeat_interleave(group, dim=0)
+    gens = [torch.Generator().manual_seed((seed * 7919 + step) * 100_003 + first + i) for i in range(len(prompt))]
+    for _ in range(new):
+        logits = model(input_ids=seqs).logits[:, -1].float()
+        probs = torch.softmax(logits, dim=-1)
+        nxt = torch.cat([torch.multinomial(probs[i * group:(i + 1) * group], 1, generator=g)
+                         for i, g in enumerate(gens)])
+        seqs = torch.cat([seqs, nxt], dim=1)
+    return seqs
+
+
+def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rewards (fraction of the L + 1 answer positions right), the response mask (tokens up to and
+    including the first EOS) and the response lengths."""
+    resp = seqs[:, plen:]
+    want = torch.cat([seqs[:, 1:1 + digits], torch.full((len(seqs), 1), EOS)], dim=1)
+    reward = (resp == want).float().mean(dim=1)
+    eos = resp == EOS
+    first = torch.where(eos.any(dim=1), eos.float().argmax(dim=1), torch.full((len(resp),), resp.shape[1] - 1))
+    lengths = first + 1
+    mask = (torch.arange(resp.shape[1])[None, :] < lengths[:, None]).float()
+    return reward, mask, lengths
+
+
+def token_logp(model, seqs: torch.Tensor, plen: int) -> torch.Tensor:
+    """log p(response token | prefix) for every response position: [rows, response length]."""
+    logits = model(input_ids=seqs).logits[:, plen - 1:-1].float()
+    return torch.gather(F.log_softmax(logits, dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
+
+
+def grpo_step(live, reference, seqs, plen, reward, mask, group, beta, clip) -> float:
+    """One AdamW step on this replica's responses; the loss averaged over DP."""
+    r = reward.view(-1, group)
+    adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1, 1)
+    with torch.no_grad():
+        ref = token_logp(reference, seqs, plen)
+    logp = token_logp(live.model, seqs, plen)
+    old = logp.detach()  # one update per batch: the sampling policy is the current one
+    ratio = torch.exp(logp - old)
+    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3
+    per_token = pg + beta * kl
+    loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+    loss.backward()
+    total = loss.detach().clone()
+    dp = live.layout.dp
+    if dp > 1:  # DDP's arithmetic: replicas take equal rows, so the average of means is the mean
+        g = live.mesh["dp"].get_group()
+        for p in live.model.parameters():
+            dist.all_reduce(local(p.grad), group=g)
+            local(p.grad).div_(dp)
+        dist.all_reduce(total, group=g)
+        total.div_(dp)
+    live.optimizer.step()
+    live.optimizer.zero_grad(set_to_none=True)
+    return float(total)
+
+
+def job(args, world: int):
+    """The IR module: the actor's train stage, plan @a = TP x DP on the first tp * dp ranks."""
+    cfg = config()
+    model = ir_model(cfg, "actor")
+    planned = 2 * args.planned_response  # training_job plans responses of seq // 2 tokens
+    m = training_job(model, {"a": layout(model, tp=args.tp, dp=args.dp)}, world, rows=args.prompts * args.group,
+                     seq=planned)
+    check_layout(m, "a", MS)
+    return cfg, m
+
+
+def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
+    """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it)."""
+    args = parse(argv)
+    init_from_env(timeout=60)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    cfg, module = job(args, world)
+    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
+    ref_cfg = LlamaConfig.from_dict(cfg.to_dict())
+    ref_cfg._attn_implementation = "eager"
+    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor, whole
+    reference = LlamaForCausalLM(ref_cfg).to(torch.float32).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    adapter = adapter_cls(live, module, "a", seed=args.seed)
+    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
+                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
+                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
+    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
+                     timeout=args.timeout, show=not args.quiet)
+    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
+    timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
+    leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
+    plen = args.digits + 2
+    history = []
+    for step in range(args.steps):
+        live = adapter.live
+        t0 = time.perf_counter()
+        with ctl.step():
+            lay = live.layout
+            d = live.coordinate[0]
+            share = args.prompts // lay.dp
+            if args.prompts % lay.dp:
+                raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
+            mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
+            with timed("actor.generate"):
+                seqs = generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
+            reward, mask, lengths = score(seqs, plen, args.digits)
+            ctl.responses(lengths.tolist())
+            with ctl.stage(MS):
+                loss = grpo_step(live, reference, seqs, plen, reward, mask, args.group, args.beta, args.clip)
+            mean_reward = reward.mean().clone()
+            if lay.dp > 1:
+                dist.all_reduce(mean_reward, group=live.mesh["dp"].get_group())
+                mean_reward /= lay.dp
+            if step == args.leave_step and rank == leaver:
+                ctl.leave()
+        dec = ctl.last
+        row = {"step": step, "plan": f"@{dec.source} tp{lay.tp}xdp{lay.dp}",
+               "reward": float(mean_reward), "loss": loss, "decision": dec.action, "forced": dec.forced,
+               "target": dec.target, "seconds": round(time.perf_counter() - t0, 3)}
+        history.append(row)
+        if rank == ctl.members[0] and not args.quiet:
+            print(f"step {step:3d}  plan @{dec.source} (tp {lay.tp} x dp {lay.dp})  reward {row['reward']:.3f}  "
+                  f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
+                  f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s", flush=True)
+        if not ctl.active:  # this rank handed its state over and leaves the job
+            break
+    return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
+            "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
+
+
+if __name__ == "__main__":
+    out = main(sys.argv[1:])
+    if out["active"] and dist.get_rank() == 0 and "--quiet" not in sys.argv:
+        print(json.dumps({"final_plan": out["plan"], "final_reward": out["history"][-1]["reward"]}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
