@@ -1,0 +1,49 @@
+"""What every rank runs in the GRPO example's test: ``examples/grpo_tiny.py``'s ``main`` with an
+adapter that checks each move against the full state gathered and re-sliced."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from nereus.backend.shards import plan_layout
+from nereus.integrations.llama_adapter import LlamaAdapter
+from nereus.integrations.state import export_state
+from nereus.runtime.state import cut
+
+from .workers import gather_full
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+class CheckedAdapter(LlamaAdapter):
+    """``LlamaAdapter`` that, around each move, gathers plan A's full state (every rank: the
+    default group is whole then) and checks that this rank's plan B state is its slices, bit for
+    bit, with AdamW's step carried over."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checks: list[dict] = []
+
+    def move(self, module, source, target, **kwargs) -> None:
+        rank = torch.distributed.get_rank()
+        state_a, step_a = export_state(self.live, module, source)
+        full = gather_full(state_a, plan_layout(module, source).get(rank, []))
+        super().move(module, source, target, **kwargs)
+        specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == self.live.layout.model_stage]
+        state_b, step_b = export_state(self.live, module, target)
+        self.checks.append({
+            "source": source, "target": target, "in_b": self.live.model is not None, "keys": len(specs),
+            "same_keys": set(state_b) == {s.key for s in specs},
+            "exact": all(torch.equal(state_b[s.key], cut(full[s.key], s.box)) for s in specs),
+            "step_a": step_a, "step_b": step_b})
+
+
+def run(rank: int, world: int, argv: list[str]) -> dict:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import grpo_tiny
+
+    return grpo_tiny.main(argv, adapter_cls=CheckedAdapter)
