@@ -1,8 +1,9 @@
-"""What every rank runs in the GRPO example's test: ``examples/grpo_tiny.py``'s ``main`` with an
+"""What every rank runs in the RL examples' tests: ``examples/grpo_tiny.py``'s (or ``ppo_tiny.py``'s) ``main`` with an
 adapter that checks each move against the full state gathered and re-sliced."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -41,9 +42,9 @@ class CheckedAdapter(LlamaAdapter):
             "step_a": step_a, "step_b": step_b})
 
 
-def run(rank: int, world: int, argv: list[str]) -> dict:
+def run(rank: int, world: int, argv: list[str], example: str = "grpo_tiny") -> dict:
+    """``examples/<example>.py``'s ``main`` (``grpo_tiny`` or ``ppo_tiny``) with ``CheckedAdapter``."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    import grpo_tiny
-
-    return grpo_tiny.main(argv, adapter_cls=CheckedAdapter)
+    module = importlib.import_module(example)
+    return module.main(argv, adapter_cls=CheckedAdapter)

@@ -1,0 +1,210 @@
+"""PPO on a tiny Hugging Face Llama (actor + critic with a value head + reference, GAE), driven by
+the Nereus Controller and moved twice mid-run, as ``examples/grpo_tiny.py`` is.
+
+    torchrun --nproc-per-node 4 examples/ppo_tiny.py --steps 12 --leave-step 4 --decision-log ppo.jsonl
+
+The task, the actor (under the IR plan's layout: TP 2 x DP 2 to start), the frozen reference,
+the sampling and the two moves (an admitted one on response-length drift, a forced one when
+``--leave-rank`` calls ``ctl.leave()``) are ``grpo_tiny``'s. PPO adds:
+
+- a critic: a ``LlamaModel`` of the actor's config with a linear value head, seeded apart. It
+  is plain data parallel over the actor's current DP group (a whole replica on every rank: the
+  TP ranks of a replica see the same rows, so every copy stays identical), outside the IR
+  module: the Controller moves the actor only (the IR module is ``job.training_job``'s
+  one-model job); the critic needs no move because every rank, leaving or not, holds it whole;
+- per-token rewards: the task's score on the last response token, minus ``beta`` times the
+  per-token KL estimate ``logp - logp_ref`` (the usual PPO-RLHF shaping);
+- GAE (``gamma``, ``lam``) from the critic's values, advantages whitened over the replica's
+  tokens; ``--epochs`` clipped PPO updates of the actor and the critic (value loss 0.5 (V - R)^2)
+  per batch, gradients averaged over DP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
+
+from nereus.control import ControlOptions  # noqa: E402
+from nereus.integrations.controller import Controller  # noqa: E402
+from nereus.integrations.hf_llama import build, local  # noqa: E402
+from nereus.integrations.llama_adapter import LlamaAdapter  # noqa: E402
+from nereus.runtime.launch import init_from_env  # noqa: E402
+
+MS = g.MS
+
+
+class Critic(torch.nn.Module):
+    """A Llama trunk and a linear value head: one value per position."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.trunk = LlamaModel(cfg)
+        self.head = torch.nn.Linear(cfg.hidden_size, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(input_ids=ids).last_hidden_state).squeeze(-1)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for a in ("--steps", "--prompts", "--group", "--digits", "--alphabet", "--seed", "--tp", "--dp", "--leave-step",
+              "--leave-rank", "--planned-response"):
+        p.add_argument(a, type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--critic-lr", type=float, default=3e-3)
+    p.add_argument("--beta", type=float, default=0.02)
+    p.add_argument("--clip", type=float, default=0.2)
+    p.add_argument("--gamma", type=float, default=1.0)
+    p.add_argument("--lam", type=float, default=0.95)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--decision-log", default=None)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.group is None:
+        args.group = 2  # PPO needs no groups: 2 samples per prompt
+    base = g.parse([])  # grpo_tiny's defaults for the other shared flags
+    for k, v in vars(base).items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    return args
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Advantages and returns per response token ([rows, T]); positions past a response's end are masked."""
+    T = rewards.shape[1]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[0])
+    for t in reversed(range(T)):
+        nxt = values[:, t + 1] * mask[:, t + 1] if t + 1 < T else torch.zeros(rewards.shape[0])
+        delta = rewards[:, t] + gamma * nxt - values[:, t]
+        last = (delta + gamma * lam * last * (mask[:, t + 1] if t + 1 < T else 0)) * mask[:, t]
+        adv[:, t] = last
+    return adv, adv + values
+
+
+def average_grads(params, group, dp: int) -> None:
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(local(p.grad), group=group)
+            local(p.grad).div_(dp)
+
+
+def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args) -> tuple[float, float]:
+    """``args.epochs`` PPO updates on this replica's rollouts; the actor and critic losses (DP means)."""
+    with torch.no_grad():
+        old = g.token_logp(live.model, seqs, plen)
+        ref = g.token_logp(reference, seqs, plen)
+        values = critic(seqs)[:, plen - 1:-1]
+        rewards = -args.beta * (old - ref) * mask
+        last = (mask.sum(dim=1) - 1).long()
+        rewards[torch.arange(len(seqs)), last] += score
+        adv, returns = gae(rewards, values, mask, args.gamma, args.lam)
+        n = mask.sum()
+        mean = (adv * mask).sum() / n
+        std = (((adv - mean) ** 2 * mask).sum() / n).sqrt()
+        adv = (adv - mean) / (std + 1e-6) * mask
+    dp = live.layout.dp
+    group = live.mesh["dp"].get_group() if dp > 1 else None
+    for _ in range(args.epochs):
+        logp = g.token_logp(live.model, seqs, plen)
+        ratio = torch.exp(logp - old)
+        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv)
+        actor_loss = (pg * mask).sum() / mask.sum()
+        v = critic(seqs)[:, plen - 1:-1]
+        critic_loss = 0.5 * (((v - returns) ** 2) * mask).sum() / mask.sum()
+        (actor_loss + critic_loss).backward()
+        if dp > 1:
+            average_grads(live.model.parameters(), group, dp)
+            average_grads(critic.parameters(), group, dp)
+        live.optimizer.step()
+        live.optimizer.zero_grad(set_to_none=True)
+        critic_opt.step()
+        critic_opt.zero_grad(set_to_none=True)
+    losses = torch.stack([actor_loss.detach(), critic_loss.detach()])
+    if dp > 1:
+        dist.all_reduce(losses, group=group)
+        losses /= dp
+    return float(losses[0]), float(losses[1])
+
+
+def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
+    args = parse(argv)
+    init_from_env(timeout=60)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, module = g.job(args, world)
+    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
+    plain = LlamaConfig.from_dict(cfg.to_dict())
+    plain._attn_implementation = "eager"
+    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor, whole
+    reference = LlamaForCausalLM(plain).to(torch.float32).eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(args.seed + 1)
+    critic = Critic(plain).to(torch.float32)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0,
+                                   foreach=False)
+    adapter = adapter_cls(live, module, "a", seed=args.seed)
+    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
+                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
+                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
+    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
+                     timeout=args.timeout, show=not args.quiet)
+    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
+    timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
+    leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
+    plen = args.digits + 2
+    history = []
+    for step in range(args.steps):
+        live = adapter.live
+        t0 = time.perf_counter()
+        with ctl.step():
+            lay = live.layout
+            d = live.coordinate[0]
+            if args.prompts % lay.dp:
+                raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
+            share = args.prompts // lay.dp
+            mine = g.prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
+            with timed("actor.generate"):
+                seqs = g.generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
+            reward, mask, lengths = g.score(seqs, plen, args.digits)
+            ctl.responses(lengths.tolist())
+            with ctl.stage(MS):
+                loss, vloss = ppo_step(live, critic, critic_opt, reference, seqs, plen, reward, mask, args)
+            mean_reward = reward.mean().clone()
+            if lay.dp > 1:
+                dist.all_reduce(mean_reward, group=live.mesh["dp"].get_group())
+                mean_reward /= lay.dp
+            if step == args.leave_step and rank == leaver:
+                ctl.leave()
+        dec = ctl.last
+        row = {"step": step, "plan": f"@{dec.source} tp{lay.tp}xdp{lay.dp}", "reward": float(mean_reward),
+               "loss": loss, "value_loss": vloss, "decision": dec.action, "forced": dec.forced, "target": dec.target,
+               "seconds": round(time.perf_counter() - t0, 3)}
+        history.append(row)
+        if rank == ctl.members[0] and not args.quiet:
+            print(f"step {step:3d}  plan @{dec.source} (tp {lay.tp} x dp {lay.dp})  reward {row['reward']:.3f}  "
+                  f"loss {loss:+.4f}  value loss {vloss:.4f}  decision {dec.action}"
+                  f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
+                  f"  {row['seconds']:.2f} s", flush=True)
+        if not ctl.active:
+            break
+    return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
+            "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    if dist.is_initialized():
+        dist.destroy_process_group()
