@@ -24,6 +24,7 @@ Every message carries a checksum that the receiver checks before the transition 
 from __future__ import annotations
 
 import hashlib
+import io
 import pickle
 from dataclasses import dataclass, field
 
@@ -101,7 +102,14 @@ class Program:
         if cached is None:
             content = (self.transition, self.source, self.target, self.gpus, self.src, self.dst, self.steps,
                        self.groups, self.bucket_bytes)
-            h = hashlib.blake2b(pickle.dumps(content, protocol=4), digest_size=8).digest()
+            # the pickler's memo would make the bytes depend on which objects are shared (a program
+            # lowered here and one unpickled from another rank differ there); without it they
+            # depend on the values alone
+            buf = io.BytesIO()
+            pickler = pickle.Pickler(buf, protocol=4)
+            pickler.fast = True
+            pickler.dump(content)
+            h = hashlib.blake2b(buf.getvalue(), digest_size=8).digest()
             cached = self.__dict__["_digest"] = int.from_bytes(h, "little") >> 1
         return cached
 
