@@ -79,7 +79,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--leave-step", type=int, default=3, help="step at which --leave-rank announces it leaves (-1: never)")
+    p.add_argument("--leave-step", type=int, default=3,
+                   help="step at which --leave-rank announces it leaves (-1: never)")
     p.add_argument("--leave-rank", type=int, default=-1, help="the leaving rank (-1: the last)")
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
@@ -168,8 +169,9 @@ def job(args, world: int):
     return cfg, m
 
 
-def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
-    """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it)."""
+def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
+    """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
+    ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
     args = parse(argv)
     init_from_env(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -188,7 +190,7 @@ def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
                              pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
                              schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
     ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
-                     timeout=args.timeout, show=not args.quiet)
+                     timeout=args.timeout, show=not args.quiet, faults=faults)
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank

@@ -138,7 +138,7 @@ def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args)
     return float(losses[0]), float(losses[1])
 
 
-def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
+def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     args = parse(argv)
     init_from_env(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,7 +160,7 @@ def main(argv=None, adapter_cls=LlamaAdapter) -> dict:
                              pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
                              schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
     ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
-                     timeout=args.timeout, show=not args.quiet)
+                     timeout=args.timeout, show=not args.quiet, faults=faults)
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank

@@ -67,3 +67,18 @@ def test_grpo_example_reward_rises(tmp_path):
     first = sum(h["reward"] for h in history[:10]) / 10
     last = sum(h["reward"] for h in history[-10:]) / 10
     assert last > first + 0.2, (first, last)
+
+
+@pytest.mark.slow
+def test_a_move_that_fails_rolls_back_and_grpo_goes_on_under_plan_a(tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    argv = ["--steps", "3", "--leave-step", "-1", "--decision-log", str(log), "--quiet", "--timeout", "6"]
+    results = run_local(w.run, 4, argv, "grpo_tiny", 1, timeout=240)
+    made, applied = decisions(log)
+    assert [d["applied"] for d in applied] == ["rolled_back"] and applied[0]["step"] == 0, applied
+    for res in results:
+        assert [h["decision"] for h in res["history"]] == ["rolled_back", "stay", "stay"], res["history"]
+        assert [h["plan"] for h in res["history"]] == ["@a tp2xdp2"] * 3 and res["plan"] == "a" and res["active"]
+        (check,) = res["checks"]
+        assert check["failed"] and check["intact"], check  # plan A's model and AdamW untouched
+        assert all(math.isfinite(h["loss"]) for h in res["history"])
