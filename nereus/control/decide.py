@@ -175,6 +175,8 @@ class DecisionCore:
             forced = True
         numbers["step_time_now"] = a.step_time
         target = f"p{step}"
+        while target in m.plans:  # a plan of that name exists (the starting plan may be @p0)
+            target += "_next"
         try:
             PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
                        cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp, max_zero=opts.max_zero,

@@ -177,3 +177,13 @@ def test_the_search_proposes_only_layouts_the_job_can_take():
     lays_held = d_held.module.plans[d_held.target].layouts.values()
     assert any(lay.pp > 1 or lay.zero or lay.offload for lay in lays_free)
     assert all(lay.pp == 1 and lay.zero == 0 and not lay.offload for lay in lays_held)
+
+
+def test_plan_b_never_takes_the_name_of_a_plan_the_module_has():
+    """A job whose plan is called @p0 re-planned at step 0: plan B must not overwrite it."""
+    m = nereus.parse(PPO.read_text().replace("ppo_p0", "p0"))
+    c = DecisionCore(m, "p0", ControlOptions(**FAST))
+    c.observe(StepRecord(0, {ms: lay.time for ms, lay in c.m.plans["p0"].layouts.items()}, response_lengths=(3072,) * 8))
+    d = c.decide()
+    assert d.target not in (None, "p0") and d.transition != "p0_to_p0"
+    assert d.action == "transition" and d.numbers["saving"] > 0
