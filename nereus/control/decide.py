@@ -159,10 +159,10 @@ class DecisionCore:
         m = copy.deepcopy(self.m)
         a = m.plans[self.plan]
         w = m.workloads[a.workload]
-        lengths = [n for r in window for n in r.response_lengths]
-        if lengths:  # plan for the responses the job generates now
-            w.response_len_mean = max(1, round(sum(lengths) / len(lengths)))
-            w.response_len_max = max(w.response_len_max, max(lengths))
+        count = sum(r.responses[0] for r in window)
+        if count:  # plan for the responses the job generates now
+            w.response_len_mean = max(1, round(sum(r.responses[1] for r in window) / count))
+            w.response_len_max = max(w.response_len_max, max(r.responses[2] for r in window))
         # plan B's cluster: the GPUs available now, less those announced to leave
         usable = self.gpus_now - self.leaving
         cluster = copy.deepcopy(m.clusters[a.cluster])

@@ -11,7 +11,10 @@ class StepRecord:
 
     ``seconds`` and ``memory``: per model-stage (``actor.train``...), wall time of the stage on
     its slowest rank and peak device memory on its fullest GPU (bytes). ``response_lengths``:
-    the lengths (tokens) of the responses generated this step. ``gpus``: the GPUs the job may
+    the lengths (tokens) of the responses generated this step; or, where a loop gathers only a
+    summary (the Controller does: a fixed-size tensor per rank), ``responses = (count, total
+    tokens, longest)``. The core reads the summary; it is derived from the lengths when they
+    are given. ``gpus``: the GPUs the job may
     use now; ``leaving``: GPUs announced to leave (they still hold state and can send it).
     """
 
@@ -21,8 +24,14 @@ class StepRecord:
     response_lengths: tuple[int, ...] = ()
     gpus: tuple[int, ...] | None = None  # None: unchanged
     leaving: tuple[int, ...] = ()
+    responses: tuple[int, int, int] | None = None  # (count, total tokens, longest)
 
     def __post_init__(self):
+        if self.responses is None:
+            n = self.response_lengths
+            object.__setattr__(self, "responses", (len(n), sum(n), max(n, default=0)))
+        elif self.response_lengths:
+            raise ValueError("give response_lengths or responses, not both")
         if self.step < 0:
             raise ValueError(f"step must be >= 0, got {self.step}")
         for ms, s in self.seconds.items():
@@ -31,5 +40,5 @@ class StepRecord:
 
     def to_json(self) -> dict:
         return {"step": self.step, "seconds": dict(self.seconds), "memory": dict(self.memory),
-                "response_lengths": list(self.response_lengths),
+                "responses": list(self.responses),
                 "gpus": None if self.gpus is None else list(self.gpus), "leaving": list(self.leaving)}

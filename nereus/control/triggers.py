@@ -41,9 +41,9 @@ def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_r
                       opts: ControlOptions) -> list[Trigger]:
     """Response length drift, memory headroom and slowdown against the plan's estimates."""
     out = []
-    lengths = [n for r in window for n in r.response_lengths]
-    if lengths and planned_response > 0:
-        mean = sum(lengths) / len(lengths)
+    count = sum(r.responses[0] for r in window)
+    if count and planned_response > 0:
+        mean = sum(r.responses[1] for r in window) / count
         drift = mean / planned_response - 1
         if abs(drift) > opts.response_drift:
             out.append(Trigger("response_length", f"mean response length {mean:.0f} tokens, planned for "

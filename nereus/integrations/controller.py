@@ -140,25 +140,41 @@ class Controller:
 
     # -- the decision and its application ----------------------------------------------------------
     def _decide(self) -> Decision:
-        mine = {"seconds": self._seconds, "memory": self._memory, "lengths": self._lengths, "leaving": self._leaving}
-        every: list = [None] * len(self.members)
-        dist.all_gather_object(every, mine, group=self.group)
-        record, decision = None, None
+        # every rank's measurements as one fixed-size tensor, gathered in one collective; every
+        # rank turns them into the same StepRecord, so the core's history is the same everywhere
+        stages = sorted(self.module.plans[self.plan].layouts)
+        unknown = sorted(set(self._seconds) - set(stages))
+        if unknown:
+            raise ValueError(f"stage(s) {', '.join(unknown)} are not model-stages of plan @{self.plan}: {', '.join(stages)}")
+        k = len(stages)
+        mine = torch.zeros(2 * k + 4, dtype=torch.float64)
+        for i, ms in enumerate(stages):
+            mine[i], mine[k + i] = self._seconds.get(ms, 0.0), self._memory.get(ms, 0)
+        n = self._lengths
+        mine[2 * k:] = torch.tensor([len(n), sum(n), max(n, default=0), 1.0 if self._leaving else 0.0], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in self.members]
+        dist.all_gather(every, mine, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
+        record = self._record(torch.stack(every), stages)
+        self.core.observe(record)
         leader = self.members[0]
-        if self.rank == leader:
-            record = self._record(every)
-            self.core.observe(record)
-            decision = self.core.decide()
-        box = [record if self.rank == leader else None, decision]
+        decision = self.core.decide() if self.rank == leader else None
+        # a plain stay (no trigger) is one number; anything else follows as an object
+        plain = torch.tensor([1 if decision is not None and decision.action == "stay" and not decision.triggers else 0])
+        dist.broadcast(plain, src=leader, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
+        if plain.item():
+            if self.rank != leader:
+                decision = Decision(record.step, "stay", self.plan)
+                self.core.decisions.append(decision)
+            self._show(decision)
+            return decision
+        box = [decision]
         dist.broadcast_object_list(box, src=leader, group=self.group)
         if self.rank == leader:
-            # the leader acts on what the others unpickled, not on its own objects: lowering the
-            # decision's module must give the same program (and ``Program.digest``, a hash of its
-            # pickle, depends on which equal objects are shared, which a pickle round trip changes)
+            # the leader acts on a copy made as the others' is (unpickled), so that every rank
+            # lowers the decision's module from equal objects
             box = pickle.loads(pickle.dumps(box))
-        record, decision = box
-        if self.rank != leader:  # the same history on every rank, so any of them can lead later
-            self.core.observe(record)
+        decision = box[0]
+        if self.rank != leader:
             self.core.decisions.append(decision)
             if decision.triggers:
                 self.core.last_replan = decision.step
@@ -171,17 +187,16 @@ class Controller:
         self._show(decision)
         return decision
 
-    def _record(self, every: list[dict]) -> StepRecord:
-        """One StepRecord from every rank's measurements: a stage takes as long as its slowest rank."""
-        seconds: dict[str, float] = {}
-        memory: dict[str, int] = {}
-        for m in every:
-            for ms, s in m["seconds"].items():
-                seconds[ms] = max(seconds.get(ms, 0.0), s)
-            for ms, b in m["memory"].items():
-                memory[ms] = max(memory.get(ms, 0), b)
-        leaving = tuple(self.members[i] for i, m in enumerate(every) if m["leaving"])
-        return StepRecord(self.step_no, seconds, memory, tuple(n for m in every for n in m["lengths"]),
+    def _record(self, every: torch.Tensor, stages: list[str]) -> StepRecord:
+        """One StepRecord from every rank's row: a stage takes as long as its slowest rank."""
+        k = len(stages)
+        top = every.max(dim=0).values
+        seconds = {ms: float(top[i]) for i, ms in enumerate(stages) if top[i] > 0}
+        memory = {ms: int(top[k + i]) for i, ms in enumerate(stages) if top[k + i] > 0}
+        count, total = (int(x) for x in every[:, 2 * k:2 * k + 2].sum(dim=0))
+        longest = int(top[2 * k + 2])
+        leaving = tuple(self.members[i] for i in range(len(self.members)) if every[i, 2 * k + 3] > 0)
+        return StepRecord(self.step_no, seconds, memory, responses=(count, total, longest),
                           gpus=tuple(sorted(self.core.gpus_now)), leaving=leaving)
 
     def _apply(self, decision: Decision) -> Decision:

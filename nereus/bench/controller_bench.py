@@ -1,0 +1,149 @@
+"""``nereus bench controller``: what the Controller costs inside a real training loop, and a
+transition inside the loop beside the way users change layout today (DCP save, then load).
+
+4 gloo processes of this machine train a Hugging Face ``LlamaForCausalLM`` (built from a config,
+seeded) under TP 2 x DP 2 with AdamW (``nereus.integrations.hf_llama``), the Controller around
+every step (``LlamaAdapter``; search limited to what the live model takes). Per rank:
+
+- ``step``: the training step (forward, backward, the DP all-reduce, AdamW) without the
+  Controller, and ``with_controller``: the same step inside ``ctl.step()`` (every decision a
+  stay: one ``all_gather`` of a fixed-size tensor of measurements, the decision on the leader,
+  one broadcast of a number); blocks of steps of each kind alternate after two warm-up steps,
+  wall time between barriers per step, the median over blocks. ``controller`` is the
+  difference: what the Controller adds when it stays;
+- at step ``leave_step`` rank 3 announces it leaves: the forced decision (``decide_s``: triggers,
+  plan-search, remap, plan-transition, schedule-transfers, admit on the leader) and the move
+  inside the loop (``move_s``: plan B's model built, the transition lowered and executed into it,
+  AdamW's step carried);
+- the same move the DCP way, on the same processes and the same plan-A state: save it with
+  ``torch.distributed.checkpoint``, load plan B's boxes (``nereus.runtime.dcp``), build plan B's
+  model and load them (``dcp_s``).
+
+Times are the slowest rank's; 4 processes share this machine's 2 cores, so the ranks also wait
+for each other at every collective, with or without the Controller.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from ..backend.shards import plan_layout
+from ..control import ControlOptions
+from ..integrations.controller import Controller
+from ..integrations.hf_llama import batch, build, ir_model, llama_config, train_step
+from ..integrations.job import layout, training_job
+from ..integrations.llama_adapter import LlamaAdapter
+from ..integrations.state import export_state, load_state
+from ..ir import Model
+from ..runtime.dcp import dcp_reshard
+from ..runtime.launch import init_from_env, run_local
+
+WORLD = 4
+ROWS = 12  # splits over DP 4, and DP 3 after a rank left
+
+
+def _model(hidden: int, layers: int) -> Model:
+    return Model(name="actor", layers=layers, hidden=hidden, heads=8, kv_heads=4, ffn=hidden * 11 // 4, vocab=1024,
+                 dtype="fp32", trained=True)
+
+
+def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, int], tmp: str) -> dict:
+    init_from_env(timeout=600)
+    model = _model(hidden, layers)
+    config = llama_config(model)
+    assert ir_model(config, "actor") == model
+    module = training_job(model, {"a": layout(model, tp=2, dp=2)}, world, rows=ROWS, seq=64)
+    live = build(config, module.plans["a"].layouts["actor.train"], seed=0)
+    adapter = LlamaAdapter(live, module, "a")
+    options = ControlOptions(recalibrate_every=0, slowdown=1e9, response_drift=1e9, max_pp=1, max_zero=0,
+                             offload=False, search_time_limit=5.0, schedule_time_limit=1.0)
+    ctl = Controller(module, "a", adapter, options=options, total_steps=1000, show=False, timeout=300)
+    out: dict = {}
+    blocks, size = steps
+    tokens = iter([batch(config, i, rows=ROWS, seq=64) for i in range(2 * blocks * size + 3)])
+    for _ in range(2):  # warm-up: first allocations, first collectives
+        train_step(adapter.live, next(tokens))
+    plain, inside, stays = [], [], 0
+    for _ in range(blocks):  # blocks of steps without and with the Controller, alternating
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(size):
+            train_step(adapter.live, next(tokens))
+        dist.barrier()
+        t1 = time.perf_counter()
+        for _ in range(size):
+            with ctl.step():
+                with ctl.stage("actor.train"):
+                    train_step(adapter.live, next(tokens))
+            stays += ctl.last.action == "stay" and not ctl.last.triggers
+        dist.barrier()
+        t2 = time.perf_counter()
+        plain.append((t1 - t0) / size)
+        inside.append((t2 - t1) / size)
+    out.update(step_s=statistics.median(plain), with_controller_s=statistics.median(inside), stays=stays)
+    # rank 3 announces it leaves: a forced decision and the move inside the loop
+    state, opt_step = export_state(adapter.live, module, "a")
+    saved = ({k: v.clone() for k, v in state.items()}, opt_step)  # plan A's state, for the DCP way below
+    with ctl.step():
+        with ctl.stage("actor.train"):
+            train_step(adapter.live, next(tokens))
+        if rank == world - 1:
+            ctl.leave()
+    d = ctl.last
+    if d.action != "transition":
+        raise RuntimeError(f"the leave was not applied: {d.action} ({d.message})")
+    out.update(decide_s=d.numbers.get("decide_s"), move_s=d.numbers.get("execute_s"), target=d.target,
+               bytes_moved=d.numbers.get("bytes_moved"))
+    # the DCP way, on every rank (the default group is healthy after a successful move)
+    dist.barrier()
+    plan_b = ctl.plan
+    box = [plan_b]
+    dist.broadcast_object_list(box, src=0)
+    plan_b = box[0]
+    b_module = ctl.core.m if rank == 0 else None
+    box = [b_module]
+    dist.broadcast_object_list(box, src=0)
+    b_module = box[0]
+    state, opt_step = saved
+    dist.barrier()
+    t0 = time.perf_counter()
+    new, _ = dcp_reshard(state, plan_layout(module, "a"), plan_layout(b_module, plan_b), rank, world, f"{tmp}/ckpt")
+    fresh = build(config, b_module.plans[plan_b].layouts["actor.train"], seed=0)
+    load_state(fresh, b_module, plan_b, new, opt_step)
+    dist.barrier()
+    out["dcp_s"] = time.perf_counter() - t0
+    out["controller_s"] = out["with_controller_s"] - out["step_s"]
+    return out
+
+
+def run(quick: bool = False, json_output: bool = False) -> dict:
+    hidden, layers, steps = (128, 2, (2, 3)) if quick else (256, 4, (5, 4))  # (blocks, steps per block)
+    with tempfile.TemporaryDirectory(prefix="nereus-controller-") as tmp:
+        per_rank = run_local(worker, WORLD, hidden, layers, steps, tmp, timeout=1800, threads=1)
+    slow = lambda k: max(r[k] for r in per_rank if r.get(k) is not None)  # noqa: E731
+    result = {"benchmark": "controller", "world": WORLD, "hidden": hidden, "layers": layers, "steps": steps,
+              "params": _model(hidden, layers).num_params(), "step_s": slow("step_s"),
+              "with_controller_s": slow("with_controller_s"),
+              "controller_s": slow("with_controller_s") - slow("step_s"), "decide_s": per_rank[0]["decide_s"], "move_s": slow("move_s"),
+              "dcp_s": slow("dcp_s"), "bytes_moved": per_rank[0]["bytes_moved"], "target": per_rank[0]["target"],
+              "stays": min(r["stays"] for r in per_rank)}
+    result["controller_over_step"] = result["controller_s"] / result["step_s"]
+    result["dcp_over_move"] = result["dcp_s"] / result["move_s"]
+    if not json_output:
+        t = Table(title=f"Controller in a training loop: HF Llama ({result['params'] / 1e6:.1f} M params) on "
+                        f"{WORLD} gloo processes, TP 2 x DP 2", title_justify="left")
+        for col in ("step", "with controller (stay)", "added", "overhead", "decision (re-plan)", "move in the loop",
+                    "DCP save + load", "DCP / move"):
+            t.add_column(col, justify="right")
+        t.add_row(f"{result['step_s'] * 1e3:.1f} ms", f"{result['with_controller_s'] * 1e3:.1f} ms",
+                  f"{result['controller_s'] * 1e3:.2f} ms",
+                  f"{result['controller_over_step']:.1%}", f"{result['decide_s']:.2f} s", f"{result['move_s']:.3f} s",
+                  f"{result['dcp_s']:.3f} s", f"{result['dcp_over_move']:.1f}x")
+        Console(width=200).print(t)
+    return result
