@@ -3,13 +3,12 @@ by the Controller twice mid-run (an admitted move on response-length drift, then
 when a rank leaves), every rank's state right after each move bit-identical to the full state
 gathered and re-sliced, and the loop going on after each move with finite losses.
 
-``NEREUS_GRPO_LONG=1`` adds a longer run (not in the default suite) in which the reward rises."""
+That the reward rises over a longer run is shown by the example itself (docs/embedding.md has the command)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 
@@ -56,17 +55,6 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
     for step in range(5):
         seen = {(h["loss"], h["reward"]) for r in results for h in r["history"] if h["step"] == step}
         assert len(seen) == 1, (step, seen)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("NEREUS_GRPO_LONG"), reason="a longer run: NEREUS_GRPO_LONG=1")
-def test_grpo_example_reward_rises(tmp_path):
-    argv = ["--steps", "120", "--leave-step", "40", "--quiet", "--decision-log", str(tmp_path / "d.jsonl")]
-    results = run_local(w.run, 4, argv, timeout=1800)
-    history = results[0]["history"]
-    first = sum(h["reward"] for h in history[:10]) / 10
-    last = sum(h["reward"] for h in history[-10:]) / 10
-    assert last > first + 0.2, (first, last)
 
 
 @pytest.mark.slow
