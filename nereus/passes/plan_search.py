@@ -102,8 +102,9 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1  # byte-identical plans for the same input and seed
-    # Presolve dominated the solve on the 1,024-GPU job (3.5 s of which 2.2 s presolve) and found
-    # little: no probing and one presolve round make it 0.8 s, with the same optimum.
+    # Presolve dominated the solve on the 1,024-GPU job and found little: no probing and one
+    # presolve round make it several times faster, with the same optimum (an earlier profile; the
+    # solve time now is in docs/PERFORMANCE.md, from nereus bench plan-search).
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.max_presolve_iterations = 1
     status = solver.solve(m)
