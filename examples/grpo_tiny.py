@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 
@@ -169,6 +168,19 @@ def job(args, world: int):
     return cfg, m
 
 
+def controller(module, adapter, args, faults: tuple = ()):
+    """The Controller around the loop (search limited to what the live model takes; transitions
+    cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
+    context for the model-stages of the IR job (a no-op for the others)."""
+    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
+                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
+                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
+    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
+                     timeout=args.timeout, show=not args.quiet, faults=faults)
+    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
+    return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
+
+
 def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
@@ -186,13 +198,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     for p in reference.parameters():
         p.requires_grad_(False)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
-    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
-                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
-                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
-    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
-                     timeout=args.timeout, show=not args.quiet, faults=faults)
-    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
-    timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
+    ctl, timed = controller(module, adapter, args, faults)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []

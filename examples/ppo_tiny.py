@@ -22,7 +22,6 @@ the sampling and the two moves (an admitted one on response-length drift, a forc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
 
-from nereus.control import ControlOptions  # noqa: E402
-from nereus.integrations.controller import Controller  # noqa: E402
 from nereus.integrations.hf_llama import build, local  # noqa: E402
 from nereus.integrations.llama_adapter import LlamaAdapter  # noqa: E402
 from nereus.runtime.launch import init_from_env  # noqa: E402
@@ -156,13 +153,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0,
                                    foreach=False)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
-    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
-                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
-                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
-    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
-                     timeout=args.timeout, show=not args.quiet, faults=faults)
-    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
-    timed = lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()  # noqa: E731
+    ctl, timed = g.controller(module, adapter, args, faults)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
