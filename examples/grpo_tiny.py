@@ -168,6 +168,30 @@ def job(args, world: int):
     return cfg, m
 
 
+def rollout(live, step: int, args, ctl, timed):
+    """This DP replica's share of the step's prompts, sampled by the actor (timed as generation)
+    and scored; the response lengths go to the Controller. (sequences, reward, mask)."""
+    lay, d = live.layout, live.coordinate[0]
+    if args.prompts % lay.dp:
+        raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
+    share = args.prompts // lay.dp
+    mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
+    with timed("actor.generate"):
+        seqs = generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
+    reward, mask, lengths = score(seqs, args.digits + 2, args.digits)
+    ctl.responses(lengths.tolist())
+    return seqs, reward, mask
+
+
+def dp_mean(live, reward: torch.Tensor) -> torch.Tensor:
+    """The mean reward over every DP replica's samples (equal shares)."""
+    mean = reward.mean().clone()
+    if live.layout.dp > 1:
+        dist.all_reduce(mean, group=live.mesh["dp"].get_group())
+        mean /= live.layout.dp
+    return mean
+
+
 def controller(module, adapter, args, faults: tuple = ()):
     """The Controller around the loop (search limited to what the live model takes; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
@@ -207,21 +231,10 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         with ctl.step():
             lay = live.layout
-            d = live.coordinate[0]
-            share = args.prompts // lay.dp
-            if args.prompts % lay.dp:
-                raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
-            mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
-            with timed("actor.generate"):
-                seqs = generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
-            reward, mask, lengths = score(seqs, plen, args.digits)
-            ctl.responses(lengths.tolist())
+            seqs, reward, mask = rollout(live, step, args, ctl, timed)
             with ctl.stage(MS):
                 loss = grpo_step(live, reference, seqs, plen, reward, mask, args.group, args.beta, args.clip)
-            mean_reward = reward.mean().clone()
-            if lay.dp > 1:
-                dist.all_reduce(mean_reward, group=live.mesh["dp"].get_group())
-                mean_reward /= lay.dp
+            mean_reward = dp_mean(live, reward)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last

@@ -162,21 +162,10 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         with ctl.step():
             lay = live.layout
-            d = live.coordinate[0]
-            if args.prompts % lay.dp:
-                raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
-            share = args.prompts // lay.dp
-            mine = g.prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
-            with timed("actor.generate"):
-                seqs = g.generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
-            reward, mask, lengths = g.score(seqs, plen, args.digits)
-            ctl.responses(lengths.tolist())
+            seqs, reward, mask = g.rollout(live, step, args, ctl, timed)
             with ctl.stage(MS):
                 loss, vloss = ppo_step(live, critic, critic_opt, reference, seqs, plen, reward, mask, args)
-            mean_reward = reward.mean().clone()
-            if lay.dp > 1:
-                dist.all_reduce(mean_reward, group=live.mesh["dp"].get_group())
-                mean_reward /= lay.dp
+            mean_reward = g.dp_mean(live, reward)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
