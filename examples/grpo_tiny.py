@@ -192,6 +192,20 @@ def dp_mean(live, reward: torch.Tensor) -> torch.Tensor:
     return mean
 
 
+def actor_and_reference(cfg: LlamaConfig, module, args):
+    """The live actor under plan @a (AdamW) and the frozen reference: the initial actor, whole, on
+    every rank; with the plain (unsharded, eager) config they are built from."""
+    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
+    plain = LlamaConfig.from_dict(cfg.to_dict())
+    plain._attn_implementation = "eager"
+    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor
+    reference = LlamaForCausalLM(plain).to(torch.float32).eval()
+    for prm in reference.parameters():
+        prm.requires_grad_(False)
+    return live, reference, plain
+
+
 def controller(module, adapter, args, faults: tuple = ()):
     """The Controller around the loop (search limited to what the live model takes; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
@@ -213,14 +227,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     cfg, module = job(args, world)
-    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
-    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
-    ref_cfg = LlamaConfig.from_dict(cfg.to_dict())
-    ref_cfg._attn_implementation = "eager"
-    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor, whole
-    reference = LlamaForCausalLM(ref_cfg).to(torch.float32).eval()
-    for p in reference.parameters():
-        p.requires_grad_(False)
+    live, reference, _ = actor_and_reference(cfg, module, args)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = controller(module, adapter, args, faults)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
 
-from nereus.integrations.hf_llama import build, local  # noqa: E402
+from nereus.integrations.hf_llama import local  # noqa: E402
 from nereus.integrations.llama_adapter import LlamaAdapter  # noqa: E402
 from nereus.runtime.launch import init_from_env  # noqa: E402
 
@@ -140,14 +140,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     init_from_env(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, module = g.job(args, world)
-    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
-    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
-    plain = LlamaConfig.from_dict(cfg.to_dict())
-    plain._attn_implementation = "eager"
-    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor, whole
-    reference = LlamaForCausalLM(plain).to(torch.float32).eval()
-    for p in reference.parameters():
-        p.requires_grad_(False)
+    live, reference, plain = g.actor_and_reference(cfg, module, args)
     torch.manual_seed(args.seed + 1)
     critic = Critic(plain).to(torch.float32)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0,
