@@ -267,3 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # pragma: no cover
         return 130
+    except BrokenPipeError:  # the reader went away (nereus passes | head): nothing left to say
+        sys.stderr.close()
+        return 0
