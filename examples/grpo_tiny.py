@@ -47,7 +47,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from nereus.control import ControlOptions
 from nereus.integrations.controller import Controller
-from nereus.integrations.hf_llama import build, ir_model, local
+from nereus.integrations.hf_llama import build, forward, ir_model, optimize
 from nereus.integrations.job import layout, training_job
 from nereus.integrations.llama_adapter import LlamaAdapter
 from nereus.integrations.state import check_layout
@@ -78,6 +78,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers split evenly; 1F1B over pp micro-batches)")
     p.add_argument("--leave-step", type=int, default=3,
                    help="step at which --leave-rank announces it leaves (-1: never)")
     p.add_argument("--leave-rank", type=int, default=-1, help="the leaving rank (-1: the last)")
@@ -96,17 +97,20 @@ def prompts(step: int, n: int, digits: int, alphabet: int, seed: int) -> torch.T
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int) -> torch.Tensor:
-    """``group`` samples per prompt row, ``new`` tokens each (no KV cache: the sequences are tiny).
+def generate(live, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int) -> torch.Tensor:
+    """``group`` samples per prompt row, ``new`` tokens each, by the live actor in its layout
+    (``hf_llama.forward``: under PP a forward-only pipeline, logits broadcast from the last stage).
+    The sequences have their final length from the start (``EOS`` after the prompt), so every
+    forward has one shape, as a pipeline schedule needs; causal attention keeps the positions
+    not yet sampled out of the logits read. No KV cache: the sequences are tiny.
     Row ``i`` is global prompt ``first + i``; its generator is seeded from (seed, step, first + i)."""
-    seqs = prompt.repeat_interleave(group, dim=0)
+    plen = prompt.shape[1]
+    seqs = torch.cat([prompt, torch.full((len(prompt), new), EOS)], dim=1).repeat_interleave(group, dim=0)
     gens = [torch.Generator().manual_seed((seed * 7919 + step) * 100_003 + first + i) for i in range(len(prompt))]
-    for _ in range(new):
-        logits = model(input_ids=seqs).logits[:, -1].float()
-        probs = torch.softmax(logits, dim=-1)
-        nxt = torch.cat([torch.multinomial(probs[i * group:(i + 1) * group], 1, generator=g)
-                         for i, g in enumerate(gens)])
-        seqs = torch.cat([seqs, nxt], dim=1)
+    for t in range(new):
+        probs = torch.softmax(forward(live, seqs)[:, plen + t - 1], dim=-1)
+        seqs[:, plen + t] = torch.cat([torch.multinomial(probs[i * group:(i + 1) * group], 1, generator=g)
+                                       for i, g in enumerate(gens)]).squeeze(1)
     return seqs
 
 
@@ -123,46 +127,55 @@ def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, tor
     return reward, mask, lengths
 
 
-def token_logp(model, seqs: torch.Tensor, plen: int) -> torch.Tensor:
+def logp_of(logits: torch.Tensor, seqs: torch.Tensor, plen: int) -> torch.Tensor:
     """log p(response token | prefix) for every response position: [rows, response length]."""
-    logits = model(input_ids=seqs).logits[:, plen - 1:-1].float()
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
+    return torch.gather(F.log_softmax(logits[:, plen - 1:-1].float(), dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
+
+
+def token_logp(model, seqs: torch.Tensor, plen: int) -> torch.Tensor:
+    """``logp_of`` a plain Hugging Face model (the frozen reference)."""
+    return logp_of(model(input_ids=seqs).logits, seqs, plen)
+
+
+def pack(*columns: torch.Tensor) -> torch.Tensor:
+    """Per-row data as one float tensor (the target a pipeline schedule splits into micro-batches
+    with the inputs); token ids are small integers, exact in float32."""
+    return torch.cat([c.float().reshape(len(c), -1) for c in columns], dim=1)
+
+
+def grpo_loss(plen: int, beta: float, clip: float):
+    """The GRPO loss of a micro-batch, ``loss(logits, target)``, target = ``pack(seqs, adv, ref, mask)``:
+    the clipped policy-gradient term plus ``beta`` times the k3 estimate of KL(actor || reference),
+    averaged over each response's tokens, then over responses."""
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        n = logits.shape[1]  # sequence length; target: n + 1 + 2 (n - plen) columns
+        resp = n - plen
+        seqs, adv = target[:, :n].long(), target[:, n:n + 1]
+        ref, mask = target[:, n + 1:n + 1 + resp], target[:, n + 1 + resp:]
+        logp = logp_of(logits, seqs, plen)
+        ratio = torch.exp(logp - logp.detach())  # one update per batch: the sampling policy is the current one
+        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3
+        return (((pg + beta * kl) * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+    return loss
 
 
 def grpo_step(live, reference, seqs, plen, reward, mask, group, beta, clip) -> float:
-    """One AdamW step on this replica's responses; the loss averaged over DP."""
+    """One AdamW step on this replica's responses (``hf_llama.optimize``: DDP averages the
+    gradients over DP, a 1F1B schedule runs the micro-batches under PP); the loss averaged over DP."""
     r = reward.view(-1, group)
     adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1, 1)
     with torch.no_grad():
         ref = token_logp(reference, seqs, plen)
-    logp = token_logp(live.model, seqs, plen)
-    old = logp.detach()  # one update per batch: the sampling policy is the current one
-    ratio = torch.exp(logp - old)
-    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-    kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3
-    per_token = pg + beta * kl
-    loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean()
-    loss.backward()
-    total = loss.detach().clone()
-    dp = live.layout.dp
-    if dp > 1:  # DDP's arithmetic: replicas take equal rows, so the average of means is the mean
-        g = live.mesh["dp"].get_group()
-        for p in live.model.parameters():
-            dist.all_reduce(local(p.grad), group=g)
-            local(p.grad).div_(dp)
-        dist.all_reduce(total, group=g)
-        total.div_(dp)
-    live.optimizer.step()
-    live.optimizer.zero_grad(set_to_none=True)
-    return float(total)
+    return optimize(live, seqs, pack(seqs, adv, ref, mask), grpo_loss(plen, beta, clip))
 
 
 def job(args, world: int):
-    """The IR module: the actor's train stage, plan @a = TP x DP on the first tp * dp ranks."""
+    """The IR module: the actor's train stage, plan @a = DP x PP x TP on the first dp * pp * tp ranks."""
     cfg = config()
     model = ir_model(cfg, "actor")
     planned = 2 * args.planned_response  # training_job plans responses of seq // 2 tokens
-    m = training_job(model, {"a": layout(model, tp=args.tp, dp=args.dp)}, world, rows=args.prompts * args.group,
+    m = training_job(model, {"a": layout(model, tp=args.tp, dp=args.dp, pp=args.pp)}, world, rows=args.prompts * args.group,
                      seq=planned)
     check_layout(m, "a", MS)
     return cfg, m
@@ -177,7 +190,7 @@ def rollout(live, step: int, args, ctl, timed):
     share = args.prompts // lay.dp
     mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
     with timed("actor.generate"):
-        seqs = generate(live.model, mine, d * share, args.group, args.digits + 1, step, args.seed)
+        seqs = generate(live, mine, d * share, args.group, args.digits + 1, step, args.seed)
     reward, mask, lengths = score(seqs, args.digits + 2, args.digits)
     ctl.responses(lengths.tolist())
     return seqs, reward, mask
@@ -206,13 +219,19 @@ def actor_and_reference(cfg: LlamaConfig, module, args):
     return live, reference, plain
 
 
+def shape(lay) -> str:
+    """A layout as ``tp2xpp1xdp2``."""
+    return f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}"
+
+
 def controller(module, adapter, args, faults: tuple = ()):
     """The Controller around the loop (search limited to what the live model takes; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
     context for the model-stages of the IR job (a no-op for the others)."""
     options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
                              pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
-                             schedule_time_limit=1.0, max_pp=1, max_zero=0, offload=False)
+                             schedule_time_limit=1.0, max_pp=module.models["actor"].layers, max_zero=0,
+                             offload=False)
     ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
                      timeout=args.timeout, show=not args.quiet, faults=faults)
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
@@ -245,12 +264,12 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
-        row = {"step": step, "plan": f"@{dec.source} tp{lay.tp}xdp{lay.dp}",
+        row = {"step": step, "plan": f"@{dec.source} {shape(lay)}",
                "reward": float(mean_reward), "loss": loss, "decision": dec.action, "forced": dec.forced,
                "target": dec.target, "seconds": round(time.perf_counter() - t0, 3)}
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
-            print(f"step {step:3d}  plan @{dec.source} (tp {lay.tp} x dp {lay.dp})  reward {row['reward']:.3f}  "
+            print(f"step {step:3d}  plan @{dec.source} ({shape(lay)})  reward {row['reward']:.3f}  "
                   f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
                   f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s", flush=True)
         if not ctl.active:  # this rank handed its state over and leaves the job

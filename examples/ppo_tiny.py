@@ -33,7 +33,6 @@ from transformers import LlamaConfig, LlamaModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
 
-from nereus.integrations.hf_llama import local  # noqa: E402
 from nereus.integrations.llama_adapter import LlamaAdapter  # noqa: E402
 from nereus.runtime.launch import init_from_env  # noqa: E402
 
@@ -54,7 +53,7 @@ class Critic(torch.nn.Module):
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for a in ("--steps", "--prompts", "--group", "--digits", "--alphabet", "--seed", "--tp", "--dp", "--leave-step",
+    for a in ("--steps", "--prompts", "--group", "--digits", "--alphabet", "--seed", "--tp", "--dp", "--pp", "--leave-step",
               "--leave-rank", "--planned-response"):
         p.add_argument(a, type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -91,16 +90,33 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def average_grads(params, group, dp: int) -> None:
+    """DDP's gradient average, for the critic (a plain module that follows the actor's DP group)."""
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(local(p.grad), group=group)
-            local(p.grad).div_(dp)
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+
+
+def actor_loss(plen: int, clip: float):
+    """The clipped PPO policy loss of a micro-batch, target = ``g.pack(seqs, old, adv, mask)``: the
+    mean over the micro-batch's response tokens."""
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        n = logits.shape[1]
+        resp = n - plen
+        seqs, old = target[:, :n].long(), target[:, n:n + resp]
+        adv, mask = target[:, n + resp:n + 2 * resp], target[:, n + 2 * resp:]
+        ratio = torch.exp(g.logp_of(logits, seqs, plen) - old)
+        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        return (pg * mask).sum() / mask.sum()
+    return loss
 
 
 def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args) -> tuple[float, float]:
-    """``args.epochs`` PPO updates on this replica's rollouts; the actor and critic losses (DP means)."""
+    """``args.epochs`` PPO updates on this replica's rollouts; the actor and critic losses (DP means).
+    The actor's update is ``hf_llama.optimize`` (DDP, and a 1F1B schedule under PP); under PP a
+    micro-batch's loss is the mean over its own tokens."""
     with torch.no_grad():
-        old = g.token_logp(live.model, seqs, plen)
+        old = g.logp_of(g.forward(live, seqs), seqs, plen)
         ref = g.token_logp(reference, seqs, plen)
         values = critic(seqs)[:, plen - 1:-1]
         rewards = -args.beta * (old - ref) * mask
@@ -113,26 +129,21 @@ def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args)
         adv = (adv - mean) / (std + 1e-6) * mask
     dp = live.layout.dp
     group = live.mesh["dp"].get_group() if dp > 1 else None
+    target = g.pack(seqs, old, adv, mask)
     for _ in range(args.epochs):
-        logp = g.token_logp(live.model, seqs, plen)
-        ratio = torch.exp(logp - old)
-        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv)
-        actor_loss = (pg * mask).sum() / mask.sum()
+        loss = g.optimize(live, seqs, target, actor_loss(plen, args.clip))
         v = critic(seqs)[:, plen - 1:-1]
         critic_loss = 0.5 * (((v - returns) ** 2) * mask).sum() / mask.sum()
-        (actor_loss + critic_loss).backward()
+        critic_loss.backward()
         if dp > 1:
-            average_grads(live.model.parameters(), group, dp)
             average_grads(critic.parameters(), group, dp)
-        live.optimizer.step()
-        live.optimizer.zero_grad(set_to_none=True)
         critic_opt.step()
         critic_opt.zero_grad(set_to_none=True)
-    losses = torch.stack([actor_loss.detach(), critic_loss.detach()])
+    vloss = critic_loss.detach().clone()
     if dp > 1:
-        dist.all_reduce(losses, group=group)
-        losses /= dp
-    return float(losses[0]), float(losses[1])
+        dist.all_reduce(vloss, group=group)
+        vloss /= dp
+    return loss, float(vloss)
 
 
 def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
@@ -162,12 +173,12 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
-        row = {"step": step, "plan": f"@{dec.source} tp{lay.tp}xdp{lay.dp}", "reward": float(mean_reward),
+        row = {"step": step, "plan": f"@{dec.source} {g.shape(lay)}", "reward": float(mean_reward),
                "loss": loss, "value_loss": vloss, "decision": dec.action, "forced": dec.forced, "target": dec.target,
                "seconds": round(time.perf_counter() - t0, 3)}
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
-            print(f"step {step:3d}  plan @{dec.source} (tp {lay.tp} x dp {lay.dp})  reward {row['reward']:.3f}  "
+            print(f"step {step:3d}  plan @{dec.source} ({g.shape(lay)})  reward {row['reward']:.3f}  "
                   f"loss {loss:+.4f}  value loss {vloss:.4f}  decision {dec.action}"
                   f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
                   f"  {row['seconds']:.2f} s", flush=True)

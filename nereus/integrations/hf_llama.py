@@ -3,32 +3,35 @@
 ``ir_model(config)`` is the IR ``Model`` of a ``LlamaConfig`` (``llama_config(model)`` goes
 back); nothing is downloaded: configs are built locally and weights are seeded.
 
-``build(config, layout, seed=...)`` makes this rank's live model for an IR layout, in fp32:
+``build(config, layout, seed=...)`` makes this rank's live model for an IR layout, in fp32, on
+the layout's mesh (dims ``(dp, pp, tp)``, process groups of the model's own: ``private_mesh``):
 
-- tensor parallel over the layout's ``tp`` sub-mesh (process groups of the model's own,
-  ``private_mesh``) with ``parallelize_module``: q/k/v,
-  gate/up ``ColwiseParallel``; o/down ``RowwiseParallel``; the embedding vocabulary-parallel
-  (``RowwiseParallel(input_layouts=Replicate())``: its weight is ``Shard(0)``) and the LM head
-  ``ColwiseParallel(output_layouts=Replicate())``; norms stay plain, replicated tensors. These
-  are the IR's column / row / vocab / replicated rules (``nereus.ir.model``) wherever
-  ``state.check_layout`` accepts the layout;
-- data parallel over the ``dp`` sub-mesh by an all-reduce of every gradient (DDP's arithmetic,
-  written out): weights and optimizer state stay whole on every replica, which is the IR's
-  ``zero = 0`` and a DTensor placement (``Replicate`` over dp). FSDP2 (``zero = 3``) is not
-  used: its shards of a TP-sharded tensor are a ``_StridedShard`` with ``torch.chunk``'s
-  padding, which ``nereus.runtime.dtensor`` does not express as IR boxes;
-- pipeline parallelism is not built (``check_layout`` says so for ``pp > 1``).
+- pipeline parallel over ``pp``: the stage holds the layout's layer range
+  (``layout.layers[stage]``), the embedding on the first stage, the norm and LM head on the
+  last (``llama_stages.prune``); ``torch.distributed.pipelining.PipelineStage`` runs it, with
+  ``Schedule1F1B`` over ``layout.micro_batches`` micro-batches to train and ``ScheduleGPipe``
+  forward-only to generate and score;
+- tensor parallel over ``tp`` with ``parallelize_module`` (``llama_stages.tp_plan``: the IR's
+  column / row / vocab / replicated rules wherever ``state.check_layout`` accepts the layout);
+- data parallel over ``dp`` with ``DistributedDataParallel`` on the dp sub-mesh (weights and
+  optimizer state whole on every replica: the IR's ``zero = 0``). Under TP, DDP first turns the
+  DTensor parameters into their local shards (PyTorch's ``_pre_dp_module_transform``), so the
+  box each parameter holds is recorded before (``LiveLlama.boxes``). FSDP2 (``zero = 3``) is
+  not used: its shards of a TP-sharded tensor are a ``_StridedShard`` with ``torch.chunk``'s
+  padding, which ``nereus.runtime.dtensor`` does not express as IR boxes.
 
 Training is ``torch.optim.AdamW`` on the fp32 parameters, so the parameter *is* the master
 weight: the IR's ``master`` state of an fp32 model maps to the parameter (``state.py``).
 
-``train_step`` runs one optimizer step on one global batch (``batch``: the same tokens for a
-given seed and step under every layout; DP replica ``d`` takes its rows). What is exact: two
-models of the same layout that hold the same state and see the same batches compute
-bit-identical losses and states (every reduction has a fixed order on gloo; checked by the
-tests on 2 and 4 processes). What is not:
-different layouts sum in different orders (TP's all-reduce of partial products, DP's average
-of per-replica means), so their losses agree only to float32 rounding.
+``forward(live, ids)`` gives the logits on every rank of a replica; ``optimize(live, ids,
+target, loss_fn)`` runs one AdamW step (``loss_fn(logits, target)``: a mean over the rows it is
+given, one micro-batch's under PP) and returns the loss averaged over DP; ``train_step`` is
+``optimize`` with the language-model loss on a global batch (``batch``; DP replica ``d`` takes
+its rows). What is exact: two models of the same layout that hold the same state and see the
+same batches compute bit-identical losses and states (every reduction has a fixed order on
+gloo; checked by the tests on 2 and 4 processes). What is not: different layouts sum in
+different orders (TP's all-reduce of partial products, DP's average of per-replica means, PP's
+mean of micro-batch means), so their losses agree only to float32 rounding.
 """
 
 from __future__ import annotations
@@ -39,13 +42,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..ir import Diagnostic, DiagnosticError, Layout, Model
 from ..ir.diagnostics import NOWHERE
-from ..runtime.dtensor import MESH_DIMS
+from ..runtime.dtensor import MESH_DIMS, dtensor_box
+from .llama_stages import LlamaStage, prune, tp_plan
 
 PREFIX = "model."  # HF's parameter names are the IR's with this prefix (except ``lm_head.weight``)
 
@@ -82,21 +89,15 @@ def llama_config(model: Model, **extra) -> LlamaConfig:
                        use_cache=False, **extra)
 
 
-def tp_plan(layers: int) -> dict:
-    """``parallelize_module``'s plan for ``LlamaForCausalLM`` (module names with the ``model.`` prefix)."""
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for i in range(layers):
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-    return plan
-
-
 @dataclass
 class LiveLlama:
-    """This rank's live model and optimizer under ``layout`` (``model`` is None off the layout)."""
+    """This rank's live model and optimizer under ``layout`` (``model`` is None off the layout).
+
+    ``model`` is the (pruned, under PP) ``LlamaForCausalLM`` that owns the parameters;
+    ``runner`` what computes its forward: the ``LlamaStage``, wrapped in DDP when ``dp > 1``.
+    ``boxes``: per IR tensor name, the full shape and the box of it this rank's parameter holds
+    (recorded from the DTensor placements before DDP turns them into local tensors).
+    """
 
     config: LlamaConfig
     layout: Layout
@@ -105,15 +106,32 @@ class LiveLlama:
     optimizer: torch.optim.AdamW | None
     adamw: dict = field(default_factory=dict)  # AdamW's hyperparameters, carried to the next layout
     timeout: float = 60.0
+    runner: torch.nn.Module | None = None
+    boxes: dict = field(default_factory=dict)  # IR name -> (full shape, box)
+    placements: dict = field(default_factory=dict)  # IR name -> DTensor placements over tp (None: whole)
+    named: dict = field(default_factory=dict)  # IR name -> the parameter AdamW and DDP hold
+    schedules: dict = field(default_factory=dict)  # (train, input shape) -> pipeline schedule
+    loss_fn: object = None  # the loss of the running optimize step (the 1F1B schedule calls it)
 
     @property
     def coordinate(self) -> tuple[int, int, int] | None:
         """(dp, pp, tp) of this rank, or None off the layout."""
         return tuple(self.mesh.get_coordinate()) if self.mesh is not None else None
 
+    @property
+    def first(self) -> bool:
+        return self.coordinate[1] == 0
+
+    @property
+    def last(self) -> bool:
+        return self.coordinate[1] == self.layout.pp - 1
+
     def params(self) -> dict[str, torch.nn.Parameter]:
-        """Parameters by IR tensor name (``layers.0.self_attn.q_proj.weight``, ``lm_head.weight``)."""
-        return {n.removeprefix(PREFIX): p for n, p in self.model.named_parameters()}
+        """Parameters by IR tensor name (``layers.0.self_attn.q_proj.weight``, ``lm_head.weight``),
+        as recorded at build: under TP + DDP the module's own attributes are DTensors rebuilt
+        from these at every forward (PyTorch's ``_pre_dp_module_transform``), so
+        ``model.named_parameters()`` is no inventory after the first forward."""
+        return dict(self.named)
 
 
 def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
@@ -121,7 +139,7 @@ def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
     process groups of its own (``new_group`` per slice of every dim, created through the store):
     never the default group, which ``DeviceMesh`` reuses for a dim that spans the world. A
     failed transition can leave the default group's connections closed (a timed-out receive
-    closes its pair on gloo); the live model's TP and DP collectives must not depend on them.
+    closes its pair on gloo); the live model's TP, PP and DP collectives must not depend on them.
 
     Every rank of the default group calls it; None on ranks off the layout.
     """
@@ -148,7 +166,8 @@ def build(config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | N
           timeout: float = 60.0) -> LiveLlama:
     """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
-    same on every rank; AdamW's state is created up front (zeros, step 0), as its first step would.
+    same on every rank and stage (the whole model is initialised, then pruned to the stage);
+    AdamW's state is created up front (zeros, step 0), as its first step would.
 
     Call ``state.check_layout`` first: this builds what it is asked and does not re-check.
     """
@@ -162,14 +181,61 @@ def build(config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | N
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.train()
+    _, stage, tp_rank = mesh.get_coordinate()
+    first, last = stage == 0, stage == layout.pp - 1
+    lo, hi = layout.layers[stage]
+    prune(model, lo, hi, first, last)
     if layout.tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(cfg.num_hidden_layers))
-    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **adamw)
-    for p in model.parameters():
+        parallelize_module(model, mesh["tp"], tp_plan(lo, hi, first, last))
+    boxes, placed = {}, {}
+    for name, p in model.named_parameters():
+        name = name.removeprefix(PREFIX)
+        if isinstance(p, DTensor):
+            placed[name] = tuple(p.placements)
+            boxes[name] = (tuple(p.shape), dtensor_box(tuple(p.shape), p.placements, (tp_rank,), (layout.tp,)))
+        else:
+            placed[name] = None
+            boxes[name] = (tuple(p.shape), tuple((0, n) for n in p.shape))
+    runner = LlamaStage(model, first, last)
+    if layout.dp > 1:  # DDP on the dp sub-mesh; under TP it replaces the DTensor parameters by their shards
+        stage_module = runner
+        runner = DistributedDataParallel(runner, device_mesh=mesh["dp"], forward_sync_buffers=False,
+                                         find_unused_parameters=layout.pp > 1)
+    named = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
+    if layout.dp > 1 and layout.tp > 1:
+        stage_module.register_forward_pre_hook(_dtensors_from(model, named, placed, boxes, mesh["tp"]))
+    optimizer = torch.optim.AdamW(named.values(), foreach=False, **adamw)
+    for p in named.values():
         optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
                               "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                               "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-    return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout)
+    return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named)
+
+
+def _dtensors_from(model: LlamaForCausalLM, named: dict, placed: dict, boxes: dict, tp: DeviceMesh):
+    """A forward pre-hook that sets every TP-sharded weight of ``model`` to a DTensor view of its
+    local parameter (the tensor DDP reduces and AdamW steps), for this forward.
+
+    PyTorch's TP + DDP composition (``_pre_dp_module_transform``, which DDP applies on a dp
+    sub-mesh) does the same in its own pre-hook, but finds the parameters through
+    ``named_parameters()``, which no longer lists them once its first forward has replaced them
+    by DTensor attributes: every later forward reuses the first forward's DTensors. If that
+    forward ran under ``no_grad`` (generation, scoring), no gradient ever reaches the
+    parameters. This hook runs after PyTorch's and rebuilds the views every forward."""
+    views = []
+    for name, p in named.items():
+        if placed[name] is not None:
+            owner, _, leaf = (PREFIX + name if not name.startswith("lm_head") else name).rpartition(".")
+            shape = boxes[name][0]
+            stride = torch.empty(shape, device="meta").stride()
+            views.append((model.get_submodule(owner), leaf, p, placed[name], shape, stride))
+
+    def hook(module, args):
+        for owner, leaf, p, placements, shape, stride in views:
+            if leaf in owner._parameters:
+                delattr(owner, leaf)
+            setattr(owner, leaf, DTensor.from_local(p, tp, placements, run_check=False, shape=shape, stride=stride))
+    return hook
 
 
 def batch(config: LlamaConfig, step: int, *, seed: int = 0, rows: int = 4, seq: int = 16) -> torch.Tensor:
@@ -184,30 +250,82 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
-def train_step(live: LiveLlama, tokens: torch.Tensor) -> float:
-    """One AdamW step on the global batch ``tokens``; the mean loss over the global batch.
+def _schedule(live: LiveLlama, inputs: torch.Tensor, train: bool):
+    """The pipeline schedule of this input shape (made on first use, on every rank of the stage
+    group in the same order: every rank of a replica calls with the same shapes)."""
+    key = (train, tuple(inputs.shape))
+    if key not in live.schedules:
+        n = live.layout.micro_batches
+        if inputs.shape[0] % n:
+            raise ValueError(f"{inputs.shape[0]} rows do not split into {n} micro-batches")
+        stage = PipelineStage(live.runner, live.coordinate[1], live.layout.pp, torch.device("cpu"),
+                              group=live.mesh["pp"].get_group())
+        live.schedules[key] = (Schedule1F1B(stage, n, loss_fn=lambda out, target: live.loss_fn(out, target))
+                               if train else ScheduleGPipe(stage, n))
+    return live.schedules[key]
 
-    DP replica ``d`` of ``dp`` takes rows ``[d * n / dp, (d + 1) * n / dp)``; gradients are
-    summed over the dp sub-mesh and divided by ``dp`` (an average of per-replica means, equal
-    to the global mean since replicas take equal rows), as DDP does.
+
+def _from_last_stage(live: LiveLlama, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+    """``t`` (held by the last pipeline stage) on every stage of the replica."""
+    if live.layout.pp == 1:
+        return t
+    if not live.last:
+        t = torch.empty(shape, dtype=dtype)
+    dist.broadcast(t, group_src=live.layout.pp - 1, group=live.mesh["pp"].get_group())
+    return t
+
+
+@torch.no_grad()
+def forward(live: LiveLlama, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of ``ids`` ([rows, seq] -> [rows, seq, vocab], float32) on every rank of this
+    replica (every rank of it passes the same ids). Under PP a forward-only pipeline; the last
+    stage's logits are broadcast to the others."""
+    if live.layout.pp == 1:
+        return live.runner(ids)
+    out = _schedule(live, ids, train=False).step(ids)
+    return _from_last_stage(live, out, (*ids.shape, live.config.vocab_size), torch.float32)
+
+
+def optimize(live: LiveLlama, inputs: torch.Tensor, target: torch.Tensor, loss_fn) -> float:
+    """One AdamW step on this replica's ``inputs`` (every rank of the replica passes the same
+    ``inputs`` and ``target``); the loss, averaged over DP.
+
+    ``loss_fn(logits, target)`` is a mean over the rows it is given: the whole replica batch
+    without PP, each micro-batch (rows of ``inputs`` and ``target`` split alike) under PP, where
+    ``Schedule1F1B`` averages the micro-batches' gradients. DDP averages gradients over DP.
     """
-    d, _, _ = live.coordinate
+    if live.layout.pp == 1:
+        loss = loss_fn(live.runner(inputs), target)
+        loss.backward()
+        total = loss.detach().clone()
+    else:
+        live.loss_fn = loss_fn
+        losses: list[torch.Tensor] = []
+        _schedule(live, inputs, train=True).step(inputs, target=target, losses=losses)
+        total = _from_last_stage(live, torch.stack(losses).detach().mean() if live.last else None, (), torch.float32)
+    if live.layout.dp > 1:
+        dist.all_reduce(total, group=live.mesh["dp"].get_group())
+        total.div_(live.layout.dp)
+    live.optimizer.step()
+    live.optimizer.zero_grad(set_to_none=True)
+    return float(total)
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over every predicted position (Hugging Face's causal LM loss)."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+def train_step(live: LiveLlama, tokens: torch.Tensor) -> float:
+    """One AdamW step of the language-model loss on the global batch ``tokens``; the mean loss.
+
+    DP replica ``d`` of ``dp`` takes rows ``[d * n / dp, (d + 1) * n / dp)``; the loss is the
+    average of the replicas' means (equal to the global mean: replicas take equal rows).
+    """
+    d = live.coordinate[0]
     dp = live.layout.dp
     rows = tokens.shape[0]
     if rows % dp:
         raise ValueError(f"a batch of {rows} rows does not split over DP {dp}")
     mine = tokens[d * rows // dp:(d + 1) * rows // dp]
-    loss = live.model(input_ids=mine, labels=mine).loss
-    loss.backward()
-    total = loss.detach().clone()
-    if dp > 1:
-        group = live.mesh["dp"].get_group()
-        for p in live.model.parameters():
-            g = local(p.grad)
-            dist.all_reduce(g, group=group)
-            g.div_(dp)
-        dist.all_reduce(total, group=group)
-        total.div_(dp)
-    live.optimizer.step()
-    live.optimizer.zero_grad(set_to_none=True)
-    return float(total)
+    return optimize(live, mine, mine, lm_loss)

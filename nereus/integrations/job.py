@@ -16,11 +16,14 @@ from ..registry import run_pipeline
 GIB = 2**30
 
 
-def layout(model: Model, tp: int = 1, dp: int = 1, pp: int = 1, mesh: list[int] | None = None) -> Layout:
-    """The train layout of ``model``: layers split evenly over ``pp`` stages, GPUs 0.. in (dp, pp, tp) order."""
+def layout(model: Model, tp: int = 1, dp: int = 1, pp: int = 1, mesh: list[int] | None = None,
+           micro_batches: int | None = None) -> Layout:
+    """The train layout of ``model``: layers split evenly over ``pp`` stages, GPUs 0.. in (dp, pp, tp)
+    order, ``pp`` micro-batches per step unless told (1F1B's least)."""
     ranges = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
     return Layout(model_stage=f"{model.name}.train", tp=tp, pp=pp, dp=dp, layers=ranges,
-                  mesh=list(range(tp * pp * dp)) if mesh is None else list(mesh))
+                  mesh=list(range(tp * pp * dp)) if mesh is None else list(mesh),
+                  micro_batches=pp if micro_batches is None else micro_batches)
 
 
 def training_job(model: Model, layouts: dict[str, Layout], gpus: int, *, rows: int = 4, seq: int = 16) -> Module:

@@ -16,8 +16,8 @@ bit-identical (they are whenever they came from one export, since transitions co
 model and optimizer (``hf_llama.build``) in place; ``buffers`` are the live tensors themselves,
 for ``execute(..., out=...)`` to fill directly.
 
-Every box is checked: the box a live tensor covers (from its DTensor placements on the tp
-sub-mesh, ``runtime.dtensor.dtensor_box``) must be the box the plan's EMUs give the rank.
+Every box is checked: the box a live tensor covers (recorded at build from its DTensor
+placements on the tp sub-mesh, ``LiveLlama.boxes``) must be the box the plan's EMUs give the rank.
 ``check_layout`` says, before any state moves, where the live model cannot take a layout.
 """
 
@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..backend.shards import ShardSpec, StateKey, plan_layout
 from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.sharding import states_of
-from ..runtime.dtensor import dtensor_box, placements
+from ..runtime.dtensor import placements
 from ..runtime.state import LocalState, torch_dtype
 from .hf_llama import LiveLlama, local
 
@@ -50,8 +49,10 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
     def bad(attr, msg, hint=None):
         problems.append(Diagnostic(at(attr), f"{where}: {msg}", hint))
 
-    if lay.pp > 1:
-        bad("pp", f"pp = {lay.pp}: pipeline parallelism is not built in the HF Llama adapter", "use pp = 1")
+    if lay.pp > 1 and lay.micro_batches < lay.pp:
+        bad("micro_batches", f"micro_batches = {lay.micro_batches} with pp = {lay.pp}: PyTorch's Schedule1F1B "
+                             "needs at least as many micro-batches as pipeline stages",
+            f"use micro_batches >= {lay.pp}")
     if lay.zero:
         bad("zero", f"zero = {lay.zero}: the adapter keeps whole replicas over DP (DDP); ZeRO/FSDP2 is not built")
     if model.dtype != "fp32":
@@ -86,22 +87,18 @@ def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
     return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage == live.layout.model_stage]
 
 
-def _box(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    if not isinstance(t, DTensor):
-        return tuple((0, n) for n in t.shape)
-    (tp,) = t.device_mesh.get_coordinate()
-    return dtensor_box(tuple(t.shape), t.placements, (tp,), tuple(t.device_mesh.shape))
-
-
 def _live(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:
-    """The live tensor (parameter or AdamW state; a DTensor under TP) that holds ``spec``."""
+    """This rank's tensor (parameter or AdamW state, rank-local) that holds ``spec``; its full
+    shape and box are the ones the live model recorded at build (``LiveLlama.boxes``)."""
     p = params.get(spec.key.tensor)
     if p is None:
         raise KeyError(f"{spec.key}: the live model has no parameter {spec.key.tensor}")
-    t = p if spec.key.state in ("weight", "master") else live.optimizer.state[p][spec.key.state]
-    if tuple(t.shape) != spec.shape or _box(t) != tuple(spec.box) or t.dtype != torch_dtype(spec.dtype):
-        raise ValueError(f"{spec.key}: the live tensor is {tuple(t.shape)} {t.dtype} holding {_box(t)} on this "
-                         f"rank; the plan says {spec.shape} {spec.dtype} holding {spec.box}")
+    t = local(p if spec.key.state in ("weight", "master") else live.optimizer.state[p][spec.key.state])
+    shape, box = live.boxes[spec.key.tensor]
+    extent = tuple(hi - lo for lo, hi in box)
+    if (shape, box) != (spec.shape, tuple(spec.box)) or tuple(t.shape) != extent or t.dtype != torch_dtype(spec.dtype):
+        raise ValueError(f"{spec.key}: the live tensor is {tuple(t.shape)} {t.dtype} holding {box} of {shape} on "
+                         f"this rank; the plan says {spec.dtype} holding {spec.box} of {spec.shape}")
     return t
 
 
@@ -112,7 +109,7 @@ def buffers(live: LiveLlama, module: Module, plan: str) -> LocalState:
         return {}
     params = live.params()
     with torch.no_grad():
-        return {s.key: local(_live(live, params, s)) for s in _specs(live, module, plan) if s.key.state != "master"}
+        return {s.key: _live(live, params, s) for s in _specs(live, module, plan) if s.key.state != "master"}
 
 
 def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState, int]:
@@ -127,7 +124,7 @@ def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState
     if unnamed:
         raise ValueError(f"plan @{plan} holds no shard of the live parameters {', '.join(unnamed[:3])} on this rank")
     with torch.no_grad():
-        return {s.key: local(_live(live, params, s)) for s in specs}, steps.pop()
+        return {s.key: _live(live, params, s) for s in specs}, steps.pop()
 
 
 def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, step: int) -> None:
@@ -146,8 +143,8 @@ def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, st
                 if not torch.equal(state[s.key], weight):
                     raise ValueError(f"{s.key}: the fp32 master differs from the weight; the live model holds one")
                 continue
-            dst = local(_live(live, params, s))
+            dst = _live(live, params, s)
             if state[s.key].data_ptr() != dst.data_ptr():
                 dst.copy_(state[s.key])
-        for p in live.model.parameters():
+        for p in live.named.values():
             live.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)

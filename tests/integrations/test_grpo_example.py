@@ -49,8 +49,8 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
             assert not res["active"] and steps == [0, 1, 2] and not res["checks"][1]["in_b"]
         else:  # the loop went on after each move
             assert res["active"] and steps == [0, 1, 2, 3, 4] and res["plan"] == "p2"
-            assert [h["plan"] for h in res["history"]] == ["@a tp2xdp2", "@p0 tp1xdp4", "@p0 tp1xdp4",
-                                                           "@p2 tp1xdp3", "@p2 tp1xdp3"]
+            assert [h["plan"] for h in res["history"]] == ["@a tp2xpp1xdp2", "@p0 tp1xpp1xdp4", "@p0 tp1xpp1xdp4",
+                                                           "@p2 tp1xpp1xdp3", "@p2 tp1xpp1xdp3"]
     # the DP replicas agree on the loss and the reward (one mean over DP) on every step
     for step in range(5):
         seen = {(h["loss"], h["reward"]) for r in results for h in r["history"] if h["step"] == step}
@@ -66,7 +66,7 @@ def test_a_move_that_fails_rolls_back_and_grpo_goes_on_under_plan_a(tmp_path):
     assert [d["applied"] for d in applied] == ["rolled_back"] and applied[0]["step"] == 0, applied
     for res in results:
         assert [h["decision"] for h in res["history"]] == ["rolled_back", "stay", "stay"], res["history"]
-        assert [h["plan"] for h in res["history"]] == ["@a tp2xdp2"] * 3 and res["plan"] == "a" and res["active"]
+        assert [h["plan"] for h in res["history"]] == ["@a tp2xpp1xdp2"] * 3 and res["plan"] == "a" and res["active"]
         (check,) = res["checks"]
         assert check["failed"] and check["intact"], check  # plan A's model and AdamW untouched
         assert all(math.isfinite(h["loss"]) for h in res["history"])

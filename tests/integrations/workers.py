@@ -32,13 +32,17 @@ def tiny(kv_heads: int = 2) -> dict:
 
 
 def job_of(cfg: dict, plans: dict[str, tuple], world: int):
-    """The config, and the module with a plan per (tp, dp) or (tp, dp, mesh), on a node of at
-    least ``world`` GPUs (a plan that is only checked, never run, may use more GPUs than the
-    process group has)."""
+    """The config, and the module with a plan per (tp, dp), (tp, dp, mesh) or (tp, dp, mesh, pp),
+    on a node of at least ``world`` GPUs (a plan that is only checked, never run, may use more
+    GPUs than the process group has)."""
     config = LlamaConfig(**cfg)
     model = ir_model(config)
-    gpus = max([world, *(p[0] * p[1] for p in plans.values())])
-    layouts = {name: layout(model, tp=p[0], dp=p[1], mesh=p[2] if len(p) > 2 else None) for name, p in plans.items()}
+
+    def lay(tp, dp, mesh=None, pp=1):
+        return layout(model, tp=tp, dp=dp, pp=pp, mesh=mesh)
+
+    layouts = {name: lay(*p) for name, p in plans.items()}
+    gpus = max([world, *(lay.world for lay in layouts.values())])
     return config, training_job(model, layouts, gpus)
 
 
@@ -61,12 +65,17 @@ def gather_full(state, specs) -> dict:
 
 
 def full_by_dtensor(live) -> dict:
-    """Every parameter and AdamW state as DTensor gathers it (``full_tensor``: the TP shards of
-    this rank's replica), keyed like a StateKey: a check of the export that owes nothing to IR boxes."""
+    """Every parameter and AdamW state of this rank's stage as DTensor gathers it
+    (``full_tensor``: the TP shards of this rank's replica, with the placements
+    ``parallelize_module`` gave them; under DDP the live tensors are the local shards), keyed
+    like a StateKey: a check of the export that owes nothing to IR boxes."""
     out = {}
     for name, p in live.params().items():
         held = live.optimizer.state[p]
         for state, t in (("weight", p), ("exp_avg", held["exp_avg"]), ("exp_avg_sq", held["exp_avg_sq"])):
+            placed = live.placements[name]
+            if placed is not None and not isinstance(t, DTensor):
+                t = DTensor.from_local(t.detach(), live.mesh["tp"], placed, run_check=False)
             full = t.full_tensor() if isinstance(t, DTensor) else t
             out[f"{MS}:{state}:{name}"] = full.detach().clone().numpy()
     return out
