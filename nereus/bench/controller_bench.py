@@ -10,7 +10,13 @@ every step (``LlamaAdapter``; search limited to what the live model takes). Per 
   stay: one ``all_gather`` of a fixed-size tensor of measurements, the decision on the leader,
   one broadcast of a number); blocks of steps of each kind alternate after two warm-up steps,
   wall time between barriers per step, the median over blocks. ``controller`` is the
-  difference: what the Controller adds when it stays;
+  difference: what the Controller adds when it stays. That difference is two noisy medians
+  apart; ``own_s`` measures the same cost directly: the seconds each rank spends in the
+  Controller's end of step (``Controller.end_of_step_s``: the gather, the decision, the
+  broadcast), the median over the steps, the slowest rank's. On both sides every step ends at a
+  barrier, so the ranks reach the Controller together: without it the gather would also wait
+  for the slowest rank (4 processes on 2 cores drift by 10-20 ms a step), time a loop without
+  the Controller spends at its next collective instead;
 - at step ``leave_step`` rank 3 announces it leaves: the forced decision (``decide_s``: triggers,
   plan-search, remap, plan-transition, schedule-transfers, admit on the leader) and the move
   inside the loop (``move_s``: plan B's model built, the transition lowered and executed into it,
@@ -69,24 +75,28 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     tokens = iter([batch(config, i, rows=ROWS, seq=64) for i in range(2 * blocks * size + 3)])
     for _ in range(2):  # warm-up: first allocations, first collectives
         train_step(adapter.live, next(tokens))
-    plain, inside, stays = [], [], 0
+    plain, inside, own, stays = [], [], [], 0
     for _ in range(blocks):  # blocks of steps without and with the Controller, alternating
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(size):
             train_step(adapter.live, next(tokens))
+            dist.barrier()  # the ranks aligned at every step's end, on both sides
         dist.barrier()
         t1 = time.perf_counter()
         for _ in range(size):
             with ctl.step():
                 with ctl.stage("actor.train"):
                     train_step(adapter.live, next(tokens))
+                dist.barrier()
             stays += ctl.last.action == "stay" and not ctl.last.triggers
+            own.append(ctl.end_of_step_s)
         dist.barrier()
         t2 = time.perf_counter()
         plain.append((t1 - t0) / size)
         inside.append((t2 - t1) / size)
-    out.update(step_s=statistics.median(plain), with_controller_s=statistics.median(inside), stays=stays)
+    out.update(step_s=statistics.median(plain), with_controller_s=statistics.median(inside), stays=stays,
+               own_s=statistics.median(own), own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))])
     # rank 3 announces it leaves: a forced decision and the move inside the loop
     state, opt_step = export_state(adapter.live, module, "a")
     saved = ({k: v.clone() for k, v in state.items()}, opt_step)  # plan A's state, for the DCP way below
@@ -122,6 +132,27 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     return out
 
 
+def end_of_step(rank: int, world: int, steps: int) -> float:
+    """The Controller's end of step when it stays, alone: ``world`` processes, one model-stage
+    timed around a 10 ms sleep, every step ending at a barrier; the median over ``steps``
+    (after 20 warm-up steps) of ``Controller.end_of_step_s``."""
+    init_from_env(timeout=120)
+    model = _model(128, 2)
+    module = training_job(model, {"a": layout(model, dp=world)}, world)
+    options = ControlOptions(recalibrate_every=0, slowdown=1e9, response_drift=1e9)
+    ctl = Controller(module, "a", None, options=options, total_steps=10**6, show=False)
+    own = []
+    for _ in range(steps + 20):
+        with ctl.step():
+            with ctl.stage("actor.train"):
+                time.sleep(0.01)
+            dist.barrier()
+        if ctl.last.action != "stay" or ctl.last.triggers:
+            raise RuntimeError(f"expected a plain stay, got {ctl.last.action}")
+        own.append(ctl.end_of_step_s)
+    return statistics.median(own[20:])
+
+
 def run(quick: bool = False, json_output: bool = False) -> dict:
     hidden, layers, steps = (128, 2, (2, 3)) if quick else (256, 4, (5, 4))  # (blocks, steps per block)
     with tempfile.TemporaryDirectory(prefix="nereus-controller-") as tmp:
@@ -132,18 +163,24 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
               "with_controller_s": slow("with_controller_s"),
               "controller_s": slow("with_controller_s") - slow("step_s"), "decide_s": per_rank[0]["decide_s"], "move_s": slow("move_s"),
               "dcp_s": slow("dcp_s"), "bytes_moved": per_rank[0]["bytes_moved"], "target": per_rank[0]["target"],
-              "stays": min(r["stays"] for r in per_rank)}
+              "stays": min(r["stays"] for r in per_rank), "own_s": slow("own_s"), "own_p90_s": slow("own_p90_s")}
     result["controller_over_step"] = result["controller_s"] / result["step_s"]
+    result["own_over_step"] = result["own_s"] / result["step_s"]
+    result["end_of_step_s_by_world"] = {w: max(run_local(end_of_step, w, 50 if quick else 180, timeout=600, threads=1))
+                                        for w in (1, 2, 4)}
     result["dcp_over_move"] = result["dcp_s"] / result["move_s"]
     if not json_output:
         t = Table(title=f"Controller in a training loop: HF Llama ({result['params'] / 1e6:.1f} M params) on "
                         f"{WORLD} gloo processes, TP 2 x DP 2", title_justify="left")
-        for col in ("step", "with controller (stay)", "added", "overhead", "decision (re-plan)", "move in the loop",
-                    "DCP save + load", "DCP / move"):
+        for col in ("step", "with controller (stay)", "added", "overhead", "own time (p90)", "own / step",
+                    "decision (re-plan)", "move in the loop", "DCP save + load", "DCP / move"):
             t.add_column(col, justify="right")
         t.add_row(f"{result['step_s'] * 1e3:.1f} ms", f"{result['with_controller_s'] * 1e3:.1f} ms",
                   f"{result['controller_s'] * 1e3:.2f} ms",
-                  f"{result['controller_over_step']:.1%}", f"{result['decide_s']:.2f} s", f"{result['move_s']:.3f} s",
+                  f"{result['controller_over_step']:.1%}",
+                  f"{result['own_s'] * 1e3:.2f} ms ({result['own_p90_s'] * 1e3:.2f})", f"{result['own_over_step']:.2%}", f"{result['decide_s']:.2f} s", f"{result['move_s']:.3f} s",
                   f"{result['dcp_s']:.3f} s", f"{result['dcp_over_move']:.1f}x")
         Console(width=200).print(t)
+        Console(width=200).print("the Controller's end of step alone (a stay; median, slowest rank): " + ", ".join(
+            f"{w} process{'es' if w > 1 else ''} {v * 1e3:.2f} ms" for w, v in result["end_of_step_s_by_world"].items()))
     return result

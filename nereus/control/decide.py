@@ -1,6 +1,6 @@
 """The decision: re-plan when a trigger fires, and move only when it pays (or must).
 
-``DecisionCore.decide()`` after each step:
+``DecisionCore.decide()`` after each step (``check()``: steps 1-2, then ``replan()``: 3-4):
 
 1. every ``recalibrate_every`` steps, refit the cost model's coefficients to the stage times of
    the last ``window`` steps (``calibrate``) and re-estimate the current plan;
@@ -88,6 +88,7 @@ class DecisionCore:
         self.last_replan = -10**9
         self.log = Path(log) if log is not None else None
         self.decisions: list[Decision] = []
+        self._pending = None  # what check() found for replan()
 
     # -- inputs ----------------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> None:
@@ -100,6 +101,17 @@ class DecisionCore:
 
     # -- the decision ----------------------------------------------------------------------------
     def decide(self) -> Decision:
+        """``check()``, then ``replan()`` when a trigger fired."""
+        quiet = self.check()
+        return quiet if quiet is not None else self.replan()
+
+    def check(self) -> Decision | None:
+        """Steps 1 and 2: recalibrate when due, then the triggers. None fired: the ``stay``
+        decision (recorded). One or more fired: None, and ``replan()`` takes it from there.
+
+        Deterministic in the observed records: every rank of a job that observed the same
+        records gets the same answer, so the runtime runs it everywhere and needs no message
+        for a stay; only ``replan`` (a time-limited search) runs on one rank."""
         if not self.history:
             raise ValueError("decide() needs at least one observed step")
         t0 = time.perf_counter()
@@ -118,7 +130,17 @@ class DecisionCore:
             triggers += forced_measured
         if not triggers:
             numbers["decide_s"] = round(time.perf_counter() - t0, 6)
+            self._pending = None
             return self._record(Decision(step, "stay", self.plan, numbers=numbers))
+        self._pending = (t0, step, window, triggers, numbers)
+        return None
+
+    def replan(self) -> Decision:
+        """Steps 3 and 4, after a ``check()`` whose triggers fired."""
+        if self._pending is None:
+            raise ValueError("replan() follows a check() that found a trigger")
+        t0, step, window, triggers, numbers = self._pending
+        self._pending = None
         self.last_replan = step
         decision = self._replan(step, window, triggers, numbers)
         decision.numbers["decide_s"] = round(time.perf_counter() - t0, 4)

@@ -14,10 +14,13 @@ A few lines around a user's loop::
             break
 
 Each rank times its stages (wall clock) and, on CUDA, their peak device memory. At the end of a
-step the controller gathers every rank's measurements (one ``all_gather_object``), rank 0 turns
-them into a ``StepRecord`` (a stage's time is its slowest rank's) and runs ``DecisionCore.decide``,
-and the decision goes to every rank (one ``broadcast_object_list``), so all ranks act on the same
-decision. On ``transition`` every rank lowers the decision's transition (ranks = GPU ids), runs it
+step the controller gathers every rank's measurements (one ``all_gather`` of a small fixed-size
+tensor) and every rank turns them into the same ``StepRecord`` (a stage's time is its slowest
+rank's) and runs ``DecisionCore.check``: recalibration when due and the triggers, deterministic in
+the records, so a stay costs no further message. When a trigger fires the leader (the lowest rank
+in the job) runs ``DecisionCore.replan`` and the decision goes to every rank (one
+``broadcast_object_list``), so all ranks act on the same decision. On ``transition`` every rank
+lowers the decision's transition (ranks = GPU ids), runs it
 on the live state (``adapter.export()`` -> ``execute`` -> ``adapter.load``), and the core commits
 plan B. A transition that fails rolls back: ``execute`` leaves plan A's state intact on every
 survivor, the adapter is not touched, and the loop continues under plan A (the decision log says
@@ -93,6 +96,7 @@ class Controller:
         self.step_no = 0
         self.active = True
         self.last: Decision | None = None
+        self.end_of_step_s = 0.0  # seconds of the last step's end: gather, decision, broadcast (and a move)
         self._seconds: dict[str, float] = {}
         self._memory: dict[str, int] = {}
         self._lengths: list[int] = []
@@ -135,7 +139,9 @@ class Controller:
         """One training step: measurements inside, the decision (and a transition) at its end."""
         self._seconds, self._memory, self._lengths = {}, {}, []
         yield
+        t0 = time.perf_counter()
         self.last = self._decide()
+        self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
         self.step_no += 1
 
     # -- the decision and its application ----------------------------------------------------------
@@ -146,27 +152,21 @@ class Controller:
         unknown = sorted(set(self._seconds) - set(stages))
         if unknown:
             raise ValueError(f"stage(s) {', '.join(unknown)} are not model-stages of plan @{self.plan}: {', '.join(stages)}")
-        k = len(stages)
-        mine = torch.zeros(2 * k + 4, dtype=torch.float64)
-        for i, ms in enumerate(stages):
-            mine[i], mine[k + i] = self._seconds.get(ms, 0.0), self._memory.get(ms, 0)
         n = self._lengths
-        mine[2 * k:] = torch.tensor([len(n), sum(n), max(n, default=0), 1.0 if self._leaving else 0.0], dtype=torch.float64)
+        mine = torch.tensor([*(self._seconds.get(ms, 0.0) for ms in stages), *(self._memory.get(ms, 0) for ms in stages),
+                             len(n), sum(n), max(n, default=0), 1.0 if self._leaving else 0.0], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in self.members]
         dist.all_gather(every, mine, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
         record = self._record(torch.stack(every), stages)
         self.core.observe(record)
+        # every rank holds the same records, so every rank checks the triggers itself: a stay
+        # (no trigger) needs no message; a re-plan runs on the leader and is broadcast
+        quiet = self.core.check()
+        if quiet is not None:
+            self._show(quiet)
+            return quiet
         leader = self.members[0]
-        decision = self.core.decide() if self.rank == leader else None
-        # a plain stay (no trigger) is one number; anything else follows as an object
-        plain = torch.tensor([1 if decision is not None and decision.action == "stay" and not decision.triggers else 0])
-        dist.broadcast(plain, src=leader, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
-        if plain.item():
-            if self.rank != leader:
-                decision = Decision(record.step, "stay", self.plan)
-                self.core.decisions.append(decision)
-            self._show(decision)
-            return decision
+        decision = self.core.replan() if self.rank == leader else None
         box = [decision]
         dist.broadcast_object_list(box, src=leader, group=self.group)
         if self.rank == leader:
@@ -176,8 +176,7 @@ class Controller:
         decision = box[0]
         if self.rank != leader:
             self.core.decisions.append(decision)
-            if decision.triggers:
-                self.core.last_replan = decision.step
+            self.core.last_replan = decision.step
         if decision.action == "transition" and (len(self.members) < self.world or self.degraded):
             decision.action = "stay"
             decision.message = ("not applied: the default process group " + ("saw a failed transition" if self.degraded
@@ -190,13 +189,13 @@ class Controller:
     def _record(self, every: torch.Tensor, stages: list[str]) -> StepRecord:
         """One StepRecord from every rank's row: a stage takes as long as its slowest rank."""
         k = len(stages)
-        top = every.max(dim=0).values
-        seconds = {ms: float(top[i]) for i, ms in enumerate(stages) if top[i] > 0}
+        rows = every.tolist()
+        top = [max(col) for col in zip(*rows)]
+        seconds = {ms: top[i] for i, ms in enumerate(stages) if top[i] > 0}
         memory = {ms: int(top[k + i]) for i, ms in enumerate(stages) if top[k + i] > 0}
-        count, total = (int(x) for x in every[:, 2 * k:2 * k + 2].sum(dim=0))
-        longest = int(top[2 * k + 2])
-        leaving = tuple(self.members[i] for i in range(len(self.members)) if every[i, 2 * k + 3] > 0)
-        return StepRecord(self.step_no, seconds, memory, responses=(count, total, longest),
+        count, total = (int(sum(r[2 * k + j] for r in rows)) for j in (0, 1))
+        leaving = tuple(m for m, r in zip(self.members, rows) if r[2 * k + 3] > 0)
+        return StepRecord(self.step_no, seconds, memory, responses=(count, total, int(top[2 * k + 2])),
                           gpus=tuple(sorted(self.core.gpus_now)), leaving=leaving)
 
     def _apply(self, decision: Decision) -> Decision:
