@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import time
 
 import torch
@@ -57,12 +58,14 @@ MS = "actor.train"
 SEP, EOS, BOS = 10, 11, 12  # digits are tokens 0..9
 
 
-def config() -> LlamaConfig:
-    """The tiny actor: 2 layers, hidden 64, 4 heads (4 K/V heads: TP 1, 2 or 4), vocabulary 16."""
+def config(engine: str = "hf") -> LlamaConfig:
+    """The tiny actor: 2 layers, hidden 64, 4 heads (4 K/V heads: TP 1, 2 or 4), vocabulary 16;
+    with ``engine = "vllm"`` heads of 64 dimensions (vLLM's CPU attention needs head_dim >= 32)."""
     return LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
                        max_position_embeddings=32, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                       use_cache=False)
+                       use_cache=False, eos_token_id=EOS, bos_token_id=BOS,
+                       **({"head_dim": 64} if engine == "vllm" else {}))
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -85,6 +88,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
+                        "Nereus after every optimizer step (vllm: needs nereus[vllm])")
+    p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -112,6 +119,17 @@ def generate(live, prompt: torch.Tensor, first: int, group: int, new: int, step:
         seqs[:, plen + t] = torch.cat([torch.multinomial(probs[i * group:(i + 1) * group], 1, generator=g)
                                        for i, g in enumerate(gens)]).squeeze(1)
     return seqs
+
+
+def generate_vllm(engine, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int) -> torch.Tensor:
+    """``generate``'s samples drawn by a vLLM engine instead: the same per-prompt seeds (so the
+    TP ranks of a replica, whose engines hold the same weights, draw the same tokens), a
+    response ending at ``EOS`` padded with ``EOS`` to ``new`` tokens."""
+    seeds = [(seed * 7919 + step) * 100_003 + first + i for i in range(len(prompt))]
+    rows = []
+    for p, sampled in zip(prompt.tolist(), engine.generate(prompt.tolist(), n=group, max_tokens=new, seeds=seeds)):
+        rows += [p + toks + [EOS] * (new - len(toks)) for toks in sampled.tokens]
+    return torch.tensor(rows)
 
 
 def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,7 +190,7 @@ def grpo_step(live, reference, seqs, plen, reward, mask, group, beta, clip) -> f
 
 def job(args, world: int):
     """The IR module: the actor's train stage, plan @a = DP x PP x TP on the first dp * pp * tp ranks."""
-    cfg = config()
+    cfg = config(args.engine)
     model = ir_model(cfg, "actor")
     planned = 2 * args.planned_response  # training_job plans responses of seq // 2 tokens
     m = training_job(model, {"a": layout(model, tp=args.tp, dp=args.dp, pp=args.pp)}, world, rows=args.prompts * args.group,
@@ -181,16 +199,20 @@ def job(args, world: int):
     return cfg, m
 
 
-def rollout(live, step: int, args, ctl, timed):
-    """This DP replica's share of the step's prompts, sampled by the actor (timed as generation)
-    and scored; the response lengths go to the Controller. (sequences, reward, mask)."""
+def rollout(live, step: int, args, ctl, timed, engine=None):
+    """This DP replica's share of the step's prompts, sampled by the actor (or by this rank's vLLM
+    ``engine``; timed as generation) and scored; the response lengths go to the Controller.
+    (sequences, reward, mask)."""
     lay, d = live.layout, live.coordinate[0]
     if args.prompts % lay.dp:
         raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
     share = args.prompts // lay.dp
     mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
     with timed("actor.generate"):
-        seqs = generate(live, mine, d * share, args.group, args.digits + 1, step, args.seed)
+        if engine is None:
+            seqs = generate(live, mine, d * share, args.group, args.digits + 1, step, args.seed)
+        else:
+            seqs = generate_vllm(engine, mine, d * share, args.group, args.digits + 1, step, args.seed)
     reward, mask, lengths = score(seqs, args.digits + 2, args.digits)
     ctl.responses(lengths.tolist())
     return seqs, reward, mask
@@ -238,6 +260,33 @@ def controller(module, adapter, args, faults: tuple = ()):
     return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
 
 
+class Engines:
+    """``--engine vllm``: a vLLM engine on every rank, filled from the live actor by a
+    ``WeightPush`` (a Nereus transition from the trainer's layout; re-planned when the
+    Controller moved the trainer) at the start and after every optimizer step."""
+
+    def __init__(self, cfg: LlamaConfig, args, rank: int, world: int):
+        from nereus.integrations.vllm_engine import VllmEngine
+
+        workdir = args.workdir or tempfile.mkdtemp(prefix="nereus-vllm-")
+        self.cfg, self.world, self.timeout = cfg, world, args.timeout
+        self.engine = VllmEngine(cfg, f"{workdir}/engine-{rank}", max_model_len=32, seed=args.seed)
+        self.pusher = None
+        self.push_s: list[float] = []
+        self.load_s: list[float] = []
+
+    def push(self, live) -> None:
+        from nereus.integrations.weight_push import WeightPush
+
+        if self.pusher is None or not self.pusher.serves(live.layout):
+            self.pusher = WeightPush(ir_model(self.cfg, "actor"), live.layout, list(range(self.world)), self.world,
+                                     timeout=self.timeout)
+        t0 = time.perf_counter()
+        named = self.pusher.push(live)
+        self.push_s.append(time.perf_counter() - t0)
+        self.load_s.append(self.engine.load(named))
+
+
 def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
@@ -249,6 +298,9 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     live, reference, _ = actor_and_reference(cfg, module, args)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = controller(module, adapter, args, faults)
+    engines = Engines(cfg, args, rank, world) if args.engine == "vllm" else None
+    if engines is not None:
+        engines.push(live)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
@@ -257,30 +309,38 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         with ctl.step():
             lay = live.layout
-            seqs, reward, mask = rollout(live, step, args, ctl, timed)
+            seqs, reward, mask = rollout(live, step, args, ctl, timed, engines.engine if engines else None)
             with ctl.stage(MS):
                 loss = grpo_step(live, reference, seqs, plen, reward, mask, args.group, args.beta, args.clip)
             mean_reward = dp_mean(live, reward)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
+        if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
+            engines.push(adapter.live)
         row = {"step": step, "plan": f"@{dec.source} {shape(lay)}",
                "reward": float(mean_reward), "loss": loss, "decision": dec.action, "forced": dec.forced,
                "target": dec.target, "seconds": round(time.perf_counter() - t0, 3)}
+        if engines is not None:
+            row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
             print(f"step {step:3d}  plan @{dec.source} ({shape(lay)})  reward {row['reward']:.3f}  "
                   f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
-                  f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s", flush=True)
+                  f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s"
+                  + (f"  push {row['push_s'] * 1e3:.1f} ms + engine load {row['load_s'] * 1e3:.1f} ms"
+                     if engines is not None else ""), flush=True)
         if not ctl.active:  # this rank handed its state over and leaves the job
             break
+    if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
+        engines.engine.close()
     return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
             "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
 
 
 if __name__ == "__main__":
     out = main(sys.argv[1:])
-    if out["active"] and dist.get_rank() == 0 and "--quiet" not in sys.argv:
+    if out["active"] and out["rank"] == 0 and "--quiet" not in sys.argv:
         print(json.dumps({"final_plan": out["plan"], "final_reward": out["history"][-1]["reward"]}))
     if dist.is_initialized():
         dist.destroy_process_group()

