@@ -100,6 +100,14 @@ class VllmEngine:
         self.loads += 1
         return time.perf_counter() - t0
 
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """vLLM's log-probability of every token of each sequence after the first (prompt
+        log-probabilities of a one-token request): what the served weights say of given tokens."""
+        vllm = require_vllm()
+        params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(q)} for q in seqs], params, use_tqdm=False)
+        return [[step[t].logprob for t, step in zip(q[1:], out.prompt_logprobs[1:])] for q, out in zip(seqs, outs)]
+
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int],
                  temperature: float = 1.0) -> list[Sampled]:
         """``n`` samples of up to ``max_tokens`` tokens per prompt (token ids), request ``i``

@@ -102,13 +102,16 @@ class WeightPush:
             out[s.key] = (p.to_local() if hasattr(p, "to_local") else p).detach()
         return out
 
-    def push(self, live: LiveLlama, faults: tuple = ()) -> dict[str, torch.Tensor]:
+    def push(self, live: LiveLlama, faults: tuple = (), timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Run the push on this rank (every rank calls it); on an engine rank, every weight whole,
         by Hugging Face name; ``{}`` elsewhere. Raises ``TransitionError`` (the trainer's weights
-        untouched) when it fails."""
+        untouched) when it fails: then the default group must be re-created before the next
+        collective (the executor's contract), and the engines still hold the last weights they
+        loaded."""
         stats = Stats()
         t0 = time.perf_counter()
-        new = execute(self.program, self.state_of(live), timeout=self.timeout, faults=faults, stats=stats)
+        new = execute(self.program, self.state_of(live), timeout=self.timeout if timeout is None else timeout,
+                      faults=faults, stats=stats)
         self.stats.seconds.append(time.perf_counter() - t0)
         self.stats.pushes += 1
         self.stats.bytes_received = stats.received
