@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("passes", help="list every pass with its options, their types and defaults")
     ps.set_defaults(func=cmd_passes)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition, reshard, calibrate or controller")
+    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition, reshard, calibrate, controller or push")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     b.set_defaults(func=cmd_bench)

@@ -5,9 +5,10 @@ from .controller_bench import run as _controller
 from .estimate_bench import run as _estimate
 from .parse_bench import run as _parse
 from .plan_search_bench import run as _plan_search
+from .push_bench import run as _push
 from .reshard_bench import run as _reshard
 from .transition_bench import run as _transition
 
 BENCHMARKS = {"parse": _parse, "estimate": _estimate, "plan-search": _plan_search, "transition": _transition,
               "reshard": _reshard, "calibrate": _calibrate,
-              "controller": _controller}
+              "controller": _controller, "push": _push}

@@ -126,6 +126,18 @@ def test_bench_reshard_json_smoke(capsys):
         assert case["bound_s"] > 0
 
 
+def test_bench_push_smoke():
+    """Four gloo processes, three trainer layouts, no engines: the three ways push the same
+    weights bit for bit (checked inside), and Nereus receives exactly the lower bound."""
+    from nereus.bench.push_bench import run
+
+    out = run(quick=True, json_output=True, engines=False)
+    assert set(out["layouts"]) == {"tp2xdp2", "pp2xtp2", "tp4"}
+    for row in out["layouts"].values():
+        assert row["bytes_at_bound"]
+        assert row["verl_bytes"] >= row["nereus_bytes"] and row["openrlhf_bytes"] > row["nereus_bytes"]
+
+
 def test_an_output_path_that_cannot_be_written_is_a_diagnostic(tmp_path, capsys):
     bad = str(tmp_path / "no" / "such" / "dir" / "out")
     assert main(["opt", str(GRPO), "-p", "estimate", "-o", bad + ".nir"]) == 1

@@ -1,0 +1,255 @@
+"""``nereus bench push``: the actor's weights from the trainer to a vLLM engine on every rank,
+Nereus against the ways RL frameworks push them today, side by side in one run.
+
+4 gloo processes hold a Hugging Face ``LlamaForCausalLM`` (built from a config, seeded) under the
+trainer's layout (``nereus.integrations.hf_llama``); every rank needs the whole model for its
+engine (vLLM's CPU build takes whole tensors and cuts its own shards). Three ways, each run
+``reps`` times per layout after a warm-up round, the slowest rank's median, and each checked bit for bit against the
+others:
+
+- **nereus**: ``WeightPush`` (the transition planned and lowered once, ``execute`` per push):
+  each rank receives the slices it lacks, from the ranks that hold them;
+- **verl-like** (all-gather within the TP group, as verl does from Megatron; under PP each stage
+  then broadcasts its layers to the other stages): every TP-sharded tensor of the rank's stage is
+  packed into one buffer and gathered with one ``all_gather_single``, each PP stage's whole
+  layers go out in one ``broadcast`` per stage; replicated tensors (norms) stay where they are;
+- **OpenRLHF-like** (the whole model assembled on rank 0, then one broadcast to every engine):
+  the TP shards gathered to rank 0 (``gather`` of one packed buffer per rank), rank 0 assembles
+  the model and broadcasts it packed in one buffer.
+
+Bytes received per rank are counted for each way against the lower bound (what the rank lacks,
+from the live parameters). With vLLM installed, each rank also starts an engine and the engine's
+own load step (``reload_weights`` of the pushed tensors) is timed apart: it is the same work
+whatever the push.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from ..integrations.hf_llama import build, ir_model
+from ..integrations.job import layout, training_job
+from ..integrations.state import check_layout
+from ..integrations.weight_push import WeightPush, hf_name
+from ..runtime.launch import init_from_env, run_local
+
+WORLD = 4
+LAYOUTS = {"tp2xdp2": (2, 1, 2), "pp2xtp2": (2, 2, 1), "tp4": (4, 1, 1)}  # (tp, pp, dp)
+
+
+def _config(hidden: int, layers: int, vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                       num_attention_heads=hidden // 64, num_key_value_heads=4, head_dim=64,
+                       tie_word_embeddings=False, max_position_embeddings=128)
+
+
+def _shard_dim(placements) -> int | None:
+    """The tensor dim a TP placement shards (None: replicated)."""
+    if placements is None:
+        return None
+    (p,) = placements
+    return getattr(p, "dim", None)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def verl_like(live) -> tuple[dict[str, torch.Tensor], int]:
+    """All-gather within the TP group, then each PP stage broadcasts its layers; (named, bytes received)."""
+    lay, mesh = live.layout, live.mesh
+    params = live.params()
+    names = sorted(params)
+    full: dict[str, torch.Tensor] = {}
+    received = 0
+    sharded = [n for n in names if _shard_dim(live.placements[n]) is not None]
+    for n in names:
+        if n not in sharded:
+            full[n] = params[n].detach()
+    if lay.tp > 1 and sharded:
+        local = [params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach() for n in sharded]
+        buf = _pack(local)
+        out = torch.empty(lay.tp * buf.numel(), dtype=buf.dtype)
+        dist.all_gather_single(out, buf, group=mesh["tp"].get_group())
+        received += (lay.tp - 1) * buf.numel() * buf.element_size()
+        parts = out.view(lay.tp, -1)
+        offset = 0
+        for n, t in zip(sharded, local):
+            k = t.numel()
+            pieces = [parts[r, offset:offset + k].view(t.shape) for r in range(lay.tp)]
+            full[n] = torch.cat(pieces, dim=_shard_dim(live.placements[n]))
+            offset += k
+    if lay.pp > 1:  # every stage's whole tensors to the other stages, one broadcast per stage
+        group, stage = mesh["pp"].get_group(), live.coordinate[1]
+        for s in range(lay.pp):
+            shapes = _stage_shapes(live, s)
+            if s == stage:
+                buf = _pack([full[n] for n, _ in shapes])
+            else:
+                buf = torch.empty(sum(torch.Size(sh).numel() for _, sh in shapes), dtype=torch.float32)
+            dist.broadcast(buf, group_src=s, group=group)
+            if s != stage:
+                received += buf.numel() * buf.element_size()
+                offset = 0
+                for n, sh in shapes:
+                    k = torch.Size(sh).numel()
+                    full[n] = buf[offset:offset + k].view(sh)
+                    offset += k
+    return {hf_name(n): t for n, t in full.items()}, received
+
+
+def _stage_shapes(live, stage: int) -> list[tuple[str, tuple]]:
+    """(IR name, full shape) of the tensors pipeline stage ``stage`` holds, in a fixed order."""
+    from ..ir.model import even_split  # noqa: F401  (layers come from the layout)
+
+    model = ir_model(live.config, live.layout.model)
+    lo, hi = live.layout.layers[stage]
+    out = []
+    for name, spec in sorted(model.tensors.items()):
+        if spec.placement == "layer":
+            for i in range(lo, hi + 1):
+                out.append((f"layers.{i}.{name}", spec.shape))
+        elif (spec.placement in ("first", "first_and_last") and stage == 0) or \
+                (spec.placement in ("last", "first_and_last") and stage == live.layout.pp - 1):
+            out.append((name, spec.shape))
+    return sorted(out)
+
+
+def openrlhf_like(live) -> tuple[dict[str, torch.Tensor], int]:
+    """The whole model assembled on rank 0, then broadcast packed to every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lay = live.layout
+    params = live.params()
+    mine = sorted(params)
+    local = _pack([(params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach())
+                   for n in mine])
+    sizes = torch.tensor([local.numel()], dtype=torch.int64)
+    every = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(every, sizes)
+    biggest = max(int(s) for s in every)
+    padded = torch.zeros(biggest, dtype=torch.float32)
+    padded[:local.numel()] = local
+    gathered = [torch.empty(biggest, dtype=torch.float32) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, gathered, dst=0)
+    model = ir_model(live.config, lay.model)
+    order = sorted(n for s in range(lay.pp) for n, _ in _stage_shapes(live, s))
+    shapes = {n: sh for s in range(lay.pp) for n, sh in _stage_shapes(live, s)}
+    total = sum(torch.Size(shapes[n]).numel() for n in order)
+    flat = torch.empty(total, dtype=torch.float32)
+    if rank == 0:  # assemble: each rank's shards placed by the boxes the ranks hold
+        full = {n: torch.empty(shapes[n]) for n in order}
+        boxes = [None] * world
+        dist.gather_object(live.boxes, boxes, dst=0)
+        for r in range(world):
+            offset = 0
+            for n in sorted(boxes[r]):
+                shape, box = boxes[r][n]
+                k = 1
+                for lo_, hi_ in box:
+                    k *= hi_ - lo_
+                region = tuple(slice(lo_, hi_) for lo_, hi_ in box)
+                full[n][region] = gathered[r][offset:offset + k].view([hi_ - lo_ for lo_, hi_ in box])
+                offset += k
+        torch.cat([full[n].reshape(-1) for n in order], out=flat)
+    else:
+        dist.gather_object(live.boxes, None, dst=0)
+    dist.broadcast(flat, src=0)
+    received = (biggest * world * 4 if rank == 0 else 0) + (flat.numel() * 4 if rank != 0 else 0)
+    del model
+    out, offset = {}, 0
+    for n in order:
+        k = torch.Size(shapes[n]).numel()
+        out[hf_name(n)] = flat[offset:offset + k].view(shapes[n])
+        offset += k
+    return out, received
+
+
+def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: int, engines: bool, tmp: str) -> dict:
+    init_from_env(timeout=600)
+    cfg = _config(hidden, layers, vocab)
+    model = ir_model(cfg)
+    engine = None
+    if engines:
+        from ..integrations.vllm_engine import VllmEngine
+
+        engine = VllmEngine(cfg, f"{tmp}/engine-{rank}", max_model_len=128)
+    out: dict = {}
+    for name, (tp, pp, dp) in LAYOUTS.items():
+        lay = layout(model, tp=tp, pp=pp, dp=dp)
+        check_layout(training_job(model, {"a": lay}, world), "a", lay.model_stage)
+        live = build(cfg, lay, seed=0, timeout=300)
+        pusher = WeightPush(model, lay, list(range(world)), world, timeout=300)
+        bound = sum((torch.Size(full).numel() - torch.Size([hi - lo for lo, hi in box]).numel()) * 4
+                    for full, box in live.boxes.values()) + sum(
+            torch.Size(sh).numel() * 4 for s in range(pp) if s != live.coordinate[1] for _, sh in _stage_shapes(live, s))
+        ways = {"nereus": lambda: (pusher.push(live), pusher.stats.bytes_received),
+                "verl": lambda: verl_like(live), "openrlhf": lambda: openrlhf_like(live)}
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        results = {}
+        for rep in range(reps + 1):  # the first round warms up (first collectives, allocations)
+            for way, fn in ways.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                named, received = fn()
+                if rep:
+                    times[way].append(time.perf_counter() - t0)
+                results[way] = (named, received)
+        ref = results["nereus"][0]
+        for way, (named, _) in results.items():
+            if set(named) != set(ref) or any(not torch.equal(named[k], ref[k]) for k in ref):
+                raise AssertionError(f"{name}: {way} pushed other weights than nereus")
+        out[name] = {way: statistics.median(t) for way, t in times.items()}
+        out[name].update({f"{way}_bytes": results[way][1] for way in ways}, bound=bound)
+        if engine is not None:
+            loads = [engine.load(ref) for _ in range(reps)]
+            out[name]["load"] = statistics.median(loads)
+    if engine is not None:
+        dist.barrier()
+        engine.close()  # last: its teardown destroys the default group
+    return out
+
+
+def run(quick: bool = False, json_output: bool = False, engines: bool | None = None) -> dict:
+    hidden, layers, vocab, reps = (256, 2, 1024, 3) if quick else (512, 4, 8192, 5)
+    if engines is None:
+        try:
+            import vllm  # noqa: F401
+
+            engines = True
+        except ImportError:
+            engines = False
+    with tempfile.TemporaryDirectory(prefix="nereus-push-") as tmp:
+        per_rank = run_local(worker, WORLD, hidden, layers, vocab, reps, engines, tmp, timeout=1800, threads=1)
+    cfg = _config(hidden, layers, vocab)
+    params = ir_model(cfg).num_params()
+    result = {"benchmark": "push", "world": WORLD, "params": params, "engines": engines, "layouts": {}}
+    for name in LAYOUTS:
+        row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
+        row["bytes_at_bound"] = all(r[name]["nereus_bytes"] == r[name]["bound"] for r in per_rank)
+        best = min(row["verl"], row["openrlhf"])
+        row["best_peer_over_nereus"] = best / row["nereus"]
+        if engines:
+            row["end_to_end_ratio"] = (best + row["load"]) / (row["nereus"] + row["load"])
+        result["layouts"][name] = row
+    if not json_output:
+        t = Table(title=f"Weight push to an engine on each of {WORLD} gloo processes: HF Llama "
+                        f"({params / 1e6:.1f} M params, {params * 4 / 2**20:.0f} MiB fp32)", title_justify="left")
+        for col in ("trainer layout", "nereus", "verl-like", "OpenRLHF-like", "best peer / nereus",
+                    "nereus bytes = bound", "engine load", "end to end, best peer / nereus"):
+            t.add_column(col, justify="right")
+        for name, row in result["layouts"].items():
+            t.add_row(name, f"{row['nereus'] * 1e3:.1f} ms", f"{row['verl'] * 1e3:.1f} ms", f"{row['openrlhf'] * 1e3:.1f} ms",
+                      f"{row['best_peer_over_nereus']:.2f}x", "yes" if row["bytes_at_bound"] else "NO",
+                      f"{row['load'] * 1e3:.1f} ms" if engines else "-",
+                      f"{row['end_to_end_ratio']:.2f}x" if engines else "-")
+        Console(width=200).print(t)
+    return result
