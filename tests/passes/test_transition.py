@@ -112,7 +112,8 @@ def test_tight_memory_never_overflows_and_stages_through_host(m, slack):
     result = simulate(m, t)
     assert result.mismatches == []
     assert t.bytes_moved == t.lower_bound == result.received_bytes
-    assert max(result.peak.values()) <= cap, (result.peak, cap)
+    # every state offloaded to the host (drawn by hypothesis): no GPU holds anything, peak is empty
+    assert max(result.peak.values(), default=0) <= cap, (result.peak, cap)
     assert nereus.parse(nereus.print_ir(m)) == m
 
 
