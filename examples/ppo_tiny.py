@@ -17,6 +17,9 @@ the sampling and the two moves (an admitted one on response-length drift, a forc
 - GAE (``gamma``, ``lam``) from the critic's values, advantages whitened over the replica's
   tokens; ``--epochs`` clipped PPO updates of the actor and the critic (value loss 0.5 (V - R)^2)
   per batch, gradients averaged over DP.
+
+``--engine vllm`` samples with a vLLM engine on every rank instead, the actor's weights pushed by
+Nereus after every update (``grpo_tiny.Engines``; docs/embedding.md).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--decision-log", default=None)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
+                        "Nereus after every update (vllm: needs nereus[vllm])")
+    p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.group is None:
@@ -158,6 +165,9 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
                                    foreach=False)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = g.controller(module, adapter, args, faults)
+    engines = g.Engines(cfg, args, rank, world) if args.engine == "vllm" else None
+    if engines is not None:
+        engines.push(live)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
@@ -166,7 +176,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         with ctl.step():
             lay = live.layout
-            seqs, reward, mask = g.rollout(live, step, args, ctl, timed)
+            seqs, reward, mask = g.rollout(live, step, args, ctl, timed, engines.engine if engines else None)
             with ctl.stage(MS):
                 loss, vloss = ppo_step(live, critic, critic_opt, reference, seqs, plen, reward, mask, args)
             mean_reward = g.dp_mean(live, reward)
@@ -176,6 +186,9 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         row = {"step": step, "plan": f"@{dec.source} {g.shape(lay)}", "reward": float(mean_reward),
                "loss": loss, "value_loss": vloss, "decision": dec.action, "forced": dec.forced, "target": dec.target,
                "seconds": round(time.perf_counter() - t0, 3)}
+        if engines is not None and ctl.active:  # the updated actor (in its new layout after a move) to the engines
+            engines.push(adapter.live)
+            row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
             print(f"step {step:3d}  plan @{dec.source} ({g.shape(lay)})  reward {row['reward']:.3f}  "
@@ -184,6 +197,8 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
                   f"  {row['seconds']:.2f} s", flush=True)
         if not ctl.active:
             break
+    if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
+        engines.engine.close()
     return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
             "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
 
