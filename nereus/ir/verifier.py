@@ -147,6 +147,7 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
         stage = w.stage_of(ms)
         if model is not None and ms in expected:
             _verify_layout(lay, model, stage, c, sink)
+            _verify_micro_batches(lay, w, stage, sink)
     _colocation(plan, w, sink)
 
 
@@ -198,6 +199,29 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")
+
+
+def flush_samples(w, kind: str) -> int:
+    """Samples one pipeline flush takes, over all DP replicas: a mini-batch when training (an
+    optimizer step ends the flush), every sample of the step when only running forward."""
+    return (w.mini_batch or w.samples) if kind == "train" else w.samples
+
+
+def _verify_micro_batches(lay: Layout, w, stage, sink: DiagnosticSink) -> None:
+    """A pipeline cannot split a flush into more micro-batches than the flush has."""
+    if stage is None or stage.kind == "generate" or lay.pp == 1:
+        return
+    flush = flush_samples(w, stage.kind)
+    need = lay.micro_batches * w.micro_batch * lay.dp
+    if need > flush:
+        most = flush // (w.micro_batch * lay.dp)
+        what = "one mini-batch (mini_batch" + ("" if w.mini_batch else ", default: the step's samples") + ")" \
+            if stage.kind == "train" else "the step (global_batch x group_size)"
+        sink.error(at(lay, "micro_batches"),
+                   f"{lay.model_stage}: micro_batches = {lay.micro_batches} x micro_batch = {w.micro_batch} x dp = "
+                   f"{lay.dp} is {need} samples per pipeline flush, but {what} holds {flush}",
+                   f"use micro_batches <= {most}" if most >= 1 else
+                   f"dp = {lay.dp} replicas of micro_batch = {w.micro_batch} need more than {flush} samples: lower dp")
 
 
 def _colocation(plan: Plan, w, sink: DiagnosticSink) -> None:

@@ -66,7 +66,9 @@ def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_sta
                 continue
             (mesh,) = place_blocks(gpus, per_node, [(tp * pp * dp, tp)])
             train = kind == "train"
-            micro = max(workload.samples // dp // workload.micro_batch, 1)
+            micro = flush_samples(workload, kind) // dp // workload.micro_batch
+            if pp > 1 and kind != "generate" and micro < 1:
+                continue  # dp replicas of one micro-batch each exceed a pipeline flush
             mb = min(4 * pp, micro) if pp > 1 and kind != "generate" else 1
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
             out.append(Layout(model_stage=model_stage, tp=tp, pp=pp, dp=dp, layers=layers, mesh=mesh, micro_batches=mb,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import Cluster, Model, Workload
+from ..ir.verifier import flush_samples
 from .cost_model import C_PCIE, Candidates, CostModel
 
 MIB = 2**20
@@ -197,8 +198,12 @@ def _candidates(cost: CostModel, cluster: Cluster, workload: Workload, model: Mo
                 n_gpus = tp * pp * dp
                 if dp > samples or (n_gpus > cluster.gpus_per_node and n_gpus % cluster.gpus_per_node):
                     continue  # beyond one node, layouts take whole nodes
-                micro = samples // dp // workload.micro_batch if kind != "generate" else 1
-                mbs = [1] if pp == 1 or kind == "generate" else sorted({min(k * pp, max(micro, 1)) for k in (1, 4)})
+                # micro-batches one pipeline flush holds per replica (the verifier's bound)
+                micro = flush_samples(workload, kind) // dp // workload.micro_batch if kind != "generate" else 1
+                if pp > 1 and micro < 1:
+                    continue  # dp replicas of one micro-batch each exceed the flush
+                # pp, 4 x pp and the most the flush holds (the smallest bubble)
+                mbs = [1] if pp == 1 or kind == "generate" else sorted({min(k * pp, micro) for k in (1, 4)} | {micro})
                 for mb in mbs:
                     for rc in ((False, True) if kind == "train" else (False,)):
                         for z in ((0, 1, 2, 3) if kind == "train" and dp > 1 else (0,)):

@@ -47,9 +47,10 @@ def instances(draw):
     elif shape == "gen-infer-train":
         stages.append(Stage(name="infer", kind="infer", models=["ref"]))
     stages.append(Stage(name="train", kind="train", models=["actor"]))
+    # a mini-batch smaller than the step bounds a training pipeline's flush (the verifier checks it)
     w = Workload(name="w", algorithm="grpo", roles=["actor", "ref"], global_batch=draw(st.sampled_from([8, 16, 32])),
                  group_size=4, prompt_len_mean=256, prompt_len_max=512, response_len_mean=draw(st.sampled_from([256, 1024])),
-                 response_len_max=2048, micro_batch=2, stages=stages)
+                 response_len_max=2048, micro_batch=2, mini_batch=draw(st.sampled_from([None, 8, 16])), stages=stages)
     return cluster, w, {"actor": actor, "ref": ref}
 
 
@@ -76,7 +77,8 @@ def test_solver_optimum_equals_brute_force_and_plans_fit(inst):
     m = _module(cluster, w, models)
     plan = to_plan(problem, sol, "p", w.name, cluster.name)
     m.plans["p"] = plan
-    nereus.verify(m)  # a valid plan: meshes on available GPUs, colocation declared, layers covered
+    nereus.verify(m)  # a valid plan: meshes on available GPUs, colocation declared, layers covered, flushes
+    # that a pipeline can run (no more micro-batches than a mini-batch holds)
     from nereus.passes.estimate import estimate_plan
 
     assert estimate_plan(m, plan) == []  # and it fits in memory on every GPU
