@@ -31,6 +31,7 @@ import numpy as np
 
 from ..ir import Cluster, Layout, Module, Plan, Workload
 from ..ir.model import Model, even_split
+from ..ir.verifier import flush_samples
 from .cost_model import Candidates, CostModel
 from .estimate import estimate_plan, step_time
 from .plan_search import place_blocks
