@@ -5,8 +5,8 @@ every model-stage of a stage on all GPUs) for a shorter step under ``estimate``.
 The variations are enumerated here by hand, independently of ``greedy_plan``'s own generator:
 TP dividing the heads and a multiple or divisor of the KV heads, up to a node; PP dividing the
 layers or a power of two; DP filling the GPUs (at most one replica per sample); the frameworks'
-defaults otherwise (4 x PP micro-batches, at most a replica's; ZeRO-1 and recomputation for
-training).
+defaults otherwise (4 x PP micro-batches, at most what one pipeline flush holds per replica:
+a mini-batch when training, the step otherwise; ZeRO-1 and recomputation for training).
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def variations(m, workload, cluster, ms: str, kind: str) -> list[Layout]:
             dp = min(n // (tp * pp), workload.samples)
             if dp < 1:
                 continue
-            micro = max(workload.samples // dp // workload.micro_batch, 1)
+            flush = (workload.mini_batch or workload.samples) if kind == "train" else workload.samples
+            micro = flush // dp // workload.micro_batch
+            if pp > 1 and kind != "generate" and micro < 1:
+                continue
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
             out.append(Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(range(tp * pp * dp)),
                               micro_batches=min(4 * pp, micro) if pp > 1 and kind != "generate" else 1,
