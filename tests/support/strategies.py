@@ -328,6 +328,22 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
     return lay
 
 
+def fit_flush(lay: Layout, w: Workload, kind: str) -> Layout:
+    """``lay`` made a pipeline can run: no more micro-batches than one flush holds per replica
+    (a mini-batch when training, the step otherwise); fewer DP replicas, or no pipeline, where
+    even one micro-batch per replica is too many."""
+    if lay.pp == 1 or kind == "generate":
+        return lay
+    flush = (w.mini_batch or w.samples) if kind == "train" else w.samples
+    if flush < w.micro_batch:  # not one micro-batch per flush: no pipeline
+        lay.pp, lay.layers = 1, [(0, lay.layers[-1][1])]
+    else:
+        lay.dp = min(lay.dp, flush // w.micro_batch)
+        lay.micro_batches = min(lay.micro_batches, flush // (w.micro_batch * lay.dp))
+    lay.mesh = lay.mesh[:lay.tp * lay.pp * lay.dp]
+    return lay
+
+
 @st.composite
 def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[str, Model]) -> Plan:
     avail = cluster.available_gpus()
@@ -349,7 +365,7 @@ def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[s
             pool = shuffled[bounds[i]:bounds[i + 1]]
             for ms in group:
                 model = by_name[ms.rpartition(".")[0]]
-                lays[ms] = draw(layouts(ms, model, pool, stage.kind == "train"))
+                lays[ms] = fit_flush(draw(layouts(ms, model, pool, stage.kind == "train")), workload, stage.kind)
             if len(group) > 1 or draw(st.integers(0, 5)) == 0:  # singleton groups are legal too
                 colocate.append(list(group))
     order = draw(st.permutations(list(lays)))
