@@ -109,8 +109,6 @@ def verl_like(live) -> tuple[dict[str, torch.Tensor], int]:
 
 def _stage_shapes(live, stage: int) -> list[tuple[str, tuple]]:
     """(IR name, full shape) of the tensors pipeline stage ``stage`` holds, in a fixed order."""
-    from ..ir.model import even_split  # noqa: F401  (layers come from the layout)
-
     model = ir_model(live.config, live.layout.model)
     lo, hi = live.layout.layers[stage]
     out = []
@@ -140,7 +138,6 @@ def openrlhf_like(live) -> tuple[dict[str, torch.Tensor], int]:
     padded[:local.numel()] = local
     gathered = [torch.empty(biggest, dtype=torch.float32) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, gathered, dst=0)
-    model = ir_model(live.config, lay.model)
     order = sorted(n for s in range(lay.pp) for n, _ in _stage_shapes(live, s))
     shapes = {n: sh for s in range(lay.pp) for n, sh in _stage_shapes(live, s)}
     total = sum(torch.Size(shapes[n]).numel() for n in order)
@@ -164,7 +161,6 @@ def openrlhf_like(live) -> tuple[dict[str, torch.Tensor], int]:
         dist.gather_object(live.boxes, None, dst=0)
     dist.broadcast(flat, src=0)
     received = (biggest * world * 4 if rank == 0 else 0) + (flat.numel() * 4 if rank != 0 else 0)
-    del model
     out, offset = {}, 0
     for n in order:
         k = torch.Size(shapes[n]).numel()

@@ -87,7 +87,7 @@ def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
     return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage == live.layout.model_stage]
 
 
-def _live(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:
+def live_tensor(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:
     """This rank's tensor (parameter or AdamW state, rank-local) that holds ``spec``; its full
     shape and box are the ones the live model recorded at build (``LiveLlama.boxes``)."""
     p = params.get(spec.key.tensor)
@@ -109,7 +109,7 @@ def buffers(live: LiveLlama, module: Module, plan: str) -> LocalState:
         return {}
     params = live.params()
     with torch.no_grad():
-        return {s.key: _live(live, params, s) for s in _specs(live, module, plan) if s.key.state != "master"}
+        return {s.key: live_tensor(live, params, s) for s in _specs(live, module, plan) if s.key.state != "master"}
 
 
 def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState, int]:
@@ -124,7 +124,7 @@ def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState
     if unnamed:
         raise ValueError(f"plan @{plan} holds no shard of the live parameters {', '.join(unnamed[:3])} on this rank")
     with torch.no_grad():
-        return {s.key: _live(live, params, s) for s in specs}, steps.pop()
+        return {s.key: live_tensor(live, params, s) for s in specs}, steps.pop()
 
 
 def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, step: int) -> None:
@@ -143,7 +143,7 @@ def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, st
                 if not torch.equal(state[s.key], weight):
                     raise ValueError(f"{s.key}: the fp32 master differs from the weight; the live model holds one")
                 continue
-            dst = _live(live, params, s)
+            dst = live_tensor(live, params, s)
             if state[s.key].data_ptr() != dst.data_ptr():
                 dst.copy_(state[s.key])
         for p in live.named.values():

@@ -34,6 +34,7 @@ from ..registry import run_pipeline
 from ..runtime.execute import Stats, execute
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
+from .state import live_tensor
 
 
 def hf_name(name: str) -> str:
@@ -71,9 +72,7 @@ class WeightPush:
         m = training_job(model, {"held": held, "engine": engine}, world, stage="generate")
         self.module: Module = run_pipeline(m, "plan-transition{source=@held,to=@engine,into=@push,drain=true}")
         self.program = lower(self.module, "push", gpus=list(range(world)))
-        self.stage = stage
         self.held_specs = plan_layout(self.module, "held")
-        self.engine_specs = plan_layout(self.module, "engine")
         self.stats = PushStats()
 
     def serves(self, layout: Layout) -> bool:
@@ -87,20 +86,10 @@ class WeightPush:
 
     def state_of(self, live: LiveLlama) -> dict[StateKey, torch.Tensor]:
         """This rank's weight shards under ``@held`` (views of the live parameters), checked box by box."""
-        rank = dist.get_rank()
         if live.model is None:
             return {}
         params = live.params()
-        out = {}
-        for s in self.held_specs.get(rank, []):
-            p = params.get(s.key.tensor)
-            if p is None:
-                raise KeyError(f"{s.key}: the live model has no parameter {s.key.tensor}")
-            shape, box = live.boxes[s.key.tensor]
-            if (shape, box) != (s.shape, tuple(s.box)):
-                raise ValueError(f"{s.key}: the live parameter holds {box} of {shape}; @held says {s.box} of {s.shape}")
-            out[s.key] = (p.to_local() if hasattr(p, "to_local") else p).detach()
-        return out
+        return {s.key: live_tensor(live, params, s) for s in self.held_specs.get(dist.get_rank(), [])}
 
     def push(self, live: LiveLlama, faults: tuple = (), timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Run the push on this rank (every rank calls it); on an engine rank, every weight whole,
