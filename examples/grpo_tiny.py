@@ -287,6 +287,15 @@ class Engines:
         self.load_s.append(self.engine.load(named))
 
 
+def start_engines(cfg: LlamaConfig, args, rank: int, world: int, live) -> Engines | None:
+    """``--engine vllm``: the engines, filled with the initial actor; None for ``--engine hf``."""
+    if args.engine != "vllm":
+        return None
+    engines = Engines(cfg, args, rank, world)
+    engines.push(live)
+    return engines
+
+
 def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
@@ -298,9 +307,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     live, reference, _ = actor_and_reference(cfg, module, args)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = controller(module, adapter, args, faults)
-    engines = Engines(cfg, args, rank, world) if args.engine == "vllm" else None
-    if engines is not None:
-        engines.push(live)
+    engines = start_engines(cfg, args, rank, world, live)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []

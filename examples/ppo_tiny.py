@@ -165,9 +165,7 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
                                    foreach=False)
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = g.controller(module, adapter, args, faults)
-    engines = g.Engines(cfg, args, rank, world) if args.engine == "vllm" else None
-    if engines is not None:
-        engines.push(live)
+    engines = g.start_engines(cfg, args, rank, world, live)
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
