@@ -17,6 +17,9 @@ others:
   the TP shards gathered to rank 0 (``gather`` of one packed buffer per rank), rank 0 assembles
   the model and broadcasts it packed in one buffer.
 
+What a way knows before a push (Nereus: its lowered program; the peers: ``metadata``, every
+stage's tensors, every rank's packed size and boxes) is made once per layout, outside the timing.
+
 Bytes received per rank are counted for each way against the lower bound (what the rank lacks,
 from the live parameters). With vLLM installed, each rank also starts an engine and the engine's
 own load step (``reload_weights`` of the pushed tensors) is timed apart: it is the same work
@@ -64,7 +67,7 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
-def verl_like(live) -> tuple[dict[str, torch.Tensor], int]:
+def verl_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
     """All-gather within the TP group, then each PP stage broadcasts its layers; (named, bytes received)."""
     lay, mesh = live.layout, live.mesh
     params = live.params()
@@ -91,7 +94,7 @@ def verl_like(live) -> tuple[dict[str, torch.Tensor], int]:
     if lay.pp > 1:  # every stage's whole tensors to the other stages, one broadcast per stage
         group, stage = mesh["pp"].get_group(), live.coordinate[1]
         for s in range(lay.pp):
-            shapes = _stage_shapes(live, s)
+            shapes = meta["stage_shapes"][s]
             if s == stage:
                 buf = _pack([full[n] for n, _ in shapes])
             else:
@@ -122,30 +125,40 @@ def _stage_shapes(live, stage: int) -> list[tuple[str, tuple]]:
     return sorted(out)
 
 
-def openrlhf_like(live) -> tuple[dict[str, torch.Tensor], int]:
+def metadata(live) -> dict:
+    """What the peers know before a push, as Nereus knows its lowered program: the tensors of
+    every pipeline stage, every rank's packed size and (on rank 0) every rank's boxes. Made
+    once per layout, outside the timed pushes (collectives: every rank calls it)."""
+    world = dist.get_world_size()
+    mine = sum(torch.Size([hi - lo for lo, hi in box]).numel() for _, box in live.boxes.values())
+    sizes = torch.tensor([mine], dtype=torch.int64)
+    every = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(every, sizes)
+    boxes = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(live.boxes, boxes, dst=0)
+    return {"stage_shapes": [_stage_shapes(live, s) for s in range(live.layout.pp)],
+            "biggest": max(int(x) for x in every), "boxes": boxes}
+
+
+def openrlhf_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
     """The whole model assembled on rank 0, then broadcast packed to every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    lay = live.layout
     params = live.params()
     mine = sorted(params)
     local = _pack([(params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach())
                    for n in mine])
-    sizes = torch.tensor([local.numel()], dtype=torch.int64)
-    every = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(every, sizes)
-    biggest = max(int(s) for s in every)
+    biggest = meta["biggest"]
     padded = torch.zeros(biggest, dtype=torch.float32)
     padded[:local.numel()] = local
     gathered = [torch.empty(biggest, dtype=torch.float32) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, gathered, dst=0)
-    order = sorted(n for s in range(lay.pp) for n, _ in _stage_shapes(live, s))
-    shapes = {n: sh for s in range(lay.pp) for n, sh in _stage_shapes(live, s)}
+    shapes = {n: sh for stage in meta["stage_shapes"] for n, sh in stage}
+    order = sorted(shapes)
     total = sum(torch.Size(shapes[n]).numel() for n in order)
     flat = torch.empty(total, dtype=torch.float32)
     if rank == 0:  # assemble: each rank's shards placed by the boxes the ranks hold
         full = {n: torch.empty(shapes[n]) for n in order}
-        boxes = [None] * world
-        dist.gather_object(live.boxes, boxes, dst=0)
+        boxes = meta["boxes"]
         for r in range(world):
             offset = 0
             for n in sorted(boxes[r]):
@@ -157,8 +170,6 @@ def openrlhf_like(live) -> tuple[dict[str, torch.Tensor], int]:
                 full[n][region] = gathered[r][offset:offset + k].view([hi_ - lo_ for lo_, hi_ in box])
                 offset += k
         torch.cat([full[n].reshape(-1) for n in order], out=flat)
-    else:
-        dist.gather_object(live.boxes, None, dst=0)
     dist.broadcast(flat, src=0)
     received = (biggest * world * 4 if rank == 0 else 0) + (flat.numel() * 4 if rank != 0 else 0)
     out, offset = {}, 0
@@ -184,11 +195,12 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
         check_layout(training_job(model, {"a": lay}, world), "a", lay.model_stage)
         live = build(cfg, lay, seed=0, timeout=300)
         pusher = WeightPush(model, lay, list(range(world)), world, timeout=300)
+        meta = metadata(live)
         bound = sum((torch.Size(full).numel() - torch.Size([hi - lo for lo, hi in box]).numel()) * 4
                     for full, box in live.boxes.values()) + sum(
-            torch.Size(sh).numel() * 4 for s in range(pp) if s != live.coordinate[1] for _, sh in _stage_shapes(live, s))
+            torch.Size(sh).numel() * 4 for s in range(pp) if s != live.coordinate[1] for _, sh in meta["stage_shapes"][s])
         ways = {"nereus": lambda: (pusher.push(live), pusher.stats.bytes_received),
-                "verl": lambda: verl_like(live), "openrlhf": lambda: openrlhf_like(live)}
+                "verl": lambda: verl_like(live, meta), "openrlhf": lambda: openrlhf_like(live, meta)}
         times: dict[str, list[float]] = {k: [] for k in ways}
         results = {}
         for rep in range(reps + 1):  # the first round warms up (first collectives, allocations)
