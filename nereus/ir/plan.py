@@ -48,10 +48,13 @@ class SearchRecord:
     bound: float
     gap: float
     candidates: int
+    estimate: float | None = None  # estimate's step time of the placed plan
+    estimate_gap: float | None = None  # (objective - estimate) / estimate: the solver's model against estimate
 
 
 SEARCH = RecordSpec("search", (AttrSpec("status", "choice", choices=("optimal", "feasible")), AttrSpec("objective", "time"),
-                               AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint")),
+                               AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint"),
+                               AttrSpec("estimate", "time", default=None), AttrSpec("estimate_gap", "float", default=None)),
                     SearchRecord)
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ PLAN_ATTRS = [
     AttrSpec("colocate", "dotted_groups", default=[],
              doc="groups of model-stages of one stage that share GPUs and run one after another"),
     AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
-    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates"),
+    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates; estimate of the placed plan and (objective - estimate) / estimate"),
     record("remap", REMAP, default=None, doc="set by remap: bytes to move with the GPUs as written and as renamed, GPUs renamed"),
 ]
 

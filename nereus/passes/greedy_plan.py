@@ -34,7 +34,32 @@ from ..ir.model import Model, even_split
 from ..ir.verifier import flush_samples
 from .cost_model import Candidates, CostModel
 from .estimate import estimate_plan, step_time
-from .plan_search import place_blocks
+
+
+def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) -> list[list[int]]:
+    """GPU ids for each (size, tp) block, keeping every TP group of ``tp`` GPUs inside one node.
+
+    Blocks are served in the given order from the nodes' free GPUs, ``tp`` GPUs at a time from
+    nodes that still have that many; what cannot be served that way (too many failed GPUs)
+    takes any free GPUs, and ``estimate`` then charges the cross-node TP links it implies.
+    """
+    free: dict[int, list[int]] = {}
+    for g in gpus:
+        free.setdefault(g // per_node, []).append(g)
+    out = []
+    for size, tp in blocks:
+        got: list[int] = []
+        for node in sorted(free, key=lambda n: (len(free[n]) % tp != 0, n)):
+            while len(got) + tp <= size and len(free[node]) >= tp:
+                got.extend(free[node][:tp])
+                del free[node][:tp]
+        if len(got) < size:  # fall back: any free GPUs
+            rest = [g for node in sorted(free) for g in free[node]][: size - len(got)]
+            for g in rest:
+                free[g // per_node].remove(g)
+            got.extend(rest)
+        out.append(got)
+    return out
 
 
 def tp_sizes(model: Model, cluster: Cluster) -> list[int]:

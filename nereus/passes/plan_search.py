@@ -18,6 +18,7 @@ objective, bound, gap); ``estimate`` then annotates it with the cost model's per
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +31,8 @@ from ..ir.units import Dim, format_quantity
 from ..ir.printer import printed_precision
 from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
-from .cost_model import CostModel
-from .search_space import SearchProblem, _candidates, build_problem
+from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
+from .search_space import KIB, SearchProblem, build_problem, layout_grid
 
 
 @dataclass
@@ -39,8 +40,9 @@ class Solution:
     status: str  # optimal | feasible | infeasible | unknown
     objective: int | None
     bound: int | None
-    choice: dict[str, int] | None
-    partition: dict[str, int] | None
+    choice: dict[str, int] | None  # model-stage -> option index
+    start: dict[str, int] | None  # model-stage -> first position of its run
+    partition: dict[str, int] | None  # stage -> partition index
 
     @property
     def gap(self) -> float:
@@ -51,153 +53,194 @@ class Solution:
 
 def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> Solution:
     """CP-SAT on ``problem``; deterministic for a given seed (one worker)."""
+    pos = problem.positions
+    n, pn, regular = pos.n, pos.per_node, pos.regular
     m = cp_model.CpModel()
-    x, n_of, t_of, a_of, r_of = {}, {}, {}, {}, {}
+    pick, G, t, a, r, rho, s = {}, {}, {}, {}, {}, {}, {}
     for ms, space in problem.spaces.items():
         if not space.options:
-            return Solution("infeasible", None, None, None, None)
-        xs = [m.new_bool_var(f"x[{ms},{c}]") for c in range(len(space.options))]
-        m.add_exactly_one(xs)
-        x[ms] = xs
-        # one integer per quantity, tied once to the one-hot choice, so that the grouping
-        # constraints below do not repeat the long sums (5x smaller model, faster presolve)
-        for table, label, value in ((n_of, "n", lambda o: o.units), (t_of, "t", lambda o: o.time),
-                                    (a_of, "a", lambda o: o.peak - o.resident), (r_of, "r", lambda o: o.resident)):
-            vals = [value(o) for o in space.options]
-            var = m.new_int_var(min(vals), max(vals), f"{label}[{ms}]")
-            m.add(var == sum(v * b for v, b in zip(vals, xs)))
+            return Solution("infeasible", None, None, None, None, None)
+        # one boolean per (option, start class); the quantities are sums over them
+        w = {(c, k): m.new_bool_var(f"w[{ms},{c},{k}]") for c, o in enumerate(space.options) for k in o.times}
+        m.add_exactly_one(w.values())
+        pick[ms] = w
+        opts = space.options
+        for table, label, value in ((G, "G", lambda c, k: opts[c].gpus), (t, "t", lambda c, k: opts[c].times[k]),
+                                    (a, "a", lambda c, k: opts[c].extra), (r, "r", lambda c, k: opts[c].resident),
+                                    (rho, "rho", lambda c, k: min(opts[c].rho, problem.memory))):
+            vals = {ck: value(*ck) for ck in w}
+            var = m.new_int_var(min(vals.values()), max(vals.values()), f"{label}[{ms}]")
+            m.add(var == sum(v * w[ck] for ck, v in vals.items()))
             table[ms] = var
-    max_t = sum(max(o.time for o in s.options) for s in problem.spaces.values())  # bounds of T and R
-    max_r = sum(max(o.resident for o in s.options) for s in problem.spaces.values())
-    T, R, y = {}, {}, {}
+        # start = per_node x q + offset inside a whole node, or the exact start of a run past them
+        q = m.new_int_var(0, max(regular // pn - 1, 0), f"q[{ms}]")
+        past = sum(b for (c, k), b in w.items() if k >= pn)
+        s[ms] = m.new_int_var(0, n - 1, f"s[{ms}]")
+        m.add(s[ms] == pn * q + sum((k if k < pn else k - pn) * b for (c, k), b in w.items()))
+        m.add(q <= max(regular // pn - 1, 0) * (1 - past))
+        m.add(s[ms] + G[ms] <= regular + n * past)
+        m.add(s[ms] + G[ms] <= n)
+    names = list(problem.spaces)
+    max_t = sum(max(max(o.times.values()) for o in sp.options) for sp in problem.spaces.values())
+    T, y, before = {}, {}, {}
     for stage, mss in problem.stages:
         T[stage] = m.new_int_var(0, max_t, f"T[{stage}]")
-        R[stage] = m.new_int_var(0, max_r, f"R[{stage}]")
         ys = [m.new_bool_var(f"y[{stage},{k}]") for k in range(len(problem.partitions[stage]))]
         m.add_exactly_one(ys)
         y[stage] = ys
-        for k, (groups, yk) in enumerate(zip(problem.partitions[stage], ys)):
-            blocks = []
+        for i, j in itertools.combinations(mss, 2):  # which of two disjoint runs comes first
+            before[i, j] = m.new_bool_var(f"before[{i},{j}]")
+        for kk, (groups, yk) in enumerate(zip(problem.partitions[stage], ys)):
+            blocks = []  # redundant, for a tight relaxation: a stage's runs fit in the GPUs
             for gi, g in enumerate(groups):
+                for other in g[1:]:
+                    m.add(s[other] == s[g[0]]).only_enforce_if(yk)
+                m.add(T[stage] >= sum(t[ms] for ms in g)).only_enforce_if(yk)
                 if len(g) == 1:
-                    blocks.append(n_of[g[0]])
+                    blocks.append(G[g[0]])
                 else:
-                    b = m.new_int_var(0, problem.capacity, f"B[{stage},{k},{gi}]")
+                    b = m.new_int_var(0, n, f"B[{stage},{kk},{gi}]")
                     for ms in g:
-                        m.add(b >= n_of[ms]).only_enforce_if(yk)
+                        m.add(b >= G[ms]).only_enforce_if(yk)
                     blocks.append(b)
-                m.add(T[stage] >= sum(t_of[ms] for ms in g)).only_enforce_if(yk)
-                m.add(R[stage] >= sum(r_of[ms] for ms in g)).only_enforce_if(yk)
-            m.add(sum(blocks) <= problem.capacity).only_enforce_if(yk)
-    resident = m.new_int_var(0, max_r, "resident")
-    m.add(resident == sum(R.values()))
-    for ms, space in problem.spaces.items():
-        # per option: the option may be taken only if what stays resident leaves it room.
-        # (One enforced bound per option, not one aggregated sum: a much tighter LP.)
-        m.add(a_of[ms] + resident <= problem.memory)
-        if space.kind == "generate":
-            m.add(resident - r_of[ms] <= sum(o.rho * v for o, v in zip(space.options, x[ms])))
+            m.add(sum(blocks) <= n).only_enforce_if(yk)
+            for ga, gb in itertools.combinations(groups, 2):
+                for i in ga:
+                    for j in gb:
+                        i2, j2 = (i, j) if (i, j) in before else (j, i)
+                        m.add(s[i2] + G[i2] <= s[j2]).only_enforce_if([yk, before[i2, j2]])
+                        m.add(s[j2] + G[j2] <= s[i2]).only_enforce_if([yk, before[i2, j2].Not()])
+    if problem.exact_memory:
+        _exact_memory(m, problem, names, s, G, a, r, rho)
+    else:
+        _stage_bound_memory(m, problem, T, y, a, r, rho)
     m.minimize(sum(T.values()))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1  # byte-identical plans for the same input and seed
-    # Presolve dominated the solve on the 1,024-GPU job and found little: no probing and one
-    # presolve round make it several times faster, with the same optimum (an earlier profile; the
-    # solve time now is in docs/PERFORMANCE.md, from nereus bench plan-search).
+    # presolve found little on these models and dominated small solves: no probing, one round
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.max_presolve_iterations = 1
     status = solver.solve(m)
     name = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}.get(status, "unknown")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return Solution(name, None, None, None, None)
-    choice = {ms: next(c for c, v in enumerate(xs) if solver.boolean_value(v)) for ms, xs in x.items()}
-    partition = {s: next(k for k, v in enumerate(ys) if solver.boolean_value(v)) for s, ys in y.items()}
+        return Solution(name, None, None, None, None, None)
+    choice = {ms: next(c for (c, _), v in w.items() if solver.boolean_value(v)) for ms, w in pick.items()}
+    start = {ms: int(solver.value(s[ms])) for ms in names}
+    partition = {st: next(k for k, v in enumerate(ys) if solver.boolean_value(v)) for st, ys in y.items()}
     objective = int(round(solver.objective_value))
     bound = objective if status == cp_model.OPTIMAL else int(solver.best_objective_bound)
-    return Solution(name, objective, bound, choice, partition)
+    return Solution(name, objective, bound, choice, start, partition)
 
 
-def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) -> list[list[int]]:
-    """GPU ids for each (size, tp) block, keeping every TP group of ``tp`` GPUs inside one node.
+def _exact_memory(m, problem: SearchProblem, names, s, G, a, r, rho) -> None:
+    """Memory per GPU exactly as ``estimate`` counts it. The state on a GPU changes only where a
+    run starts, so it suffices to check every model-stage at its own start and at the start of
+    every run that begins inside its run."""
+    max_r = sum(max(o.resident for o in sp.options) for sp in problem.spaces.values())
+    load, cover = {}, {}
+    for k in names:
+        terms = [r[k]]
+        for j in names:
+            if j == k:
+                continue
+            c = cover[k, j] = m.new_bool_var(f"cover[{k},{j}]")  # j's run holds k's first GPU
+            side = m.new_bool_var(f"side[{k},{j}]")
+            m.add(s[j] >= s[k] + 1).only_enforce_if([c.Not(), side])
+            m.add(s[k] >= s[j] + G[j]).only_enforce_if([c.Not(), side.Not()])
+            z = m.new_int_var(0, max(o.resident for o in problem.spaces[j].options), f"z[{k},{j}]")
+            m.add(z >= r[j]).only_enforce_if(c)
+            terms.append(z)
+        load[k] = m.new_int_var(0, max_r, f"load[{k}]")
+        m.add(load[k] == sum(terms))
+    for i, space in problem.spaces.items():
+        for k in names:
+            on = [] if k == i else [cover[k, i]]
+            m.add(a[i] + load[k] <= problem.memory).only_enforce_if(on)
+            if space.kind == "generate":
+                m.add(load[k] - r[i] <= rho[i]).only_enforce_if(on)
 
-    Blocks are served in the given order from the nodes' free GPUs, ``tp`` GPUs at a time from
-    nodes that still have that many; what cannot be served that way (too many failed GPUs)
-    takes any free GPUs, and ``estimate`` then charges the cross-node TP links it implies.
-    """
-    free: dict[int, list[int]] = {}
-    for g in gpus:
-        free.setdefault(g // per_node, []).append(g)
-    out = []
-    for size, tp in blocks:
-        got: list[int] = []
-        for node in sorted(free, key=lambda n: (len(free[n]) % tp != 0, n)):
-            while len(got) + tp <= size and len(free[node]) >= tp:
-                got.extend(free[node][:tp])
-                del free[node][:tp]
-        if len(got) < size:  # fall back: any free GPUs
-            rest = [g for node in sorted(free) for g in free[node]][: size - len(got)]
-            for g in rest:
-                free[g // per_node].remove(g)
-            got.extend(rest)
-        out.append(got)
-    return out
+
+def _stage_bound_memory(m, problem: SearchProblem, T, y, a, r, rho) -> None:
+    """Memory bounded by stage: a GPU holds, from every stage, at most the resident state of that
+    stage's heaviest group, wherever the runs land. Stricter than ``estimate`` (it may reject a
+    plan that fits), but a tight relaxation: what makes large clusters solve fast."""
+    max_r = sum(max(o.resident for o in sp.options) for sp in problem.spaces.values())
+    R = {}
+    for stage, mss in problem.stages:
+        R[stage] = m.new_int_var(0, max_r, f"R[{stage}]")
+        for groups, yk in zip(problem.partitions[stage], y[stage]):
+            for g in groups:
+                m.add(R[stage] >= sum(r[ms] for ms in g)).only_enforce_if(yk)
+    resident = m.new_int_var(0, max_r, "resident")
+    m.add(resident == sum(R.values()))
+    for i, space in problem.spaces.items():
+        m.add(a[i] + resident <= problem.memory)
+        if space.kind == "generate":
+            m.add(resident - r[i] <= rho[i])
 
 
 def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, cluster: str) -> Plan:
-    """Lay the chosen blocks out on GPU ids: largest block first, TP groups inside nodes."""
+    """The solution as a plan: each model-stage on the GPUs of its run, colocated groups declared."""
     layouts, colocate = {}, []
-    per_node = problem.cluster.gpus_per_node
     for stage, _ in problem.stages:
-        groups = problem.partitions[stage][sol.partition[stage]]
-        opts = {ms: problem.spaces[ms].options[sol.choice[ms]] for g in groups for ms in g}
-        groups = sorted(groups, key=lambda g: (-max(opts[ms].gpus for ms in g), g[0]))
-        # a block is sized for its largest member, in chunks of the largest TP among its members
-        # (TP sizes here divide one another, so smaller TP groups stay inside nodes too)
-        blocks = [(max(opts[ms].gpus for ms in g), max(opts[ms].tp for ms in g)) for g in groups]
-        for g, mesh in zip(groups, place_blocks(problem.gpus, per_node, blocks)):
+        for g in problem.partitions[stage][sol.partition[stage]]:
             if len(g) > 1:
                 colocate.append(list(g))
             for ms in g:
-                o = opts[ms]
+                o = problem.spaces[ms].options[sol.choice[ms]]
                 layers = problem.models[ms.rpartition(".")[0]].layers
                 ranges = [(lo, hi - 1) for lo, hi in (even_split(layers, o.pp, r) for r in range(o.pp))]
-                layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh[:o.gpus]),
+                mesh = problem.positions.gpus[sol.start[ms]:sol.start[ms] + o.gpus]
+                layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh),
                                      micro_batches=o.micro_batches, zero=o.zero, recompute=o.recompute,
                                      offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload])
     order = [ms for _, mss in problem.stages for ms in mss]
-    layouts = {ms: layouts[ms] for ms in order}
-    return Plan(name=name, workload=workload, cluster=cluster, colocate=colocate, layouts=layouts)
+    return Plan(name=name, workload=workload, cluster=cluster, colocate=colocate, layouts={ms: layouts[ms] for ms in order})
 
 
 def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
-    """Name the tightest model-stage and the memory it would need."""
-    gib = lambda mib: format_quantity(Dim.SIZE, int(mib) * 2**20) if mib * 2**20 % 2**30 == 0 else f"{mib / 1024:.2f} GiB"
-    empty = [ms for ms, s in problem.spaces.items() if not s.options]
+    """Say what does not fit: a model-stage that fits in no layout (with the memory its smallest
+    layout needs), or, when each fits alone, that no combination fits together (with what each
+    needs at least)."""
+    gib = lambda b: format_quantity(Dim.SIZE, int(b)) if b % 2**30 == 0 else f"{b / 2**30:.2f} GiB"
+    have = gib(problem.cluster.gpu_memory)
+    empty = [ms for ms, sp in problem.spaces.items() if not sp.options]
     if empty:
         ms = empty[0]
-        need = _min_need(problem, ms)
-        what = f"at least {gib(need)} per GPU" if need is not None else "more GPUs than the cluster has"
-        return Diagnostic(loc, f"no plan fits: {ms} needs {what} at its smallest layout on {problem.n} available GPUs, "
-                               f"the GPUs have {gib(problem.memory)}",
+        need = min_need(problem, ms)
+        what = f"at least {gib(need)} per GPU at its smallest layout" if need is not None else "more GPUs than the cluster has"
+        return Diagnostic(loc, f"no plan fits: {ms} needs {what} on {problem.n} available GPUs, the GPUs have {have}",
                           "add GPUs, use GPUs with more memory, or shorten the responses")
-    # every model-stage fits alone: the sum of what stays resident is the problem
-    floor = {ms: min(o.resident for o in s.options) for ms, s in problem.spaces.items()}
-    tight = max(problem.spaces, key=lambda ms: min(o.peak - o.resident for o in problem.spaces[ms].options) + sum(floor.values()))
-    need = min(o.peak - o.resident for o in problem.spaces[tight].options) + sum(floor.values())
-    return Diagnostic(loc, f"no plan fits: {tight} would need {gib(need)} per GPU with the state the other model-stages "
-                           f"keep resident, the GPUs have {gib(problem.memory)}",
-                      "offload state between stages, add GPUs, or shorten the responses")
+    alone = "; ".join(f"{ms} at least {gib(min(o.peak for o in sp.options) * KIB)} while it runs, "
+                      f"{gib(min(o.resident for o in sp.options) * KIB)} kept between stages"
+                      for ms, sp in problem.spaces.items() if sp.kind != "generate")
+    gen = [ms for ms, sp in problem.spaces.items() if sp.kind == "generate"]
+    return Diagnostic(loc, f"no plan fits: each model-stage fits on its own, but no placement of them together fits "
+                           f"in {have} per GPU on {problem.n} GPUs ({alone}"
+                           + (f"; {', '.join(gen)} also need room for the KV cache of at least one sequence" if gen else "")
+                           + ")", "offload state between stages, add GPUs, or shorten the responses")
 
 
-def _min_need(problem: SearchProblem, ms: str) -> int | None:
-    """The smallest own peak (MiB) of ``ms`` over every layout on the available GPUs, ignoring memory limits."""
+def min_need(problem: SearchProblem, ms: str) -> float | None:
+    """The least memory (bytes) ``ms`` needs on a GPU, over every layout on the available GPUs,
+    with nothing else resident: its whole peak (generation: weights and one sequence's KV cache)."""
     kind = problem.spaces[ms].kind
     model = problem.models[ms.rpartition(".")[0]]
-    c = _candidates(CostModel(problem.cluster), problem.cluster, problem.workload, model, kind, problem.n,
-                    problem.cluster.gpus_per_node)
-    peaks = c["peak"][np.isfinite(c["time"])] if len(c["peak"]) else []
-    return int(min(peaks)) if len(peaks) else None
+    cost = CostModel(problem.cluster)
+    rows = layout_grid(model, problem.workload, kind, problem.n, problem.positions.per_node, problem.cluster.gpus_per_node)
+    if not rows:
+        return None
+    tp, pp, dp, mb, rc, z, _ = (list(col) for col in zip(*rows))
+    sc = cost.stage(model, problem.workload, kind, Candidates.grid(problem.cluster, model.layers, tp, pp, dp,
+                                                                    micro_batches=mb, recompute=rc, zero=z))
+    if kind == "generate":
+        layers = np.ceil(model.layers / np.array(pp))
+        seq = problem.workload.prompt_len_mean + problem.workload.response_len_mean
+        need = sc.weights + seq * CostModel.kv_bytes_per_token(model, np.array(tp), layers) + model.vocab * 4 / np.array(tp)
+        return float(need.min() / VLLM_GPU_MEMORY_UTILIZATION)
+    return float(sc.memory().min())
 
 
 @register
@@ -237,13 +280,16 @@ class PlanSearch(ModulePass):
                                               "raise time_limit for a proof", severity="warning"))
         name = self.into.lstrip("@") or f"{w.name}_searched"
         plan = to_plan(problem, sol, name, w.name, c.name)
-        plan.search = SearchRecord(status=sol.status, objective=printed_precision(sol.objective * problem.unit_s),
-                                   bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),
-                                   candidates=sum(len(s.options) for s in problem.spaces.values()))
         module.plans[name] = plan
         problems = estimate_plan(module, plan)
-        if problems:  # the conservative memory model should make this impossible
+        if problems:  # the model is estimate's: a plan it accepts fits
             raise DiagnosticError(problems, module.source)
+        objective = sol.objective * problem.unit_s
+        plan.search = SearchRecord(status=sol.status, objective=printed_precision(objective),
+                                   bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),
+                                   candidates=sum(len(s.options) for s in problem.spaces.values()),
+                                   estimate=plan.step_time,
+                                   estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4))
 
 
 def _pick(module: Module, kind: str, name: str):

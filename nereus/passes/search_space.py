@@ -1,26 +1,39 @@
-"""The plan-search problem: candidate layouts per model-stage, GPU groupings per stage, and an
-exact evaluator that the CP-SAT model, the brute-force enumerator and the greedy peer share.
+"""The plan-search problem: candidate layouts per model-stage, where their GPU blocks may start,
+and an exact evaluator that the CP-SAT model and the brute-force enumerator share.
 
-The abstraction (what makes it small):
+The abstraction is ``estimate``'s own model, placed:
 
-- GPUs are interchangeable: a layout needs ``tp x pp x dp`` GPUs of the available ones, not
-  particular ids. Inside a stage, the model-stages are split into groups; a group's members
-  share one block of GPUs (as large as its largest member; each member uses the first GPUs of
-  it) and run one after another; groups get disjoint blocks. TP groups stay inside nodes, so
-  with failed GPUs a layout counts against what its TP size can use (``capacity``). After
-  solving, blocks are laid out on the available GPU ids, largest first.
-- Memory is checked conservatively, so that any placement of the blocks fits: a GPU holds, from
-  every stage, at most the resident state of that stage's heaviest group. A model-stage fits
-  when its own peak + that bound - its own resident state <= GPU memory.
-- Generation's KV cache depends on what else is resident; each generation candidate assumes an
-  allowance ``rho`` of memory held by others, and the model requires the bound to stay within it.
-- Times are integers (``unit_s`` seconds each, rounded up) and memory integers (MiB, rounded up)
-  so that the solver and the enumerator optimise exactly the same numbers.
+- **Positions.** The available GPUs are put in a line: whole nodes first, then the nodes with
+  failed GPUs, each node's free GPUs together. A layout of ``g`` GPUs takes a contiguous run of
+  ``g`` positions (its mesh, TP fastest). Where the run starts decides which of its TP groups,
+  pipeline pairs and DP groups cross a node boundary, so a candidate has one time per *start
+  class*: the start's offset inside a whole node (every whole node is alike), or, for a run
+  that reaches into a node with failed GPUs, the start itself. Each time is ``estimate``'s for
+  that mesh: the solver's objective is the step time ``estimate`` computes for the placed plan
+  (up to the rounding of times to integer units).
+- **Stages.** Inside a stage the model-stages are split into groups: a group's members start at
+  the same position and run one after another; groups of one stage take disjoint runs. Stages
+  run in order.
+- **Memory** is ``estimate``'s: on every GPU, the peak of the model-stage running there plus the
+  state every model-stage placed on that GPU keeps between stages (less what it offloads).
+  Memory is counted in KiB rounded up, a model-stage's state at most 1 KiB more than its bytes.
+- **Generation** takes what memory the others leave for its KV cache: a generation candidate
+  states how much others may keep on its GPUs (``rho``) and is costed at exactly that, at every
+  point where the number of waves of sequences changes (so no allowance is rounded to a coarser
+  step). It is kept only when its peak fits for any smaller resident state, too.
+
+The candidate space (what the docs of ``plan-search`` call its approximation): TP sizes that
+divide the heads and divide or are multiples of the KV heads, up to a node; PP of every size up
+to the layers (at most 16, beyond that divisors of the layers), layers split evenly; DP of every
+size while a layout fits in two nodes, beyond that whole nodes in powers of two or up to 8 nodes,
+and all the GPUs; micro-batches: the most a pipeline flush holds, and every count below PP
+(less memory, more bubble; powers of two when PP > 8); counts between PP and the most are
+dominated (same memory, more bubble). ZeRO 0-3, recomputation on/off, offload of every subset of
+the state a stage keeps between stages.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -29,17 +42,84 @@ import numpy as np
 
 from ..ir import Cluster, Model, Workload
 from ..ir.verifier import flush_samples
-from .cost_model import C_PCIE, Candidates, CostModel
+from .cost_model import C_PCIE, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel, NIC, NVLINK
 
-MIB = 2**20
-OFFLOAD_CHOICES = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
-                   "generate": ((),)}
-RHO_STEPS = 8  # generation candidates assume 0/8 .. 7/8 of GPU memory held by other model-stages
+KIB = 1024
+NO_RHO = 1 << 50  # not a generation candidate: any resident state of others is fine
+STATE = ("weights", "grads", "optimizer")
+OFFLOAD_CHOICES = {"train": tuple(tuple(k for k, on in zip(STATE, bits) if on)
+                                  for bits in itertools.product((0, 1), repeat=3)),
+                   "infer": ((), ("weights",)), "generate": ((), ("weights",))}
+EXHAUSTIVE_GPUS = 16  # up to this many available GPUs and
+EXACT_MEMORY_MODEL_STAGES = 4  # this many model-stages: the full space, every start, estimate's memory
+MAX_WAVE_POINTS = 48  # (8 on large clusters)
+LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
+                "generate": ((), ("weights",))}  # generation allowances per layout (geometric beyond this many wave counts)
+
+
+@dataclass
+class Positions:
+    """Available GPUs in search order and the start classes of a run of positions."""
+
+    gpus: list[int]  # position -> GPU id
+    node: np.ndarray  # position -> node id
+    per_node: int
+    regular: int  # positions in whole nodes (they come first)
+    exhaustive: bool = True  # every start; else runs start aligned (see ``classes``)
+
+    @classmethod
+    def of(cls, cluster: Cluster, exhaustive: bool = True) -> "Positions":
+        free: dict[int, list[int]] = {}
+        for g in cluster.available_gpus():
+            free.setdefault(cluster.node_of(g), []).append(g)
+        whole = [n for n in sorted(free) if len(free[n]) == cluster.gpus_per_node]
+        partial = [n for n in sorted(free) if len(free[n]) < cluster.gpus_per_node]
+        gpus = [g for n in whole + partial for g in free[n]]
+        return cls(gpus, np.array([cluster.node_of(g) for g in gpus], dtype=np.int64), cluster.gpus_per_node,
+                   len(whole) * cluster.gpus_per_node, exhaustive)
+
+    @property
+    def n(self) -> int:
+        return len(self.gpus)
+
+    def classes(self, size: int) -> list[int]:
+        """Start classes of a run of ``size``: ``r < per_node`` for starts ``q * per_node + r`` inside
+        whole nodes, ``per_node + s`` for the single start ``s`` of a run reaching past them.
+
+        Not exhaustive (large clusters): a run starts at a node's first GPU, or, if smaller than
+        a node, at a multiple of its size inside one node."""
+        if size > self.n:
+            return []
+        res = [r for r in range(self.per_node) if r + size <= self.regular]
+        past = range(max(0, self.regular - size + 1), self.n - size + 1)
+        if not self.exhaustive:
+            res = [r for r in res if r == 0 or (size < self.per_node and r % size == 0 and r + size <= self.per_node)]
+            first = {s for s in range(self.n) if s == 0 or self.node[s] != self.node[s - 1]}
+            past = [s for s in past if s in first or (size < self.per_node and s + size <= self.n
+                                                       and self.node[s] == self.node[s + size - 1])]
+        return res + [self.per_node + s for s in past]
+
+    def class_of(self, start: int, size: int) -> int:
+        return start % self.per_node if start + size <= self.regular else self.per_node + start
+
+    def starts(self, cls: int, size: int) -> list[int]:
+        """Every start of class ``cls`` for a run of ``size``."""
+        if cls >= self.per_node:
+            return [cls - self.per_node]
+        return list(range(cls, self.regular - size + 1, self.per_node))
+
+    def links(self, tp: int, pp: int, dp: int, start: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) link codes of the mesh ``gpus[start : start + tp*pp*dp]`` (as ``Candidates.of_layout``)."""
+        nodes = self.node[start:start + tp * pp * dp].reshape(dp, pp, tp)
+        code = lambda crosses: NIC if crosses else NVLINK
+        return (code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
+                code(pp > 1 and np.any(nodes[:, 1:, :] != nodes[:, :-1, :])),
+                code(np.any(nodes.max(axis=0) != nodes.min(axis=0))))
 
 
 @dataclass
 class Option:
-    """One candidate layout of a model-stage, with its cost."""
+    """One candidate layout of a model-stage, with its cost for every start class."""
 
     tp: int
     pp: int
@@ -48,13 +128,17 @@ class Option:
     recompute: bool
     zero: int
     offload: tuple[str, ...]
-    rho: int  # MiB of other model-stages' state this candidate tolerates (generation), else "any"
+    rho: int  # KiB of other model-stages' state this candidate tolerates on its GPUs (generation), else NO_RHO
     gpus: int
-    units: int  # share of the GPUs it takes, in SearchProblem.capacity units (see build_problem)
-    time_s: float
-    time: int  # in units of SearchProblem.unit_s, rounded up
-    peak: int  # MiB: own peak during its stage
-    resident: int  # MiB: own state kept between stages
+    times_s: dict[int, float]  # start class -> seconds
+    times: dict[int, int]  # start class -> units of SearchProblem.unit_s, rounded up
+    peak: int  # KiB: own peak during its stage (generation: its largest peak + others' state, less rho)
+    resident: int  # KiB: own state kept between stages
+
+    @property
+    def extra(self) -> int:
+        """KiB its stage needs beyond what it keeps resident."""
+        return self.peak - self.resident
 
     def describe(self) -> str:
         extra = "".join([f" m{self.micro_batches}" if self.pp > 1 else "", " rc" if self.recompute else "",
@@ -88,216 +172,314 @@ class SearchProblem:
     cluster: Cluster
     workload: Workload
     models: dict[str, Model]
-    gpus: list[int]  # available GPU ids
-    capacity: int  # GPU capacity units of a stage (see build_problem)
+    positions: Positions
     unit_s: float
-    memory: int  # MiB per GPU
+    memory: int  # KiB per GPU
     stages: list[tuple[str, list[str]]]
     spaces: dict[str, Space]
     partitions: dict[str, list[list[list[str]]]] = field(default_factory=dict)
+    exact_memory: bool = True  # estimate's per-GPU memory; else bounded by stage (see plan_search)
 
     @property
     def n(self) -> int:
-        return len(self.gpus)
+        return self.positions.n
 
-    def evaluate(self, choice: dict[str, int], partition: dict[str, int]) -> int | None:
-        """Step time (units) of a choice of options and groupings, or None if it breaks a constraint."""
+    @property
+    def gpus(self) -> list[int]:
+        return self.positions.gpus
+
+    def evaluate(self, choice: dict[str, int], start: dict[str, int], partition: dict[str, int]) -> int | None:
+        """Step time (units) of options ``choice`` placed at ``start``, grouped by ``partition``;
+        None if it breaks a constraint. The reference semantics of the CP-SAT model."""
+        pos = self.positions
         opt = {ms: self.spaces[ms].options[i] for ms, i in choice.items()}
-        total_time, total_resident = 0, 0
-        for stage, mss in self.stages:
-            groups = self.partitions[stage][partition[stage]]
-            size = 0
-            t_stage = r_stage = 0
-            for g in groups:
-                size += max(opt[ms].units for ms in g)
-                t_stage = max(t_stage, sum(opt[ms].time for ms in g))
-                r_stage = max(r_stage, sum(opt[ms].resident for ms in g))
-            if size > self.capacity:
-                return None
-            total_time += t_stage
-            total_resident += r_stage
+        span = {ms: (start[ms], start[ms] + opt[ms].gpus) for ms in opt}
+        time = {}
         for ms, o in opt.items():
-            if o.peak - o.resident + total_resident > self.memory:
+            lo, hi = span[ms]
+            if lo < 0 or hi > pos.n:
                 return None
-            if self.spaces[ms].kind == "generate" and total_resident - o.resident > o.rho:
+            time[ms] = o.times.get(pos.class_of(lo, o.gpus))
+            if time[ms] is None:
                 return None
-        return total_time
+        total = 0
+        for stage, _ in self.stages:
+            groups = self.partitions[stage][partition[stage]]
+            for g in groups:
+                if len({start[ms] for ms in g}) > 1:
+                    return None
+            for ga, gb in itertools.combinations(groups, 2):
+                for a in ga:
+                    for b in gb:
+                        if span[a][0] < span[b][1] and span[b][0] < span[a][1]:
+                            return None
+            total += max(sum(time[ms] for ms in g) for g in groups)
+        load = np.zeros(pos.n, dtype=np.int64)
+        for ms, o in opt.items():
+            load[span[ms][0]:span[ms][1]] += o.resident
+        for ms, o in opt.items():
+            here = int(load[span[ms][0]:span[ms][1]].max())
+            if o.extra + here > self.memory or here - o.resident > o.rho:
+                return None
+        return total
 
 
 def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model], cost: CostModel | None = None,
-                  max_tp: int | None = None, time_units: int = 10_000_000, max_pp: int = 0, max_zero: int = 3,
-                  offload: bool = True) -> SearchProblem:
+                  max_tp: int | None = None, time_units: int = 1_000_000, max_pp: int = 0, max_zero: int = 3,
+                  offload: bool = True, exhaustive: bool | None = None) -> SearchProblem:
     """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
 
     ``max_pp`` (0: no limit), ``max_zero`` and ``offload`` keep only layouts the job can run
-    (a live model without pipeline stages, ZeRO or offload, say)."""
+    (a live model without pipeline stages, ZeRO or offload, say). ``exhaustive``: the full space,
+    every start of a run and exact memory (default: on small jobs, see ``EXHAUSTIVE_GPUS``), else
+    the large-cluster space, aligned starts and memory bounded by stage."""
     cost = cost or CostModel(cluster)
-    gpus = cluster.available_gpus()
-    n = len(gpus)
-    mem_mib = cluster.gpu_memory // MIB
-    # TP groups stay inside nodes, so a layout with TP t can use only cap[t] of the GPUs: the
-    # free GPUs of each node in whole groups of t (a TP group larger than a node takes whole free
-    # nodes). An option of n GPUs takes n / cap[t] of a
-    # stage's capacity; in integers, capacity = lcm(cap) and units = n x capacity / cap[t].
-    # Without failed GPUs every cap[t] is the GPU count and units are GPUs (scaled).
-    free_per_node: dict[int, int] = {}
-    for g in gpus:
-        free_per_node[cluster.node_of(g)] = free_per_node.get(cluster.node_of(g), 0) + 1
-    per_node = cluster.gpus_per_node
-    full_nodes = sum(1 for f in free_per_node.values() if f == per_node)
-    cap = {t: sum(f // t * t for f in free_per_node.values()) if t <= per_node
-           else (full_nodes // (t // per_node)) * t if t % per_node == 0 else 0  # TP across whole nodes
-           for t in range(1, max(n, 1) + 1)}
-    raw: dict[str, tuple[str, dict]] = {}
+    n_avail = len(cluster.available_gpus())
+    small = n_avail <= EXHAUSTIVE_GPUS and len(workload.model_stages()) <= EXACT_MEMORY_MODEL_STAGES
+    pos = Positions.of(cluster, small if exhaustive is None else exhaustive)
+    mem_kib = cluster.gpu_memory // KIB
+    raw = {}
     for st in workload.stages:
         for ms in st.model_stages():
-            raw[ms] = (st.kind, _candidates(cost, cluster, workload, models[ms.rpartition(".")[0]], st.kind, n,
-                                            max_tp or cluster.gpus_per_node, cap))
-    used_tp = {int(t) for _, c in raw.values() for t in c["tp"]}
-    capacity = math.lcm(*(cap[t] for t in used_tp if cap[t] > 0)) if used_tp else 1
-    finite = [t for _, c in raw.values() for t in c["time"] if np.isfinite(t)]
-    # time unit: the whole step of the slowest candidates fits in ``time_units`` units
-    worst = sum(max((t for t in c["time"] if np.isfinite(t)), default=0.0) for _, c in raw.values())
-    unit = max(worst / time_units, 1e-6) if finite else 1e-3
+            raw[ms] = (st.kind, candidates(cost, pos, workload, models[ms.rpartition(".")[0]], st.kind,
+                                           max_tp or cluster.gpus_per_node, max_pp, max_zero, offload))
+    # time unit: a step of the fastest candidates takes ``time_units`` units (the slowest ones
+    # many more; CP-SAT's integers are 64-bit)
+    best = sum(float(np.min(c.times, initial=np.inf)) for _, c in raw.values() if np.isfinite(c.times).any())
+    unit = max(best / time_units, 1e-9) if best > 0 else 1e-3
     spaces = {}
     for ms, (kind, c) in raw.items():
-        fits = np.array([g <= cap.get(int(t), 0) for g, t in zip(c["gpus"], c["tp"])], dtype=bool)
-        keep = np.isfinite(c["time"]) & (c["peak"] <= mem_mib) & fits
-        if len(c["tp"]):
-            keep &= (c["pp"] <= (max_pp or c["pp"].max())) & (c["zero"] <= max_zero)
-            if not offload:
-                keep &= np.array([not o for o in c["offload"]], dtype=bool)
-        opts = [Option(int(c["tp"][i]), int(c["pp"][i]), int(c["dp"][i]), int(c["mb"][i]), bool(c["rc"][i]),
-                       int(c["zero"][i]), c["offload"][i], int(c["rho"][i]), int(c["gpus"][i]),
-                       int(c["gpus"][i]) * (capacity // cap[int(c["tp"][i])]), float(c["time"][i]),
-                       int(math.ceil(c["time"][i] / unit)), int(c["peak"][i]), int(c["resident"][i]))
-                for i in np.flatnonzero(keep)]
-        spaces[ms] = Space(ms, kind, prune(opts), len(c["tp"]))
+        ok = np.isfinite(c.times).any(axis=1) & (c.peak <= mem_kib)
+        units = np.where(np.isfinite(c.times), np.ceil(c.times / unit), np.inf)
+        keep = np.flatnonzero(ok)
+        keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
+        opts = []
+        for i in keep:
+            cols = np.flatnonzero(np.isfinite(units[i]))
+            opts.append(Option(int(c.tp[i]), int(c.pp[i]), int(c.dp[i]), int(c.mb[i]), bool(c.rc[i]), int(c.zero[i]),
+                               c.offload[i], int(c.rho[i]), int(c.gpus[i]),
+                               {int(c.classes[j]): float(c.times[i, j]) for j in cols},
+                               {int(c.classes[j]): int(units[i, j]) for j in cols}, int(c.peak[i]), int(c.resident[i])))
+        spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
-    problem = SearchProblem(cluster, workload, models, gpus, capacity, unit, mem_mib, stages, spaces)
+    problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, exact_memory=pos.exhaustive)
     problem.partitions = {name: set_partitions(mss) for name, mss in stages}
     return problem
 
 
-def _candidates(cost: CostModel, cluster: Cluster, workload: Workload, model: Model, kind: str, n: int, max_tp: int,
-                cap: dict[int, int] | None = None) -> dict:
-    """Every layout of one model-stage, costed in one vectorized call (``cap[t]``: GPUs usable with TP t)."""
+def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: int, max_tp: int, max_pp: int = 0,
+                max_zero: int = 3, offload: bool = True, full: bool = True) -> list[tuple]:
+    """(tp, pp, dp, micro_batches, recompute, zero, offload) of every candidate layout (module
+    docs); ``full=False`` is the large-cluster space."""
     tps = [t for t in range(1, min(max_tp, model.heads) + 1) if model.heads % t == 0
            and (t % model.kv_heads == 0 or model.kv_heads % t == 0) and t <= n]
-    pps = [p for p in (1, 2, 4, 8, 16) if p <= model.layers and p <= n]
+    top_pp = min(model.layers, n, max_pp or model.layers)
+    pps = [p for p in range(1, top_pp + 1) if (p <= 16 or model.layers % p == 0) if full or p & (p - 1) == 0 or
+           (p <= 16 and model.layers % p == 0)]
+    # ZeRO 0 and 1 take the same time as 2 in the model and keep more state: 2 and 3 suffice
+    zeros = sorted({min(z, max_zero) for z in (2, 3)})
     rows = []
-    samples = workload.samples
-    for tp in tps:
-        for pp in pps:
-            top = (cap[tp] if cap else n) // (tp * pp)
-            if top < 1:
+    for tp, pp in itertools.product(tps, pps):
+        top = n // (tp * pp)
+        dps = sorted({d for d in range(1, top + 1) if tp * pp * d <= 2 * per_node or d & (d - 1) == 0 or d == top
+                      or (tp * pp * d % per_node == 0 and tp * pp * d // per_node <= 8)})
+        for dp in dps:
+            if dp > workload.samples:
                 continue
-            # DP sizes: every size up to 8 GPUs' worth, then powers of two, and "all the rest"
-            dps = sorted({d for d in range(1, top + 1) if tp * pp * d <= 8 or d & (d - 1) == 0 or d == top})
-            for dp in dps:
-                n_gpus = tp * pp * dp
-                if dp > samples or (n_gpus > cluster.gpus_per_node and n_gpus % cluster.gpus_per_node):
-                    continue  # beyond one node, layouts take whole nodes
-                # micro-batches one pipeline flush holds per replica (the verifier's bound)
-                micro = flush_samples(workload, kind) // dp // workload.micro_batch if kind != "generate" else 1
-                if pp > 1 and micro < 1:
-                    continue  # dp replicas of one micro-batch each exceed the flush
-                # pp, 4 x pp and the most the flush holds (the smallest bubble)
-                mbs = [1] if pp == 1 or kind == "generate" else sorted({min(k * pp, micro) for k in (1, 4)} | {micro})
-                for mb in mbs:
-                    for rc in ((False, True) if kind == "train" else (False,)):
-                        for z in ((0, 1, 2, 3) if kind == "train" and dp > 1 else (0,)):
-                            for off in OFFLOAD_CHOICES[kind]:
-                                for rho in (range(RHO_STEPS) if kind == "generate" else (RHO_STEPS,)):
-                                    rows.append((tp, pp, dp, mb, rc, z, off, rho))
-    if not rows:
-        return {k: np.array([]) for k in ("tp", "pp", "dp", "mb", "rc", "zero", "offload", "rho", "gpus", "time", "peak", "resident")}
-    tp, pp, dp, mb, rc, z, off, rho_step = (list(col) for col in zip(*rows))
-    mem_mib = cluster.gpu_memory // MIB
-    rho = np.array(rho_step) * mem_mib // RHO_STEPS
-    cand = Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb, recompute=rc, zero=z)
-    cand.resident = np.where(np.array(rho_step) < RHO_STEPS, rho * MIB, 0.0)
-    sc = cost.stage(model, workload, kind, cand)
-    coeffs = cost.coeffs
-    offloaded = np.array([sum({"weights": sc.weights[i], "grads": sc.grads[i], "optimizer": sc.optimizer[i]}[k]
-                              for k in o) for i, o in enumerate(off)], dtype=float)
-    link = cluster.host_link or cluster.inter_node
-    off_time = np.where(offloaded > 0, 2 * offloaded / link.bandwidth * coeffs[C_PCIE] + 2 * link.latency, 0.0)
+            if kind == "generate" or pp == 1:
+                mbs = [1]
+            else:
+                most = flush_samples(workload, kind) // dp // workload.micro_batch
+                if most < 1:
+                    continue  # dp replicas of one micro-batch each exceed a pipeline flush
+                fewer = range(1, pp) if pp <= 8 else [1 << k for k in range(pp.bit_length()) if 1 << k < pp]
+                mbs = sorted({m for m in (fewer if full else ()) if m <= most} | {most})
+            for mb in mbs:
+                for rc in ((False, True) if kind == "train" else (False,)):
+                    for z in (zeros if kind == "train" and dp > 1 else (0,)):
+                        for off in ((OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),)):
+                            rows.append((tp, pp, dp, mb, rc, z, off))
+    return rows
+
+
+@dataclass
+class Rows:
+    """Candidates of one model-stage as arrays; ``times[i, j]``: seconds at start class ``classes[j]`` (inf: not a start)."""
+
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    mb: np.ndarray
+    rc: np.ndarray
+    zero: np.ndarray
+    offload: list[tuple[str, ...]]
+    rho: np.ndarray  # KiB (NO_RHO: not generation)
+    gpus: np.ndarray
+    classes: np.ndarray
+    times: np.ndarray
+    peak: np.ndarray  # KiB
+    resident: np.ndarray  # KiB
+
+
+def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model, kind: str, max_tp: int,
+               max_pp: int = 0, max_zero: int = 3, offload: bool = True) -> Rows:
+    """Every candidate of one model-stage with its time per start class, costed in vectorized calls."""
+    cluster = cost.cluster
+    grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
+    if not grid:
+        e = np.zeros(0, dtype=np.int64)
+        return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e)
+    cols = list(zip(*grid))
+    tp, pp, dp, mb, zero = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5))
+    rc, off = np.array(cols[4], dtype=bool), list(cols[6])
+    base = cost.stage(model, workload, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
+                                                             recompute=rc, zero=zero))
+    state = {"weights": base.weights, "grads": base.grads, "optimizer": base.optimizer}
+    offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
+    rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
+    if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
+        keep, rho = _wave_points(cost, workload, model, base, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
+        tp, pp, dp, mb, rc, zero, offloaded = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded))
+        off = [off[i] for i in keep]
+    gpus = tp * pp * dp
+    # every row at every start class of its size, with the links of the mesh at that start
+    by_size = {int(g): pos.classes(int(g)) for g in np.unique(gpus)}
+    classes = np.array(sorted({k for ks in by_size.values() for k in ks}), dtype=np.int64)
+    col_of = {int(k): j for j, k in enumerate(classes)}
+    counts = np.array([len(by_size[int(g)]) for g in gpus])
+    ex_row = np.repeat(np.arange(len(tp)), counts)
+    ex_cls = np.array([k for g in gpus for k in by_size[int(g)]], dtype=np.int64)
+    links: dict[tuple, tuple[int, int, int]] = {}
+    for t, p, d, k in set(zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(), ex_cls.tolist())):
+        links[t, p, d, k] = pos.links(t, p, d, pos.starts(k, t * p * d)[0])
+    lk = np.array([links[key] for key in zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(),
+                                             ex_cls.tolist())], dtype=np.int64).reshape(-1, 3)
+    times = np.full((len(tp), len(classes)), np.inf)
+    peak = np.zeros(len(tp))
+    resident = np.zeros(len(tp))
+    if len(ex_row):
+        r = ex_row
+        cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r])
+        cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
+        cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
+        sc = cost.stage(model, workload, kind, cand)
+        link = cluster.host_link or cluster.inter_node
+        off_time = np.where(offloaded[r] > 0, 2 * offloaded[r] / link.bandwidth * cost.coeffs[C_PCIE] + 2 * link.latency, 0.0)
+        with np.errstate(invalid="ignore"):
+            t = sc.time(cost.coeffs) + off_time
+        times[r, np.array([col_of[int(k)] for k in ex_cls])] = np.where(np.isfinite(t), t, np.inf)
+        # memory does not depend on where the run starts: each row's first expansion
+        first = np.unique(r, return_index=True)[1]
+        rf = r[first]
+        peak[rf] = sc.memory()[first]
+        resident[rf] = (sc.resident_state[first] - offloaded[rf])
+        if kind == "generate":
+            most = _generation_peak_bound(cost, workload, model, sc.weights[first], tp[rf], pp[rf], dp[rf], rho[rf])
+            # stated so that own peak + others' state <= memory holds for every state up to rho
+            # exactly when the largest one fits: (peak - resident) + (resident + others) <= memory
+            peak[rf] = np.where(most <= cluster.gpu_memory, most - rho[rf], np.inf)
     with np.errstate(invalid="ignore"):
-        time = sc.time(coeffs) + off_time
-    resident = np.ceil((sc.resident_state - offloaded) / MIB)
-    peak = np.ceil(sc.memory() / MIB)
-    return {"tp": np.array(tp), "pp": np.array(pp), "dp": np.array(dp), "mb": np.array(mb), "rc": np.array(rc),
-            "zero": np.array(z), "offload": off, "rho": np.where(np.array(rho_step) < RHO_STEPS, rho, 1 << 40),
-            "gpus": np.array(tp) * np.array(pp) * np.array(dp), "time": time, "peak": peak, "resident": resident}
+        return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
+                    gpus, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
+                    np.ceil(resident / KIB).astype(np.int64))
+
+
+def _per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(KV bytes, logits bytes, samples) per sequence and replica of generation rows, as the cost model counts them."""
+    tp, pp, dp = (np.asarray(v, dtype=float) for v in (tp, pp, dp))
+    layers = np.ceil(model.layers / pp)  # the fullest pipeline stage
+    seq = workload.prompt_len_mean + workload.response_len_mean
+    return seq * CostModel.kv_bytes_per_token(model, tp, layers), model.vocab * 4 / tp, workload.samples / dp
+
+
+def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp, dp, most: int = MAX_WAVE_POINTS):
+    """Generation rows expanded at every resident state of others where the number of waves changes.
+
+    The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule); ``w``
+    waves need ``ceil(S / w)`` sequences at once, so others may keep at most ``budget -
+    ceil(S / w) x KV bytes per sequence``. Returns (row index per new row, rho in bytes)."""
+    kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
+    keep, rho = [], []
+    for i in range(len(kv_seq)):
+        budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(base.weights[i])
+        need = sorted({math.ceil(samples[i] / w) for w in range(1, math.ceil(samples[i]) + 1)}, reverse=True)
+        points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
+        if len(points) > most:  # geometric in the wave count beyond this many
+            idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})
+            points = [points[j] for j in idx]
+        keep += [i] * len(points)
+        rho += points
+    return np.array(keep, dtype=np.int64), np.array(rho, dtype=float)
+
+
+def _generation_peak_bound(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, rho) -> np.ndarray:
+    """The largest own peak + others' state of generation rows over every state ``x <= rho``
+    others may keep. Own peak(x) = weights + n(x) x (KV + logits per sequence), n(x) = min(S,
+    floor((0.9 M - weights - x) / KV per sequence)); n(x) + x is piecewise linear in x without the
+    floor, so its largest value is at 0, at rho or at the kink where n reaches S."""
+    kv_seq, act_seq, samples = _per_sequence(workload, model, tp, pp, dp)
+    budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - weights
+
+    def f(x, floor=True):
+        n = (budget - x) / kv_seq
+        return weights + np.clip(np.floor(n) if floor else n, 0, samples) * (kv_seq + act_seq) + x
+
+    kink = np.clip(budget - samples * kv_seq, 0, rho)
+    worst = np.maximum.reduce([f(np.zeros_like(rho), False), f(rho, False), f(kink, False)])
+    return np.maximum(worst, f(rho))
+
+
+def prune_rows(gpus: np.ndarray, times: np.ndarray, extra: np.ndarray, resident: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """Indices of the candidates no other dominates: none with no more GPUs, no more time at any
+    start class (inf where it cannot start), no more peak beyond its resident state, no more
+    resident state and no less allowance for others' state.
+
+    Sound for the model: at the same start, the dominating candidate takes a subset of the GPUs
+    (every start class of a run is a class of a shorter run, or marked inf for it and then never
+    dominating there), and no constraint or the objective gets worse."""
+    if not len(gpus):
+        return np.zeros(0, dtype=np.int64)
+    big = np.float64(1e300)
+    keys = np.column_stack([gpus, np.where(np.isfinite(times), times, big), extra, resident, -rho.astype(float)]).astype(float)
+    order = np.lexsort(keys.T[::-1])
+    kept: list[int] = []
+    kept_keys = np.empty((len(order), keys.shape[1]))
+    for i in order:
+        k = keys[i]
+        if kept and np.any(np.all(kept_keys[:len(kept)] <= k, axis=1)):
+            continue
+        kept_keys[len(kept)] = k
+        kept.append(i)
+    return np.array(sorted(kept), dtype=np.int64)
 
 
 def prune(options: list[Option]) -> list[Option]:
-    """Drop dominated options: no better in GPU share, time, peak - resident, resident and rho.
-
-    Sound for the model: an option that is no worse on every quantity the constraints and the
-    objective read (fewer GPUs only shrink a block) can replace a dominated one in any solution.
-    """
-    if not options:
-        return []
-    keys = np.array([(o.units, o.time, o.peak - o.resident, o.resident, -o.rho) for o in options], dtype=float)
-    order = np.lexsort(keys.T[::-1])
-    kept: list[int] = []
-    kept_keys = np.empty((0, keys.shape[1]))
-    for i in order:
-        if len(kept) and np.any(np.all(kept_keys <= keys[i], axis=1)):
-            continue
-        kept.append(i)
-        kept_keys = np.vstack([kept_keys, keys[i]])
-    return [options[i] for i in sorted(kept)]
+    """``prune_rows`` on Option objects (tests and tools)."""
+    classes = sorted({k for o in options for k in o.times})
+    times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(len(options), -1)
+    keep = prune_rows(np.array([o.gpus for o in options]), times, np.array([o.extra for o in options]),
+                      np.array([o.resident for o in options]), np.array([o.rho for o in options]))
+    return [options[i] for i in keep]
 
 
-def brute_force(problem: SearchProblem, limit: int = 4_000_000) -> tuple[int | None, dict[str, int] | None, dict[str, int] | None]:
-    """The optimum by enumerating every combination of options and groupings (small instances).
-
-    Vectorized: one array axis per model-stage. Independent of the CP-SAT model; shares only
-    the candidates and the constraints as ``evaluate`` states them. Returns (objective, choice,
-    partition), or Nones when nothing is feasible.
-    """
+def brute_force(problem: SearchProblem, limit: int = 2_000_000) -> tuple[int | None, dict | None, dict | None, dict | None]:
+    """The optimum by trying every option, start and grouping (small instances), through
+    ``evaluate``. Independent of the CP-SAT model. Returns (objective, choice, start, partition)."""
     names = list(problem.spaces)
-    shape = tuple(len(problem.spaces[ms].options) for ms in names)
-    if not all(shape):
-        return None, None, None
-    if math.prod(shape) > limit:
-        raise ValueError(f"{math.prod(shape):,} combinations exceed the brute-force limit")
-    axis = {ms: i for i, ms in enumerate(names)}
-
-    def arr(ms: str, f) -> np.ndarray:
-        v = np.array([f(o) for o in problem.spaces[ms].options], dtype=np.int64)
-        return v.reshape([-1 if i == axis[ms] else 1 for i in range(len(names))])
-
-    n = {ms: arr(ms, lambda o: o.units) for ms in names}
-    t = {ms: arr(ms, lambda o: o.time) for ms in names}
-    r = {ms: arr(ms, lambda o: o.resident) for ms in names}
-    a = {ms: arr(ms, lambda o: o.peak - o.resident) for ms in names}
-    rho = {ms: arr(ms, lambda o: o.rho) for ms in names if problem.spaces[ms].kind == "generate"}
-    best = (None, None, None)
-    for parts in itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)):
-        ok = np.ones(shape, dtype=bool)
-        total_t = np.zeros(shape, dtype=np.int64)
-        total_r = np.zeros(shape, dtype=np.int64)
-        for (stage, _), k in zip(problem.stages, parts):
-            groups = problem.partitions[stage][k]
-            blocks = sum(functools.reduce(np.maximum, [n[ms] for ms in g]) for g in groups)
-            ok &= np.broadcast_to(blocks <= problem.capacity, shape)
-            total_t = total_t + functools.reduce(np.maximum, [sum(t[ms] for ms in g) for g in groups])
-            total_r = total_r + functools.reduce(np.maximum, [sum(r[ms] for ms in g) for g in groups])
-        for ms in names:
-            ok &= a[ms] + total_r <= problem.memory
-            if ms in rho:
-                ok &= total_r - r[ms] <= rho[ms]
-        if not ok.any():
-            continue
-        masked = np.where(ok, total_t, np.iinfo(np.int64).max)
-        flat = int(np.argmin(masked))
-        value = int(masked.flat[flat])
-        if best[0] is None or value < best[0]:
-            idx = np.unravel_index(flat, shape)
-            best = (value, {ms: int(i) for ms, i in zip(names, idx)},
-                    {s: k for (s, _), k in zip(problem.stages, parts)})
+    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
+               for s in problem.positions.starts(k, o.gpus)] for ms in names]
+    if not all(per_ms):
+        return None, None, None, None
+    parts = list(itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)))
+    if math.prod(len(p) for p in per_ms) * len(parts) > limit:
+        raise ValueError("too many combinations for brute force")
+    best = (None, None, None, None)
+    for k in parts:
+        partition = {s: ki for (s, _), ki in zip(problem.stages, k)}
+        for combo in itertools.product(*per_ms):
+            choice = {ms: c for ms, (c, _) in zip(names, combo)}
+            start = {ms: s for ms, (_, s) in zip(names, combo)}
+            v = problem.evaluate(choice, start, partition)
+            if v is not None and (best[0] is None or v < best[0]):
+                best = (v, choice, start, partition)
     return best

@@ -41,11 +41,7 @@ def test_more_micro_batches_than_a_mini_batch_is_an_error_at_the_attribute():
 @pytest.mark.parametrize("repro", sorted(p.name for p in REPROS.glob("*.nir")))
 def test_searched_plans_of_the_repros_verify_and_fit_their_flushes(repro):
     m = nereus.parse((REPROS / repro).read_text())
-    try:
-        out = nereus.run_pipeline(m, "plan-search,estimate")
-    except DiagnosticError as e:  # c_generation_offload: "no plan fits" (issue 14, not fixed yet)
-        assert "no plan" in str(e).lower() or "fit" in str(e).lower(), str(e)
-        return
+    out = nereus.run_pipeline(m, "plan-search")
     searched = [name for name in out.plans if name.endswith("_searched")]
     assert searched
     for name in searched:
@@ -55,10 +51,9 @@ def test_searched_plans_of_the_repros_verify_and_fit_their_flushes(repro):
 
 def test_plan_search_tries_the_most_micro_batches_a_flush_holds():
     """repro (a): 16 micro-batches per flush was outside the candidates (only pp and 4 x pp);
-    with them the searched step time drops from 703.59 ms (recorded in the repro) to under
-    700 ms. The repro's hand-enumerated plan @enum (675.52 ms) is still better: the generation
-    memory allowance is stepped (issue 14, not fixed here)."""
-    out = nereus.run_pipeline(nereus.parse(A.read_text()), "plan-search,estimate")
+    with them (and generation costed at its exact memory allowance) the searched step time drops
+    from 703.59 ms (recorded in the repro) to the repro's hand-enumerated 675.52 ms."""
+    out = nereus.run_pipeline(nereus.parse(A.read_text()), "plan-search")
     p = out.plans["w_searched"]
-    assert p.step_time < 0.700
+    assert p.step_time <= 0.67553
     assert p.layouts["actor.train"].micro_batches > 4 * p.layouts["actor.train"].pp
