@@ -2,8 +2,9 @@
 the plan a careful operator writes by hand (``greedy_plan``: every model-stage of a stage on all
 GPUs, each with its best TP/PP/DP under ``estimate``), both costed by ``estimate``.
 
-Cases: the GRPO 7B job on 8 GPUs, the PPO 8B job on 16, the 70B PPO job on 128 to 1,024 GPUs,
-and the 1,024-GPU job after 64 and 256 GPUs fail (seeded random GPU ids). Times are wall time
+Cases: the GRPO 7B job on 8 GPUs, the PPO 8B job on 16, the 70B PPO job on 128 to 16,384 GPUs
+(Llama 3 trained on 16,384), and the 1,024-GPU job after 64 and 256 GPUs fail (seeded random
+GPU ids). Times are wall time
 of one run each (candidate generation + solve), as the controller would pay them online.
 "searched step" is ``estimate`` on the placed plan; "objective" is the solver's own value of
 it (integer time units, rounded up per candidate), and "agree" their relative difference.
@@ -30,7 +31,7 @@ TARGET_S = 2.0
 def cases(quick: bool):
     yield "GRPO 7B", 0, grpo_7b_8gpu()
     yield "PPO 8B", 0, ppo_8b_16gpu()
-    for gpus in ((128, 1024) if quick else (128, 256, 512, 1024)):
+    for gpus in ((128, 1024) if quick else (128, 256, 512, 1024, 4096, 16384)):
         yield "PPO 70B", 0, ppo_70b(gpus, with_emus=False)
     if not quick:
         yield "PPO 70B", 64, ppo_70b(1024, with_emus=False)

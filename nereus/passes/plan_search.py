@@ -1,19 +1,25 @@
 """``plan-search{time_limit=S,seed=N,objective=step-time}``: a memory-feasible global plan by CP-SAT.
 
-The model (see ``search_space`` for the abstraction it solves):
+The model (see ``search_space`` for the abstraction and the candidate space):
 
-- ``x[i, c]``: model-stage i takes candidate c (exactly one per model-stage, after pruning);
-- ``y[X, k]``: stage X groups its model-stages by partition k (exactly one per stage);
-- GPUs: a group's block is as large as its largest member; a stage's blocks fit in the available
-  GPUs (in capacity units that keep TP groups inside nodes when GPUs have failed);
+- ``w[i, c, k]``: model-stage i takes candidate c starting in start class k (exactly one);
+  its GPU count, time (``estimate``'s for the mesh at that start), extra peak, resident state
+  and generation allowance are sums over them; ``s[i]`` is the first position of its run;
+- ``y[X, k]``: stage X groups its model-stages by partition k (exactly one per stage); members
+  of a group share their start, runs of different groups of a stage do not overlap;
 - time: ``T[X] >= sum of the times of the members of each group``; minimise ``sum T[X]``;
-- memory: ``R[X] >= resident state of each group``; for each model-stage,
-  ``own peak - own resident + sum R[X] <= GPU memory``, and for generation
-  ``sum R[X] - own resident <= the candidate's allowance rho``.
+- memory, on small jobs (``search_space.EXHAUSTIVE_GPUS``): exactly ``estimate``'s per GPU. The
+  state on a GPU changes only where a run starts, so every model-stage is checked at its own
+  start and at every start inside its run: ``extra[i] + load(start) <= memory`` and, for
+  generation, ``load(start) - resident[i] <= rho[i]``. On larger jobs: bounded by stage (a GPU
+  holds at most the heaviest group's state of every stage), stricter than ``estimate``.
 
-No variable is indexed by GPU: GPUs are interchangeable, and blocks are placed on GPU ids after
-solving, largest first. Results go into the IR as a plan with a ``search`` record (status,
-objective, bound, gap); ``estimate`` then annotates it with the cost model's per-GPU view.
+What is approximate, and how the result says so: times are rounded up to integer units (a
+step of the fastest candidates is a million units); on large jobs the candidate space is
+thinner (``layout_grid(full=False)``), runs start aligned and memory is bounded by stage, so
+the optimum is proven for that model only. Every searched plan is placed and re-estimated; the
+``search`` record keeps the solver's status, objective, bound and gap, and ``estimate`` (the
+placed plan's step time) with ``estimate_gap`` = (objective - estimate) / estimate.
 """
 
 from __future__ import annotations

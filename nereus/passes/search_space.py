@@ -28,8 +28,14 @@ to the layers (at most 16, beyond that divisors of the layers), layers split eve
 size while a layout fits in two nodes, beyond that whole nodes in powers of two or up to 8 nodes,
 and all the GPUs; micro-batches: the most a pipeline flush holds, and every count below PP
 (less memory, more bubble; powers of two when PP > 8); counts between PP and the most are
-dominated (same memory, more bubble). ZeRO 0-3, recomputation on/off, offload of every subset of
-the state a stage keeps between stages.
+dominated (same memory, more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep
+more), recomputation on/off, offload of every subset of the state a stage keeps between stages.
+
+Large jobs (more than ``EXHAUSTIVE_GPUS`` GPUs or ``EXACT_MEMORY_MODEL_STAGES`` model-stages)
+get a thinner space to stay fast: PP in powers of two and divisors of the layers up to 16,
+only the most micro-batches a flush holds, three offload choices for training, 8 generation
+allowances per layout, runs that start aligned (at a node's first GPU, or at a multiple of
+their size inside a node), and memory bounded by stage (``plan_search``).
 """
 
 from __future__ import annotations
