@@ -116,6 +116,7 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
                         i2, j2 = (i, j) if (i, j) in before else (j, i)
                         m.add(s[i2] + G[i2] <= s[j2]).only_enforce_if([yk, before[i2, j2]])
                         m.add(s[j2] + G[j2] <= s[i2]).only_enforce_if([yk, before[i2, j2].Not()])
+    _break_symmetry(m, problem, s, t)
     if problem.exact_memory:
         _exact_memory(m, problem, names, s, G, a, r, rho)
     else:
@@ -138,6 +139,22 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
     objective = int(round(solver.objective_value))
     bound = objective if status == cp_model.OPTIMAL else int(solver.best_objective_bound)
     return Solution(name, objective, bound, choice, start, partition)
+
+
+def _break_symmetry(m, problem: SearchProblem, s, t) -> None:
+    """Two model-stages of one stage with the same candidates (a reference and the actor it
+    copies, say) can swap options and runs without changing anything: keep only the swap whose
+    (start, time) is lexicographically ordered."""
+    def signature(ms):
+        return tuple((o.gpus, tuple(sorted(o.times.items())), o.extra, o.resident, o.rho) for o in problem.spaces[ms].options)
+
+    for stage, mss in problem.stages:
+        for i, j in itertools.combinations(mss, 2):
+            if signature(i) == signature(j):
+                first = m.new_bool_var(f"first[{i},{j}]")
+                m.add(s[i] + 1 <= s[j]).only_enforce_if(first)
+                m.add(s[i] == s[j]).only_enforce_if(first.Not())
+                m.add(t[i] <= t[j]).only_enforce_if(first.Not())
 
 
 def _exact_memory(m, problem: SearchProblem, names, s, G, a, r, rho) -> None:

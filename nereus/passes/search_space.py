@@ -40,6 +40,7 @@ their size inside a node), and memory bounded by stage (``plan_search``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -88,6 +89,11 @@ class Positions:
     def n(self) -> int:
         return len(self.gpus)
 
+    @functools.cached_property
+    def node_starts(self) -> frozenset[int]:
+        """Positions where a node's free GPUs begin."""
+        return frozenset(np.flatnonzero(np.r_[True, self.node[1:] != self.node[:-1]]).tolist())
+
     def classes(self, size: int) -> list[int]:
         """Start classes of a run of ``size``: ``r < per_node`` for starts ``q * per_node + r`` inside
         whole nodes, ``per_node + s`` for the single start ``s`` of a run reaching past them.
@@ -100,7 +106,7 @@ class Positions:
         past = range(max(0, self.regular - size + 1), self.n - size + 1)
         if not self.exhaustive:
             res = [r for r in res if r == 0 or (size < self.per_node and r % size == 0 and r + size <= self.per_node)]
-            first = {s for s in range(self.n) if s == 0 or self.node[s] != self.node[s - 1]}
+            first = self.node_starts
             past = [s for s in past if s in first or (size < self.per_node and s + size <= self.n
                                                        and self.node[s] == self.node[s + size - 1])]
         return res + [self.per_node + s for s in past]
@@ -408,7 +414,7 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp
     keep, rho = [], []
     for i in range(len(kv_seq)):
         budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(base.weights[i])
-        need = sorted({math.ceil(samples[i] / w) for w in range(1, math.ceil(samples[i]) + 1)}, reverse=True)
+        need = sorted(_wave_sizes(samples[i]), reverse=True)
         points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
         if len(points) > most:  # geometric in the wave count beyond this many
             idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})
@@ -416,6 +422,13 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp
         keep += [i] * len(points)
         rho += points
     return np.array(keep, dtype=np.int64), np.array(rho, dtype=float)
+
+
+def _wave_sizes(samples: float) -> set[int]:
+    """Every distinct ``ceil(samples / w)`` for w = 1 .. ceil(samples): those of w up to about
+    sqrt(samples), and below them every integer (O(sqrt) instead of O(samples))."""
+    k = math.isqrt(math.ceil(samples)) + 1
+    return {math.ceil(samples / w) for w in range(1, k + 1)} | set(range(1, math.ceil(samples / k) + 1))
 
 
 def _generation_peak_bound(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, rho) -> np.ndarray:

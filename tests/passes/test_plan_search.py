@@ -197,3 +197,10 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
     out, err = capsys.readouterr()
     assert "search = search(status = feasible" in out and "gap = 0.03" in out
     assert "warning: plan-search stopped at time_limit=10 s without proving optimality: the plan is within 3.00%" in err
+
+
+@pytest.mark.parametrize("samples", [1, 2, 3, 7.5, 10, 100, 1023, 4096.0, 12345.6])
+def test_wave_sizes_are_every_distinct_ceiling(samples):
+    from nereus.passes.search_space import _wave_sizes
+
+    assert _wave_sizes(samples) == {math.ceil(samples / w) for w in range(1, math.ceil(samples) + 1)}
