@@ -38,7 +38,7 @@ from ..ir.printer import printed_precision
 from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
 from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
-from .search_space import KIB, SearchProblem, build_problem, layout_grid
+from .search_space import ANYWHERE, KIB, SPAN, SearchProblem, build_problem, layout_grid
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Solution:
 def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> Solution:
     """CP-SAT on ``problem``; deterministic for a given seed (one worker)."""
     pos = problem.positions
-    n, pn, regular = pos.n, pos.per_node, pos.regular
+    n, pn = pos.n, pos.per_node
     m = cp_model.CpModel()
     pick, G, t, a, r, rho, s = {}, {}, {}, {}, {}, {}, {}
     for ms, space in problem.spaces.items():
@@ -78,14 +78,34 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
             var = m.new_int_var(min(vals.values()), max(vals.values()), f"{label}[{ms}]")
             m.add(var == sum(v * w[ck] for ck, v in vals.items()))
             table[ms] = var
-        # start = per_node x q + offset inside a whole node, or the exact start of a run past them
-        q = m.new_int_var(0, max(regular // pn - 1, 0), f"q[{ms}]")
-        past = sum(b for (c, k), b in w.items() if k >= pn)
+        # start = the class's first start + a whole number of nodes (a run inside a segment), the
+        # run's own start (across segments), or any start (ANYWHERE); the run ends in its segment
         s[ms] = m.new_int_var(0, n - 1, f"s[{ms}]")
-        m.add(s[ms] == pn * q + sum((k if k < pn else k - pn) * b for (c, k), b in w.items()))
-        m.add(q <= max(regular // pn - 1, 0) * (1 - past))
-        m.add(s[ms] + G[ms] <= regular + n * past)
-        m.add(s[ms] + G[ms] <= n)
+        terms, ends, anywhere = [], [], []
+        by_segment: dict[int, list] = {}
+        for (c, k), b in w.items():
+            if k == ANYWHERE:
+                base, end = 0, n
+                anywhere.append(b)
+            elif k >= SPAN:
+                base, end = k - SPAN, n
+            else:
+                base, _, end, _ = pos.segment(k)
+                by_segment.setdefault(k // pn, []).append(b)
+            terms.append(base * b)
+            ends.append(end * b)
+        for j, bs in by_segment.items():
+            a_j, e_j, f_j = pos.segments[j]
+            top = max((e_j - a_j) // f_j - 1, 0)
+            q = m.new_int_var(0, top, f"q[{ms},{j}]")
+            m.add(q <= top * sum(bs))
+            terms.append(f_j * q)
+        if anywhere:
+            free = m.new_int_var(0, n, f"free[{ms}]")
+            m.add(free <= n * sum(anywhere))
+            terms.append(free)
+        m.add(s[ms] == sum(terms))
+        m.add(s[ms] + G[ms] <= sum(ends))
     names = list(problem.spaces)
     max_t = sum(max(max(o.times.values()) for o in sp.options) for sp in problem.spaces.values())
     T, y, before = {}, {}, {}

@@ -40,7 +40,6 @@ their size inside a node), and memory bounded by stage (``plan_search``).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -64,64 +63,95 @@ LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": 
                 "generate": ((), ("weights",))}  # generation allowances per layout (geometric beyond this many wave counts)
 
 
+ANYWHERE = -1  # start class of a run costed for any start (links that may cross nodes taken as crossing)
+SPAN = 1 << 30  # start classes SPAN + s: the single start s of a run across segments
+
+
 @dataclass
 class Positions:
-    """Available GPUs in search order and the start classes of a run of positions."""
+    """Available GPUs in search order and the start classes of a run of positions.
+
+    Nodes are ordered by free GPUs (whole nodes first, then nodes with one failed GPU, ...),
+    each node's free GPUs together; nodes with the same free count form a *segment*, inside
+    which every node is alike. A run inside segment ``j`` (start ``a``, period ``f`` free GPUs
+    per node) has class ``j * per_node + r`` for its offset ``r`` in a node: every start of a
+    class has the same links. A run across segments has class ``SPAN + s`` (its own start); on
+    large jobs (not ``exhaustive``) those get one class ``ANYWHERE`` instead, costed with every
+    group that may cross a node boundary crossing it (an upper bound for any start), and runs
+    inside a segment start at a node's first GPU or, when smaller than a node, at a multiple of
+    their size inside it."""
 
     gpus: list[int]  # position -> GPU id
     node: np.ndarray  # position -> node id
     per_node: int
-    regular: int  # positions in whole nodes (they come first)
-    exhaustive: bool = True  # every start; else runs start aligned (see ``classes``)
+    segments: list[tuple[int, int, int]]  # (first position, end, free GPUs per node)
+    exhaustive: bool = True
 
     @classmethod
     def of(cls, cluster: Cluster, exhaustive: bool = True) -> "Positions":
         free: dict[int, list[int]] = {}
         for g in cluster.available_gpus():
             free.setdefault(cluster.node_of(g), []).append(g)
-        whole = [n for n in sorted(free) if len(free[n]) == cluster.gpus_per_node]
-        partial = [n for n in sorted(free) if len(free[n]) < cluster.gpus_per_node]
-        gpus = [g for n in whole + partial for g in free[n]]
+        nodes = sorted(free, key=lambda n: (-len(free[n]), n))
+        gpus = [g for n in nodes for g in free[n]]
+        segments, at = [], 0
+        for f, group in itertools.groupby(nodes, key=lambda n: len(free[n])):
+            size = f * len(list(group))
+            segments.append((at, at + size, f))
+            at += size
         return cls(gpus, np.array([cluster.node_of(g) for g in gpus], dtype=np.int64), cluster.gpus_per_node,
-                   len(whole) * cluster.gpus_per_node, exhaustive)
+                   segments, exhaustive)
 
     @property
     def n(self) -> int:
         return len(self.gpus)
 
-    @functools.cached_property
-    def node_starts(self) -> frozenset[int]:
-        """Positions where a node's free GPUs begin."""
-        return frozenset(np.flatnonzero(np.r_[True, self.node[1:] != self.node[:-1]]).tolist())
-
     def classes(self, size: int) -> list[int]:
-        """Start classes of a run of ``size``: ``r < per_node`` for starts ``q * per_node + r`` inside
-        whole nodes, ``per_node + s`` for the single start ``s`` of a run reaching past them.
-
-        Not exhaustive (large clusters): a run starts at a node's first GPU, or, if smaller than
-        a node, at a multiple of its size inside one node."""
+        """Start classes of a run of ``size`` positions (see the class docs)."""
         if size > self.n:
             return []
-        res = [r for r in range(self.per_node) if r + size <= self.regular]
-        past = range(max(0, self.regular - size + 1), self.n - size + 1)
-        if not self.exhaustive:
-            res = [r for r in res if r == 0 or (size < self.per_node and r % size == 0 and r + size <= self.per_node)]
-            first = self.node_starts
-            past = [s for s in past if s in first or (size < self.per_node and s + size <= self.n
-                                                       and self.node[s] == self.node[s + size - 1])]
-        return res + [self.per_node + s for s in past]
+        out = []
+        for j, (a, e, f) in enumerate(self.segments):
+            for r in range(f):
+                if a + r + size > e:
+                    break
+                if self.exhaustive or r == 0 or (size < f and r % size == 0 and r + size <= f):
+                    out.append(j * self.per_node + r)
+        if not self.exhaustive:  # one class for every run across segments, if one can be
+            crossing = size > max(e - a for a, e, _ in self.segments) or (size > 1 and len(self.segments) > 1)
+            return out + [ANYWHERE] if crossing else out
+        return out + [SPAN + s for s in range(self.n - size + 1) if not self._inside(s, size)]
+
+    def _inside(self, start: int, size: int) -> bool:
+        return any(a <= start and start + size <= e for a, e, _ in self.segments)
 
     def class_of(self, start: int, size: int) -> int:
-        return start % self.per_node if start + size <= self.regular else self.per_node + start
+        for j, (a, e, f) in enumerate(self.segments):
+            if a <= start and start + size <= e:
+                return j * self.per_node + (start - a) % f
+        return SPAN + start if self.exhaustive else ANYWHERE
+
+    def segment(self, cls: int) -> tuple[int, int, int, int]:
+        """(first start, period, end, offset) of the starts of an in-segment class."""
+        j, r = divmod(cls, self.per_node)
+        a, e, f = self.segments[j]
+        return a + r, f, e, r
 
     def starts(self, cls: int, size: int) -> list[int]:
         """Every start of class ``cls`` for a run of ``size``."""
-        if cls >= self.per_node:
-            return [cls - self.per_node]
-        return list(range(cls, self.regular - size + 1, self.per_node))
+        if cls == ANYWHERE:
+            return [s for s in range(self.n - size + 1) if not self._inside(s, size)]
+        if cls >= SPAN:
+            return [cls - SPAN]
+        first, period, end, _ = self.segment(cls)
+        return list(range(first, end - size + 1, period))
 
-    def links(self, tp: int, pp: int, dp: int, start: int) -> tuple[int, int, int]:
-        """(tp, pp, dp) link codes of the mesh ``gpus[start : start + tp*pp*dp]`` (as ``Candidates.of_layout``)."""
+    def links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
+        """(tp, pp, dp) link codes of the mesh of a run of class ``cls`` (as ``Candidates.of_layout``);
+        ``ANYWHERE``: NIC for every kind of group with more than one GPU."""
+        if cls == ANYWHERE:
+            return tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp))
+        start = self.starts(cls, tp * pp * dp)[0]
         nodes = self.node[start:start + tp * pp * dp].reshape(dp, pp, tp)
         code = lambda crosses: NIC if crosses else NVLINK
         return (code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
@@ -211,7 +241,7 @@ class SearchProblem:
             lo, hi = span[ms]
             if lo < 0 or hi > pos.n:
                 return None
-            time[ms] = o.times.get(pos.class_of(lo, o.gpus))
+            time[ms] = o.times.get(pos.class_of(lo, o.gpus), o.times.get(ANYWHERE))
             if time[ms] is None:
                 return None
         total = 0
@@ -363,7 +393,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     ex_cls = np.array([k for g in gpus for k in by_size[int(g)]], dtype=np.int64)
     links: dict[tuple, tuple[int, int, int]] = {}
     for t, p, d, k in set(zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(), ex_cls.tolist())):
-        links[t, p, d, k] = pos.links(t, p, d, pos.starts(k, t * p * d)[0])
+        links[t, p, d, k] = pos.links(t, p, d, k)
     lk = np.array([links[key] for key in zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(),
                                              ex_cls.tolist())], dtype=np.int64).reshape(-1, 3)
     times = np.full((len(tp), len(classes)), np.inf)
