@@ -247,7 +247,7 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
     """Say what does not fit: a model-stage that fits in no layout (with the memory its smallest
     layout needs), or, when each fits alone, that no combination fits together (with what each
     needs at least)."""
-    gib = lambda b: format_quantity(Dim.SIZE, int(b)) if b % 2**30 == 0 else f"{b / 2**30:.2f} GiB"
+    gib = lambda b: format_quantity(Dim.SIZE, int(b)) if b % 2**30 == 0 else f"{b / 2**30:.3f} GiB"
     have = gib(problem.cluster.gpu_memory)
     empty = [ms for ms, sp in problem.spaces.items() if not sp.options]
     if empty:
@@ -262,7 +262,8 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
     gen = [ms for ms, sp in problem.spaces.items() if sp.kind == "generate"]
     return Diagnostic(loc, f"no plan fits: each model-stage fits on its own, but no placement of them together fits "
                            f"in {have} per GPU on {problem.n} GPUs ({alone}"
-                           + (f"; {', '.join(gen)} also need room for the KV cache of at least one sequence" if gen else "")
+                           + (f"; {', '.join(gen)} also {'needs' if len(gen) == 1 else 'need'} room for the KV cache of "
+                                 "at least one sequence" if gen else "")
                            + ")", "offload state between stages, add GPUs, or shorten the responses")
 
 

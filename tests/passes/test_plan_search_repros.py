@@ -63,3 +63,20 @@ def test_failed_gpus_cost_the_cross_node_group_the_old_objective_missed():
 def test_generation_offload_makes_the_job_fit():
     m, plan = searched("c_generation_offload.nir")
     assert any("weights" in lay.offload for lay in plan.layouts.values())
+
+
+def test_no_fit_together_says_each_fits_alone_with_what_each_needs():
+    """repro (c) without offload: every model-stage fits on the GPUs alone, no combination does.
+    The diagnostic says so and lists what each needs, each figure within the GPU's memory."""
+    import re
+
+    m = nereus.parse((REPROS / "c_generation_offload.nir").read_text(), "c.nir")
+    with pytest.raises(nereus.DiagnosticError) as e:
+        nereus.run_pipeline(m, "plan-search{offload=false}")
+    (d,) = e.value.diagnostics
+    assert d.message.startswith("no plan fits: each model-stage fits on its own, but no placement of them together "
+                                "fits in 1GiB per GPU on 4 GPUs")
+    needs = re.findall(r"(actor\.\w+) at least ([\d.]+) GiB while it runs, ([\d.]+) GiB kept", d.message)
+    assert {ms for ms, _, _ in needs} == {"actor.infer", "actor.train"}
+    assert all(float(run) <= 1.0 and float(kept) <= float(run) for _, run, kept in needs)
+    assert "actor.generate also needs room for the KV cache" in d.message
