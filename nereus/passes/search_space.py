@@ -405,8 +405,8 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
-        link = cluster.host_link or cluster.inter_node
-        off_time = np.where(offloaded[r] > 0, 2 * offloaded[r] / link.bandwidth * cost.coeffs[C_PCIE] + 2 * link.latency, 0.0)
+        feat, lat = cost.offload_time(offloaded[r])  # as estimate charges it
+        off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
         with np.errstate(invalid="ignore"):
             t = sc.time(cost.coeffs) + off_time
         times[r, np.array([col_of[int(k)] for k in ex_cls])] = np.where(np.isfinite(t), t, np.inf)
