@@ -8,24 +8,27 @@ The model (see ``search_space`` for the abstraction and the candidate space):
 - ``y[X, k]``: stage X groups its model-stages by partition k (exactly one per stage); members
   of a group share their start, runs of different groups of a stage do not overlap;
 - time: ``T[X] >= sum of the times of the members of each group``; minimise ``sum T[X]``;
-- memory, on small jobs (``search_space.EXHAUSTIVE_GPUS``): exactly ``estimate``'s per GPU. The
-  state on a GPU changes only where a run starts, so every model-stage is checked at its own
-  start and at every start inside its run: ``extra[i] + load(start) <= memory`` and, for
-  generation, ``load(start) - resident[i] <= rho[i]``. On larger jobs: bounded by stage (a GPU
-  holds at most the heaviest group's state of every stage), stricter than ``estimate``.
+- memory: exactly ``estimate``'s per GPU. The state on a GPU changes only where a run starts,
+  so every model-stage is checked at its own start and at every start inside its run:
+  ``extra[i] + load(start) <= memory`` and, for generation, ``load(start) - resident[i] <= rho[i]``.
+
+Solved by tightening caps on the step time (``solve``, ``search_bounds``): only the candidates
+a plan under the cap can use enter the model, so a 1,024-GPU job is proven optimal over a few
+percent of its candidates.
 
 What is approximate, and how the result says so: times are rounded up to integer units (a
 step of the fastest candidates is a million units); on large jobs the candidate space is
-thinner (``layout_grid(full=False)``), runs start aligned and memory is bounded by stage, so
-the optimum is proven for that model only. Every searched plan is placed and re-estimated; the
-``search`` record keeps the solver's status, objective, bound and gap, and ``estimate`` (the
-placed plan's step time) with ``estimate_gap`` = (objective - estimate) / estimate.
+thinner (``layout_grid(full=False)``) and runs start aligned, so the optimum is proven for that
+space only. Every searched plan is placed and re-estimated; the ``search`` record keeps the
+solver's status, objective, bound and gap, and ``estimate`` (the placed plan's step time) with
+``estimate_gap`` = (objective - estimate) / estimate.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -38,6 +41,7 @@ from ..ir.printer import printed_precision
 from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
 from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
+from .search_bounds import option_bounds, restrict, stage_bounds
 from .search_space import ANYWHERE, KIB, SPAN, SearchProblem, build_problem, layout_grid
 
 
@@ -49,6 +53,7 @@ class Solution:
     choice: dict[str, int] | None  # model-stage -> option index
     start: dict[str, int] | None  # model-stage -> first position of its run
     partition: dict[str, int] | None  # stage -> partition index
+    options: int = 0  # options in the model solved last (``solve``: under its last cap)
 
     @property
     def gap(self) -> float:
@@ -58,7 +63,60 @@ class Solution:
 
 
 def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> Solution:
-    """CP-SAT on ``problem``; deterministic for a given seed (one worker)."""
+    """The optimal plan of ``problem`` (CP-SAT, deterministic for a given seed: one worker).
+
+    Solved under a cap on the step time: with ``lb`` the bound of ``search_bounds``, the model
+    holds only the options a plan at most ``cap`` can use (``restrict``), ``cap`` = ``lb`` plus
+    1/64 of it at first. If the model's optimum is within the cap, it is the optimum of the whole
+    problem (a better plan would use only kept options). If its optimum is above the cap, that
+    plan's step time is the next cap (a model that holds the plan, its hint, and every better
+    one). If it has no plan, none exists within the cap, and the cap grows (1/16, 1/4, ... of
+    ``lb``). So the result, its status and its bound are those of the whole problem; on a
+    time-out, the best plan so far with the bound proven so far."""
+    deadline = time.monotonic() + float(time_limit)
+    bounds = option_bounds(problem)
+    lb = floor = sum(stage_bounds(problem, bounds).values())  # no plan is faster than floor
+    slack = max(lb // 64, 1)
+    cap = lb + slack
+    best = None  # the best plan found so far (choice in the problem's option indices)
+    while True:
+        model, keep, complete = restrict(problem, bounds, cap)
+        hint = None
+        if best is not None:  # unless pruning dropped one of its options for one that dominates it
+            index = {ms: {int(c): i for i, c in enumerate(kept)} for ms, kept in keep.items()}
+            if all(c in index[ms] for ms, c in best.choice.items()):
+                hint = replace(best, choice={ms: index[ms][c] for ms, c in best.choice.items()})
+        sol = _solve_model(model, max(deadline - time.monotonic(), 0.01), seed, hint)
+        sol.options = sum(len(sp.options) for sp in model.spaces.values())
+        if sol.choice is not None:
+            sol.choice = {ms: int(keep[ms][c]) for ms, c in sol.choice.items()}
+        if sol.status == "unknown":  # out of time: the best plan so far
+            return _timed_out(best, floor)
+        if sol.choice is not None and (complete or sol.objective <= cap):  # every plan at most cap fast was in the model
+            if sol.status != "optimal":
+                sol.bound = max(sol.bound, floor)
+            return sol
+        if complete:  # infeasible
+            return sol
+        if sol.status == "feasible":  # out of time, with a plan above the cap: a better one is above the model's bound or the cap
+            return _timed_out(sol, max(min(sol.bound, cap + 1), floor))
+        floor = cap + 1  # no plan at most cap fast
+        if sol.choice is not None:
+            best, cap = sol, sol.objective
+        else:
+            slack *= 4
+            cap = lb + slack
+
+
+def _timed_out(best: Solution | None, bound: int) -> Solution:
+    if best is None:
+        return Solution("unknown", None, None, None, None, None)
+    return replace(best, status="feasible", bound=min(bound, best.objective))
+
+
+def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Solution | None = None) -> Solution:
+    """CP-SAT on ``problem``'s whole model, starting from ``hint`` (a plan of it) if given;
+    deterministic for a given seed (one worker)."""
     pos = problem.positions
     n, pn = pos.n, pos.per_node
     m = cp_model.CpModel()
@@ -137,11 +195,16 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
                         m.add(s[i2] + G[i2] <= s[j2]).only_enforce_if([yk, before[i2, j2]])
                         m.add(s[j2] + G[j2] <= s[i2]).only_enforce_if([yk, before[i2, j2].Not()])
     _break_symmetry(m, problem, s, t)
-    if problem.exact_memory:
-        _exact_memory(m, problem, names, s, G, a, r, rho)
-    else:
-        _stage_bound_memory(m, problem, T, y, a, r, rho)
+    _exact_memory(m, problem, names, s, G, a, r, rho)
     m.minimize(sum(T.values()))
+    if hint is not None:
+        for ms, w in pick.items():
+            for (c, k), b in w.items():
+                m.add_hint(b, c == hint.choice[ms] and k == pos.class_of(hint.start[ms], problem.spaces[ms].options[c].gpus))
+            m.add_hint(s[ms], hint.start[ms])
+        for st, ys in y.items():
+            for k, b in enumerate(ys):
+                m.add_hint(b, k == hint.partition[st])
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.random_seed = int(seed)
@@ -150,7 +213,7 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
     solver.parameters.cp_model_probing_level = 0
     solver.parameters.max_presolve_iterations = 1
     # the proof dominates on large jobs: a worker that raises the lower bound by search first
-    # (PERFORMANCE.md: about a third of the solve time at 1,024 and half at 16,384 GPUs)
+    # (0.9 -> 0.55 s of solve at 1,024 GPUs, 1.5 -> 0.9 s at 16,384)
     solver.parameters.use_objective_lb_search = True
     status = solver.solve(m)
     name = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}.get(status, "unknown")
@@ -206,25 +269,6 @@ def _exact_memory(m, problem: SearchProblem, names, s, G, a, r, rho) -> None:
             m.add(a[i] + load[k] <= problem.memory).only_enforce_if(on)
             if space.kind == "generate":
                 m.add(load[k] - r[i] <= rho[i]).only_enforce_if(on)
-
-
-def _stage_bound_memory(m, problem: SearchProblem, T, y, a, r, rho) -> None:
-    """Memory bounded by stage: a GPU holds, from every stage, at most the resident state of that
-    stage's heaviest group, wherever the runs land. Stricter than ``estimate`` (it may reject a
-    plan that fits), but a tight relaxation: what makes large clusters solve fast."""
-    max_r = sum(max(o.resident for o in sp.options) for sp in problem.spaces.values())
-    R = {}
-    for stage, mss in problem.stages:
-        R[stage] = m.new_int_var(0, max_r, f"R[{stage}]")
-        for groups, yk in zip(problem.partitions[stage], y[stage]):
-            for g in groups:
-                m.add(R[stage] >= sum(r[ms] for ms in g)).only_enforce_if(yk)
-    resident = m.new_int_var(0, max_r, "resident")
-    m.add(resident == sum(R.values()))
-    for i, space in problem.spaces.items():
-        m.add(a[i] + resident <= problem.memory)
-        if space.kind == "generate":
-            m.add(resident - r[i] <= rho[i])
 
 
 def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, cluster: str) -> Plan:
@@ -314,7 +358,8 @@ class PlanSearch(ModulePass):
                                               "objectives: step-time")])
         w = _pick(module, "workload", self.workload)
         c = _pick(module, "cluster", self.cluster)
-        problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload)
+        problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload,
+                                prune=False)  # solve prunes what each of its models holds
         sol = solve(problem, self.time_limit, self.seed)
         if sol.status == "unknown":
             raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "

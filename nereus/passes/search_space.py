@@ -24,18 +24,18 @@ The abstraction is ``estimate``'s own model, placed:
 
 The candidate space (what the docs of ``plan-search`` call its approximation): TP sizes that
 divide the heads and divide or are multiples of the KV heads, up to a node; PP of every size up
-to the layers (at most 16, beyond that divisors of the layers), layers split evenly; DP of every
-size while a layout fits in two nodes, beyond that whole nodes in powers of two or up to 8 nodes,
-and all the GPUs; micro-batches: the most a pipeline flush holds, and every count below PP
-(less memory, more bubble; powers of two when PP > 8); counts between PP and the most are
-dominated (same memory, more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep
-more), recomputation on/off, offload of every subset of the state a stage keeps between stages.
+to 16 and every divisor of the layers, layers split evenly; DP of every size while a layout fits
+in two nodes, beyond that whole nodes in powers of two or up to 8 nodes, and all the GPUs;
+micro-batches: the most a pipeline flush holds, and every count below PP (less memory, more
+bubble; powers of two when PP > 8); counts between PP and the most are dominated (same memory,
+more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep more), recomputation
+on/off, offload of every subset of the state a stage keeps between stages.
 
-Large jobs (more than ``EXHAUSTIVE_GPUS`` GPUs or ``EXACT_MEMORY_MODEL_STAGES`` model-stages)
-get a thinner space to stay fast: PP in powers of two and divisors of the layers up to 16,
-only the most micro-batches a flush holds, three offload choices for training, 8 generation
-allowances per layout, runs that start aligned (at a node's first GPU, or at a multiple of
-their size inside a node), and memory bounded by stage (``plan_search``).
+Large jobs (more than ``EXHAUSTIVE_GPUS`` GPUs or ``FULL_SPACE_MODEL_STAGES`` model-stages)
+get a thinner space to stay fast: only the most micro-batches a flush holds, three offload
+choices for training, 8 generation allowances per layout, and runs that start aligned (at a
+node's first GPU, or at a multiple of their size inside a node); a run across segments of
+nodes with different free GPUs is costed as if every group that may cross a node did.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ OFFLOAD_CHOICES = {"train": tuple(tuple(k for k, on in zip(STATE, bits) if on)
                                   for bits in itertools.product((0, 1), repeat=3)),
                    "infer": ((), ("weights",)), "generate": ((), ("weights",))}
 EXHAUSTIVE_GPUS = 16  # up to this many available GPUs and
-EXACT_MEMORY_MODEL_STAGES = 4  # this many model-stages: the full space, every start, estimate's memory
+FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every start
 MAX_WAVE_POINTS = 48  # (8 on large clusters)
 LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
                 "generate": ((), ("weights",))}  # generation allowances per layout (geometric beyond this many wave counts)
@@ -220,7 +220,6 @@ class SearchProblem:
     stages: list[tuple[str, list[str]]]
     spaces: dict[str, Space]
     partitions: dict[str, list[list[list[str]]]] = field(default_factory=dict)
-    exact_memory: bool = True  # estimate's per-GPU memory; else bounded by stage (see plan_search)
 
     @property
     def n(self) -> int:
@@ -268,16 +267,17 @@ class SearchProblem:
 
 def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model], cost: CostModel | None = None,
                   max_tp: int | None = None, time_units: int = 1_000_000, max_pp: int = 0, max_zero: int = 3,
-                  offload: bool = True, exhaustive: bool | None = None) -> SearchProblem:
+                  offload: bool = True, exhaustive: bool | None = None, prune: bool = True) -> SearchProblem:
     """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
 
     ``max_pp`` (0: no limit), ``max_zero`` and ``offload`` keep only layouts the job can run
     (a live model without pipeline stages, ZeRO or offload, say). ``exhaustive``: the full space,
     every start of a run and exact memory (default: on small jobs, see ``EXHAUSTIVE_GPUS``), else
-    the large-cluster space, aligned starts and memory bounded by stage."""
+    the large-cluster space and aligned starts. ``prune``: drop dominated candidates (``prune_rows``);
+    ``plan_search.solve`` prunes the candidates each of its models holds, so it need not be done here."""
     cost = cost or CostModel(cluster)
     n_avail = len(cluster.available_gpus())
-    small = n_avail <= EXHAUSTIVE_GPUS and len(workload.model_stages()) <= EXACT_MEMORY_MODEL_STAGES
+    small = n_avail <= EXHAUSTIVE_GPUS and len(workload.model_stages()) <= FULL_SPACE_MODEL_STAGES
     pos = Positions.of(cluster, small if exhaustive is None else exhaustive)
     mem_kib = cluster.gpu_memory // KIB
     raw = {}
@@ -294,7 +294,8 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
         ok = np.isfinite(c.times).any(axis=1) & (c.peak <= mem_kib)
         units = np.where(np.isfinite(c.times), np.ceil(c.times / unit), np.inf)
         keep = np.flatnonzero(ok)
-        keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
+        if prune:
+            keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
         opts = []
         for i in keep:
             cols = np.flatnonzero(np.isfinite(units[i]))
@@ -304,7 +305,7 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
                                {int(c.classes[j]): int(units[i, j]) for j in cols}, int(c.peak[i]), int(c.resident[i])))
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
-    problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, exact_memory=pos.exhaustive)
+    problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces)
     problem.partitions = {name: set_partitions(mss) for name, mss in stages}
     return problem
 
@@ -316,8 +317,7 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
     tps = [t for t in range(1, min(max_tp, model.heads) + 1) if model.heads % t == 0
            and (t % model.kv_heads == 0 or model.kv_heads % t == 0) and t <= n]
     top_pp = min(model.layers, n, max_pp or model.layers)
-    pps = [p for p in range(1, top_pp + 1) if (p <= 16 or model.layers % p == 0) if full or p & (p - 1) == 0 or
-           (p <= 16 and model.layers % p == 0)]
+    pps = [p for p in range(1, top_pp + 1) if p <= 16 or model.layers % p == 0]
     # ZeRO 0 and 1 take the same time as 2 in the model and keep more state: 2 and 3 suffice
     zeros = sorted({min(z, max_zero) for z in (2, 3)})
     rows = []
@@ -490,25 +490,34 @@ def prune_rows(gpus: np.ndarray, times: np.ndarray, extra: np.ndarray, resident:
         return np.zeros(0, dtype=np.int64)
     big = np.float64(1e300)
     keys = np.column_stack([gpus, np.where(np.isfinite(times), times, big), extra, resident, -rho.astype(float)]).astype(float)
+    # in lexicographic order a row can only be dominated by an earlier one (or an equal one,
+    # of which the first is kept); by transitivity, by an earlier one that is kept. Blocks of
+    # rows are checked against the rows kept so far and against the earlier rows of the block.
     order = np.lexsort(keys.T[::-1])
-    kept: list[int] = []
-    kept_keys = np.empty((len(order), keys.shape[1]))
-    for i in order:
-        k = keys[i]
-        if kept and np.any(np.all(kept_keys[:len(kept)] <= k, axis=1)):
-            continue
-        kept_keys[len(kept)] = k
-        kept.append(i)
-    return np.array(sorted(kept), dtype=np.int64)
+    kept = np.zeros(0, dtype=np.int64)
+    for lo in range(0, len(order), 256):
+        idx = order[lo:lo + 256]
+        k = keys[idx]
+        dominated = np.all(keys[kept][None, :, :] <= k[:, None, :], axis=2).any(axis=1)
+        earlier = np.tril(np.all(k[None, :, :] <= k[:, None, :], axis=2), -1)
+        dominated |= earlier.any(axis=1)
+        kept = np.concatenate([kept, idx[~dominated]])
+    return np.sort(kept)
 
 
 def prune(options: list[Option]) -> list[Option]:
-    """``prune_rows`` on Option objects (tests and tools)."""
+    """``prune_rows`` on Option objects."""
+    return [options[i] for i in prune_options(options)]
+
+
+def prune_options(options: list[Option]) -> np.ndarray:
+    """Indices of the options ``prune_rows`` keeps."""
+    if not options:
+        return np.zeros(0, dtype=np.int64)
     classes = sorted({k for o in options for k in o.times})
     times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(len(options), -1)
-    keep = prune_rows(np.array([o.gpus for o in options]), times, np.array([o.extra for o in options]),
+    return prune_rows(np.array([o.gpus for o in options]), times, np.array([o.extra for o in options]),
                       np.array([o.resident for o in options]), np.array([o.rho for o in options]))
-    return [options[i] for i in keep]
 
 
 def brute_force(problem: SearchProblem, limit: int = 2_000_000) -> tuple[int | None, dict | None, dict | None, dict | None]:

@@ -204,3 +204,38 @@ def test_wave_sizes_are_every_distinct_ceiling(samples):
     from nereus.passes.search_space import _wave_sizes
 
     assert _wave_sizes(samples) == {math.ceil(samples / w) for w in range(1, math.ceil(samples) + 1)}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(small_instances())
+def test_step_time_bounds_hold_for_every_plan(inst):
+    """``search_bounds``: for every plan that fits, each option's bound plus the other stages'
+    bounds is at most the plan's step time, so ``restrict`` to a cap keeps every plan under it."""
+    import itertools
+
+    from nereus.passes.search_bounds import option_bounds, restrict, stage_bounds
+
+    cluster, w, models = inst
+    problem = build_problem(cluster, w, models, max_tp=2, max_pp=2, max_zero=2, offload=False)
+    bounds = option_bounds(problem)
+    lower = stage_bounds(problem, bounds)
+    names = list(problem.spaces)
+    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
+               for s in problem.positions.starts(k, o.gpus)] for ms in names]
+    assume(all(per_ms) and math.prod(map(len, per_ms)) * math.prod(len(problem.partitions[s]) for s, _ in problem.stages) < 200_000)
+    stage_of = {ms: st for st, mss in problem.stages for ms in mss}
+    best = None
+    for k in itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)):
+        partition = {s: ki for (s, _), ki in zip(problem.stages, k)}
+        for combo in itertools.product(*per_ms):
+            choice = {ms: c for ms, (c, _) in zip(names, combo)}
+            v = problem.evaluate(choice, {ms: s for ms, (_, s) in zip(names, combo)}, partition)
+            if v is None:
+                continue
+            best = v if best is None else min(best, v)
+            for ms, c in choice.items():
+                assert bounds[ms][c] + sum(lower.values()) - lower[stage_of[ms]] <= v
+    event("feasible" if best is not None else "infeasible")
+    if best is not None:  # the cap at the optimum keeps an optimal plan: brute force on it agrees
+        sub = restrict(problem, bounds, best)
+        assert brute_force(sub[0] if sub else problem, limit=300_000)[0] == best
