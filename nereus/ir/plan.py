@@ -87,7 +87,13 @@ LAYOUT_ATTRS = [
     AttrSpec("mesh", "ints", doc="GPU of each (dp, pp, tp) coordinate, tp fastest"),
     AttrSpec("micro_batches", "posint", default=1, doc="micro-batches per pipeline flush"),
     AttrSpec("zero", "int", default=0, doc="ZeRO stage: shard optimizer (1), grads (2), weights (3) over DP"),
-    AttrSpec("recompute", "bool", default=False, doc="activation recomputation"),
+    AttrSpec("recompute", "bool", default=False,
+             doc="full activation recomputation (false keeps every activation but attention scores, which flash "
+                 "attention recomputes: what Megatron's selective recomputation keeps)"),
+    AttrSpec("sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"),
+    AttrSpec("vpp", "posint", default=1, doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers"),
+    AttrSpec("grad_dtype", "choice", default="bf16", choices=("bf16", "fp32"),
+             doc="gradient buffer dtype (fp32: Megatron's and DeepSpeed's main grads under bf16)"),
     AttrSpec("offload", "names", default=[], choices=OFFLOADABLE, doc="state moved to host memory after the stage"),
     AttrSpec("time", "time", default=None, doc="predicted time of the model-stage (from estimate)"),
     AttrSpec("memory", "size", default=None, doc="predicted peak memory per GPU (from estimate)"),
@@ -107,6 +113,9 @@ class Layout:
     micro_batches: int = 1
     zero: int = 0
     recompute: bool = False
+    sp: bool = False
+    vpp: int = 1
+    grad_dtype: str = "bf16"
     offload: list[str] = field(default_factory=list)
     time: float | None = None
     memory: int | None = None

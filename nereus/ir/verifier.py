@@ -196,6 +196,23 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
         sink.error(at(lay, "zero"), f"{ms}: ZeRO shards training state, but {ms} does not train")
     if lay.recompute and not train:
         sink.error(at(lay, "recompute"), f"{ms}: activation recomputation applies only to training")
+    if lay.sp and lay.tp == 1:
+        sink.error(at(lay, "sp"), f"{ms}: sequence parallelism shards activations over TP, but tp = 1",
+                   "set tp > 1 or drop sp")
+    if lay.grad_dtype != "bf16" and not train:
+        sink.error(at(lay, "grad_dtype"), f"{ms}: only a training model-stage keeps gradients")
+    if lay.vpp > 1:
+        if stage is not None and stage.kind == "generate":
+            sink.error(at(lay, "vpp"), f"{ms}: virtual pipeline stages are a training and inference schedule, not generation's")
+        elif lay.pp < 2:
+            sink.error(at(lay, "vpp"), f"{ms}: vpp = {lay.vpp} interleaves pipeline stages, but pp = {lay.pp}")
+        elif len(lay.layers) == lay.pp and any((hi - lo + 1) % lay.vpp for lo, hi in lay.layers):
+            sizes = ", ".join(str(hi - lo + 1) for lo, hi in lay.layers)
+            sink.error(at(lay, "vpp"), f"{ms}: vpp = {lay.vpp} virtual stages do not divide the layers of every pipeline "
+                                       f"stage ({sizes})", "choose vpp dividing every stage's layer count")
+        elif lay.micro_batches % lay.pp:
+            sink.error(at(lay, "vpp"), f"{ms}: the interleaved schedule needs micro_batches = {lay.micro_batches} to be a "
+                                       f"multiple of pp = {lay.pp}", f"use micro_batches = {lay.micro_batches // lay.pp * lay.pp or lay.pp}")
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")

@@ -10,7 +10,8 @@ from .diagnostics import NOWHERE, Loc
 STAGE_KINDS = ("generate", "infer", "train")
 
 WORKLOAD_ATTRS = [
-    AttrSpec("algorithm", "choice", choices=("ppo", "grpo")),
+    AttrSpec("algorithm", "choice", choices=("ppo", "grpo", "sft"),
+             doc="ppo (needs a critic), grpo (groups of at least 2), sft (training on given samples, no generation needed)"),
     AttrSpec("roles", "symbols", doc="the models of the job, e.g. [@actor, @critic, @ref, @reward]"),
     AttrSpec("global_batch", "posint", doc="prompts per step"),
     AttrSpec("group_size", "posint", default=1, doc="responses per prompt (GRPO's group)"),

@@ -57,7 +57,7 @@ def coefficient_vector(eff: Efficiency) -> np.ndarray:
 
 def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
     inv = [1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))]
-    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]))
+    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap)
 
 
 @dataclass
@@ -77,14 +77,25 @@ class Candidates:
     pp_link: np.ndarray
     dp_link: np.ndarray
     resident: np.ndarray = field(default=None)  # bytes other model-stages keep on the GPU
+    sp: np.ndarray = field(default=None)  # sequence parallelism
+    vpp: np.ndarray = field(default=None)  # virtual pipeline stages per rank
+    grad_bytes: np.ndarray = field(default=None)  # bytes per gradient (2: bf16, 4: fp32 main grads)
+
+    def __post_init__(self):
+        n = len(self.tp)
+        for name, value, dtype in (("resident", 0.0, float), ("sp", False, bool), ("vpp", 1, np.int64), ("grad_bytes", 2, float)):
+            v = getattr(self, name)
+            setattr(self, name, np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)))
 
     def __len__(self) -> int:
         return len(self.tp)
 
     @classmethod
-    def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0) -> "Candidates":
+    def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0, sp=False, vpp=1,
+             grad_bytes=2) -> "Candidates":
         """Candidates placed canonically (tp fastest on consecutive GPUs), layers split by tensor_split's rule."""
-        tp, pp, dp, mb, rc, z = np.broadcast_arrays(*(np.atleast_1d(v) for v in (tp, pp, dp, micro_batches, recompute, zero)))
+        tp, pp, dp, mb, rc, z, sp, vpp, gb = np.broadcast_arrays(*(np.atleast_1d(v) for v in (
+            tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes)))
         tp, pp, dp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64)
         g = cluster.gpus_per_node
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
@@ -92,7 +103,8 @@ class Candidates:
         return cls(tp=tp, pp=pp, dp=dp, micro_batches=mb.astype(np.int64), recompute=rc.astype(bool), zero=z.astype(np.int64),
                    first_layers=first, last_layers=last, max_layers=first,
                    tp_link=np.where(tp <= g, NVLINK, NIC), pp_link=np.where(tp * pp <= g, NVLINK, NIC),
-                   dp_link=np.where(tp * pp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)))
+                   dp_link=np.where(tp * pp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)), sp=sp, vpp=vpp,
+                   grad_bytes=gb)
 
     @classmethod
     def of_layout(cls, cluster: Cluster, layout: Layout, resident: float = 0.0) -> "Candidates":
@@ -112,7 +124,8 @@ class Candidates:
         return cls(tp=a(lay.tp), pp=a(lay.pp), dp=a(lay.dp), micro_batches=a(lay.micro_batches),
                    recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
                    max_layers=a(max(sizes)), tp_link=a(spans_nodes(tp_groups)), pp_link=a(spans_nodes(pp_pairs)),
-                   dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)))
+                   dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
+                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0))
 
 
 @dataclass
@@ -130,20 +143,34 @@ class StageCost:
     parts: dict[str, tuple[int, np.ndarray]]  # breakdown name -> (coefficient column, feature)
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature) of generation's decode, chosen per coefficient
+    overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
         return self.features_for(coeffs) @ coeffs + self.latency
 
     def features_for(self, coeffs: np.ndarray) -> np.ndarray:
-        """Features with generation's decode assigned to its binding resource under ``coeffs``."""
-        if self.decode is None:
+        """Features with generation's decode assigned to its binding resource under ``coeffs``,
+        and data-parallel communication less what the compute beside it hides: of ``comm``
+        seconds beside a ``window`` of compute, ``max((1 - overlap) x comm, comm - window)``
+        stay exposed (both linear in the coefficients once the case is chosen)."""
+        if self.decode is None and self.overlap is None:
             return self.features
         f = self.features.copy()
-        comp, mem = self.decode
-        compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
-        f[:, C_COMPUTE] += np.where(compute_bound, comp, 0.0)
-        f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
+        if self.decode is not None:
+            comp, mem = self.decode
+            compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
+            f[:, C_COMPUTE] += np.where(compute_bound, comp, 0.0)
+            f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
+        if self.overlap is not None:
+            f -= self.hidden_features(coeffs)
         return f
+
+    def hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
+        """The features of the communication that compute hides (subtracted from ``features``)."""
+        comm, window, share = self.overlap
+        c, w = comm @ coeffs, window @ coeffs
+        share_bound = (1 - share) * c >= c - w
+        return np.where(share_bound[:, None], share * comm, window)
 
     def memory(self) -> np.ndarray:
         return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
@@ -152,6 +179,8 @@ class StageCost:
         out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]]) for name, (col, feat) in self.parts.items()}
         for name, seconds in self.waits.items():
             out[name] = out.get(name, 0.0) + float(seconds[i])
+        if self.overlap is not None:
+            out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
         if self.decode is not None:
             comp, mem = self.decode
             if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM]:
@@ -266,14 +295,16 @@ class CostModel:
         mbs = workload.micro_batch
         n_mb = np.maximum(samples / mbs, 1.0)
         m = c.micro_batches.astype(float)
-        bubble = np.where(c.pp > 1, (pp - 1) / m, 0.0)
+        v = c.vpp.astype(float)
+        bubble = np.where(c.pp > 1, (pp - 1) / (m * v), 0.0)  # interleaving: v chunks per rank, a v-th of the bubble
+        sp_div = np.where(c.sp, tp, 1.0)  # sequence parallelism shards the activations outside the TP GEMMs
         stage_layers = c.max_layers.astype(float)
         params = self.params_per_gpu(model, c)
         tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
         pp_bw, pp_lat, pp_col = self._bw(c.pp_link)
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         ring_tp = 2 * (tp - 1) / tp
-        decode = None
+        decode = overlap = None
         zeros = np.zeros(n)
         weights = params * b
         grads = optimizer = activations = kv = zeros
@@ -285,7 +316,7 @@ class CostModel:
             """Bytes of activations one layer stores for backward, per micro-batch (flash attention)."""
             replicated = 4 * tokens * h * ACT_BYTES
             sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.ffn) * tokens * ACT_BYTES
-            return replicated + sharded / tp
+            return replicated / sp_div + sharded / tp
 
         if kind in ("train", "infer"):
             epochs = workload.ppo_epochs if kind == "train" else 1
@@ -301,25 +332,43 @@ class CostModel:
             tp_bytes = tokens * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
             wait("tp", np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0))
-            # PP: activations forward (and their gradients backward) per micro-batch
-            sends = (2.0 if kind == "train" else 1.0) * (n_mb_total + pp - 1)
-            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s * h * ACT_BYTES / pp_bw, 0.0))
+            # PP: activations forward (and their gradients backward) per micro-batch and virtual
+            # stage; each TP rank sends its 1/TP of them (Megatron's scatter-gather)
+            sends = (2.0 if kind == "train" else 1.0) * (n_mb_total * v + pp - 1)
+            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s * h * ACT_BYTES / tp / pp_bw, 0.0))
             wait("pp", np.where(c.pp > 1, sends * pp_lat, 0.0))
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
                 ring_dp = 2 * (dp - 1) / dp
-                dp_bytes = n_opt * ring_dp * params * 2 + np.where(c.zero == 3, n_mb_total * 2 * (dp - 1) / dp * params * 2, 0.0)
-                add("dp", dp_col, np.where(c.dp > 1, dp_bytes / dp_bw, 0.0))
+                # ZeRO-3 reduce-scatters gradients (its gathers are below); 0-2 all-reduce them, or
+                # reduce-scatter them and all-gather the updated weights: the same bytes
+                grad_ring = np.where(c.zero == 3, (dp - 1) / dp, ring_dp)
+                grad_bytes = n_opt * grad_ring * params * c.grad_bytes
+                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * (dp - 1) / dp * params * b, 0.0)
+                dp_feat = np.where(c.dp > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
+                add("dp", dp_col, dp_feat)
+                # what compute hides: ZeRO-3 gathers and reduces layer by layer beside all of it;
+                # otherwise gradient buckets reduce during the backward of an optimizer step's last micro-batch
+                backward = ideal * np.where(c.recompute, 3.0, 2.0) / passes
+                window = np.where(c.zero == 3, ideal, backward * n_opt / n_mb_total)
+                comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
+                for col in (C_NVLINK, C_NIC):
+                    comm_f[:, col] = np.where(dp_col == col, dp_feat, 0.0)
+                win_f[:, C_COMPUTE] = np.where(c.dp > 1, window, 0.0)
+                overlap = (comm_f, win_f, self.efficiency.overlap)
                 wait("dp", np.where(c.dp > 1, n_opt * 2 * (dp - 1) * dp_lat, 0.0))
                 shard_opt = np.where(c.zero >= 1, dp, 1.0)
                 add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
                 weights = params * b / np.where(c.zero >= 3, dp, 1.0)
-                grads = params * 2 / np.where(c.zero >= 2, dp, 1.0)
+                grads = params * c.grad_bytes / np.where(c.zero >= 2, dp, 1.0)
                 optimizer = params * 12 / shard_opt
-                in_flight = np.minimum(pp, m)
+                # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
+                # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
+                in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
                 tok_mb = mbs * s
-                stored = np.where(c.recompute, stage_layers * 2 * tok_mb * h * ACT_BYTES + act_layer(tok_mb),
+                # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
+                stored = np.where(c.recompute, stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
                                   stage_layers * act_layer(tok_mb))
                 activations = in_flight * stored + tok_mb * V * 4 / tp
             else:
@@ -351,7 +400,7 @@ class CostModel:
         resident_state = weights + grads + optimizer
         return StageCost(features=F, latency=latency, weights=weights, grads=grads, optimizer=optimizer,
                          activations=np.asarray(activations, dtype=float), kv_cache=np.asarray(kv, dtype=float),
-                         resident_state=resident_state, parts=parts, waits=waits, decode=decode)
+                         resident_state=resident_state, parts=parts, waits=waits, decode=decode, overlap=overlap)
 
     def offload_time(self, bytes_: float) -> tuple[float, float]:
         """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use."""

@@ -42,7 +42,7 @@ from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
 from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from .search_bounds import option_bounds, restrict, stage_bounds
-from .search_space import ANYWHERE, KIB, SPAN, SearchProblem, build_problem, layout_grid
+from .search_space import ANYWHERE, KIB, SPAN, SearchProblem, build_problem, layout_grid, sequence_parallel
 
 
 @dataclass
@@ -285,6 +285,7 @@ def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, clu
                 mesh = problem.positions.gpus[sol.start[ms]:sol.start[ms] + o.gpus]
                 layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh),
                                      micro_batches=o.micro_batches, zero=o.zero, recompute=o.recompute,
+                                     sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)),
                                      offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload])
     order = [ms for _, mss in problem.stages for ms in mss]
     return Plan(name=name, workload=workload, cluster=cluster, colocate=colocate, layouts={ms: layouts[ms] for ms in order})
@@ -325,7 +326,8 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
         return None
     tp, pp, dp, mb, rc, z, _ = (list(col) for col in zip(*rows))
     sc = cost.stage(model, problem.workload, kind, Candidates.grid(problem.cluster, model.layers, tp, pp, dp,
-                                                                    micro_batches=mb, recompute=rc, zero=z))
+                                                                    micro_batches=mb, recompute=rc, zero=z,
+                                                                    sp=sequence_parallel(tp, kind)))
     if kind == "generate":
         layers = np.ceil(model.layers / np.array(pp))
         seq = problem.workload.prompt_len_mean + problem.workload.response_len_mean

@@ -29,7 +29,8 @@ in two nodes, beyond that whole nodes in powers of two or up to 8 nodes, and all
 micro-batches: the most a pipeline flush holds, and every count below PP (less memory, more
 bubble; powers of two when PP > 8); counts between PP and the most are dominated (same memory,
 more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep more), recomputation
-on/off, offload of every subset of the state a stage keeps between stages.
+on/off, offload of every subset of the state a stage keeps between stages; sequence parallelism
+whenever TP is used for training or inference (``sequence_parallel``).
 
 Large jobs (more than ``EXHAUSTIVE_GPUS`` GPUs or ``FULL_SPACE_MODEL_STAGES`` model-stages)
 get a thinner space to stay fast: only the most micro-batches a flush holds, three offload
@@ -344,6 +345,13 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
     return rows
 
 
+def sequence_parallel(tp, kind: str):
+    """Whether a candidate runs with sequence parallelism: whenever it has TP and is a Megatron-
+    style training or inference pass (vLLM's generation has none). It moves the same bytes as
+    TP's all-reduces and keeps less: no candidate without it is better."""
+    return (np.asarray(tp) > 1) & (kind != "generate")
+
+
 @dataclass
 class Rows:
     """Candidates of one model-stage as arrays; ``times[i, j]``: seconds at start class ``classes[j]`` (inf: not a start)."""
@@ -374,8 +382,9 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     cols = list(zip(*grid))
     tp, pp, dp, mb, zero = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
+    sp = sequence_parallel(tp, kind)
     base = cost.stage(model, workload, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
-                                                             recompute=rc, zero=zero))
+                                                             recompute=rc, zero=zero, sp=sp))
     state = {"weights": base.weights, "grads": base.grads, "optimizer": base.optimizer}
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
@@ -401,7 +410,8 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     resident = np.zeros(len(tp))
     if len(ex_row):
         r = ex_row
-        cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r])
+        cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
+                               sp=sequence_parallel(tp[r], kind))
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)

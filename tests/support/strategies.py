@@ -157,7 +157,8 @@ HANDLED = {
                  "response_len_mean", "response_len_max", "ppo_epochs", "mini_batch", "micro_batch", "steps"},
     "stage": {"kind", "models"},
     "plan": {"workload", "cluster", "colocate"},
-    "layout": {"tp", "pp", "dp", "layers", "mesh", "micro_batches", "zero", "recompute", "offload", "time", "memory"},
+    "layout": {"tp", "pp", "dp", "layers", "mesh", "micro_batches", "zero", "recompute", "offload", "time", "memory",
+               "sp", "vpp", "grad_dtype"},  # vpp: tests/ir/test_layout_features.py
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -320,6 +321,8 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         micro_batches=draw(st.integers(1, 16)),
         zero=draw(st.integers(0, 3)) if trains else 0,
         recompute=draw(st.booleans()) if trains else False,
+        sp=draw(st.booleans()) if tp > 1 else False,
+        grad_dtype=draw(st.sampled_from(["bf16", "fp32"])) if trains else "bf16",
         offload=draw(st.lists(st.sampled_from(offload_choices), unique=True, max_size=len(offload_choices))),
         time=draw(st.none() | quantity(Dim.TIME)),
         memory=draw(st.none() | quantity(Dim.SIZE)),

@@ -1,0 +1,105 @@
+"""``nereus bench validate``: ``estimate`` against published training figures (``validation/*.nir``).
+
+Each file of ``validation/`` is one source: its configurations written as IR, each plan preceded
+by ``// published: X s per iteration (where in the source)``. Every plan is estimated with the
+cluster's *prior* coefficients (nothing is fitted to these figures) and set beside two
+constant-efficiency predictors, which know the FLOPs of the configuration (as the cost model
+counts them, recomputation included) and nothing else: every GPU at the model's own prior
+compute efficiency, and every GPU at the single fraction of peak that best fits this very set
+(the best any constant can do, known only in hindsight).
+A configuration that ran must also estimate as fitting in memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..ir import parse
+from ..ir.cluster import Efficiency
+from ..passes.cost_model import CostModel
+from ..passes.estimate import estimate_plan
+
+VALIDATION = Path(__file__).resolve().parents[2] / "validation"
+CONSTANT_EFFICIENCY = Efficiency().compute  # the model's prior
+PUBLISHED = re.compile(r"//\s*published:\s*([0-9.]+)\s*s\b")
+
+
+@dataclass
+class Case:
+    source: str  # file stem
+    plan: str
+    gpus: int
+    published_s: float
+    model_s: float
+    ideal_s: float  # FLOPs at 100% of peak (recomputation included)
+    fits: bool
+    memory_gib: float
+
+    def constant_s(self, efficiency: float) -> float:
+        return self.ideal_s / efficiency
+
+
+def cases(directory: Path = VALIDATION) -> list[Case]:
+    out = []
+    for path in sorted(directory.glob("*.nir")):
+        m = parse(path.read_text(), str(path))
+        for name, plan in m.plans.items():
+            notes = " ".join(text for texts in plan.comments.values() for text, _ in texts)
+            found = PUBLISHED.search(notes)
+            if not found:
+                raise ValueError(f"{path.name}: plan @{name} has no '// published: X s' comment")
+            problems = estimate_plan(m, plan)
+            cluster = m.clusters[plan.cluster]
+            eff = CostModel(cluster).efficiency.compute
+            ideal = sum(lay.time_breakdown.compute * eff for lay in plan.layouts.values())
+            memory = max(lay.memory for lay in plan.layouts.values())
+            out.append(Case(path.stem, name, max(lay.world for lay in plan.layouts.values()), float(found.group(1)),
+                            plan.step_time, ideal, not problems, memory / 2**30))
+    return out
+
+
+def errors(rows: list[Case]) -> dict[str, np.ndarray]:
+    pub = np.array([c.published_s for c in rows])
+    ideal = np.array([c.ideal_s for c in rows])
+    # the constant in hindsight: the efficiency minimising the median relative error over this set
+    grid = np.linspace(0.2, 0.9, 701)
+    best = grid[np.argmin([np.median(np.abs(ideal / e - pub) / pub) for e in grid])]
+    return {"model": np.abs(np.array([c.model_s for c in rows]) - pub) / pub,
+            "constant": np.abs(ideal / CONSTANT_EFFICIENCY - pub) / pub,
+            "best_constant": np.abs(ideal / best - pub) / pub, "best_efficiency": best}
+
+
+def run(quick: bool = False, json_output: bool = False) -> dict:
+    rows = cases()
+    err = errors(rows)
+    summary = {k: {"median": float(np.median(err[k])), "mean": float(np.mean(err[k])), "worst": float(np.max(err[k]))}
+               for k in ("model", "constant", "best_constant")}
+    result = {"benchmark": "validate", "cases": len(rows), "sources": len({c.source for c in rows}),
+              "best_constant_efficiency": float(err["best_efficiency"]), "summary": summary,
+              "rows": [{"source": c.source, "plan": c.plan, "gpus": c.gpus, "published_s": c.published_s,
+                        "model_s": round(c.model_s, 4), "constant_s": round(c.constant_s(CONSTANT_EFFICIENCY), 4),
+                        "model_error": round(float(e), 4), "constant_error": round(float(k), 4), "fits": c.fits,
+                        "memory_gib": round(c.memory_gib, 1)}
+                       for c, e, k in zip(rows, err["model"], err["constant"])]}
+    if not json_output:
+        t = Table(title=f"estimate (prior coefficients) against {len(rows)} published figures from "
+                        f"{result['sources']} sources, beside constant efficiency", title_justify="left")
+        for col in ("source", "plan", "GPUs", "published", "model", "error", f"constant {CONSTANT_EFFICIENCY}", "error",
+                    "memory", "fits"):
+            t.add_column(col, justify="left" if col in ("source", "plan") else "right")
+        for c, e, k in zip(rows, err["model"], err["constant"]):
+            t.add_row(c.source, c.plan, str(c.gpus), f"{c.published_s:.2f} s", f"{c.model_s:.2f} s", f"{e:.1%}",
+                      f"{c.constant_s(CONSTANT_EFFICIENCY):.2f} s", f"{k:.1%}", f"{c.memory_gib:.1f} GiB", "yes" if c.fits else "NO")
+        console = Console(width=160)
+        console.print(t)
+        for k, label in (("model", "model"), ("constant", f"constant {CONSTANT_EFFICIENCY}"),
+                         ("best_constant", f"best constant ({err['best_efficiency']:.3f}, fitted to this set)")):
+            s = summary[k]
+            console.print(f"{label:>40}: median {s['median']:.1%}, mean {s['mean']:.1%}, worst {s['worst']:.1%}")
+    return result

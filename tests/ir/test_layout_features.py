@@ -1,0 +1,61 @@
+"""Sequence parallelism, virtual pipeline stages and gradient dtype: they round-trip, the cost
+model sees them, and combinations real systems do not run are diagnostics at their line."""
+
+import pytest
+
+import nereus
+from nereus.ir import DiagnosticError, print_ir
+from nereus.passes.estimate import estimate_plan
+
+from ..support import ROOT
+
+BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
+
+
+def _plan(layout: str) -> str:
+    return BASE + f"""
+plan @probe {{
+  workload = @w175b
+  cluster = @selene
+  layout gpt175b.train {{ {layout} }}
+}}
+"""
+
+
+GOOD = "tp = 8, pp = 8, dp = 1, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], mesh = [0..63]"
+
+
+def _error(layout: str) -> tuple[str, str]:
+    text = _plan(layout)
+    with pytest.raises(DiagnosticError) as e:
+        nereus.verify(nereus.parse(text))
+    (d,) = e.value.diagnostics
+    return d.message, text.splitlines()[d.loc.line - 1]
+
+
+def test_features_round_trip_and_change_the_estimate():
+    text = _plan(GOOD + ", micro_batches = 64, sp = true, vpp = 3, grad_dtype = fp32")
+    m = nereus.parse(text)
+    lay = m.plans["probe"].layouts["gpt175b.train"]
+    assert (lay.sp, lay.vpp, lay.grad_dtype) == (True, 3, "fp32")
+    again = nereus.parse(print_ir(m)).plans["probe"].layouts["gpt175b.train"]
+    assert (again.sp, again.vpp, again.grad_dtype) == (True, 3, "fp32")
+    plain = nereus.parse(_plan(GOOD + ", micro_batches = 64"))
+    assert estimate_plan(m, m.plans["probe"]) == [] and estimate_plan(plain, plain.plans["probe"]) == []
+    a, b = m.plans["probe"].layouts["gpt175b.train"], plain.plans["probe"].layouts["gpt175b.train"]
+    assert a.time_breakdown.bubble == pytest.approx(b.time_breakdown.bubble / 3, rel=1e-4)  # interleaving: a third of the bubble
+    assert a.memory_breakdown.grads == pytest.approx(2 * b.memory_breakdown.grads, rel=1e-3)  # fp32 main grads (printed in MiB)
+    assert a.memory_breakdown.activations < b.memory_breakdown.activations  # SP, despite interleaving's extra in flight
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("tp = 1, pp = 1, dp = 8, layers = [0..95], mesh = [0..7], sp = true",
+     "sequence parallelism shards activations over TP, but tp = 1"),
+    ("tp = 8, pp = 1, dp = 1, layers = [0..95], mesh = [0..7], vpp = 2", "vpp = 2 interleaves pipeline stages, but pp = 1"),
+    (GOOD + ", micro_batches = 64, vpp = 5", "vpp = 5 virtual stages do not divide the layers of every pipeline stage"),
+    (GOOD + ", micro_batches = 12, vpp = 3", "the interleaved schedule needs micro_batches = 12 to be a multiple of pp = 8"),
+])
+def test_unsupported_combinations_are_diagnostics_at_the_layout(layout, message):
+    got, line = _error(layout)
+    assert message in got
+    assert "layout gpt175b.train" in line
