@@ -13,7 +13,9 @@ OFFLOADABLE = ("weights", "grads", "optimizer")
 class TimeBreakdown:
     """Seconds of one model-stage per step, by cause (``estimate``)."""
 
-    compute: float = 0.0
+    compute: float = 0.0  # generation: decode while the batch is full
+    prefill: float = 0.0
+    tail: float = 0.0  # generation: decode while the batch drains (the longest responses)
     bubble: float = 0.0
     tp: float = 0.0
     pp: float = 0.0

@@ -91,6 +91,18 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
             sink.error(at(w, "prompt_len_mean"), f"prompt_len_mean = {w.prompt_len_mean} exceeds prompt_len_max = {w.prompt_len_max}")
         if w.response_len_mean > w.response_len_max:
             sink.error(at(w, "response_len_mean"), f"response_len_mean = {w.response_len_mean} exceeds response_len_max = {w.response_len_max}")
+        if w.response_len_dist:
+            d = w.response_len_dist
+            mean = sum(d) / len(d)
+            if any(b < a for a, b in zip(d, d[1:])) or d[0] < 1:
+                sink.error(at(w, "response_len_dist"), "response_len_dist is not a distribution: its lengths must be "
+                                                       "positive and in order, shortest first", "list the lengths of equal "
+                                                                                                "shares of the responses, e.g. [256, 512, 1024, 4096]")
+            elif d[-1] > w.response_len_max:
+                sink.error(at(w, "response_len_dist"), f"response_len_dist reaches {d[-1]}, beyond response_len_max = {w.response_len_max}")
+            elif abs(mean - w.response_len_mean) > 0.5:
+                sink.error(at(w, "response_len_dist"), f"response_len_dist has mean {mean:g}, but response_len_mean = {w.response_len_mean}",
+                           f"set response_len_mean = {round(mean)}")
         if w.algorithm == "grpo" and w.group_size < 2:
             sink.error(at(w, "group_size"), "GRPO compares a group of responses per prompt: group_size must be at least 2")
         if w.mini_batch is not None and (w.mini_batch > w.samples or w.samples % w.mini_batch):

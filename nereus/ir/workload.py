@@ -19,6 +19,9 @@ WORKLOAD_ATTRS = [
     AttrSpec("prompt_len_max", "posint"),
     AttrSpec("response_len_mean", "posint"),
     AttrSpec("response_len_max", "posint"),
+    AttrSpec("response_len_dist", "ints", default=[],
+             doc="response lengths of equal shares of the responses, shortest first (8 values: each an eighth); "
+                 "their mean is response_len_mean. Generation is then costed as continuous batching drains them"),
     AttrSpec("ppo_epochs", "posint", default=1),
     AttrSpec("mini_batch", "posint", default=None, doc="samples per optimizer step; default: one per step"),
     AttrSpec("micro_batch", "posint", doc="samples per forward/backward per replica"),
@@ -55,6 +58,7 @@ class Workload:
     response_len_mean: int
     response_len_max: int
     micro_batch: int
+    response_len_dist: list[int] = field(default_factory=list)
     group_size: int = 1
     ppo_epochs: int = 1
     mini_batch: int | None = None

@@ -142,7 +142,7 @@ class StageCost:
     resident_state: np.ndarray  # what this model-stage keeps on a GPU between stages (bytes)
     parts: dict[str, tuple[int, np.ndarray]]  # breakdown name -> (coefficient column, feature)
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
-    decode: tuple | None = None  # (compute feature, hbm feature) of generation's decode, chosen per coefficient
+    decode: tuple | None = None  # (compute feature, hbm feature, draining share) of generation's decode
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
@@ -157,7 +157,7 @@ class StageCost:
             return self.features
         f = self.features.copy()
         if self.decode is not None:
-            comp, mem = self.decode
+            comp, mem, _ = self.decode
             compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
             f[:, C_COMPUTE] += np.where(compute_bound, comp, 0.0)
             f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
@@ -182,12 +182,42 @@ class StageCost:
         if self.overlap is not None:
             out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
         if self.decode is not None:
-            comp, mem = self.decode
-            if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM]:
-                out["compute"] = out.get("compute", 0.0) + float(comp[i] * coeffs[C_COMPUTE])
-            else:
-                out["memory"] = out.get("memory", 0.0) + float(mem[i] * coeffs[C_HBM])
+            comp, mem, tail = self.decode
+            bound = "compute" if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM] else "memory"
+            seconds = float(comp[i] * coeffs[C_COMPUTE]) if bound == "compute" else float(mem[i] * coeffs[C_HBM])
+            out[bound] = out.get(bound, 0.0) + seconds * (1 - float(tail[i]))
+            out["tail"] = out.get("tail", 0.0) + seconds * float(tail[i])
         return out
+
+
+def decode_iterations(lengths: np.ndarray, samples, slots) -> tuple[np.ndarray, np.ndarray]:
+    """Decode iterations of continuous batching (vLLM) until the last response of a replica
+    ends, and how many of them run while the batch drains: ``samples`` responses whose lengths
+    are the equal shares ``lengths``, at most ``slots`` at a time (the KV cache's), started
+    first come first served in random order.
+
+    All fit (slots >= samples): every response starts at once; the batch is full until the
+    shortest ends and done when the longest does. Otherwise the queue keeps every slot busy
+    until it empties, at ``total / slots`` less the mean residual of a response in service (the
+    length-biased ``E[L^2] / (2 E[L])``); then the responses in service finish, the last after
+    the largest residual, about ``r_max k / (k + 1)`` with ``k`` longest responses among the
+    slots; at least ``ceil(samples / slots)`` shortest responses back to back, at most as many
+    longest ones (exact when every response is as long). Always between
+    Graham's bounds ``max(r_max, total / slots)`` and ``total / slots + r_max``."""
+    lengths = np.asarray(lengths, dtype=float)
+    samples = np.ceil(np.asarray(samples, dtype=float) - 1e-9)
+    slots = np.maximum(np.asarray(slots, dtype=float), 1.0)
+    top, m1, m2 = lengths.max(), lengths.mean(), np.mean(lengths**2)
+    total = samples * m1
+    k = slots * top / (len(lengths) * m1)  # longest responses in service (length-biased)
+    queued = np.maximum(total / slots - m2 / (2 * m1), 0.0) + top * k / (k + 1)
+    rounds = np.ceil(samples / slots) * lengths.min()  # some slot serves ceil(samples / slots) responses
+    most = np.ceil(samples / slots) * top  # and at most that many longest ones
+    queued = np.clip(np.clip(queued, rounds, most), np.maximum(top, total / slots), total / slots + top)
+    fit = slots >= samples
+    iterations = np.where(fit, top, queued)
+    full = np.where(fit, lengths.min(), np.maximum(queued - top * k / (k + 1), 0.0))
+    return iterations, iterations - np.minimum(full, iterations)
 
 
 class CostModel:
@@ -379,14 +409,19 @@ class CostModel:
             budget = VLLM_GPU_MEMORY_UTILIZATION * self.cluster.gpu_memory - weights - c.resident
             conc = np.clip(np.floor(budget / ((p + r) * kv_tok)), 0, samples)
             waves = np.where(conc >= 1, np.ceil(samples / np.maximum(conc, 1)), np.inf)
-            steps = waves * R
             prefill = samples * p * (L * self.layer_flops(model, p) + self.head_flops(model)) / (tp * pp * peak)
-            add("compute", C_COMPUTE, prefill)
-            dec_compute = samples * r * (L * self.layer_flops(model, p + r / 2) + self.head_flops(model)) / (tp * pp * peak)
+            add("prefill", C_COMPUTE, prefill)
+            lengths = np.asarray(workload.response_len_dist or [r], dtype=float)  # equal shares of the responses
+            if workload.response_len_dist:
+                steps, draining = decode_iterations(lengths, samples, conc)
+            else:  # lengths unknown: waves of sequences, each as long as the longest response
+                steps, draining = waves * R, waves * (R - r)  # each wave drains from the mean length to the longest
+            per_seq = lambda f: samples * np.mean([f(x) for x in lengths], axis=0)  # sum over the responses
+            dec_compute = per_seq(lambda x: x * (L * self.layer_flops(model, p + x / 2) + self.head_flops(model))) / (tp * pp * peak)
             # a token passes the pipeline stages one after another, so PP does not shorten a decode
             # step (it frees memory for a larger batch): each step costs pp stage reads
-            dec_memory = pp * (steps * weights + samples * (p * r + r * r / 2) * kv_tok) / self.cluster.hbm_bandwidth
-            decode = (dec_compute, dec_memory)
+            dec_memory = pp * (steps * weights + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
+            decode = (dec_compute, dec_memory, np.clip(draining / np.maximum(steps, 1), 0.0, 1.0))
             tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
             wait("tp", np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0))

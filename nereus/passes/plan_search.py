@@ -285,7 +285,7 @@ def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, clu
                 mesh = problem.positions.gpus[sol.start[ms]:sol.start[ms] + o.gpus]
                 layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh),
                                      micro_batches=o.micro_batches, zero=o.zero, recompute=o.recompute,
-                                     sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)),
+                                     sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)), vpp=o.vpp,
                                      offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload])
     order = [ms for _, mss in problem.stages for ms in mss]
     return Plan(name=name, workload=workload, cluster=cluster, colocate=colocate, layouts={ms: layouts[ms] for ms in order})
@@ -324,10 +324,10 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
     rows = layout_grid(model, problem.workload, kind, problem.n, problem.positions.per_node, problem.cluster.gpus_per_node)
     if not rows:
         return None
-    tp, pp, dp, mb, rc, z, _ = (list(col) for col in zip(*rows))
+    tp, pp, dp, mb, rc, z, _, v = (list(col) for col in zip(*rows))
     sc = cost.stage(model, problem.workload, kind, Candidates.grid(problem.cluster, model.layers, tp, pp, dp,
                                                                     micro_batches=mb, recompute=rc, zero=z,
-                                                                    sp=sequence_parallel(tp, kind)))
+                                                                    sp=sequence_parallel(tp, kind), vpp=v))
     if kind == "generate":
         layers = np.ceil(model.layers / np.array(pp))
         seq = problem.workload.prompt_len_mean + problem.workload.response_len_mean

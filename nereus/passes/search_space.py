@@ -30,7 +30,9 @@ micro-batches: the most a pipeline flush holds, and every count below PP (less m
 bubble; powers of two when PP > 8); counts between PP and the most are dominated (same memory,
 more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep more), recomputation
 on/off, offload of every subset of the state a stage keeps between stages; sequence parallelism
-whenever TP is used for training or inference (``sequence_parallel``).
+whenever TP is used for training or inference (``sequence_parallel``); interleaved pipelines of 2,
+3 or 4 virtual stages where they divide every stage's layers, with the most micro-batches a
+flush holds that are a multiple of PP.
 
 Large jobs (more than ``EXHAUSTIVE_GPUS`` GPUs or ``FULL_SPACE_MODEL_STAGES`` model-stages)
 get a thinner space to stay fast: only the most micro-batches a flush holds, three offload
@@ -60,6 +62,7 @@ OFFLOAD_CHOICES = {"train": tuple(tuple(k for k, on in zip(STATE, bits) if on)
 EXHAUSTIVE_GPUS = 16  # up to this many available GPUs and
 FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every start
 MAX_WAVE_POINTS = 48  # (8 on large clusters)
+VIRTUAL_STAGES = (2, 3, 4)  # interleaved pipeline schedules tried (besides plain 1F1B)
 LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
                 "generate": ((), ("weights",))}  # generation allowances per layout (geometric beyond this many wave counts)
 
@@ -177,6 +180,7 @@ class Option:
     times: dict[int, int]  # start class -> units of SearchProblem.unit_s, rounded up
     peak: int  # KiB: own peak during its stage (generation: its largest peak + others' state, less rho)
     resident: int  # KiB: own state kept between stages
+    vpp: int = 1  # virtual pipeline stages per rank
 
     @property
     def extra(self) -> int:
@@ -303,7 +307,8 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
             opts.append(Option(int(c.tp[i]), int(c.pp[i]), int(c.dp[i]), int(c.mb[i]), bool(c.rc[i]), int(c.zero[i]),
                                c.offload[i], int(c.rho[i]), int(c.gpus[i]),
                                {int(c.classes[j]): float(c.times[i, j]) for j in cols},
-                               {int(c.classes[j]): int(units[i, j]) for j in cols}, int(c.peak[i]), int(c.resident[i])))
+                               {int(c.classes[j]): int(units[i, j]) for j in cols}, int(c.peak[i]), int(c.resident[i]),
+                               int(c.vpp[i])))
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
     problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces)
@@ -313,8 +318,8 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
 
 def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: int, max_tp: int, max_pp: int = 0,
                 max_zero: int = 3, offload: bool = True, full: bool = True) -> list[tuple]:
-    """(tp, pp, dp, micro_batches, recompute, zero, offload) of every candidate layout (module
-    docs); ``full=False`` is the large-cluster space."""
+    """(tp, pp, dp, micro_batches, recompute, zero, offload, vpp) of every candidate layout
+    (module docs); ``full=False`` is the large-cluster space."""
     tps = [t for t in range(1, min(max_tp, model.heads) + 1) if model.heads % t == 0
            and (t % model.kv_heads == 0 or model.kv_heads % t == 0) and t <= n]
     top_pp = min(model.layers, n, max_pp or model.layers)
@@ -337,11 +342,16 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
                     continue  # dp replicas of one micro-batch each exceed a pipeline flush
                 fewer = range(1, pp) if pp <= 8 else [1 << k for k in range(pp.bit_length()) if 1 << k < pp]
                 mbs = sorted({m for m in (fewer if full else ()) if m <= most} | {most})
-            for mb in mbs:
+            # interleaving: v virtual stages when they divide every stage's layers evenly, with
+            # the most micro-batches a flush holds that are a multiple of pp (Megatron's rule)
+            whole = (flush_samples(workload, kind) // dp // workload.micro_batch) // pp * pp if pp > 1 else 0
+            shapes = [(mb, 1) for mb in mbs] + [(whole, v) for v in VIRTUAL_STAGES
+                                                if kind != "generate" and whole and model.layers % (pp * v) == 0]
+            for mb, v in shapes:
                 for rc in ((False, True) if kind == "train" else (False,)):
                     for z in (zeros if kind == "train" and dp > 1 else (0,)):
                         for off in ((OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),)):
-                            rows.append((tp, pp, dp, mb, rc, z, off))
+                            rows.append((tp, pp, dp, mb, rc, z, off, v))
     return rows
 
 
@@ -369,6 +379,7 @@ class Rows:
     times: np.ndarray
     peak: np.ndarray  # KiB
     resident: np.ndarray  # KiB
+    vpp: np.ndarray
 
 
 def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model, kind: str, max_tp: int,
@@ -378,19 +389,19 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     if not grid:
         e = np.zeros(0, dtype=np.int64)
-        return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e)
+        return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e, e)
     cols = list(zip(*grid))
-    tp, pp, dp, mb, zero = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5))
+    tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
     sp = sequence_parallel(tp, kind)
     base = cost.stage(model, workload, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
-                                                             recompute=rc, zero=zero, sp=sp))
+                                                             recompute=rc, zero=zero, sp=sp, vpp=vpp))
     state = {"weights": base.weights, "grads": base.grads, "optimizer": base.optimizer}
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
     if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
         keep, rho = _wave_points(cost, workload, model, base, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
-        tp, pp, dp, mb, rc, zero, offloaded = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded))
+        tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
         off = [off[i] for i in keep]
     gpus = tp * pp * dp
     # every row at every start class of its size, with the links of the mesh at that start
@@ -411,7 +422,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     if len(ex_row):
         r = ex_row
         cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
-                               sp=sequence_parallel(tp[r], kind))
+                               sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
@@ -433,7 +444,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     with np.errstate(invalid="ignore"):
         return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
                     gpus, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
-                    np.ceil(resident / KIB).astype(np.int64))
+                    np.ceil(resident / KIB).astype(np.int64), vpp)
 
 
 def _per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from nereus.ir.cluster import Efficiency
 from nereus.testing.jobs import _layout_line as _layout, ppo_8b_16gpu
 from nereus.passes.calibrate import fit, observations, read_profile, synthetic_profile
 
-HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6)
+HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6, overlap=0.7)
 
 # Layout variants of the 8B PPO job on 2 x 8 GPUs, chosen so that every coefficient is exercised:
 # DP and PP across nodes (NIC), offload (PCIe), TP inside nodes (NVLink), decode (HBM).
@@ -45,9 +45,10 @@ def test_fit_recovers_hidden_coefficients_within_2_percent(module):
     records = synthetic_profile(module, HIDDEN, noise=0.01, seed=1, steps=100)
     obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])
     result = fit(obs, Efficiency())
-    assert set(result.used) == {"compute", "hbm", "nvlink", "nic", "pcie", "overhead"}
+    assert set(result.used) == {"compute", "hbm", "nvlink", "nic", "pcie", "overhead", "overlap"}
     for field in ("compute", "hbm", "nvlink", "nic", "pcie", "overhead"):
         assert getattr(result.efficiency, field) == pytest.approx(getattr(HIDDEN, field), rel=0.02), field
+    assert result.efficiency.overlap == pytest.approx(HIDDEN.overlap)  # on the 0.05 grid the fit tries
     assert result.error_before >= 5 * result.error_after
     assert result.error_after < 0.01
 

@@ -63,8 +63,9 @@ def test_decode_is_hbm_bound_and_tp_helps_it():
     cost = cm.stage(m, w, "generate", c)
     b1, b2 = cost.breakdown(cm.coeffs, 0), cost.breakdown(cm.coeffs, 1)
     weight_read = 1024 * m.num_params() * 2 / (A100.hbm_bandwidth * 0.7)
-    assert b1["memory"] == pytest.approx(weight_read, rel=0.05)  # plus the KV cache reads
-    assert b2["memory"] < 0.55 * b1["memory"]
+    decode = lambda b: b["memory"] + b["tail"]  # the batch full, then draining to the longest response
+    assert decode(b1) == pytest.approx(weight_read, rel=0.05)  # plus the KV cache reads
+    assert decode(b2) < 0.55 * decode(b1)
 
 
 def test_estimate_annotates_examples_and_step_time_follows_stages():
