@@ -187,11 +187,6 @@ class Option:
         """KiB its stage needs beyond what it keeps resident."""
         return self.peak - self.resident
 
-    def describe(self) -> str:
-        extra = "".join([f" m{self.micro_batches}" if self.pp > 1 else "", " rc" if self.recompute else "",
-                         f" z{self.zero}" if self.zero else "", f" off:{'+'.join(self.offload)}" if self.offload else ""])
-        return f"tp{self.tp} pp{self.pp} dp{self.dp}{extra}"
-
 
 @dataclass
 class Space:
@@ -229,10 +224,6 @@ class SearchProblem:
     @property
     def n(self) -> int:
         return self.positions.n
-
-    @property
-    def gpus(self) -> list[int]:
-        return self.positions.gpus
 
     def evaluate(self, choice: dict[str, int], start: dict[str, int], partition: dict[str, int]) -> int | None:
         """Step time (units) of options ``choice`` placed at ``start``, grouped by ``partition``;
