@@ -100,6 +100,8 @@ def grpo_7b_8gpu() -> str:
 // GRPO on a Qwen2-7B-class model (Llama-style with GQA), one node of 8 H100-80GB.
 // The actor generates with TP 2 x DP 4 and trains with TP 4 x DP 2; the frozen reference
 // model shares the GPUs with the actor's inference pass and is offloaded between steps.
+// Responses are long-tailed (response_len_dist: the lengths of eighths of them); the training
+// and inference passes use sequence parallelism with their TP.
 cluster @h100x8 {{
   nodes = 1
   gpus_per_node = 8
@@ -118,6 +120,7 @@ workload @grpo {{
   prompt_len_max = 1024
   response_len_mean = 1536
   response_len_max = 4096
+  response_len_dist = [512, 768, 1024, 1280, 1536, 1792, 2048, 3328]
   mini_batch = 256
   micro_batch = 4
   steps = 500
@@ -131,9 +134,9 @@ plan @grpo_p0 {{
   cluster = @h100x8
   colocate = [[actor.infer, ref.infer]]
 {_layout_line("actor.generate", 2, 1, 4, 28, "0..7")}\
-{_layout_line("actor.infer", 4, 1, 2, 28, "0..7")}\
-{_layout_line("ref.infer", 4, 1, 2, 28, "0..7", ", offload = [weights]")}\
-{_layout_line("actor.train", 4, 1, 2, 28, "0..7", ", micro_batches = 8, recompute = true")}\
+{_layout_line("actor.infer", 4, 1, 2, 28, "0..7", ", sp = true")}\
+{_layout_line("ref.infer", 4, 1, 2, 28, "0..7", ", sp = true, offload = [weights]")}\
+{_layout_line("actor.train", 4, 1, 2, 28, "0..7", ", micro_batches = 8, recompute = true, sp = true")}\
 }}
 """
     return _with_emus(text, "grpo_p0", "actor.generate", "grpo_7b_8gpu.nir")
