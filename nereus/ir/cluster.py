@@ -50,6 +50,7 @@ CLUSTER_ATTRS = [
     AttrSpec("gpus_per_node", "posint", doc="GPUs in each node"),
     AttrSpec("gpu_memory", "size", doc="memory of one GPU, e.g. 80GiB"),
     AttrSpec("peak_flops", "flops", doc="dense bf16 peak of one GPU, e.g. 989TFLOPs"),
+    AttrSpec("peak_flops_fp8", "flops", default=None, doc="dense FP8 peak of one GPU, e.g. 1979TFLOPs (layouts with fp8 = true)"),
     AttrSpec("hbm_bandwidth", "bandwidth", doc="HBM bandwidth of one GPU, e.g. 3.35TB/s"),
     record("intra_node", LINK, doc="per-GPU NVLink: link(bandwidth = 450GB/s, latency = 2us)"),
     record("inter_node", LINK, doc="per-GPU NIC: link(bandwidth = 50GB/s, latency = 5us)"),
@@ -73,6 +74,7 @@ class Cluster:
     inter_node: Link
     host_link: Link | None = None
     host_memory: int | None = None
+    peak_flops_fp8: float | None = None
     unavailable: list[int] = field(default_factory=list)
     efficiency: Efficiency | None = None
     calibration: Calibration | None = None

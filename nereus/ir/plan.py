@@ -94,6 +94,7 @@ LAYOUT_ATTRS = [
                  "attention recomputes: what Megatron's selective recomputation keeps)"),
     AttrSpec("sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"),
     AttrSpec("vpp", "posint", default=1, doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers"),
+    AttrSpec("fp8", "bool", default=False, doc="GEMMs in FP8 (Transformer Engine), at the cluster's peak_flops_fp8; attention and the LM head stay bf16"),
     AttrSpec("grad_dtype", "choice", default="bf16", choices=("bf16", "fp32"),
              doc="gradient buffer dtype (fp32: Megatron's and DeepSpeed's main grads under bf16)"),
     AttrSpec("offload", "names", default=[], choices=OFFLOADABLE, doc="state moved to host memory after the stage"),
@@ -117,6 +118,7 @@ class Layout:
     recompute: bool = False
     sp: bool = False
     vpp: int = 1
+    fp8: bool = False
     grad_dtype: str = "bf16"
     offload: list[str] = field(default_factory=list)
     time: float | None = None

@@ -211,6 +211,9 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
     if lay.sp and lay.tp == 1:
         sink.error(at(lay, "sp"), f"{ms}: sequence parallelism shards activations over TP, but tp = 1",
                    "set tp > 1 or drop sp")
+    if lay.fp8 and cluster is not None and not cluster.peak_flops_fp8:
+        sink.error(at(lay, "fp8"), f"{ms}: fp8 GEMMs need the FP8 peak of cluster @{cluster.name}",
+                   "give the cluster peak_flops_fp8, e.g. 1979TFLOPs for an H100")
     if lay.grad_dtype != "bf16" and not train:
         sink.error(at(lay, "grad_dtype"), f"{ms}: only a training model-stage keeps gradients")
     if lay.vpp > 1:

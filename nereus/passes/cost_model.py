@@ -80,10 +80,12 @@ class Candidates:
     sp: np.ndarray = field(default=None)  # sequence parallelism
     vpp: np.ndarray = field(default=None)  # virtual pipeline stages per rank
     grad_bytes: np.ndarray = field(default=None)  # bytes per gradient (2: bf16, 4: fp32 main grads)
+    fp8: np.ndarray = field(default=None)  # GEMMs in FP8
 
     def __post_init__(self):
         n = len(self.tp)
-        for name, value, dtype in (("resident", 0.0, float), ("sp", False, bool), ("vpp", 1, np.int64), ("grad_bytes", 2, float)):
+        for name, value, dtype in (("resident", 0.0, float), ("sp", False, bool), ("vpp", 1, np.int64), ("grad_bytes", 2, float),
+                                         ("fp8", False, bool)):
             v = getattr(self, name)
             setattr(self, name, np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)))
 
@@ -125,7 +127,7 @@ class Candidates:
                    recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
                    max_layers=a(max(sizes)), tp_link=a(spans_nodes(tp_groups)), pp_link=a(spans_nodes(pp_pairs)),
                    dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
-                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0))
+                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0), fp8=a(lay.fp8))
 
 
 @dataclass
@@ -234,10 +236,16 @@ class CostModel:
     # ------------------------------------------------------------ model arithmetic
     @staticmethod
     def layer_flops(model: Model, ctx) -> np.ndarray:
-        """Forward FLOPs per token of one transformer layer at context length ``ctx``."""
+        """Forward FLOPs per token of one transformer layer at context length ``ctx``: its GEMMs,
+        then attention's scores and weighted sum over ``ctx`` positions."""
+        return CostModel.gemm_flops(model) + 4 * model.heads * model.hd * np.asarray(ctx, dtype=float)
+
+    @staticmethod
+    def gemm_flops(model: Model) -> int:
+        """Forward FLOPs per token of one layer's GEMMs (projections and MLP; not attention)."""
         h, q, k = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
-        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.ffn + 4 * q * np.asarray(ctx, dtype=float)
+        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.ffn
 
     @staticmethod
     def head_flops(model: Model) -> int:
@@ -296,6 +304,9 @@ class CostModel:
         n = len(c)
         tp, pp, dp = c.tp.astype(float), c.pp.astype(float), c.dp.astype(float)
         peak = self.cluster.peak_flops
+        # FP8 GEMMs run at the FP8 peak: counted as bf16-equivalent FLOPs, attention and head as they are
+        fp8_saving = np.where(c.fp8, 1 - peak / (self.cluster.peak_flops_fp8 or peak), 0.0) * self.gemm_flops(model)
+        layer_flops = lambda ctx: self.layer_flops(model, ctx) - fp8_saving
         h, L, V = model.hidden, model.layers, model.vocab
         b = model.dtype_bytes
         F = np.zeros((n, len(COEFFS)))
@@ -352,7 +363,7 @@ class CostModel:
             epochs = workload.ppo_epochs if kind == "train" else 1
             tokens = epochs * samples * s
             passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
-            flops_tok = passes * L * self.layer_flops(model, s) + (3.0 if kind == "train" else 1.0) * self.head_flops(model)
+            flops_tok = passes * L * layer_flops(s) + (3.0 if kind == "train" else 1.0) * self.head_flops(model)
             ideal = tokens * flops_tok / (tp * pp * peak)
             add("compute", C_COMPUTE, ideal)
             add("bubble", C_COMPUTE, ideal * bubble)
@@ -409,7 +420,7 @@ class CostModel:
             budget = VLLM_GPU_MEMORY_UTILIZATION * self.cluster.gpu_memory - weights - c.resident
             conc = np.clip(np.floor(budget / ((p + r) * kv_tok)), 0, samples)
             waves = np.where(conc >= 1, np.ceil(samples / np.maximum(conc, 1)), np.inf)
-            prefill = samples * p * (L * self.layer_flops(model, p) + self.head_flops(model)) / (tp * pp * peak)
+            prefill = samples * p * (L * layer_flops(p) + self.head_flops(model)) / (tp * pp * peak)
             add("prefill", C_COMPUTE, prefill)
             lengths = np.asarray(workload.response_len_dist or [r], dtype=float)  # equal shares of the responses
             if workload.response_len_dist:
@@ -417,7 +428,7 @@ class CostModel:
             else:  # lengths unknown: waves of sequences, each as long as the longest response
                 steps, draining = waves * R, waves * (R - r)  # each wave drains from the mean length to the longest
             per_seq = lambda f: samples * np.mean([f(x) for x in lengths], axis=0)  # sum over the responses
-            dec_compute = per_seq(lambda x: x * (L * self.layer_flops(model, p + x / 2) + self.head_flops(model))) / (tp * pp * peak)
+            dec_compute = per_seq(lambda x: x * (L * layer_flops(p + x / 2) + self.head_flops(model))) / (tp * pp * peak)
             # a token passes the pipeline stages one after another, so PP does not shorten a decode
             # step (it frees memory for a larger batch): each step costs pp stage reads
             dec_memory = pp * (steps * weights + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
