@@ -143,6 +143,9 @@ def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
 
     Every rank of the default group calls it; None on ranks off the layout.
     """
+    if layout.cp > 1:
+        raise ValueError(f"{layout.model_stage}: cp = {layout.cp}, but the live Llama stages do not run ring attention; "
+                         "context-parallel layouts are costed and resharded, not trained here")
     ranks = torch.tensor(layout.mesh, dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
     me = dist.get_rank()
     bound = datetime.timedelta(seconds=timeout)

@@ -44,7 +44,7 @@ def hf_name(name: str) -> str:
 
 
 def _key(lay: Layout) -> tuple:
-    return lay.tp, lay.pp, lay.dp, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
+    return lay.tp, lay.pp, lay.dp, lay.cp, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class WeightPush:
         self.model, self.engines, self.world, self.timeout = model, sorted(engines), world, timeout
         self.held_key = _key(held)
         stage = f"{model.name}.generate"
-        held = Layout(model_stage=stage, tp=held.tp, pp=held.pp, dp=held.dp, layers=list(held.layers),
+        held = Layout(model_stage=stage, tp=held.tp, pp=held.pp, dp=held.dp, cp=held.cp, layers=list(held.layers),
                       mesh=list(held.mesh))
         engine = Layout(model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)],
                         mesh=list(self.engines))

@@ -19,6 +19,7 @@ class TimeBreakdown:
     bubble: float = 0.0
     tp: float = 0.0
     pp: float = 0.0
+    cp: float = 0.0  # context parallelism's ring-attention K/V exchange
     dp: float = 0.0
     optimizer: float = 0.0
     memory: float = 0.0  # HBM-bound decode
@@ -86,12 +87,15 @@ LAYOUT_ATTRS = [
     AttrSpec("pp", "posint"),
     AttrSpec("dp", "posint"),
     AttrSpec("layers", "ranges", doc="layer range of each pipeline stage, e.g. [0..15, 16..31]"),
-    AttrSpec("mesh", "ints", doc="GPU of each (dp, pp, tp) coordinate, tp fastest"),
+    AttrSpec("mesh", "ints", doc="GPU of each (dp, cp, pp, tp) coordinate, tp fastest"),
     AttrSpec("micro_batches", "posint", default=1, doc="micro-batches per pipeline flush"),
     AttrSpec("zero", "int", default=0, doc="ZeRO stage: shard optimizer (1), grads (2), weights (3) over DP"),
     AttrSpec("recompute", "bool", default=False,
              doc="full activation recomputation (false keeps every activation but attention scores, which flash "
                  "attention recomputes: what Megatron's selective recomputation keeps)"),
+    AttrSpec("cp", "posint", default=1,
+             doc="context parallelism: each sample's sequence split over cp GPUs (ring attention, load-balanced "
+                 "causal chunks); weights are replicated over CP as over DP, and ZeRO shards over dp x cp"),
     AttrSpec("sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"),
     AttrSpec("vpp", "posint", default=1, doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers"),
     AttrSpec("fp8", "bool", default=False, doc="GEMMs in FP8 (Transformer Engine), at the cluster's peak_flops_fp8; attention and the LM head stay bf16"),
@@ -116,6 +120,7 @@ class Layout:
     micro_batches: int = 1
     zero: int = 0
     recompute: bool = False
+    cp: int = 1
     sp: bool = False
     vpp: int = 1
     fp8: bool = False
@@ -139,15 +144,22 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the model's state: ``dp x cp`` (a CP rank holds what its DP replica holds,
+        and ZeRO shards over all of them). State coordinates index replicas ``d x cp + c``."""
+        return self.dp * self.cp
 
     def gpu(self, dp: int, pp: int, tp: int) -> int:
-        """The GPU at mesh coordinate (dp, pp, tp); tp varies fastest."""
+        """The GPU at state coordinate (replica, pp, tp); tp varies fastest, then pp, then the
+        replica (``d x cp + c`` for DP rank d and CP rank c)."""
         return self.mesh[(dp * self.pp + pp) * self.tp + tp]
 
     def coords(self):
-        """Every (dp, pp, tp) coordinate, in mesh order."""
-        for d in range(self.dp):
+        """Every (replica, pp, tp) coordinate, in mesh order."""
+        for d in range(self.replicas):
             for p in range(self.pp):
                 for t in range(self.tp):
                     yield d, p, t

@@ -33,7 +33,7 @@ def dp_sharded(state: str, zero: int) -> bool:
 
 def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0) -> list[SliceEntry]:
     """The slices held at pipeline stage ``pp``, tensor rank ``tp`` of DP replica ``dp_rank``, in inventory order."""
-    return _dp_entries(_tp_slices(model, layout, pp, tp, states), layout.dp, dp_rank)
+    return _dp_entries(_tp_slices(model, layout, pp, tp, states), layout.replicas, dp_rank)
 
 
 def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[tuple]:
@@ -44,7 +44,7 @@ def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[t
     boxes: dict[str, tuple] = {}  # the TP box of a tensor is the same for every state
     out = []
     for state in states:
-        split = dp_sharded(state, layout.zero) and layout.dp > 1
+        split = dp_sharded(state, layout.zero) and layout.replicas > 1
         for spec in model.tensors.values():
             if spec.per_layer:
                 layers = (lo, hi)
@@ -90,11 +90,11 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
     Replicas whose slices are equal share one entry list, which the printer and the verifier
     use to treat them once.
     """
-    sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.dp > 1
+    sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.replicas > 1
     cache: dict[tuple[int, int, int], list[SliceEntry]] = {}
     tp_slices: dict[tuple[int, int], list[tuple]] = {}  # replicas differ only in what ZeRO splits
     emus = []
-    for d in range(layout.dp):
+    for d in range(layout.replicas):
         shards = []
         for p in range(layout.pp):
             for t in range(layout.tp):
@@ -102,7 +102,7 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
                 if key not in cache:
                     if (p, t) not in tp_slices:
                         tp_slices[(p, t)] = _tp_slices(model, layout, p, t, states)
-                    cache[key] = _dp_entries(tp_slices[(p, t)], layout.dp, key[0])
+                    cache[key] = _dp_entries(tp_slices[(p, t)], layout.replicas, key[0])
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
     return emus

@@ -160,6 +160,7 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
         if model is not None and ms in expected:
             _verify_layout(lay, model, stage, c, sink)
             _verify_micro_batches(lay, w, stage, sink)
+            _verify_context_parallel(lay, w, stage, sink)
     _colocation(plan, w, sink)
 
 
@@ -190,7 +191,9 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             if nxt != model.layers:
                 sink.error(at(lay, "layers"), f"{ms}: layers cover 0..{nxt - 1} but model @{model.name} has {model.layers} layers (0..{model.layers - 1})")
     if len(lay.mesh) != lay.world:
-        sink.error(at(lay, "mesh"), f"{ms}: mesh has {len(lay.mesh)} GPU(s) but dp x pp x tp = {lay.dp} x {lay.pp} x {lay.tp} = {lay.world}")
+        sink.error(at(lay, "mesh"), f"{ms}: mesh has {len(lay.mesh)} GPU(s) but "
+                    + (f"dp x cp x pp x tp = {lay.dp} x {lay.cp} x" if lay.cp > 1 else f"dp x pp x tp = {lay.dp} x")
+                    + f" {lay.pp} x {lay.tp} = {lay.world}")
     seen: set[int] = set()
     for g in lay.mesh:
         if g in seen:
@@ -254,6 +257,23 @@ def _verify_micro_batches(lay: Layout, w, stage, sink: DiagnosticSink) -> None:
                    f"{lay.dp} is {need} samples per pipeline flush, but {what} holds {flush}",
                    f"use micro_batches <= {most}" if most >= 1 else
                    f"dp = {lay.dp} replicas of micro_batch = {w.micro_batch} need more than {flush} samples: lower dp")
+
+
+def _verify_context_parallel(lay: Layout, w, stage, sink: DiagnosticSink) -> None:
+    """CP splits a training or inference pass's sequence into ``2 cp`` load-balanced causal
+    chunks (two per rank, Megatron-LM's rule), so ``2 cp`` must divide the padded sequence."""
+    if lay.cp == 1 or stage is None:
+        return
+    if stage.kind == "generate":
+        sink.error(at(lay, "cp"), f"{lay.model_stage}: context parallelism splits a training or inference pass's "
+                                  "sequence, not generation's", "drop cp on the generate stage")
+        return
+    seq = w.prompt_len_max + w.response_len_max
+    if seq % (2 * lay.cp):
+        ok = [c for c in range(2, 17) if seq % (2 * c) == 0]
+        sink.error(at(lay, "cp"), f"{lay.model_stage}: cp = {lay.cp} splits each sequence into {2 * lay.cp} causal chunks, "
+                                  f"which do not divide the sequence prompt_len_max + response_len_max = {seq}",
+                   ("choose cp from " + ", ".join(map(str, ok))) if ok else "pad the sequence to a multiple of 2 x cp")
 
 
 def _colocation(plan: Plan, w, sink: DiagnosticSink) -> None:

@@ -52,8 +52,9 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                        did_you_mean(emu.model_stage, ctx.plan.layouts))
             continue
         lay = ctx.layout
-        if emu.replica >= lay.dp:
-            sink.error(emu.loc, f"{emu.model_stage} has dp = {lay.dp}, so replica {emu.replica} does not exist")
+        if emu.replica >= lay.replicas:
+            sink.error(emu.loc, f"{emu.model_stage} has " + (f"dp x cp = {lay.dp} x {lay.cp}" if lay.cp > 1 else f"dp = {lay.dp}")
+                       + f", so replica {emu.replica} does not exist")
             continue
         if ctx.model is None or len(lay.layers) != lay.pp or len(lay.mesh) != lay.world:
             continue  # the plan's own errors are reported by the plan rules
@@ -133,7 +134,7 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
         if b > n:
             sink.error(e.loc, f"slice {format_box(e.box)} is outside {e.tensor} of shape {list(spec.shape)} (dimension {d} has {n})")
             return
-        if d != spec.tp_dim and (a, b) != (0, n) and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.dp > 1):
+        if d != spec.tp_dim and (a, b) != (0, n) and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.replicas > 1):
             what = "is replicated" if spec.tp_dim is None else f"is split only along dimension {spec.tp_dim}"
             sink.error(e.loc, f"{e.family} {what} ({spec.rule}), but the slice cuts dimension {d} to {a}:{b}",
                        f"dimension {d} must be whole: 0:{n}")
@@ -148,7 +149,7 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
             groups[(e.state, e.family)].append((s, e))
     states = {st for st, _ in groups} | {"weight"}
     for state in STATES:
-        if state not in states or (dp_sharded(state, lay.zero) and lay.dp > 1):
+        if state not in states or (dp_sharded(state, lay.zero) and lay.replicas > 1):
             continue  # sharded over DP: checked across replicas in _dp_sharded_coverage
         for spec in model.tensors.values():
             held = groups.get((state, spec.family), [])
@@ -187,7 +188,7 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
     for (plan, ms), emus in sorted(by_stage.items()):
         ctx = _Ctx(m, emus[0])
         lay, model = ctx.layout, ctx.model
-        if lay.dp < 2 or len(emus) != lay.dp:
+        if lay.replicas < 2 or len(emus) != lay.replicas:
             continue
         states = [st for st in STATES if dp_sharded(st, lay.zero) and any(e.state == st for emu in emus for s in emu.shards for e in s.entries)]
         for state in states:
@@ -203,7 +204,7 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
                 layers, box = (cell[0], cell[1:]) if spec.per_layer else (None, cell)
                 name = tensor_name(spec.family, None if layers is None else (layers[0], layers[1] - 1))
                 emu0 = min(emus, key=lambda e: e.replica)
-                sink.error(emu0.loc, f"{ms}: {state} {name} {format_box(box)} is held {count} time(s) across the {lay.dp} "
+                sink.error(emu0.loc, f"{ms}: {state} {name} {format_box(box)} is held {count} time(s) across the {lay.replicas} "
                                      f"replicas, expected {want}", f"zero = {lay.zero} shards {state} over DP: the replicas "
                                                                   "together hold each element once per TP replication")
 

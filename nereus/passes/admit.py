@@ -45,7 +45,7 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
 
 
 def _shape(lay) -> tuple:
-    return (lay.tp, lay.pp, lay.dp, tuple(lay.mesh), tuple(map(tuple, lay.layers)))
+    return (lay.tp, lay.pp, lay.dp, lay.cp, tuple(lay.mesh), tuple(map(tuple, lay.layers)))
 
 
 @register

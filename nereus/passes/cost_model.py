@@ -29,6 +29,10 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   compute-bound when the batch is large; sequences run
   in waves when the KV cache cannot hold them all, and a wave lasts as long as its longest
   response. KV cache per token and GPU: ``2 x layers x kv_heads x head_dim x bytes / TP``.
+- CP (training and inference): each sample's tokens split over ``c`` ranks, compute,
+  activations, TP and PP traffic divided by ``c``; ring attention passes the other chunks' K/V
+  (their gradients too in backward), charged in series; gradients reduce and ZeRO shards over
+  ``d x c`` replicas.
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
   ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
   attention and no sequence parallelism (Korthikanti et al. 2022, adapted to SwiGLU/GQA),
@@ -81,11 +85,13 @@ class Candidates:
     vpp: np.ndarray = field(default=None)  # virtual pipeline stages per rank
     grad_bytes: np.ndarray = field(default=None)  # bytes per gradient (2: bf16, 4: fp32 main grads)
     fp8: np.ndarray = field(default=None)  # GEMMs in FP8
+    cp: np.ndarray = field(default=None)  # context parallelism: ranks splitting each sequence
+    cp_link: np.ndarray = field(default=None)
 
     def __post_init__(self):
         n = len(self.tp)
         for name, value, dtype in (("resident", 0.0, float), ("sp", False, bool), ("vpp", 1, np.int64), ("grad_bytes", 2, float),
-                                         ("fp8", False, bool)):
+                                         ("fp8", False, bool), ("cp", 1, np.int64), ("cp_link", NVLINK, np.int64)):
             v = getattr(self, name)
             setattr(self, name, np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)))
 
@@ -94,19 +100,20 @@ class Candidates:
 
     @classmethod
     def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0, sp=False, vpp=1,
-             grad_bytes=2) -> "Candidates":
-        """Candidates placed canonically (tp fastest on consecutive GPUs), layers split by tensor_split's rule."""
-        tp, pp, dp, mb, rc, z, sp, vpp, gb = np.broadcast_arrays(*(np.atleast_1d(v) for v in (
-            tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes)))
-        tp, pp, dp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64)
+             grad_bytes=2, cp=1) -> "Candidates":
+        """Candidates placed canonically (tp fastest on consecutive GPUs, then pp, cp, dp), layers
+        split by tensor_split's rule."""
+        tp, pp, dp, mb, rc, z, sp, vpp, gb, cp = np.broadcast_arrays(*(np.atleast_1d(v) for v in (
+            tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes, cp)))
+        tp, pp, dp, cp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64), cp.astype(np.int64)
         g = cluster.gpus_per_node
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
         last = np.where(pp == 1, layers, layers // pp)
         return cls(tp=tp, pp=pp, dp=dp, micro_batches=mb.astype(np.int64), recompute=rc.astype(bool), zero=z.astype(np.int64),
                    first_layers=first, last_layers=last, max_layers=first,
                    tp_link=np.where(tp <= g, NVLINK, NIC), pp_link=np.where(tp * pp <= g, NVLINK, NIC),
-                   dp_link=np.where(tp * pp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)), sp=sp, vpp=vpp,
-                   grad_bytes=gb)
+                   dp_link=np.where(tp * pp * cp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)), sp=sp, vpp=vpp,
+                   grad_bytes=gb, cp=cp, cp_link=np.where(tp * pp * cp <= g, NVLINK, NIC))
 
     @classmethod
     def of_layout(cls, cluster: Cluster, layout: Layout, resident: float = 0.0) -> "Candidates":
@@ -118,16 +125,20 @@ class Candidates:
             return NIC if any(len({node(gpu) for gpu in grp}) > 1 for grp in groups) else NVLINK
 
         coords = list(lay.coords())
-        tp_groups = [[lay.gpu(d, p, t) for t in range(lay.tp)] for d in range(lay.dp) for p in range(lay.pp)]
+        tp_groups = [[lay.gpu(d, p, t) for t in range(lay.tp)] for d in range(lay.replicas) for p in range(lay.pp)]
         pp_pairs = [[lay.gpu(d, p, t), lay.gpu(d, p + 1, t)] for d, p, t in coords if p + 1 < lay.pp]
-        dp_groups = [[lay.gpu(d, p, t) for d in range(lay.dp)] for p in range(lay.pp) for t in range(lay.tp)]
+        # gradients reduce over every replica, DP and CP (state coordinate d x cp + c)
+        dp_groups = [[lay.gpu(d, p, t) for d in range(lay.replicas)] for p in range(lay.pp) for t in range(lay.tp)]
+        cp_groups = [[lay.gpu(d * lay.cp + c, p, t) for c in range(lay.cp)]
+                     for d in range(lay.dp) for p in range(lay.pp) for t in range(lay.tp)]
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
         return cls(tp=a(lay.tp), pp=a(lay.pp), dp=a(lay.dp), micro_batches=a(lay.micro_batches),
                    recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
                    max_layers=a(max(sizes)), tp_link=a(spans_nodes(tp_groups)), pp_link=a(spans_nodes(pp_pairs)),
                    dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
-                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0), fp8=a(lay.fp8))
+                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0), fp8=a(lay.fp8), cp=a(lay.cp),
+                   cp_link=a(spans_nodes(cp_groups)))
 
 
 @dataclass
@@ -303,6 +314,8 @@ class CostModel:
     def _stage(self, model: Model, workload: Workload, kind: str, c: Candidates) -> StageCost:
         n = len(c)
         tp, pp, dp = c.tp.astype(float), c.pp.astype(float), c.dp.astype(float)
+        cp = c.cp.astype(float)  # each sample's tokens split over cp ranks (training and inference only)
+        replicas = dp * cp  # copies of the weights: gradients reduce, and ZeRO shards, over all of them
         peak = self.cluster.peak_flops
         # FP8 GEMMs run at the FP8 peak: counted as bf16-equivalent FLOPs, attention and head as they are
         fp8_saving = np.where(c.fp8, 1 - peak / (self.cluster.peak_flops_fp8 or peak), 0.0) * self.gemm_flops(model)
@@ -344,6 +357,7 @@ class CostModel:
         tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
         pp_bw, pp_lat, pp_col = self._bw(c.pp_link)
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
+        cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
         ring_tp = 2 * (tp - 1) / tp
         decode = overlap = None
         zeros = np.zeros(n)
@@ -364,30 +378,39 @@ class CostModel:
             tokens = epochs * samples * s
             passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
             flops_tok = passes * L * layer_flops(s) + (3.0 if kind == "train" else 1.0) * self.head_flops(model)
-            ideal = tokens * flops_tok / (tp * pp * peak)
+            ideal = tokens * flops_tok / (tp * pp * cp * peak)
             add("compute", C_COMPUTE, ideal)
             add("bubble", C_COMPUTE, ideal * bubble)
             n_mb_total = epochs * n_mb
             # TP all-reduces: 2 per layer forward, 2 backward, 2 more when recomputing
             n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
-            tp_bytes = tokens * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
+            tp_bytes = tokens / cp * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
             wait("tp", np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0))
             # PP: activations forward (and their gradients backward) per micro-batch and virtual
             # stage; each TP rank sends its 1/TP of them (Megatron's scatter-gather)
             sends = (2.0 if kind == "train" else 1.0) * (n_mb_total * v + pp - 1)
-            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s * h * ACT_BYTES / tp / pp_bw, 0.0))
+            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s / cp * h * ACT_BYTES / tp / pp_bw, 0.0))
             wait("pp", np.where(c.pp > 1, sends * pp_lat, 0.0))
+            # CP (ring attention): per layer and pass, each rank receives the other cp - 1 chunks' K
+            # and V (its TP share of the KV heads); backward passes K/V and their gradients (twice
+            # the bytes). Charged in series: an upper bound, as the ring hides part of it behind
+            # the attention of the chunk at hand
+            kv_local = 2 * np.maximum(model.kv_heads / tp, 1.0) * model.hd
+            cp_passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
+            cp_bytes = tokens * (cp - 1) / cp * stage_layers * cp_passes * kv_local * ACT_BYTES * (1 + bubble)
+            add("cp", cp_col, np.where(c.cp > 1, cp_bytes / cp_bw, 0.0))
+            wait("cp", np.where(c.cp > 1, n_mb_total * (1 + bubble) * stage_layers * cp_passes * (cp - 1) * cp_lat, 0.0))
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
-                ring_dp = 2 * (dp - 1) / dp
+                ring_dp = 2 * (replicas - 1) / replicas
                 # ZeRO-3 reduce-scatters gradients (its gathers are below); 0-2 all-reduce them, or
                 # reduce-scatter them and all-gather the updated weights: the same bytes
-                grad_ring = np.where(c.zero == 3, (dp - 1) / dp, ring_dp)
+                grad_ring = np.where(c.zero == 3, (replicas - 1) / replicas, ring_dp)
                 grad_bytes = n_opt * grad_ring * params * c.grad_bytes
-                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * (dp - 1) / dp * params * b, 0.0)
-                dp_feat = np.where(c.dp > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
+                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * (replicas - 1) / replicas * params * b, 0.0)
+                dp_feat = np.where(replicas > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
                 add("dp", dp_col, dp_feat)
                 # what compute hides: ZeRO-3 gathers and reduces layer by layer beside all of it;
                 # otherwise gradient buckets reduce during the backward of an optimizer step's last micro-batch
@@ -396,24 +419,24 @@ class CostModel:
                 comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
                 for col in (C_NVLINK, C_NIC):
                     comm_f[:, col] = np.where(dp_col == col, dp_feat, 0.0)
-                win_f[:, C_COMPUTE] = np.where(c.dp > 1, window, 0.0)
+                win_f[:, C_COMPUTE] = np.where(replicas > 1, window, 0.0)
                 overlap = (comm_f, win_f, self.efficiency.overlap)
-                wait("dp", np.where(c.dp > 1, n_opt * 2 * (dp - 1) * dp_lat, 0.0))
-                shard_opt = np.where(c.zero >= 1, dp, 1.0)
+                wait("dp", np.where(replicas > 1, n_opt * 2 * (replicas - 1) * dp_lat, 0.0))
+                shard_opt = np.where(c.zero >= 1, replicas, 1.0)
                 add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
-                weights = params * b / np.where(c.zero >= 3, dp, 1.0)
-                grads = params * c.grad_bytes / np.where(c.zero >= 2, dp, 1.0)
+                weights = params * b / np.where(c.zero >= 3, replicas, 1.0)
+                grads = params * c.grad_bytes / np.where(c.zero >= 2, replicas, 1.0)
                 optimizer = params * 12 / shard_opt
                 # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
                 # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
-                tok_mb = mbs * s
+                tok_mb = mbs * s / cp
                 # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
                 stored = np.where(c.recompute, stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
                                   stage_layers * act_layer(tok_mb))
                 activations = in_flight * stored + tok_mb * V * 4 / tp
             else:
-                activations = 2 * act_layer(mbs * s) + mbs * s * V * 4 / tp
+                activations = 2 * act_layer(mbs * s / cp) + mbs * s / cp * V * 4 / tp
         elif kind == "generate":
             p, r, R = workload.prompt_len_mean, workload.response_len_mean, workload.response_len_max
             kv_tok = self.kv_bytes_per_token(model, tp, stage_layers)

@@ -52,7 +52,7 @@ def device_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
     Creating it creates process groups: every rank of the default group calls it, including
     ranks outside the layout (for them ``get_coordinate()`` is None).
     """
-    mesh = torch.tensor(layout.mesh, dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
+    mesh = torch.tensor(layout.mesh, dtype=torch.int).view(layout.replicas, layout.pp, layout.tp)
     return DeviceMesh(device_type, mesh, mesh_dim_names=MESH_DIMS)
 
 
@@ -68,16 +68,16 @@ def placements(model: Model, layout: Layout, family: str, state: str = "weight")
     """DTensor placements of ``family``'s ``state`` under ``layout``, or None and the reason."""
     spec = model.tensors[family]
     pp = 0 if spec.per_layer else model.stages_holding(spec, layout.pp)[0]
-    zero = dp_sharded(state, layout.zero) and layout.dp > 1
+    zero = dp_sharded(state, layout.zero) and layout.replicas > 1
     cand = (Shard(0) if zero else Replicate(),
             Shard(spec.tp_dim) if spec.tp_dim is not None and layout.tp > 1 else Replicate())
-    for d in range(layout.dp):
+    for d in range(layout.replicas):
         for t in range(layout.tp):
             ours = [e.box for e in shard_entries(model, layout, pp, t, (state,), d) if e.family == family]
             if not ours:
-                return Placements(None, f"{family}: a dimension smaller than TP {layout.tp} or DP {layout.dp} "
+                return Placements(None, f"{family}: a dimension smaller than TP {layout.tp} or DP {layout.replicas} "
                                         "leaves some ranks without a shard")
-            if tuple(ours[0]) != dtensor_box(spec.shape, cand, (d, t), (layout.dp, layout.tp)):
+            if tuple(ours[0]) != dtensor_box(spec.shape, cand, (d, t), (layout.replicas, layout.tp)):
                 return Placements(None, _reason(model, layout, family, zero))
     return Placements(cand, "")
 
@@ -101,7 +101,7 @@ def _reason(model: Model, layout: Layout, family: str, zero: bool) -> str:
     if zero and spec.tp_dim == 0 and layout.tp > 1:
         return (f"{family}: ZeRO splits each TP shard along dim 0 over DP (TP first); DTensor splits "
                 "over DP first (needs the private _StridedShard)")
-    return (f"{family}: the uneven split of {spec.shape} over TP {layout.tp} x DP {layout.dp} "
+    return (f"{family}: the uneven split of {spec.shape} over TP {layout.tp} x DP {layout.replicas} "
             "(tensor_split's rule) is not DTensor's torch.chunk rule")
 
 
@@ -122,7 +122,7 @@ def to_dtensor(local: torch.Tensor, spec: ShardSpec, model: Model, layout: Layou
     lo, hi = layout.layers[p]
     tspec = model.tensors[family]
     on_stage = lo <= layer <= hi if layer is not None else p in model.stages_holding(tspec, layout.pp)
-    box = dtensor_box(spec.shape, pl.placements, (d, t), (layout.dp, layout.tp))
+    box = dtensor_box(spec.shape, pl.placements, (d, t), (layout.replicas, layout.tp))
     if not on_stage or box != tuple(spec.box):
         raise ValueError(f"{spec.key}: box {spec.box} is not what rank {coord} holds under the layout ({box})")
     stride = torch.empty(spec.shape, device="meta").stride()

@@ -39,8 +39,8 @@ def test_reshard_cases_are_bit_exact_and_send_the_planned_bytes(world):
 
 
 def random_pairs(n: int, seed: int = 0) -> list[str]:
-    """Plan pairs of a tiny job with uneven shapes (TP, PP, DP changes; GPUs added and removed;
-    ZeRO; what is offloaded between stages), as IR text."""
+    """Plan pairs of a tiny job with uneven shapes (TP, PP, DP, CP changes; GPUs added and
+    removed; ZeRO, over DP x CP; what is offloaded between stages), as IR text."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
@@ -51,15 +51,17 @@ def random_pairs(n: int, seed: int = 0) -> list[str]:
             for ms in ("actor.generate", "ref.infer", "actor.train"):
                 train = ms == "actor.train"
                 tp, pp = rng.choice([1, 2, 4]), rng.randint(1, 3)
-                dp = rng.randint(1, max(1, len(avail) // (tp * pp)))
-                if tp * pp * dp > len(avail):
-                    tp, pp, dp = 1, 1, 1
-                mesh = rng.sample(avail, tp * pp * dp)
+                cp = 1 if ms == "actor.generate" else rng.choice([1, 1, 2])  # CP ranks hold their replica's state
+                dp = rng.randint(1, max(1, len(avail) // (tp * pp * cp)))
+                if tp * pp * dp * cp > len(avail):
+                    tp, pp, dp, cp = 1, 1, 1, 1
+                mesh = rng.sample(avail, tp * pp * dp * cp)
                 layers = m.models["actor"].layers
                 ranges = [(lo, hi - 1) for lo, hi in (even_split(layers, pp, r) for r in range(pp))]
-                zero = rng.randint(0, 3) if train and dp > 1 else 0
+                zero = rng.randint(0, 3) if train and dp * cp > 1 else 0
                 offload = rng.choice([[], ["weights"]] + ([["optimizer"], ["weights", "optimizer"]] if train else []))
-                lays[ms] = Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=ranges, mesh=mesh, zero=zero, offload=offload)
+                lays[ms] = Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, cp=cp, layers=ranges, mesh=mesh, zero=zero,
+                                  offload=offload)
             m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts=lays)
         try:
             nereus.verify(m)

@@ -158,7 +158,7 @@ HANDLED = {
     "stage": {"kind", "models"},
     "plan": {"workload", "cluster", "colocate"},
     "layout": {"tp", "pp", "dp", "layers", "mesh", "micro_batches", "zero", "recompute", "offload", "time", "memory",
-               "sp", "vpp", "grad_dtype", "fp8"},  # vpp, fp8: tests/ir/test_layout_features.py
+               "sp", "vpp", "grad_dtype", "fp8", "cp"},  # vpp, fp8, cp: tests/ir/test_layout_features.py
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
