@@ -111,3 +111,10 @@ def run_out(rank: int, world: int, case: str) -> dict:
         raised = str(e)
     intact = all(torch.equal(state[s.key], cut(full_tensor(s), s.box)) for s in prog.src.get(rank, []))
     return {"problems": problems, "in_place": in_place, "raised": raised, "intact": intact}
+
+
+def run_travelled(rank: int, world: int, prog) -> list[str]:
+    """A program lowered in the parent, received pickled as a spawn argument: executed here."""
+    init_from_env(timeout=30)
+    new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30)
+    return check(prog, rank, new)
