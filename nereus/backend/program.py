@@ -95,6 +95,10 @@ class Program:
     def world(self) -> int:
         return len(self.gpus)
 
+    def __getstate__(self) -> dict:
+        """What travels: the program, not the executor's per-process index cache (``_regions``)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_regions"}
+
     def digest(self) -> int:
         """A 63-bit digest of the whole program (every rank's steps and shards): ranks that run
         different programs disagree on it. Computed once; a program is not changed after lowering."""

@@ -29,6 +29,22 @@ class StateKey:
     state: str  # weight | master | exp_avg | exp_avg_sq
     tensor: str  # e.g. layers.3.mlp.up_proj.weight
 
+    def __hash__(self) -> int:  # a key is looked up per slice moved: hash once, not per lookup
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.model_stage, self.state, self.tensor))
+        return h
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not StateKey:
+            return NotImplemented
+        return (self.model_stage, self.state, self.tensor) == (other.model_stage, other.state, other.tensor)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # str hashes differ between processes
+
     @property
     def model(self) -> str:
         return self.model_stage.rpartition(".")[0]

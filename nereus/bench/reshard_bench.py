@@ -11,7 +11,9 @@ gloo processes of this machine, each method in turn on the same synthetic state:
   part, since they move whole tensors);
 - ``dcp``: PyTorch DCP save under plan A, then load into plan B's boxes (``runtime.dcp``);
 - ``allgather``: every rank all-gathers every tensor, then slices (verl's resharding);
-- ``gather+bcast``: rank 0 gathers every tensor, then broadcasts it (OpenRLHF's weight sync).
+- ``gather+bcast``: rank 0 gathers every tensor, then broadcasts it (OpenRLHF's weight sync);
+- ``floor`` (not a peer): an unchecked minimal point-to-point exchange of the same bytes
+  (``testing.peers.p2p_floor``), what safety is held against: ``nereus / floor``.
 
 Wall time is the slowest rank's, between barriers. Every method's result is checked bit for bit
 against the full tensors (outside the timing). The peers plan inside their timed region (which
@@ -51,8 +53,8 @@ from ..runtime.launch import init_from_env, run_local
 from ..runtime.state import cut, full_tensor, synthetic_state
 from ..testing.cases import CASES, case_module
 
-METHODS = ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast")
-PEERS = METHODS[2:]
+METHODS = ("nereus", "nereus+remap", "floor", "dcp", "allgather", "gather+bcast")
+PEERS = METHODS[3:]
 
 
 def _exact(dst_specs, new) -> bool:
@@ -72,7 +74,7 @@ def _written() -> int:
 def _method(method: str, prog, src, rank: int, world: int, path: str):
     """Run one method on this rank: (its plan-B state, bytes it sent, bytes written to sockets or None)."""
     from ..runtime.dcp import dcp_reshard
-    from ..testing.peers import allgather_slice, gather_broadcast
+    from ..testing.peers import allgather_slice, gather_broadcast, p2p_floor
 
     if method.startswith("nereus"):
         stats = Stats()
@@ -81,9 +83,23 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
         return new, stats.sent, _written() - before
     if method == "dcp":  # writes files too: its wchar is not socket traffic
         return *dcp_reshard(src, prog.src, prog.dst, rank, world, path), None
+    if method == "floor":  # planned outside the timing, as Nereus's program is
+        return *p2p_floor(src, _floor_plan(prog, rank, world)), None
     if method == "allgather":
         return *allgather_slice(src, prog.src, prog.dst, rank, world), None
     return *gather_broadcast(src, prog.src, prog.dst, rank, world), None
+
+
+_FLOOR_PLANS: dict = {}
+
+
+def _floor_plan(prog, rank: int, world: int):
+    from ..testing.peers import p2p_floor_plan
+
+    key = (id(prog), rank)
+    if key not in _FLOOR_PLANS:
+        _FLOOR_PLANS[key] = (prog, p2p_floor_plan(prog.src, prog.dst, rank, world))  # prog kept: ids stay unique
+    return _FLOOR_PLANS[key][1]
 
 
 def _plan(case: str, world: int, hidden: int | None, remap: bool):
@@ -132,6 +148,8 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
             programs = {"nereus+remap": remapped}
         dist.barrier()
         src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
+        for p in (prog, programs["nereus+remap"]):
+            _floor_plan(p, rank, world)
         row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, [])),
                "must_receive_remap": programs["nereus+remap"].received_bytes(rank),
                "plan_s": {"nereus": plan_s[0], "nereus+remap": plan_s[1]}}
@@ -192,6 +210,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
                         e["total_s"] = e["plan_s"] + e["seconds"]
                 best_peer = min(entry[m]["seconds"] for m in PEERS)
                 for method in ("nereus", "nereus+remap"):
+                    entry[method]["over_floor"] = entry[method]["seconds"] / entry["floor"]["seconds"]
                     entry[method]["best_peer_over_transfer"] = best_peer / entry[method]["seconds"]
                     entry[method]["best_peer_over_total"] = best_peer / entry[method]["total_s"]
                 entry["planned_MB"] = sum(r["must_receive"] for r in rows) / 1e6
@@ -207,20 +226,20 @@ def _table(results: dict) -> None:
     t = Table(title="reshard: live state between layouts, gloo on this machine (wall s, MB; all bit-exact unless marked). "
                     "plan = plan-transition + lower (+ remap) on rank 0; total = plan + transfer; the peers plan inside "
                     "their transfer time", title_justify="left")
-    for col in ("case x procs", "state MB", "bound s", "plan s", "nereus s", "total s", "dcp s", "allgather s",
-                "gather+bcast s", "best peer / nereus (transfer)", "(total)", "nereus / bound", "nereus MB",
+    for col in ("case x procs", "state MB", "bound s", "plan s", "nereus s", "total s", "floor s", "nereus / floor",
+                "dcp s", "allgather s", "gather+bcast s", "best peer / nereus (transfer)", "(total)", "nereus / bound", "nereus MB",
                 "socket MB", "planned MB", "+remap plan s", "+remap s", "+remap total s", "best peer / +remap (transfer)",
                 "(total) ", "+remap MB"):
         t.add_column(col, justify="right" if col != "case x procs" else "left")
 
     def cell(e, method):
         v = e[method]
-        return f"{v['seconds']:.2f}" + ("" if v["exact"] else " WRONG")
+        return f"{v['seconds']:.3f}" + ("" if v["exact"] else " WRONG")
 
     for name, e in results["cases"].items():
         n, r = e["nereus"], e["nereus+remap"]
         t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", f"{n['plan_s']:.2f}", cell(e, "nereus"),
-                  f"{n['total_s']:.2f}", cell(e, "dcp"), cell(e, "allgather"), cell(e, "gather+bcast"),
+                  f"{n['total_s']:.2f}", cell(e, "floor"), f"{n['over_floor']:.2f}", cell(e, "dcp"), cell(e, "allgather"), cell(e, "gather+bcast"),
                   f"{n['best_peer_over_transfer']:.1f}x", f"{n['best_peer_over_total']:.1f}x",
                   f"{n['seconds'] / e['bound_s']:.2f}", f"{n['sent_MB']:.0f}", f"{n['written_MB']:.1f}",
                   f"{e['planned_MB']:.0f}", f"{r['plan_s']:.2f}", cell(e, "nereus+remap"), f"{r['total_s']:.2f}",

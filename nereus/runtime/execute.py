@@ -33,6 +33,10 @@ from ..backend.program import Message, Piece, Program, Step
 from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 
+# torch 2.13 names the equal-chunk all-gather all_gather_single (all_gather_into_tensor is deprecated)
+_all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TransitionError(RuntimeError):
     """A transition failed on some rank; this rank's plan-A state is intact.
 
@@ -122,13 +126,24 @@ class _Rank:
         self.out = _check_out(out or {}, self.dst_spec, self.src, rank, device)
         self.new: dict[StateKey, torch.Tensor] = {}
         self.staging: dict[tuple, torch.Tensor] = {}  # (key, box) -> host buffer of a staged slice
+        # id(piece) -> (source index, destination index): kept with the program (pieces live as long as it)
+        self.regions: dict[int, tuple] = prog.__dict__.setdefault("_regions", {}).setdefault(rank, {})
         self.groups: dict[tuple[int, ...], object] = {}
+        self.digest: tuple | None = None  # the digest all-gather in flight (``_post_digest``)
 
     # -- slices --------------------------------------------------------------------------------
+    def slices(self, p: Piece) -> tuple:
+        """(where ``p`` is read in its source tensor, where it is written in its destination
+        shard): index tuples, worked out once per program and rank."""
+        sl = self.regions.get(id(p))
+        if sl is None:
+            src = self.dst_spec if p.arrived else self.src_spec
+            sl = self.regions[id(p)] = (_region(src[p.src], p.box) if p.src in src else None,
+                                        _region(self.dst_spec[p.dst], p.box) if p.dst in self.dst_spec else None)
+        return sl
+
     def read(self, p: Piece) -> torch.Tensor:
-        if p.arrived:
-            return self.new[p.src][_region(self.dst_spec[p.src], p.box)]
-        return self.src[p.src][_region(self.src_spec[p.src], p.box)]
+        return (self.new if p.arrived else self.src)[p.src][self.slices(p)[0]]
 
     def fresh(self, key: StateKey) -> torch.Tensor:
         """A destination shard to fill: the caller's buffer from ``out``, or a new tensor."""
@@ -140,7 +155,9 @@ class _Rank:
     def land(self, p: Piece) -> torch.Tensor:
         """Where piece ``p`` is written: its destination shard's box, or a host staging buffer."""
         if not p.staged:
-            return self.write(p.dst, p.box)
+            if p.dst not in self.new:  # lazy allocation: the first write
+                self.new[p.dst] = self.fresh(p.dst)
+            return self.new[p.dst][self.slices(p)[1]]
         spec = self.dst_spec[p.dst]
         buf = torch.empty([hi - lo for lo, hi in p.box], dtype=torch_dtype(spec.dtype), device="cpu",
                           pin_memory=self.device.type == "cuda")
@@ -224,65 +241,122 @@ class _Rank:
         self.stats.seconds[what] = self.stats.seconds.get(what, 0.0) + now - since
         return now
 
-    def exchange(self, step: Step) -> None:
+    def run_all(self, steps: list[Step]) -> None:
+        """The steps in order, except that local copies just before a round run after the
+        round's messages are posted (while they are on the wire), unless the round sends a
+        slice this transition filled (which a copy might be writing)."""
+        pending: list[Step] = []
+        for step in steps:
+            if step.kind == "copy":
+                pending.append(step)
+                continue
+            if step.kind == "round" and not any(p.arrived for m in step.sends for p in m.pieces):
+                self.exchange(step, pending)
+            else:
+                for c in pending:
+                    self.run(c)
+                self.run(step)
+            pending = []
+        for c in pending:
+            self.run(c)
+
+    def exchange(self, step: Step, copies: list[Step] = ()) -> None:
         """One round. Receives are posted first; on gloo each send is posted as soon as its
         payload is packed, so packing overlaps the wire (NCCL gets one batch: a group of p2p
-        calls must be issued together). Per peer, messages go in id order on both sides."""
+        calls must be issued together); ``copies`` (local copy steps) and the checksums of the
+        payloads run while the data is in flight, and every message's checksum is computed as it
+        lands. Per peer, messages go in id order on both sides, its checksum vector last."""
+        self.check_program()
         fault = self._fault(step.round)
         t = time.perf_counter()
-        overlap = dist.get_backend() == "gloo"
-        recv_ops, recv_bufs = [], []
+        gloo = dist.get_backend() == "gloo"
+        batch: list[dist.P2POp] = []  # NCCL: every op of the round in one batch
+        works: list = []
+
+        def post(op, tensor, peer):
+            if gloo:
+                works.append((dist.isend if op == "send" else dist.irecv)(tensor, peer))
+            else:
+                batch.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
+
+        recv_bufs = []
         for msg in step.recvs:
             buf = self.landing(msg)
             recv_bufs.append((msg, buf))
-            recv_ops.append(dist.P2POp(dist.irecv, buf, msg.sender))
+            post("recv", buf, msg.sender)
             self.stats.received += msg.nbytes
+        n_recv = len(works)
         expect: dict[int, torch.Tensor] = {}
         for peer, n in sorted(Counter(m.sender for m in step.recvs).items()):  # one checksum vector per peer, after its data
             expect[peer] = torch.empty(n, dtype=torch.int64, device=self.device)
-            recv_ops.append(dist.P2POp(dist.irecv, expect[peer], peer))
-        works, ops = [], list(recv_ops)
-        if overlap and recv_ops:
-            works += dist.batch_isend_irecv(recv_ops)
-            ops = []
-        sums_out: dict[int, list[torch.Tensor]] = {}
-        made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # one slice list sent to several receivers: pack it once
+            post("recv", expect[peer], peer)
+        made: dict[tuple, torch.Tensor] = {}  # one slice list sent to several receivers: pack it once
+        sent: list[tuple[int, tuple]] = []
         for msg in step.sends:
             what = tuple((p.src, p.box, p.arrived) for p in msg.pieces)
             if what not in made:
-                buf = self.payload(msg)
-                made[what] = (buf, checksum(buf))
-            buf, total = made[what]
-            sums_out.setdefault(msg.receiver, []).append(total)
+                made[what] = self.payload(msg)
+            wire = made[what]
             if fault is not None and fault.kind == "corrupt":
-                buf = buf.clone()  # never touch the source shard itself
-                buf[0] ^= 0x5A
+                wire = wire.clone()  # corrupted on the wire (never the source shard itself), checksummed as packed
+                wire[0] ^= 0x5A
                 fault = None
-            op = dist.P2POp(dist.isend, buf, msg.receiver)
-            if overlap:
-                works += dist.batch_isend_irecv([op])
-            else:
-                ops.append(op)
+            sent.append((msg.receiver, what))
+            post("send", wire, msg.receiver)
             self.stats.sent += msg.nbytes
-        ops += [dist.P2POp(dist.isend, torch.cat(sums).to(self.device), peer) for peer, sums in sorted(sums_out.items())]
+        for c in copies:  # local copies, while the messages travel
+            self.run(c)
+        sums: dict[tuple, torch.Tensor] = {}
+        sums_out: dict[int, list[torch.Tensor]] = {}
+        for receiver, what in sent:
+            if what not in sums:
+                sums[what] = checksum(made[what])
+            sums_out.setdefault(receiver, []).append(sums[what])
+        for peer, vec in sorted(sums_out.items()):
+            post("send", torch.cat(vec).to(self.device), peer)
         self.stats.messages += len(step.sends) + len(step.recvs)
         t = self._tick("pack", t)
-        if ops:
-            works += dist.batch_isend_irecv(ops)
-        for work in works:
-            work.wait(self.timeout)
+        if batch:
+            works += dist.batch_isend_irecv(batch)
+        got: dict[int, list[torch.Tensor]] = {}
+        for i, (msg, buf) in enumerate(recv_bufs):  # each message checksummed and unpacked as it lands
+            if gloo:
+                works[i].wait(self.timeout)
+            elif i == 0:
+                for w in works:
+                    w.wait(self.timeout)
+            got.setdefault(msg.sender, []).append(checksum(buf))
+        for w in works[n_recv:] if gloo else ():
+            w.wait(self.timeout)
         t = self._tick("wire", t)
-        seen: dict[int, int] = {}
-        for msg, buf in recv_bufs:
-            i = seen.get(msg.sender, 0)
-            seen[msg.sender] = i + 1
-            if not torch.equal(checksum(buf), expect[msg.sender][i:i + 1]):
-                raise TransitionError(f"rank {self.rank}: message #{msg.id} from rank {msg.sender} arrived corrupted "
+        for peer, vec in expect.items():
+            bad = torch.nonzero(torch.cat(got[peer]) != vec).flatten()
+            if len(bad):
+                msg = [m for m in step.recvs if m.sender == peer][int(bad[0])]
+                raise TransitionError(f"rank {self.rank}: message #{msg.id} from rank {peer} arrived corrupted "
                                       f"(checksum mismatch)")
+        for msg, buf in recv_bufs:
             self.unpack(msg, buf)
         self._tick("unpack", t)
 
+    def check_program(self) -> None:
+        """Every rank runs the same program: the digests all-gathered, compared before this rank's
+        first message."""
+        if self.digest is None:
+            return
+        works, every = self.digest
+        self.digest = None
+        for w in works:
+            w.wait(self.timeout)
+        digests = every.tolist()
+        others = [r for r, d in enumerate(digests) if d != digests[self.rank]]
+        if others:
+            raise TransitionError(f"rank {self.rank}: ranks {others} run a different program than this rank's "
+                                  f"(@{self.prog.transition}, digest {digests[self.rank] & 0xFFFFFFFF:08x}); every rank "
+                                  f"must run the same lowered program", rank=self.rank)
+
     def broadcast(self, step: Step) -> None:
+        self.check_program()
         self._fault(step.round)
         root, msg = step.group[0], step.message
         members = tuple(sorted(step.group))
@@ -332,29 +406,41 @@ def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[S
     return dict(out)
 
 
+AGREE_TAG, DIGEST_TAG = 1, 2  # point-to-point tags of the agreement and the digest exchange (data uses 0)
+
+
+def _share(value: int, rank: int, world: int, device, tag: int) -> tuple[list, torch.Tensor]:
+    """Start giving every rank this rank's ``value``: (works to wait for, the tensor of every
+    rank's value once they complete). On gloo one point-to-point message to each peer (one hop;
+    gloo's ring all-reduce and all-gather take ``2 (world - 1)`` and ``world - 1``); elsewhere
+    an all-gather."""
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    every[rank] = value
+    if dist.get_backend() != "gloo":
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        return [_all_gather_equal(every, mine, async_op=True)], every
+    mine = every[rank:rank + 1].clone()
+    works = [dist.irecv(every[r:r + 1], r, tag=tag) for r in range(world) if r != rank]
+    works += [dist.isend(mine, r, tag=tag) for r in range(world) if r != rank]
+    return works, every
+
+
 def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta) -> tuple[int, ...] | None:
-    """The commit agreement: one all-reduce (MIN) of a flag per rank. Returns the ranks that
-    failed (empty: commit), or None when the agreement itself failed (a dead or hung peer)."""
-    flags = torch.ones(world, dtype=torch.int32, device=device)
-    flags[rank] = 1 if ok else 0
+    """The commit agreement: every rank's flag to every rank. Returns the ranks that failed
+    (empty: commit), or None when the agreement itself failed (a dead or hung peer)."""
     try:
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, async_op=True).wait(timeout)
+        works, flags = _share(1 if ok else 0, rank, world, device, AGREE_TAG)
+        for w in works:
+            w.wait(timeout)
     except Exception:  # noqa: BLE001 - a broken group or a dead peer: no agreement
         return None
     return tuple(int(r) for r in torch.nonzero(flags.cpu() == 0).flatten())
 
 
-def _same_program(program: Program, rank: int, world: int, device, timeout: datetime.timedelta) -> None:
-    """Every rank runs the same program: its digest, all-gathered before the first message."""
-    mine = torch.tensor([program.digest()], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, async_op=True).wait(timeout)
-    digests = [int(t.item()) for t in every]
-    others = [r for r, d in enumerate(digests) if d != digests[rank]]
-    if others:
-        raise TransitionError(f"rank {rank}: ranks {others} run a different program than this rank's "
-                              f"(@{program.transition}, digest {digests[rank] & 0xFFFFFFFF:08x}); every rank must "
-                              f"run the same lowered program", rank=rank)
+def _post_digest(program: Program, rank: int, world: int, device) -> tuple:
+    """Start sharing every rank's program digest (checked by ``_Rank.check_program`` before the
+    first message, while local copies and packing run)."""
+    return _share(program.digest(), rank, world, device, DIGEST_TAG)
 
 
 def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
@@ -378,14 +464,15 @@ def execute(program: Program, state: LocalState, *, device: torch.device | str |
     bound = datetime.timedelta(seconds=timeout)
     error: BaseException | None = None
     try:  # every collective below, group creation included, is bounded by ``timeout``
-        _same_program(program, rank, world, device, bound)
-        # broadcast subgroups: created by every rank, in the same order
-        groups = {members: dist.new_group(list(members), timeout=bound) for members in program.groups}
+        digest = _post_digest(program, rank, world, device)
         # a rank whose state or buffers do not match the program fails here, and every rank learns it below
         me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out)
-        me.groups = groups
-        for step in program.steps.get(rank, []):
-            me.run(step)
+        me.digest = digest
+        if program.groups:  # broadcast subgroups: created by every rank of the same program, in the same order
+            me.check_program()
+            me.groups = {members: dist.new_group(list(members), timeout=bound) for members in program.groups}
+        me.run_all(program.steps.get(rank, []))
+        me.check_program()
     except Exception as e:  # noqa: BLE001 - any failure rolls back
         error = e
     failed = _agree(error is None, rank, world, device, bound)

@@ -21,6 +21,10 @@ the payload), padding included; the tests check the counts against the bytes eac
 writes to its sockets (``/proc/self/io``). Message headers are not counted. Collectives are
 bounded by the process group's timeout, point-to-point waits by ``timeout``.
 
+``p2p_floor`` is not a peer but the floor the executor is held to: an unchecked, minimal
+point-to-point exchange of the same bytes, written independently of Nereus's planner and
+lowering (no checksums, no program digest, no commit agreement, no rollback).
+
 ``ring_bandwidth`` measures what a rank can receive per second while every rank sends to its
 neighbour: the denominator of the lower bound ``bytes a rank must receive / bandwidth``.
 """
@@ -32,6 +36,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,7 @@ from ..runtime.state import LocalState, ShardSpec, StateKey, cut, torch_dtype
 # Measured with 4 gloo ranks on 2 cores (default-size cases): 16-32 MB buckets are fastest for both
 # peers; one collective per tensor is 1.2-3x slower, 256 MB buckets up to 2x slower.
 BUCKET_BYTES = 32 << 20
+DIRECT_BYTES = 64 << 10  # the floor sends a contiguous slice as its own message from this size; smaller ones are packed
 _ALIGN = 16  # every piece starts 16-byte aligned, so a uint8 slice views as any dtype
 
 # torch 2.13 names the equal-chunk all-gather all_gather_single (all_gather_into_tensor is deprecated)
@@ -225,6 +231,101 @@ def gather_broadcast(src: LocalState, src_layout: Layout, dst_layout: Layout, ra
         for k in bucket:
             if k in mine:
                 out[k] = cut(fulls[k], mine[k].box).clone(memory_format=torch.contiguous_format)
+    return out, sent
+
+
+def _intersect(a: tuple, b: tuple) -> tuple | None:
+    box = tuple((max(lo, lo2), min(hi, hi2)) for (lo, hi), (lo2, hi2) in zip(a, b))
+    return box if all(lo < hi for lo, hi in box) else None
+
+
+def _view(t: torch.Tensor, spec: ShardSpec, box: tuple) -> torch.Tensor:
+    """The part ``box`` (global coordinates) of a shard ``t`` laid out as ``spec``."""
+    return t[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, spec.box))]
+
+
+def _contiguous(spec: ShardSpec, box: tuple) -> bool:
+    """Whether ``box`` is one contiguous run of a C-ordered shard ``spec``: after its leading
+    size-1 dimensions, one partial dimension, then whole ones."""
+    dims = [(hi - lo, shi - slo) for (lo, hi), (slo, shi) in zip(box, spec.box)]
+    while dims and dims[0][0] == 1:
+        dims.pop(0)
+    return all(n == full for n, full in dims[1:])
+
+
+@dataclass(frozen=True)
+class FloorPlan:
+    """What ``p2p_floor`` does on one rank, worked out once (as Nereus plans and lowers once)."""
+
+    out: tuple  # (dst spec, ...) of this rank
+    local: tuple  # (src spec, dst spec, box): copies of bytes this rank already holds
+    messages: tuple  # (peer, send?, pieces ((src spec, dst spec, box, nbytes), ...), packed?) in posting order
+
+
+def p2p_floor_plan(src_layout: Layout, dst_layout: Layout, rank: int, world: int) -> FloorPlan:
+    """The minimal exchange: every byte a rank lacks under plan B is received once, from one holder
+    (the holder with the fewest bytes assigned so far); bytes a rank holds are copied locally; per
+    (sender, receiver), a contiguous slice of at least ``DIRECT_BYTES`` on both sides travels as
+    is, the rest in one packed buffer. Every rank computes the same assignment."""
+    holders: dict[StateKey, dict[tuple, dict[int, ShardSpec]]] = defaultdict(dict)
+    for gpu in sorted(src_layout):
+        for s in src_layout[gpu]:
+            holders[s.key].setdefault(s.box, {})[gpu] = s
+    load = [0] * world
+    pairs: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    for r in sorted(dst_layout):
+        for d in dst_layout[r]:
+            for box, held in holders[d.key].items():
+                part = _intersect(box, d.box)
+                if part is None:
+                    continue
+                nbytes = math.prod(hi - lo for lo, hi in part) * torch_dtype(d.dtype).itemsize
+                sender = r if r in held else min(held, key=lambda g: (load[g], g))
+                if sender != r:
+                    load[sender] += nbytes
+                pairs[(sender, r)].append((held[sender], d, part, nbytes))
+    local, messages = [], []
+    for (snd, rcv), pieces in sorted(pairs.items()):
+        if snd == rcv == rank:
+            local += [(s, d, part) for s, d, part, _ in pieces]
+        elif rank in (snd, rcv) and snd != rcv:
+            peer, send = (rcv, True) if rank == snd else (snd, False)
+            direct = [p for p in pieces if p[3] >= DIRECT_BYTES and _contiguous(p[0], p[2]) and _contiguous(p[1], p[2])]
+            messages += [(peer, send, (p,), False) for p in direct]
+            rest = tuple(p for p in pieces if p not in direct)
+            if rest:
+                messages.append((peer, send, rest, True))
+    return FloorPlan(out=tuple(dst_layout.get(rank, [])), local=tuple(local), messages=tuple(messages))
+
+
+def p2p_floor(src: LocalState, plan: FloorPlan, *, timeout: float = 300.0) -> tuple[LocalState, int]:
+    """Run ``plan`` on this rank: every message posted at once, no checksum, digest, agreement or
+    rollback. Returns this rank's plan-B shards and the bytes it sent."""
+    out = {d.key: torch.empty(d.local_shape, dtype=torch_dtype(d.dtype)) for d in plan.out}
+    for s, d, part in plan.local:
+        _view(out[d.key], d, part).copy_(_view(src[s.key], s, part))
+    ops, unpack, sent = [], [], 0
+    for peer, send, pieces, packed in plan.messages:
+        if not packed:
+            s, d, part, nbytes = pieces[0]
+            t = _view(src[s.key], s, part) if send else _view(out[d.key], d, part)
+            ops.append(dist.P2POp(dist.isend if send else dist.irecv, t.reshape(-1).view(torch.uint8), peer))
+            sent += nbytes if send else 0
+            continue
+        buf = torch.empty(sum(_padded(p[3]) for p in pieces), dtype=torch.uint8)
+        off = 0
+        for s, d, part, nbytes in pieces:
+            if send:
+                v = _view(src[s.key], s, part)
+                buf[off:off + nbytes].view(v.dtype).view(v.shape).copy_(v)
+            else:
+                unpack.append((buf[off:off + nbytes], _view(out[d.key], d, part)))
+            off += _padded(nbytes)
+        ops.append(dist.P2POp(dist.isend if send else dist.irecv, buf, peer))
+        sent += buf.numel() if send else 0
+    _exchange(ops, timeout)
+    for flat, dst in unpack:
+        dst.copy_(flat.view(dst.dtype).view(dst.shape))
     return out, sent
 
 

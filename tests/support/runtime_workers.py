@@ -118,3 +118,24 @@ def run_travelled(rank: int, world: int, prog) -> list[str]:
     init_from_env(timeout=30)
     new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30)
     return check(prog, rank, new)
+
+
+RESHARD_MODEL = {"layers": 4, "hidden": 64, "heads": 8, "kv_heads": 4, "ffn": 176, "vocab": 1000}
+
+
+def run_plain_reshard(rank: int, world: int, pairs: list[tuple[dict, dict]], trained: bool) -> list[list[str]]:
+    """``nereus.reshard`` on each (source, destination) layout pair: this rank's shards cut from
+    the full tensors, moved, compared with the destination cut. Returns the problems per pair."""
+    init_from_env(timeout=30)
+    model = dict(RESHARD_MODEL, trained=trained)
+    out = []
+    for src, dst in pairs:
+        state = {n: cut(full_tensor(s), s.box).clone() for n, s in nereus.reshard_shards(model, src, rank).items()}
+        before = {n: t.clone() for n, t in state.items()}
+        new = nereus.reshard(state, model, src, dst, timeout=30)
+        want = nereus.reshard_shards(model, dst, rank)
+        bad = [f"keys {sorted(set(new) ^ set(want))[:3]}"] if set(new) != set(want) else []
+        bad += [f"wrong {n}" for n, s in want.items() if n in new and not torch.equal(new[n], cut(full_tensor(s), s.box))]
+        bad += [f"source changed {n}" for n, t in state.items() if not torch.equal(t, before[n])]
+        out.append(bad)
+    return out
