@@ -112,6 +112,23 @@ def _plan(case: str, world: int, hidden: int | None, remap: bool):
     return prog, time.perf_counter() - t0
 
 
+def _fixed_cost(case: str, world: int, hidden: int | None, rank: int, repeats: int = 20) -> float:
+    """Seconds of a transition that moves nothing (plan A to plan A: the digest exchange, the
+    commit agreement, keeping every shard), slowest rank between barriers, best of ``repeats``."""
+    m = case_module(case, world, hidden=hidden)
+    run_pipeline(m, "plan-transition{source=@a,to=@a,into=@same}")
+    prog = lower(m, "same")
+    src = synthetic_state(prog.src.get(rank, []))
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        execute(prog, src, timeout=60)
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _connect_all(rank: int, world: int, device) -> None:
     """A tiny message between every pair of ranks: gloo connects a pair at its first message, so
     without this the first method to talk to a peer would pay for the connection."""
@@ -130,7 +147,7 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
 
     device = init_from_env(timeout=600)  # gloo on CPU; NCCL with one GPU per rank (untested here)
     _connect_all(rank, world, device)
-    out = {"ring": ring_bandwidth(ring_bytes, rank, world)}
+    out = {"ring": ring_bandwidth(ring_bytes, rank, world), "fixed": _fixed_cost(cases[0], world, hidden, rank)}
     if rank == 0:  # warm-up, untimed: the first remap imports scipy's assignment solver (~0.3 s)
         _plan(cases[0], world, hidden, True)
     for case in cases:
@@ -194,6 +211,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, 2, timeout=3600)
             ring = min(r["ring"] for r in per_rank)
             results["ring_GBps"][world] = ring / 1e9
+            results.setdefault("fixed_ms", {})[world] = 1e3 * max(r["fixed"] for r in per_rank)
             for case in cases:
                 rows = [r[case] for r in per_rank]
                 bound = max(r["must_receive"] for r in rows) / ring
@@ -247,3 +265,5 @@ def _table(results: dict) -> None:
     Console(width=max(260, Console().width)).print(t)
     rings = ", ".join(f"{w} procs {v:.2f} GB/s" for w, v in results["ring_GBps"].items())
     Console().print(f"ring bandwidth per rank, all sending at once: {rings}")
+    fixed = ", ".join(f"{w} procs {v:.1f} ms" for w, v in results.get("fixed_ms", {}).items())
+    Console().print(f"fixed cost per transition (one that moves nothing: digest, agreement), best of 20: {fixed}")
