@@ -142,6 +142,13 @@ class _Rank:
                                         _region(self.dst_spec[p.dst], p.box) if p.dst in self.dst_spec else None)
         return sl
 
+    def layout(self, msg: Message) -> tuple[list[int], int]:
+        """``_bucket_layout`` of a message, worked out once per program and rank."""
+        lay = self.regions.get(id(msg))
+        if lay is None:
+            lay = self.regions[id(msg)] = _bucket_layout(msg.pieces)
+        return lay
+
     def read(self, p: Piece) -> torch.Tensor:
         return (self.new if p.arrived else self.src)[p.src][self.slices(p)[0]]
 
@@ -209,7 +216,7 @@ class _Rank:
         if msg.direct:
             src = self.read(msg.pieces[0])
             return _bytes(src if src.is_contiguous() else src.contiguous())
-        offs, n = _bucket_layout(msg.pieces)
+        offs, n = self.layout(msg)
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         for p, o in zip(msg.pieces, offs):
             src = self.read(p)
@@ -224,7 +231,7 @@ class _Rank:
             if dst.is_contiguous() and dst.device == self.device:  # NCCL receives into device memory only
                 return _bytes(dst)
             return torch.empty(msg.pieces[0].nbytes, dtype=torch.uint8, device=self.device)
-        return torch.empty(_bucket_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
+        return torch.empty(self.layout(msg)[1], dtype=torch.uint8, device=self.device)
 
     def unpack(self, msg: Message, buf: torch.Tensor) -> None:
         if msg.direct:
@@ -232,7 +239,7 @@ class _Rank:
             if buf.data_ptr() != dst.data_ptr():  # received beside a strided slice: copy it in
                 dst.copy_(buf.view(dst.dtype).view(dst.shape))
             return
-        for p, o in zip(msg.pieces, _bucket_layout(msg.pieces)[0]):
+        for p, o in zip(msg.pieces, self.layout(msg)[0]):
             dst = self.land(p)
             dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
 
