@@ -195,6 +195,48 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _trace_job(trace, path: str):
+    """The IR job a trace names: an example of ``nereus.testing.jobs`` or a .nir file beside the trace."""
+    from .testing.jobs import EXAMPLES
+
+    name = trace.job if trace.job.endswith(".nir") else f"{trace.job}.nir"
+    beside = Path(path).parent / name
+    if beside.exists():
+        return _load(str(beside))[0]
+    if name in EXAMPLES:
+        return verify(parse(EXAMPLES[name](), name))
+    raise DiagnosticError([Diagnostic(Loc(1, 1, path), f"the trace's job '{trace.job}' is neither an example nor a file "
+                                                       f"beside the trace", "examples: " + ", ".join(EXAMPLES))])
+
+
+def cmd_simulate(args) -> int:
+    from .sim.policies import POLICIES
+    from .sim.report import plots, table, to_json
+    from .sim.simulate import simulate
+    from .sim.trace import read_trace
+
+    try:
+        trace = read_trace(args.trace)
+        module = _trace_job(trace, args.trace)
+        policies = args.policies.split(",") if args.policies else list(POLICIES)
+        result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json)
+    except FileNotFoundError:
+        _report(DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]))
+        return 1
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+    if args.json:
+        print(json.dumps(to_json(result), indent=1))
+    else:
+        table(result)
+    if args.plot:
+        gantt = getattr(result["policies"].get("nereus"), "example", None)
+        for f in plots(result, args.plot, gantt):
+            print(f"wrote {f}", file=sys.stderr)
+    return 0
+
+
 def cmd_passes(args) -> int:
     import dataclasses
 
@@ -250,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     lo.set_defaults(func=cmd_lower)
     ps = sub.add_parser("passes", help="list every pass with its options, their types and defaults")
     ps.set_defaults(func=cmd_passes)
+    sm = sub.add_parser("simulate", help="run the policies side by side on a trace (nereus/sim/traces/*.jsonl)")
+    sm.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, nereus/sim/trace.py)")
+    sm.add_argument("--policies", help="comma-separated: fixed, verl, openrlhf, nereus, oracle (default: all)")
+    sm.add_argument("--steps", type=int, help="simulate only the first N steps")
+    sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
+    sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")
+    sm.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition, reshard, calibrate, controller or push")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")

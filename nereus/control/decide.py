@@ -2,9 +2,11 @@
 
 ``DecisionCore.decide()`` after each step (``check()``: steps 1-2, then ``replan()``: 3-4):
 
-1. every ``recalibrate_every`` steps, refit the cost model's coefficients to the stage times of
-   the last ``window`` steps (``calibrate``) and re-estimate the current plan;
-2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons;
+1. at the first step and every ``recalibrate_every`` steps, refit the cost model's coefficients
+   to the stage times of the last ``window`` steps (``calibrate``) and re-estimate the current plan;
+2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons. A GPU
+   change that a re-plan already weighed and rejected fires again only when the GPUs change again
+   (or when it forces a move);
 3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
    left, the response lengths of the window): ``plan-search`` for plan B on those GPUs,
    ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
@@ -86,6 +88,7 @@ class DecisionCore:
         self.planned_response = float(self.workload.response_len_mean)
         self.history: list[StepRecord] = []
         self.last_replan = -10**9
+        self.gpus_considered: tuple | None = None  # (GPUs, leaving) the last re-plan weighed
         self.log = Path(log) if log is not None else None
         self.decisions: list[Decision] = []
         self._pending = None  # what check() found for replan()
@@ -118,10 +121,13 @@ class DecisionCore:
         opts, step = self.options, self.history[-1].step
         window = self.history[-opts.window:]
         numbers: dict = {}
-        if opts.recalibrate_every and (step + 1) % opts.recalibrate_every == 0:
-            numbers.update(self._recalibrate(window))
+        if opts.recalibrate_every and ((step + 1) % opts.recalibrate_every == 0 or len(self.history) == 1):
+            numbers.update(self._recalibrate(window))  # at the first step too: the priors are not the job
         plan = self.m.plans[self.plan]
         triggers = gpu_triggers(plan, self.gpus_now, self.gpus_planned, self.leaving)
+        if (frozenset(self.gpus_now), frozenset(self.leaving)) == self.gpus_considered:
+            # a GPU change already weighed (and rejected) does not fire again until the GPUs change again
+            triggers = [t for t in triggers if t.forced]
         measured = measured_triggers(self.m, plan, window, self.planned_response, opts)
         forced_measured = [t for t in measured if t.forced]
         if step - self.last_replan >= opts.cooldown:
@@ -142,6 +148,7 @@ class DecisionCore:
         t0, step, window, triggers, numbers = self._pending
         self._pending = None
         self.last_replan = step
+        self.gpus_considered = (frozenset(self.gpus_now), frozenset(self.leaving))
         decision = self._replan(step, window, triggers, numbers)
         decision.numbers["decide_s"] = round(time.perf_counter() - t0, 4)
         return self._record(decision)
@@ -185,6 +192,12 @@ class DecisionCore:
         if count:  # plan for the responses the job generates now
             w.response_len_mean = max(1, round(sum(r.responses[1] for r in window) / count))
             w.response_len_max = max(w.response_len_max, max(r.responses[2] for r in window))
+            shares = [r.length_shares for r in window if r.length_shares]
+            if shares:  # the distribution, share by share over the window
+                dist = [max(1, round(sum(s[i] for s in shares) / len(shares))) for i in range(len(shares[0]))]
+                w.response_len_dist = sorted(dist)
+                w.response_len_mean = max(1, round(sum(dist) / len(dist)))
+                w.response_len_max = max(w.response_len_max, max(dist))
         # plan B's cluster: the GPUs available now, less those announced to leave
         usable = self.gpus_now - self.leaving
         cluster = copy.deepcopy(m.clusters[a.cluster])

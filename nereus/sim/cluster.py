@@ -1,0 +1,168 @@
+"""The simulated cluster: what a plan really costs at a step of a trace.
+
+The truth is the cost model run with *hidden* efficiency coefficients (``TRUTH``, not the
+planner's priors), at the step's response-length distribution and on the GPUs the trace makes
+available; on top, per-step noise (log-normal) and stragglers (a step now and then slowed by a
+slow GPU, as synchronous collectives wait for it). A plan that does not fit in memory fails the
+step, as an out-of-memory would, and one that uses a GPU the trace took away cannot run. Policies
+see only ``measure``'s noisy stage times and memory: they must calibrate to learn the truth.
+
+Per step, every policy also pays the push of the actor's weights from its training layout to its
+generation layout, by its own method (``sync_seconds``). Transitions cost what ``cost_of_move``
+says: the live transition's scheduled makespan (at the true link efficiency) plus process-group
+and engine restarts; a restart from a checkpoint (what verl- and OpenRLHF-like jobs do when the
+GPUs change) reads each GPU's state back at ``RELOAD_BYTES_PER_S``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+
+from ..ir import Module, Plan
+from ..ir.cluster import Efficiency
+from ..passes.cost_model import CostModel
+from ..passes.estimate import estimate_plan
+from .trace import Trace, TraceStep
+
+# hidden truth: below every prior (compute 0.6, HBM/links 0.7, overlap 0.9), overhead per layer pass doubled
+TRUTH = Efficiency(compute=0.48, hbm=0.62, nvlink=0.6, nic=0.5, pcie=0.6, overhead=4e-5, overlap=0.75)
+NOISE = 0.03  # sigma of the log-normal noise of a step's time
+STRAGGLER_P, STRAGGLER_SLOWDOWN = 0.02, 1.3
+PG_INIT, ENGINE_RESTART = 2.0, 30.0  # seconds, as admit's defaults
+RELOAD_BYTES_PER_S = 2e9  # per GPU, reading state back from a checkpoint (assumed: local NVMe / parallel FS)
+
+
+@dataclass
+class Outcome:
+    """A plan at a step, in truth (no noise): stage seconds and memory, or why it cannot run."""
+
+    step_time: float
+    seconds: dict[str, float]
+    memory: dict[str, int]
+    failure: str = ""  # "" | "out of memory" | "GPUs gone"
+
+
+def conditions(step: TraceStep) -> tuple:
+    return step.response_len_dist, step.unavailable
+
+
+class SimCluster:
+    """The trace's job (``module``: its workload and cluster, plans ignored) under the trace."""
+
+    def __init__(self, module: Module, trace: Trace, truth: Efficiency = TRUTH, seed: int = 0):
+        self.base = copy.deepcopy(module)
+        self.base.plans.clear()
+        self.base.emus.clear()
+        self.base.transitions.clear()
+        (self.workload,) = self.base.workloads.values()
+        (self.cluster,) = self.base.clusters.values()
+        self.trace, self.truth = trace, truth
+        self.rng = random.Random(seed)
+        self._modules: dict[tuple, Module] = {}
+        self._outcomes: dict[tuple, Outcome] = {}
+
+    # -- the job at a step -------------------------------------------------------------------------
+    def module_at(self, i: int, truth: bool = False) -> Module:
+        """The job at step ``i``: the step's length distribution and available GPUs; the cluster
+        has the priors' efficiency (``truth``: the hidden one). Shared: copy before changing."""
+        key = (conditions(self.trace.steps[i]), truth)
+        m = self._modules.get(key)
+        if m is None:
+            s = self.trace.steps[i]
+            m = copy.deepcopy(self.base)
+            w, c = m.workloads[self.workload.name], m.clusters[self.cluster.name]
+            w.response_len_dist = list(s.response_len_dist)
+            w.response_len_mean = s.response_len_mean
+            w.response_len_max = max(self.workload.response_len_max, max(s.response_len_dist))
+            c.unavailable = sorted(set(c.unavailable) | set(s.unavailable))
+            c.efficiency = self.truth if truth else None
+            self._modules[key] = m
+        return m
+
+    def evaluate(self, plan: Plan, i: int) -> Outcome:
+        """``plan`` at step ``i`` in truth (cached per plan and conditions)."""
+        key = (id(plan), conditions(self.trace.steps[i]))
+        out = self._outcomes.get(key)
+        if out is None:
+            out = self._outcomes[key] = self._evaluate(plan, i)
+            self._keep = getattr(self, "_keep", [])
+            self._keep.append(plan)  # ids stay unique while cached
+        return out
+
+    def _evaluate(self, plan: Plan, i: int) -> Outcome:
+        s = self.trace.steps[i]
+        used = {g for lay in plan.layouts.values() for g in lay.mesh}
+        if used & s.unavailable:
+            return Outcome(math.inf, {}, {}, "GPUs gone")
+        m = self.module_at(i, truth=True)
+        p = copy.deepcopy(plan)
+        p.name, p.workload, p.cluster = "_truth", self.workload.name, self.cluster.name
+        m.plans["_truth"] = p
+        try:
+            problems = estimate_plan(m, p)
+        finally:
+            del m.plans["_truth"]
+        seconds = {ms: lay.time for ms, lay in p.layouts.items()}
+        memory = {ms: lay.memory for ms, lay in p.layouts.items()}
+        if problems:
+            return Outcome(math.inf, seconds, memory, "out of memory")
+        return Outcome(p.step_time, seconds, memory)
+
+    def noise(self) -> float:
+        """This step's factor: log-normal noise, now and then a straggler."""
+        f = math.exp(self.rng.gauss(0.0, NOISE))
+        return f * (STRAGGLER_SLOWDOWN if self.rng.random() < STRAGGLER_P else 1.0)
+
+    # -- costs beside the step --------------------------------------------------------------------
+    def weight_bytes(self, model: str) -> float:
+        m = self.base.models[model]
+        cm = CostModel(self.cluster)
+        from ..passes.cost_model import Candidates
+
+        c = Candidates.grid(self.cluster, m.layers, 1, 1, 1)
+        return float(cm.params_per_gpu(m, c)[0]) * m.dtype_bytes
+
+    def sync_seconds(self, plan: Plan, method: str) -> float:
+        """Seconds per step to push the actor's weights from training to generation.
+
+        ``p2p`` (Nereus): each generation GPU receives its shard once; over NVLink when the
+        generation layout sits on nodes of the training layout, else the NIC. ``allgather``
+        (verl): every GPU all-gathers the full weights over the NIC (FSDP across nodes).
+        ``broadcast`` (OpenRLHF): rank 0 gathers the full weights, then broadcasts them to the
+        engines, each over the NIC."""
+        train = next((lay for ms, lay in plan.layouts.items() if ms.endswith(".train") and lay.model == "actor"), None)
+        gen = next((lay for ms, lay in plan.layouts.items() if ms.endswith(".generate")), None)
+        if train is None or gen is None:
+            return 0.0
+        full = self.weight_bytes(gen.model)
+        nic = self.cluster.inter_node.bandwidth * self.truth.nic
+        nvl = self.cluster.intra_node.bandwidth * self.truth.nvlink
+        if method == "p2p":
+            if gen.tp == train.tp and gen.pp == train.pp and gen.mesh[:gen.tp * gen.pp] == train.mesh[:train.tp * train.pp]:
+                return 0.0  # the same shards in place
+            per = self.cluster.gpus_per_node
+            same_nodes = {g // per for g in gen.mesh} <= {g // per for g in train.mesh}
+            return full / (gen.tp * gen.pp) / (nvl if same_nodes else nic)
+        if method == "allgather":
+            world = len(train.mesh)
+            return full * (world - 1) / world / nic
+        if method == "broadcast":
+            return 2 * full / nic
+        raise ValueError(f"unknown sync method {method}")
+
+    def reload_seconds(self, plan: Plan) -> float:
+        """A restart from a checkpoint: process groups, engines, and each GPU's state read back."""
+        m = self.module_at(0)
+        p = copy.deepcopy(plan)
+        p.workload, p.cluster = self.workload.name, self.cluster.name
+        m.plans["_reload"] = p
+        try:
+            estimate_plan(m, p)
+        finally:
+            del m.plans["_reload"]
+        state = max((lay.memory_breakdown.weights + lay.memory_breakdown.grads + lay.memory_breakdown.optimizer)
+                    for lay in p.layouts.values() if lay.memory_breakdown is not None)
+        return PG_INIT + ENGINE_RESTART + state / RELOAD_BYTES_PER_S

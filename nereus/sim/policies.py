@@ -1,0 +1,325 @@
+"""The five policies ``nereus simulate`` runs side by side, each the best of its kind.
+
+Every plan a policy starts from is found by ``plan-search``'s own solver over the whole job,
+restricted to what that kind of system can run (``search``'s ``keep``):
+
+- ``fixed`` (the paper's baseline): the best plan for step 0; when the GPUs change, or the plan
+  stops fitting, the best plan with every model-stage's TP and PP kept, i.e. only DP (and
+  micro-batching, ZeRO, placement) rescaled. A move is a restart from a checkpoint.
+- ``verl``: every model-stage on all available GPUs (one colocated pool, run in turn), TP/PP fixed
+  after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
+- ``openrlhf``: a separate pool per model (the generation engines' own), the split chosen at step 0
+  among a few generation shares, each pool's layouts searched on its GPUs; weights gathered to
+  rank 0 and broadcast every step; restarts as ``fixed``.
+- ``nereus``: the live controller's decision core (``nereus.control.DecisionCore``) fed the
+  simulated measurements: it recalibrates online, re-plans on its triggers and moves only when
+  admission says it pays (or must); a move is a live transition (its scheduled makespan).
+- ``oracle``: re-plans at every change of conditions knowing the true coefficients, and moves
+  for free.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+from ..control import ControlOptions, DecisionCore, StepRecord
+from ..ir import DiagnosticError, Module, Plan
+from ..ir.cluster import Efficiency
+from ..passes.estimate import estimate_plan
+from ..passes.plan_search import solve, to_plan
+from ..passes.search_space import build_problem
+from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
+
+SEARCH_S = 10.0
+
+
+class NoPlan(RuntimeError):
+    pass
+
+
+def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S) -> Plan:
+    """The best plan of ``m``'s job on its available GPUs among options ``keep(ms, option, n)``
+    allows (plan-search's solver), estimated in ``m``."""
+    (w,) = m.workloads.values()
+    (c,) = m.clusters.values()
+    problem = build_problem(c, w, m.models, prune=False)
+    if keep is not None:
+        for ms, sp in problem.spaces.items():
+            sp.options = [o for o in sp.options if keep(ms, o, problem.n)]
+    sol = solve(problem, time_limit, 0)
+    if sol.choice is None:
+        raise NoPlan(f"no plan fits on {problem.n} GPUs")
+    plan = to_plan(problem, sol, name, w.name, c.name)
+    if estimate_plan(m, plan):
+        raise NoPlan("the plan found does not fit")
+    return plan
+
+
+@dataclass
+class Move:
+    seconds: float = 0.0  # the transition or restart
+    decide_s: float = 0.0  # time the policy spent deciding (wall, this machine)
+    moved: bool = False
+
+
+class Policy:
+    name = ""
+    sync = "p2p"
+
+    def start(self, sim: SimCluster) -> None:
+        raise NotImplementedError
+
+    def react(self, sim: SimCluster, i: int) -> Move:
+        """Before step ``i``: what the policy does with what it knows (the GPUs of step ``i``)."""
+        return Move()
+
+    def recover(self, sim: SimCluster, i: int, out: Outcome) -> Move:
+        """Step ``i`` failed under the current plan: move to one that can run."""
+        raise NotImplementedError
+
+    def observe(self, sim: SimCluster, i: int, out: Outcome, factor: float) -> Move:
+        """After step ``i`` (measured): a decision whose move is paid before step ``i + 1``."""
+        return Move()
+
+
+class Restarting(Policy):
+    """A fixed-layout system: re-searched (TP/PP kept) when its GPUs change or it cannot run; each move a restart."""
+
+    def __init__(self):
+        self.plan: Plan | None = None
+        self.tp_pp: dict[str, tuple[int, int]] = {}
+        self.gpus: frozenset[int] = frozenset()
+
+    def initial(self, sim: SimCluster) -> Plan:
+        raise NotImplementedError
+
+    def keep(self, ms, o, n) -> bool:
+        return (o.tp, o.pp) == self.tp_pp[ms]
+
+    def start(self, sim: SimCluster) -> None:
+        self.plan = self.initial(sim)
+        self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in self.plan.layouts.items()}
+        self.gpus = frozenset(sim.trace.available(0))
+
+    def replan(self, sim: SimCluster, i: int) -> Plan:
+        return search(copy.deepcopy(sim.module_at(i)), self.keep, f"{self.name}{i}")
+
+    def _move(self, sim: SimCluster, i: int) -> Move:
+        t0 = time.perf_counter()
+        try:
+            self.plan = self.replan(sim, i)
+        except NoPlan:
+            return Move(0.0, time.perf_counter() - t0)
+        self.gpus = frozenset(sim.trace.available(i))
+        return Move(sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
+
+    def react(self, sim, i):
+        if frozenset(sim.trace.available(i)) != self.gpus:
+            return self._move(sim, i)
+        return Move()
+
+    def recover(self, sim, i, out):
+        return self._move(sim, i)
+
+
+class Fixed(Restarting):
+    name = "fixed"
+
+    def initial(self, sim):
+        return search(copy.deepcopy(sim.module_at(0)), None, "fixed0")
+
+
+class Verl(Restarting):
+    name, sync = "verl", "allgather"
+
+    def initial(self, sim):
+        return search(copy.deepcopy(sim.module_at(0)), lambda ms, o, n: o.gpus == n, "verl0")
+
+    def keep(self, ms, o, n):
+        return o.gpus == n and (o.tp, o.pp) == self.tp_pp[ms]
+
+
+class OpenRLHF(Restarting):
+    """Pools: the generation engines, then one per model for its other stages."""
+
+    name, sync = "openrlhf", "broadcast"
+    GEN_SHARES = (0.25, 0.375, 0.5)
+
+    def pools(self, m: Module) -> list[list[str]]:
+        (w,) = m.workloads.values()
+        gen = [ms for st in w.stages if st.kind == "generate" for ms in st.model_stages()]
+        rest: dict[str, list[str]] = {}
+        for st in w.stages:
+            if st.kind != "generate":
+                for ms in st.model_stages():
+                    rest.setdefault(ms.rpartition(".")[0], []).append(ms)
+        return [gen] + list(rest.values())
+
+    def split(self, m: Module, gen_share: float) -> list[list[int]]:
+        """GPUs per pool, whole nodes where it can: the generation share, the rest by each pool's
+        work (a trained model's stages count 4: forward, and training's three passes)."""
+        (c,) = m.clusters.values()
+        gpus = c.available_gpus()
+        pools = self.pools(m)
+        weight = [sum(4 if ms.endswith(".train") else 1 for ms in p) for p in pools[1:]]
+        per = c.gpus_per_node if len(gpus) >= c.gpus_per_node * len(pools) else 1
+        units = len(gpus) // per
+        counts = [max(1, round(units * gen_share))]
+        left = units - counts[0]
+        shares = [max(1, math.floor(left * x / sum(weight))) for x in weight]
+        shares[0] += left - sum(shares)
+        counts += shares
+        out, at = [], 0
+        for k in counts:
+            out.append(gpus[at * per:(at + k) * per])
+            at += k
+        return out
+
+    def pooled(self, m: Module, gen_share: float, name: str, fixed: bool) -> Plan:
+        (w,) = m.workloads.values()
+        (c,) = m.clusters.values()
+        layouts, colocate = {}, []
+        for pool, ids in zip(self.pools(m), self.split(m, gen_share)):
+            sub = copy.deepcopy(m)
+            sw, sc = sub.workloads[w.name], sub.clusters[c.name]
+            sc.unavailable = sorted(set(range(sc.nodes * sc.gpus_per_node)) - set(ids))
+            sw.stages = [copy.copy(st) for st in sw.stages if any(ms in pool for ms in st.model_stages())]
+            for st in sw.stages:
+                st.models = [x for x in st.models if f"{x}.{st.name}" in pool]
+            keep = (lambda ms, o, n: (o.tp, o.pp) == self.tp_pp[ms]) if fixed else None
+            p = search(sub, keep, name)
+            layouts.update(p.layouts)
+            colocate += p.colocate
+        order = [ms for st in w.stages for ms in st.model_stages()]
+        plan = Plan(name=name, workload=w.name, cluster=c.name, colocate=colocate,
+                    layouts={ms: layouts[ms] for ms in order})
+        if estimate_plan(m, plan):
+            raise NoPlan("the pooled plan does not fit")
+        return plan
+
+    def initial(self, sim):
+        m = copy.deepcopy(sim.module_at(0))
+        best = None
+        for share in self.GEN_SHARES:
+            try:
+                plan = self.pooled(m, share, "openrlhf0", False)
+            except NoPlan:
+                continue
+            if best is None or plan.step_time < best[0].step_time:
+                best = (plan, share)
+        if best is None:
+            raise NoPlan("no pool split fits")
+        self.share = best[1]
+        return best[0]
+
+    def replan(self, sim, i):
+        return self.pooled(copy.deepcopy(sim.module_at(i)), self.share, f"openrlhf{i}", True)
+
+
+class Nereus(Policy):
+    """The decision core of ``nereus.control``, as the live Controller runs it."""
+
+    name = "nereus"
+
+    def __init__(self, options: ControlOptions | None = None, start_plan: Plan | None = None):
+        self.options = options or ControlOptions(search_time_limit=5.0, schedule_time_limit=0.5)
+        self.start_plan = start_plan
+        self.pending = Move()
+        self.example: tuple | None = None  # (step, gantt rows) of the first transition
+
+    def start(self, sim):
+        m = copy.deepcopy(sim.module_at(0))
+        plan = copy.deepcopy(self.start_plan) if self.start_plan is not None else search(m, None, "p0")
+        plan.name = "p0"
+        m.plans["p0"] = plan
+        self.core = DecisionCore(m, "p0", self.options, total_steps=len(sim.trace.steps))
+        self.plan = self.core.m.plans[self.core.plan]
+        self.last_seconds: dict[str, float] = {}
+
+    def _record(self, sim, i, out: Outcome | None, factor: float) -> StepRecord:
+        s = sim.trace.steps[i]
+        w = sim.workload
+        seconds = {ms: t * factor for ms, t in out.seconds.items() if t} if out and out.seconds else dict(self.last_seconds)
+        memory = {ms: int(b) for ms, b in out.memory.items() if b} if out else {}
+        n = w.samples
+        return StepRecord(step=i, seconds=seconds or {"_": 1.0}, memory=memory,
+                          responses=(n, n * s.response_len_mean, max(s.response_len_dist)),
+                          length_shares=s.response_len_dist, gpus=tuple(sim.trace.available(i)), leaving=tuple(sorted(s.leaving)))
+
+    def _decide(self, sim, i, record: StepRecord) -> Move:
+        t0 = time.perf_counter()
+        self.core.observe(record)
+        d = self.core.decide()
+        if d.action != "transition":
+            return Move(0.0, time.perf_counter() - t0)
+        n = d.numbers
+        prior_nic = (self.core.m.clusters[self.core.m.plans[self.core.plan].cluster].efficiency or Efficiency()).nic
+        cost = float(n.get("cost") or (n.get("makespan", 0.0) + PG_INIT + ENGINE_RESTART))
+        cost += float(n.get("makespan", 0.0)) * (prior_nic / sim.truth.nic - 1)  # the true links are slower
+        if self.example is None:  # one transition's transfer schedule, for the Gantt chart
+            self.example = (i, gantt_rows(d.module, d.module.transitions[d.transition]))
+        self.core.commit(d)
+        self.plan = self.core.m.plans[self.core.plan]
+        return Move(cost, time.perf_counter() - t0, True)
+
+    def react(self, sim, i):
+        move, self.pending = self.pending, Move()
+        return move
+
+    def observe(self, sim, i, out, factor):
+        if out.seconds:
+            self.last_seconds = {ms: t * factor for ms, t in out.seconds.items() if t}
+        self.pending = self._decide(sim, i, self._record(sim, i, out, factor))
+        return Move()
+
+    def recover(self, sim, i, out):
+        # the failed step is what the core measures: the GPUs it lost, or a memory peak at the limit
+        record = self._record(sim, i, None if out.failure == "GPUs gone" else out, 1.0)
+        return self._decide(sim, i, record)
+
+
+class Oracle(Policy):
+    """Knows the truth; re-plans whenever the conditions change; moves for free."""
+
+    name = "oracle"
+
+    def start(self, sim):
+        self.cache: dict[tuple, Plan] = {}
+        self.plan = self._best(sim, 0)
+
+    def _best(self, sim, i) -> Plan:
+        key = conditions(sim.trace.steps[i])
+        if key not in self.cache:
+            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}")
+        return self.cache[key]
+
+    def react(self, sim, i):
+        t0 = time.perf_counter()
+        before = self.plan
+        try:
+            self.plan = self._best(sim, i)
+        except NoPlan:
+            pass
+        return Move(0.0, time.perf_counter() - t0, self.plan is not before)
+
+    def recover(self, sim, i, out):
+        return Move()
+
+
+def gantt_rows(m: Module, t) -> list[tuple[int, float, float, str]]:
+    """(receiving GPU, start s, duration s, kind) of every scheduled operation of transition ``t``."""
+    rows = []
+    for op in t.ops:
+        if op.start is None or op.duration is None:
+            continue
+        for ref in op.dst or op.src:
+            plan = t.target if ref in op.dst else t.source
+            gpu = ref.gpu if hasattr(ref, "gpu") else m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp).gpu
+            rows.append((gpu, op.start, op.duration, op.kind))
+    return rows
+
+
+POLICIES = {"fixed": Fixed, "verl": Verl, "openrlhf": OpenRLHF, "nereus": Nereus, "oracle": Oracle}

@@ -1,0 +1,134 @@
+"""``simulate(module, trace)``: every policy on the same trace, step by step, side by side.
+
+Per step and policy: ``react`` (a move decided before the step: paid now), the step in truth
+(``SimCluster.evaluate``) times the step's noise, the weight push of the policy's kind, and, when
+the plan cannot run (out of memory, GPUs gone), the failed attempt (a restart) plus a forced
+move (``recover``) and the step again; if that fails too the step is lost (counted as
+infeasible time). Then ``observe`` (the Nereus policy's decision core decides here). Every
+policy sees the same noise at the same step. Latency per step = step + push + moves + lost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from rich.progress import Progress
+
+from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from .cluster import ENGINE_RESTART, PG_INIT, SimCluster
+from .policies import POLICIES, NoPlan, Policy
+from .trace import Trace
+
+FAILED_ATTEMPT = PG_INIT + ENGINE_RESTART  # an out-of-memory or a lost GPU: the attempt, then a restart
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    latency: list[float] = field(default_factory=list)
+    step: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)
+    moves: list[int] = field(default_factory=list)  # steps before which the policy moved
+    move_s: float = 0.0
+    lost_s: float = 0.0  # failed attempts and steps that could not run
+    failures: int = 0
+    decide_s: float = 0.0
+    samples_per_step: int = 0
+
+    def summary(self) -> dict:
+        n = len(self.latency)
+        total = sum(self.latency)
+        ordered = sorted(self.latency)
+        p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)] if n else 0.0
+        return {"policy": self.name, "steps": n, "mean_s": total / n if n else 0.0, "p99_s": p99,
+                "throughput_samples_per_s": self.samples_per_step * n / total if total else 0.0,
+                "transitions": len(self.moves), "transition_s": self.move_s,
+                "transition_share": self.move_s / total if total else 0.0, "lost_s": self.lost_s,
+                "failures": self.failures, "decide_s": self.decide_s, "run_s": total}
+
+
+def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
+    """Before the run: the trace's GPUs exist in the job's cluster, the policies are known."""
+    (c,) = module.clusters.values()
+    where = Loc(1, 1, str(trace.path) if trace.path else None)
+    problems = []
+    if trace.gpus > c.num_gpus:
+        problems.append(Diagnostic(where, f"trace {trace.name} ranges over {trace.gpus} GPUs, but cluster @{c.name} of job "
+                                          f"{trace.job} has {c.num_gpus}", "use a job with a larger cluster"))
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        problems.append(Diagnostic(where, f"unknown policies {unknown}", "policies: " + ", ".join(POLICIES)))
+    if problems:
+        raise DiagnosticError(problems)
+
+
+def simulate(module: Module, trace: Trace, policies: list[str] | None = None, steps: int | None = None,
+             seed: int = 0, progress: bool = True) -> dict:
+    """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs."""
+    names = policies or list(POLICIES)
+    check_fits(module, trace, names)
+    if steps is not None:
+        trace = Trace(trace.name, trace.job, trace.gpus, trace.steps[:steps], trace.seed, trace.description,
+                      trace.sources, trace.path)
+    sim = SimCluster(module, trace, seed=seed)
+    factors = [sim.noise() for _ in trace.steps]  # the same noise for every policy
+    runs: dict[str, PolicyRun] = {}
+    pols: dict[str, Policy] = {}
+    t_start = time.perf_counter()
+    for name in names:
+        p = POLICIES[name]()
+        t0 = time.perf_counter()
+        try:
+            p.start(sim)
+        except NoPlan as e:
+            raise DiagnosticError([Diagnostic(Loc(1, 1, str(trace.path) if trace.path else None),
+                                              f"policy {name} cannot run on the trace's first step: {e}")]) from e
+        pols[name] = p
+        runs[name] = PolicyRun(name, decide_s=time.perf_counter() - t0, samples_per_step=sim.workload.samples)
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"simulate {trace.name}: {len(names)} policies", total=len(trace.steps))
+        for i in range(len(trace.steps)):
+            for name, p in pols.items():
+                _step(sim, p, runs[name], i, factors[i])
+            bar.advance(task)
+    return {"trace": trace.name, "job": trace.job, "steps": len(trace.steps), "seed": seed,
+            "wall_s": time.perf_counter() - t_start, "runs": runs, "policies": pols}
+
+
+def _step(sim: SimCluster, p: Policy, run: PolicyRun, i: int, factor: float) -> None:
+    extra = lost = 0.0
+    move = p.react(sim, i)
+    run.decide_s += move.decide_s
+    if move.moved:
+        run.moves.append(i)
+        run.move_s += move.seconds
+        extra += move.seconds
+    out = sim.evaluate(p.plan, i)
+    if out.failure:
+        run.failures += 1
+        lost += FAILED_ATTEMPT
+        move = p.recover(sim, i, out)
+        run.decide_s += move.decide_s
+        if move.moved:
+            run.moves.append(i)
+            run.move_s += move.seconds
+            extra += move.seconds
+        out = sim.evaluate(p.plan, i)
+    if out.failure:  # still cannot run: the step is lost
+        lost += FAILED_ATTEMPT
+        run.lost_s += lost
+        run.latency.append(extra + lost)
+        run.step.append(0.0)
+        run.sync.append(0.0)
+        move = p.observe(sim, i, out, factor)
+        return
+    run.lost_s += lost
+    step = out.step_time * factor
+    sync = sim.sync_seconds(p.plan, p.sync) * factor
+    run.step.append(step)
+    run.sync.append(sync)
+    run.latency.append(step + sync + extra + lost)
+    move = p.observe(sim, i, out, factor)
+    run.decide_s += move.decide_s
