@@ -9,8 +9,10 @@ or one line per step with every model-stage: ``{"plan": "ppo_p0", "step": 7, "st
 must be in the module (the layouts the job ran with).
 
 Each predicted time is linear in the coefficients (``cost_model``), so the fit is a
-non-negative least-squares problem on relative errors (every measurement counts the same,
-whatever its size). Generation's decode is compute- or HBM-bound depending on the
+least-squares problem on relative errors (every measurement counts the same, whatever its
+size), bounded (no achieved fraction above 1: nothing runs faster than its peak; overhead
+non-negative) and pulled lightly toward the prior (``RIDGE``), so that a coefficient the
+measurements cannot separate from the others stays near its prior. Generation's decode is compute- or HBM-bound depending on the
 coefficients, and data-parallel communication is hidden up to a share or up to the compute
 beside it, so the fit re-assigns both and solves again until the assignment is stable; the
 hidden share itself (``overlap``) is chosen from a grid of 0.05 by the error after the fit.
@@ -30,7 +32,7 @@ import numpy as np
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.cluster import Calibration, Efficiency
 from ..ir.printer import printed_precision
-from .cost_model import COEFFS, CostModel, coefficient_vector, efficiency_from_vector
+from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
 from .estimate import LayoutCost, layout_costs
 from .pass_manager import ModulePass, register
 
@@ -60,7 +62,8 @@ OVERLAP_GRID = np.linspace(0.0, 1.0, 21)
 
 
 def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
-    """Non-negative least squares on relative error; see the module docstring. The share of
+    """Bounded least squares on relative error, pulled toward the prior (``_bounded_fit``); see the
+    module docstring. The share of
     data-parallel communication that compute hides (``overlap``) enters the time through a
     max, not linearly: when some measurement has such communication, every share of a grid of
     0.05 is tried and the one with the least error after the fit is kept."""
@@ -85,9 +88,30 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
                      best.used + ("overlap",), best.iterations)
 
 
+RIDGE = 0.003  # weight of the prior: a coefficient 10% off its prior costs as much as a 0.03% error on one measurement
+
+
+def _bounded_fit(A: np.ndarray, b: np.ndarray, cols: np.ndarray, scale: np.ndarray, prior: np.ndarray, lsq_linear) -> np.ndarray:
+    """Least squares on the scaled columns with every achieved fraction at most 1 (a coefficient
+    1 / efficiency of at least 1: nothing beats its peak) and the overhead non-negative, pulled
+    toward the prior by ``RIDGE`` so that what the measurements cannot tell apart (one plan's
+    steps repeat the same mix of compute, HBM and links) stays at the prior instead of drifting
+    to any value that fits (an HBM 138x its peak, seen when a job measured one plan)."""
+    lo = np.where(cols < C_OVERHEAD, 1.0, 0.0) * scale
+    rows, rhs = [A], [b]
+    for k, p in enumerate(prior):
+        if p > 0:
+            r = np.zeros(len(cols))
+            r[k] = RIDGE / (scale[k] * p)
+            rows.append(r[None, :])
+            rhs.append(np.array([RIDGE]))
+    y = lsq_linear(np.vstack(rows), np.concatenate(rhs), bounds=(lo, np.full(len(cols), np.inf))).x
+    return y / scale
+
+
 def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
     """The fit with ``prior.overlap`` fixed (the observations' costs carry it)."""
-    from scipy.optimize import nnls  # imported here: scipy costs 0.3 s at start-up, and only calibrate needs it
+    from scipy.optimize import lsq_linear  # imported here: scipy costs 0.3 s at start-up, and only calibrate needs it
 
     x = coefficient_vector(prior)
     before = _mape(obs, x)
@@ -105,9 +129,9 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -
         fixed = ~used
         b_free = b - A[:, fixed] @ x[fixed]
         scale = np.linalg.norm(A[:, used], axis=0)
-        sol, _ = nnls(A[:, used] / scale, b_free)
         x = x.copy()
-        x[used] = sol / scale
+        x[used] = _bounded_fit(A[:, used] / scale, b_free, np.flatnonzero(used), scale, coefficient_vector(prior)[used],
+                               lsq_linear)
         new_assignment = tuple((bool(o.cost.cost.decode is not None and
                                      o.cost.cost.decode[0][0] * x[0] >= o.cost.cost.decode[1][0] * x[1]),
                                 tuple(np.round(o.cost.cost.hidden_features(x)[0], 12)) if o.cost.cost.overlap else ())

@@ -304,10 +304,49 @@ def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]]) -> int:
     return best
 
 
+LARGE = 4000  # buckets: above this, one pass of list scheduling (``serial``) instead of ``greedy``
+
+
+def serial(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
+    """List schedule in one pass, O(n log n): buckets in topological order, the busiest port's
+    work first among those released together, each started as early as its ports and
+    predecessors allow. ``greedy`` re-keys every bucket waiting on a port each time the port
+    fills, which is quadratic on a port thousands of buckets wait for (a transition of a
+    1,024-GPU job); this is the fallback there."""
+    preds, succs, ports, left = _graph(buckets, prec)
+    start: list[int] = [0] * len(buckets)
+    free_at: dict[tuple, int] = defaultdict(int)
+    waiting = [len(preds[i]) for i in range(len(buckets))]
+    release = [0] * len(buckets)
+    heap = [(0, -max((left[p] for p in ports[i]), default=0), -buckets[i].duration, i)
+            for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    placed = 0
+    while heap:
+        *_, i = heapq.heappop(heap)
+        s = max([release[i]] + [free_at[p] for p in ports[i]])
+        start[i] = s
+        placed += 1
+        for p in ports[i]:
+            free_at[p] = s + buckets[i].duration
+        for j in succs[i]:
+            release[j] = max(release[j], s + buckets[i].duration)
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, (release[j], -max((left[p] for p in ports[j]), default=0), -buckets[j].duration, j))
+    if placed != len(buckets):
+        raise ValueError("cyclic dependencies between transfer buckets")
+    return start
+
+
 def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit: float, seed: int = 0) -> Schedule:
     bound = port_bound(buckets, prec)
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
+    if len(buckets) > LARGE:  # no search on this scale: the one-pass list schedule and its bound
+        warm = serial(buckets, prec)
+        horizon = max(s + b.duration for s, b in zip(warm, buckets))
+        return Schedule(warm, horizon, bound, "optimal" if horizon == bound else "feasible", bound)
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
     for chains in (False, True):  # then list schedules with insertion; the best of them

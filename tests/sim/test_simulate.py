@@ -1,0 +1,86 @@
+"""The simulator on a small job (PPO, Llama-3-8B-class models, 16 GPUs) and a hand-made trace:
+every policy runs every step, the oracle (optimal in truth at every step) is never slower than a
+policy that sees the same truth, the decision core learns the hidden coefficients, and bad runs
+are refused before they start."""
+
+import copy
+
+import pytest
+
+import nereus
+from nereus.ir import DiagnosticError
+from nereus.sim.cluster import TRUTH, SimCluster
+from nereus.sim.generate import length_shares
+from nereus.sim.simulate import simulate
+from nereus.sim.trace import Trace, TraceStep
+from nereus.testing.jobs import ppo_8b_16gpu
+
+STEPS = 36
+
+
+def _job():
+    return nereus.parse(ppo_8b_16gpu())
+
+
+def _trace(gpus: int = 16) -> Trace:
+    """8 GPUs, then 16 from step 8 (a grant), GPUs 12-15 announced to leave at step 20 and gone
+    from 21; responses grow 1,000 -> 2,000 tokens (mean) in four steps of the distribution."""
+    steps = []
+    for i in range(STEPS):
+        down = set(range(8, 16)) if i < 8 else set(range(12, 16)) if i > 20 else set()
+        dist = length_shares(1000 + 1000 * min(i // 9, 3) / 3, 4096)
+        steps.append(TraceStep(i, dist, frozenset(down), frozenset(range(12, 16)) if i == 20 else frozenset()))
+    return Trace("small", "ppo_8b_16gpu", gpus, steps)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return simulate(_job(), _trace(), progress=False)
+
+
+def test_every_policy_runs_every_step_and_the_numbers_add_up(result):
+    for name, run in result["runs"].items():
+        s = run.summary()
+        assert len(run.latency) == STEPS, name
+        assert s["mean_s"] == pytest.approx(sum(run.latency) / STEPS)
+        assert s["throughput_samples_per_s"] == pytest.approx(512 * STEPS / sum(run.latency))
+        # latency = the step + the weight push + moves + lost time, nothing else
+        assert sum(run.latency) == pytest.approx(sum(run.step) + sum(run.sync) + run.move_s + run.lost_s, rel=1e-9)
+    # the GPUs changed three times: every restarting policy moved, and so did Nereus (a GPU it used left)
+    for name in ("fixed", "verl", "openrlhf", "nereus"):
+        assert result["runs"][name].moves, name
+    assert result["runs"]["oracle"].move_s == 0
+
+
+def test_the_oracle_is_never_slower_than_a_plan_in_the_same_truth(result):
+    """The oracle's plan is plan-search's optimum under the true coefficients, so at each step its
+    time (before noise, which every policy shares) is at most any other policy's."""
+    oracle = result["runs"]["oracle"]
+    for name in ("fixed", "verl", "openrlhf", "nereus"):
+        run = result["runs"][name]
+        for i in range(STEPS):
+            if run.step[i] > 0 and oracle.step[i] > 0:
+                assert oracle.step[i] <= run.step[i] * (1 + 1e-3), (name, i, oracle.step[i], run.step[i])
+
+
+def test_the_decision_core_learns_the_hidden_coefficients(result):
+    core = result["policies"]["nereus"].core
+    eff = core.m.clusters[core.m.plans[core.plan].cluster].efficiency
+    assert eff is not None
+    assert eff.compute == pytest.approx(TRUTH.compute, rel=0.1)
+
+
+def test_a_plan_that_does_not_fit_fails_its_step():
+    sim = SimCluster(_job(), _trace())
+    plan = copy.deepcopy(nereus.parse(ppo_8b_16gpu()).plans["ppo_p0"])
+    assert sim.evaluate(plan, 10).failure == ""  # 16 GPUs, short responses
+    long = Trace("long", "ppo_8b_16gpu", 16, [TraceStep(0, length_shares(60000, 200000), frozenset())])
+    assert SimCluster(_job(), long).evaluate(plan, 0).failure == "out of memory"
+    assert sim.evaluate(plan, 0).failure == "GPUs gone"  # only GPUs 0-7 at step 0
+
+
+def test_a_trace_beyond_the_cluster_or_an_unknown_policy_is_refused_before_the_run():
+    with pytest.raises(DiagnosticError, match="ranges over 32 GPUs, but cluster @h100x16 of job ppo_8b_16gpu has 16"):
+        simulate(_job(), _trace(gpus=32), progress=False)
+    with pytest.raises(DiagnosticError, match=r"unknown policies \['slurm'\]"):
+        simulate(_job(), _trace(), policies=["nereus", "slurm"], progress=False)
