@@ -165,6 +165,7 @@ class DecisionCore:
             del m.emus[key]
         m.transitions.clear()
         self.m, self.plan = m, keep
+        self.history = []  # measurements of plan A say nothing of plan B: calibration and triggers start afresh
         self.workload = m.workloads[m.plans[keep].workload]
         self.gpus_planned = set(m.clusters[m.plans[keep].cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
