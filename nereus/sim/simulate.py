@@ -97,38 +97,33 @@ def simulate(module: Module, trace: Trace, policies: list[str] | None = None, st
             "wall_s": time.perf_counter() - t_start, "runs": runs, "policies": pols}
 
 
-def _step(sim: SimCluster, p: Policy, run: PolicyRun, i: int, factor: float) -> None:
-    extra = lost = 0.0
-    move = p.react(sim, i)
+def _account(run: PolicyRun, move, i: int) -> float:
+    """Book a policy's move before step ``i``; the seconds it adds to the step."""
     run.decide_s += move.decide_s
-    if move.moved:
-        run.moves.append(i)
-        run.move_s += move.seconds
-        extra += move.seconds
+    if not move.moved:
+        return 0.0
+    run.moves.append(i)
+    run.move_s += move.seconds
+    return move.seconds
+
+
+def _step(sim: SimCluster, p: Policy, run: PolicyRun, i: int, factor: float) -> None:
+    lost = 0.0
+    extra = _account(run, p.react(sim, i), i)
     out = sim.evaluate(p.plan, i)
     if out.failure:
         run.failures += 1
         lost += FAILED_ATTEMPT
-        move = p.recover(sim, i, out)
-        run.decide_s += move.decide_s
-        if move.moved:
-            run.moves.append(i)
-            run.move_s += move.seconds
-            extra += move.seconds
+        extra += _account(run, p.recover(sim, i, out), i)
         out = sim.evaluate(p.plan, i)
     if out.failure:  # still cannot run: the step is lost
         lost += FAILED_ATTEMPT
-        run.lost_s += lost
-        run.latency.append(extra + lost)
-        run.step.append(0.0)
-        run.sync.append(0.0)
-        move = p.observe(sim, i, out, factor)
-        return
+        step = sync = 0.0
+    else:
+        step = out.step_time * factor
+        sync = sim.sync_seconds(p.plan, p.sync) * factor
     run.lost_s += lost
-    step = out.step_time * factor
-    sync = sim.sync_seconds(p.plan, p.sync) * factor
     run.step.append(step)
     run.sync.append(sync)
     run.latency.append(step + sync + extra + lost)
-    move = p.observe(sim, i, out, factor)
-    run.decide_s += move.decide_s
+    run.decide_s += p.observe(sim, i, out, factor).decide_s
