@@ -6,7 +6,8 @@ restricted to what that kind of system can run (``search``'s ``keep``):
 - ``fixed`` (the paper's baseline): the best plan for step 0; when the GPUs change, or the plan
   stops fitting, the best plan with every model-stage's TP and PP kept, i.e. only DP (and
   micro-batching, ZeRO, placement) rescaled. A move is a restart from a checkpoint.
-- ``verl``: every model-stage on all available GPUs (one colocated pool, run in turn), TP/PP fixed
+- ``verl``: every model-stage on all available GPUs (or the most its TP/PP can use; one colocated
+  pool, run in turn), TP/PP fixed
   after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
 - ``openrlhf``: a separate pool per model (the generation engines' own), the split chosen at step 0
   among a few generation shares, each pool's layouts searched on its GPUs; weights gathered to
@@ -41,14 +42,14 @@ class NoPlan(RuntimeError):
 
 
 def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S) -> Plan:
-    """The best plan of ``m``'s job on its available GPUs among options ``keep(ms, option, n)``
-    allows (plan-search's solver), estimated in ``m``."""
+    """The best plan of ``m``'s job on its available GPUs among the options ``keep(ms, options,
+    n)`` returns of each model-stage's (plan-search's solver), estimated in ``m``."""
     (w,) = m.workloads.values()
     (c,) = m.clusters.values()
     problem = build_problem(c, w, m.models, prune=False)
     if keep is not None:
         for ms, sp in problem.spaces.items():
-            sp.options = [o for o in sp.options if keep(ms, o, problem.n)]
+            sp.options = keep(ms, sp.options, problem.n)
     sol = solve(problem, time_limit, 0)
     if sol.choice is None:
         raise NoPlan(f"no plan fits on {problem.n} GPUs")
@@ -96,8 +97,8 @@ class Restarting(Policy):
     def initial(self, sim: SimCluster) -> Plan:
         raise NotImplementedError
 
-    def keep(self, ms, o, n) -> bool:
-        return (o.tp, o.pp) == self.tp_pp[ms]
+    def keep(self, ms, options, n) -> list:
+        return [o for o in options if (o.tp, o.pp) == self.tp_pp[ms]]
 
     def start(self, sim: SimCluster) -> None:
         self.plan = self.initial(sim)
@@ -135,11 +136,18 @@ class Fixed(Restarting):
 class Verl(Restarting):
     name, sync = "verl", "allgather"
 
-    def initial(self, sim):
-        return search(copy.deepcopy(sim.module_at(0)), lambda ms, o, n: o.gpus == n, "verl0")
+    @staticmethod
+    def widest(options: list) -> list:
+        """The options on the most GPUs there are options for: all of them, or the most a layout
+        of these shapes can use (as verl runs on the GPUs its TP/PP divide)."""
+        most = max((o.gpus for o in options), default=0)
+        return [o for o in options if o.gpus == most]
 
-    def keep(self, ms, o, n):
-        return o.gpus == n and (o.tp, o.pp) == self.tp_pp[ms]
+    def initial(self, sim):
+        return search(copy.deepcopy(sim.module_at(0)), lambda ms, opts, n: self.widest(opts), "verl0")
+
+    def keep(self, ms, options, n):
+        return self.widest([o for o in options if (o.tp, o.pp) == self.tp_pp[ms]])
 
 
 class OpenRLHF(Restarting):
@@ -189,7 +197,7 @@ class OpenRLHF(Restarting):
             sw.stages = [copy.copy(st) for st in sw.stages if any(ms in pool for ms in st.model_stages())]
             for st in sw.stages:
                 st.models = [x for x in st.models if f"{x}.{st.name}" in pool]
-            keep = (lambda ms, o, n: (o.tp, o.pp) == self.tp_pp[ms]) if fixed else None
+            keep = (lambda ms, opts, n: [o for o in opts if (o.tp, o.pp) == self.tp_pp[ms]]) if fixed else None
             p = search(sub, keep, name)
             layouts.update(p.layouts)
             colocate += p.colocate

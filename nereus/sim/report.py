@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = (("policy", "policy", "{}"), ("mean_s", "mean step s", "{:.1f}"), ("p99_s", "p99 step s", "{:.1f}"),
+COLUMNS = (("policy", "policy", "{}"), ("completed", "steps run", "{}"), ("mean_s", "mean step s", "{:.1f}"), ("p99_s", "p99 step s", "{:.1f}"),
            ("throughput_samples_per_s", "samples/s", "{:.2f}"), ("transitions", "moves", "{}"),
            ("transition_share", "moves % of run", "{:.3%}"), ("lost_s", "lost to OOM/GPUs s", "{:.0f}"),
            ("decide_s", "decision s (wall)", "{:.1f}"))
@@ -47,7 +47,8 @@ def to_json(result: dict) -> dict:
     runs = result["runs"]
     return {"trace": result["trace"], "job": result["job"], "steps": result["steps"], "seed": result["seed"],
             "wall_s": result["wall_s"], "policies": summaries(result),
-            "latency": {n: r.latency for n, r in runs.items()}, "moves": {n: r.moves for n, r in runs.items()}}
+            "latency": {n: r.latency for n, r in runs.items()}, "step": {n: r.step for n, r in runs.items()},
+            "moves": {n: r.moves for n, r in runs.items()}}
 
 
 def plots(result: dict, out: str | Path, gantt=None) -> list[Path]:

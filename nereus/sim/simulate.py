@@ -38,12 +38,15 @@ class PolicyRun:
     samples_per_step: int = 0
 
     def summary(self) -> dict:
-        n = len(self.latency)
+        """Per completed step: a step the policy could not run produced no samples, and its time
+        counts against the steps that did run."""
+        done = [lat for lat, s in zip(self.latency, self.step) if s > 0]
+        n = len(done)
         total = sum(self.latency)
-        ordered = sorted(self.latency)
+        ordered = sorted(done)
         p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)] if n else 0.0
-        return {"policy": self.name, "steps": n, "mean_s": total / n if n else 0.0, "p99_s": p99,
-                "throughput_samples_per_s": self.samples_per_step * n / total if total else 0.0,
+        return {"policy": self.name, "steps": len(self.latency), "completed": n, "mean_s": total / n if n else math.inf,
+                "p99_s": p99, "throughput_samples_per_s": self.samples_per_step * n / total if total else 0.0,
                 "transitions": len(self.moves), "transition_s": self.move_s,
                 "transition_share": self.move_s / total if total else 0.0, "lost_s": self.lost_s,
                 "failures": self.failures, "decide_s": self.decide_s, "run_s": total}
