@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..ir import Module, Plan
 from ..ir.cluster import Efficiency
-from ..passes.cost_model import CostModel
+from ..passes.cost_model import Candidates, CostModel
 from ..passes.estimate import estimate_plan
 from .trace import Trace, TraceStep
 
@@ -118,12 +118,13 @@ class SimCluster:
 
     # -- costs beside the step --------------------------------------------------------------------
     def weight_bytes(self, model: str) -> float:
-        m = self.base.models[model]
-        cm = CostModel(self.cluster)
-        from ..passes.cost_model import Candidates
-
-        c = Candidates.grid(self.cluster, m.layers, 1, 1, 1)
-        return float(cm.params_per_gpu(m, c)[0]) * m.dtype_bytes
+        """Bytes of ``model``'s weights (once per model: every policy's push asks every step)."""
+        cache = self.__dict__.setdefault("_weight_bytes", {})
+        if model not in cache:
+            m = self.base.models[model]
+            c = Candidates.grid(self.cluster, m.layers, 1, 1, 1)
+            cache[model] = float(CostModel(self.cluster).params_per_gpu(m, c)[0]) * m.dtype_bytes
+        return cache[model]
 
     def sync_seconds(self, plan: Plan, method: str) -> float:
         """Seconds per step to push the actor's weights from training to generation.
