@@ -27,7 +27,9 @@ def _load(path: str):
         raise DiagnosticError([Diagnostic(Loc(0, 0, path), f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
     except OSError as e:
         raise DiagnosticError([Diagnostic(Loc(0, 0, path), f"cannot read: {e.strerror}")]) from None
-    return verify(parse(text, path)), text
+    from .ir.verifier import require_declarations  # an empty file is an error, not a silent success
+
+    return require_declarations(verify(parse(text, path))), text
 
 
 def _modules(paths: list[str]):
@@ -96,6 +98,44 @@ def cmd_show(args) -> int:
     return status
 
 
+def cmd_diff(args) -> int:
+    """Two plans side by side: of one file (its two plans, or --plans) or of two files."""
+    from .show import diff
+
+    loaded = []
+    for path in args.files:
+        try:
+            loaded.append((path, _load(path)[0]))
+        except DiagnosticError as e:
+            _report(e)
+            return 1
+    (pa, ma), (pb, mb) = loaded[0], loaded[-1]
+    if args.plans:
+        a, b = (x.lstrip("@") for x in args.plans)
+    elif len(loaded) == 1:
+        if len(ma.plans) != 2:
+            print(f"nereus diff: error: {pa} has {len(ma.plans)} plans ({', '.join('@' + n for n in ma.plans) or 'none'}); "
+                  "name two with --plans @a @b", file=sys.stderr)
+            return 1
+        a, b = ma.plans
+    else:
+        many = [(p, m) for p, m in loaded if len(m.plans) != 1]
+        if many:
+            p, m = many[0]
+            print(f"nereus diff: error: {p} has {len(m.plans)} plans ({', '.join('@' + n for n in m.plans) or 'none'}); "
+                  "name one of each file with --plans @a @b", file=sys.stderr)
+            return 1
+        a, b = next(iter(ma.plans)), next(iter(mb.plans))
+    for path, m, name in ((pa, ma, a), (pb, mb, b)):
+        if name not in m.plans:
+            print(f"nereus diff: error: {path} has no plan @{name}; its plans: "
+                  + (", ".join("@" + n for n in m.plans) or "none"), file=sys.stderr)
+            return 1
+    where = pa if len(loaded) == 1 else f"{pa} vs {pb}"
+    diff(ma, a, mb, b, f"{where}: @{a} -> @{b}")
+    return 0
+
+
 def cmd_opt(args) -> int:
     from .passes import PipelineError
     from .registry import run_pipeline
@@ -110,8 +150,28 @@ def cmd_opt(args) -> int:
         print(f"// ----- IR after {p.name}", file=sys.stderr)
         print(print_ir(module), end="", file=sys.stderr)
 
+    passes = args.pipeline
+    if passes is None:  # the file's own // RUN: line, as the golden tests run it
+        from .testing.golden import run_header
+
+        try:
+            passes = run_header(m.source or "")
+        except ValueError as e:
+            print(f"nereus opt: error: {args.file}: give -p PIPELINE: {e}", file=sys.stderr)
+            return 1
+    if args.explain:  # every pass that can explain itself does
+        from dataclasses import fields, replace
+
+        from .registry import parse_pipeline
+
+        try:
+            passes = [replace(p, explain=True) if any(f.name == "explain" for f in fields(p)) else p
+                      for p in parse_pipeline(passes)]
+        except PipelineError as e:
+            print(f"nereus opt: error: {e}", file=sys.stderr)
+            return 1
     try:
-        run_pipeline(m, args.pipeline, after_each=dump if args.print_ir_after_all else None)
+        run_pipeline(m, passes, after_each=dump if args.print_ir_after_all else None, verify_input=False)  # _load verified it
     except PipelineError as e:
         print(f"nereus opt: error: {e}", file=sys.stderr)
         return 1
@@ -122,6 +182,8 @@ def cmd_opt(args) -> int:
         if w.loc.file is None:
             w = Diagnostic(Loc(w.loc.line, w.loc.col, args.file), w.message, w.hint, w.severity)
         print(w.render(m.source), file=sys.stderr)
+    for line in m.explanations:
+        print(line, file=sys.stderr)
     text = print_ir(m)
     if args.golden:
         from .testing.golden import GoldenMismatch, compare
@@ -144,6 +206,7 @@ def cmd_lower(args) -> int:
     from .backend.lower import lower, pick_transition
     from .backend.program import print_program
     from .backend.script import render_script
+    from .backend.summary import format_summary, summarize
     from .passes import PipelineError
     from .registry import run_pipeline
 
@@ -163,8 +226,11 @@ def cmd_lower(args) -> int:
         if not _write(args.script, render_script(prog)):
             return 1
         print(f"{args.script}: torchrun --nproc-per-node {prog.world} {args.script} --selftest", file=sys.stderr)
+    elif args.full:
+        sys.stdout.write(print_program(prog, fold=True))
     else:
-        sys.stdout.write(print_program(prog))
+        t = m.transitions[prog.transition]
+        sys.stdout.write(format_summary(summarize(prog, m.clusters[m.plans[t.target].cluster], t.makespan)))
     return 0
 
 
@@ -237,6 +303,52 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_import_hf(args) -> int:
+    from .ir.hf_config import hf_notes, load_hf_config, model_block, model_from_hf_config
+    from .ir.presets import PRESET_NOTES, PRESETS, preset_attrs, preset_model
+
+    if args.list_presets:
+        for name in PRESETS:
+            print(f"{name:12} {preset_model(name).num_params() / 1e9:6.2f} B  {preset_attrs(name)}")
+        return 0
+    if (args.config is None) == (args.preset is None):
+        print("nereus import-hf: error: give CONFIG.json or --preset NAME (--list-presets lists them)", file=sys.stderr)
+        return 2
+    try:
+        if args.preset:
+            if args.preset not in PRESETS:
+                print(f"nereus import-hf: error: unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}", file=sys.stderr)
+                return 1
+            model = preset_model(args.preset, args.name, trained=args.trained, head=args.head)
+            notes = PRESET_NOTES.get(args.preset, [])
+        else:
+            cfg, _ = load_hf_config(args.config)
+            model = model_from_hf_config(args.config, args.name, trained=args.trained, head=args.head)
+            notes = hf_notes(cfg, model)
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+    for n in notes:
+        print(f"nereus import-hf: note: {n}", file=sys.stderr)
+    sys.stdout.write(model_block(model))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export_plan
+
+    try:
+        m, _ = _load(args.file)
+        text = export_plan(m, args.plan, args.to)
+    except DiagnosticError as e:
+        _report(e)
+        return 1
+    if args.output:
+        return 0 if _write(args.output, text) else 1
+    sys.stdout.write(text)
+    return 0
+
+
 def cmd_passes(args) -> int:
     import dataclasses
 
@@ -256,7 +368,10 @@ def cmd_passes(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .backend.lower import DEFAULT_BUCKET, DEFAULT_DIRECT
 
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="nereus", description="Adaptive parallelism for RL post-training: IR tools.")
+    p.add_argument("--version", action="version", version=f"nereus {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="parse and verify .nir files")
     c.add_argument("files", nargs="+", metavar="FILE")
@@ -269,19 +384,27 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summarise a module: GPUs, model-stages, layouts, memory")
     s.add_argument("files", nargs="+", metavar="FILE")
     s.set_defaults(func=cmd_show)
+    d = sub.add_parser("diff", help="two plans side by side: layouts, times and memory, with the change (estimated if needed)")
+    d.add_argument("files", nargs="+", metavar="FILE", help="one file with two plans, or two files")
+    d.add_argument("--plans", nargs=2, metavar=("@A", "@B"), help="which plans (of the first file, and of the second)")
+    d.set_defaults(func=cmd_diff)
     o = sub.add_parser("opt", help="run a pipeline of passes and print the resulting IR")
     o.add_argument("file", metavar="FILE")
-    o.add_argument("-p", "--pipeline", required=True, help="e.g. derive-emus{model_stage=actor.train}")
+    o.add_argument("-p", "--pipeline", help="e.g. derive-emus{model_stage=actor.train} (default: the file's // RUN: line)")
+    o.add_argument("--explain", action="store_true",
+                   help="passes that can explain their choices do (plan-search: runner-ups, bottleneck, memory, colocation, offload; to stderr)")
     o.add_argument("-o", "--output", metavar="OUT", help="write the IR here instead of stdout")
     o.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (to stderr)")
     o.add_argument("--golden", metavar="FILE.expected", help="compare the result with a golden file (exit 1 and a diff if it differs)")
     o.add_argument("--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)")
     o.set_defaults(func=cmd_opt)
-    lo = sub.add_parser("lower", help="lower a transition to a collective program; print it or render a script")
+    lo = sub.add_parser("lower", help="lower a transition to a collective program; summarise or print it, or render a script")
     lo.add_argument("file", metavar="FILE")
     lo.add_argument("-p", "--pipeline", help="passes to run first, e.g. plan-transition{to=@b},schedule-transfers")
     lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
     lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
+    lo.add_argument("--full", action="store_true",
+                    help="print the whole program (per-layer repetition folded into layers.A..B ranges) instead of its summary")
     lo.add_argument("--bucket", type=_size, default=DEFAULT_BUCKET, metavar="SIZE",
                     help="bucket size for packed slices, with a unit (64MiB) or in bytes")
     lo.add_argument("--direct", type=_size, default=DEFAULT_DIRECT, metavar="SIZE",
@@ -305,6 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     b.set_defaults(func=cmd_bench)
+    hf = sub.add_parser("import-hf", help="print a model block from a Hugging Face config.json or a public preset")
+    hf.add_argument("config", nargs="?", metavar="CONFIG.json", help="a Llama, Qwen2 or Mistral config.json")
+    hf.add_argument("--preset", metavar="NAME", help="a public model shape instead (--list-presets)")
+    hf.add_argument("--list-presets", action="store_true", help="list the presets with their parameter counts")
+    hf.add_argument("--name", default="actor", help="the model's IR name (default: actor)")
+    hf.add_argument("--trained", action="store_true", help="the job updates this model (actor, critic)")
+    hf.add_argument("--head", choices=("lm", "value"), default="lm", help="value: a scalar head (critic, reward)")
+    hf.set_defaults(func=cmd_import_hf)
+    ex = sub.add_parser("export", help="write a plan as verl config, Megatron-LM arguments or vLLM engine arguments")
+    ex.add_argument("file", metavar="FILE")
+    ex.add_argument("--plan", required=True, metavar="@NAME", help="the plan to export")
+    ex.add_argument("--to", required=True, choices=("verl", "verl-overrides", "megatron", "vllm"),
+                    help="verl YAML, verl Hydra overrides (key=value), Megatron-LM arguments, vLLM engine arguments")
+    ex.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
+    ex.set_defaults(func=cmd_export)
     return p
 
 

@@ -29,6 +29,6 @@ def parse_pipeline(spec: str) -> list[ModulePass]:
 
 
 def run_pipeline(module: Module, spec: str | list[ModulePass],
-                 after_each: Callable[[ModulePass, Module], None] | None = None) -> Module:
+                 after_each: Callable[[ModulePass, Module], None] | None = None, verify_input: bool = True) -> Module:
     """Run a pipeline of any layer's passes on ``module`` in place (see ``passes.run_pipeline``)."""
-    return _run(module, spec, after_each, registry=get_all_passes())
+    return _run(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input)

@@ -15,12 +15,48 @@ from .ir.model import state_dtype_bytes
 
 
 def _size(n: int | None) -> str:
-    return "" if n is None else format_quantity(Dim.SIZE, n) if n < 2**20 else f"{n / 2**30:.2f} GiB"
+    """Bytes in the unit that fits: B and KiB exact, then MiB or GiB with two decimals."""
+    if n is None:
+        return ""
+    if n < 2**20:
+        return format_quantity(Dim.SIZE, n)
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _count(n: float) -> str:
+    """A parameter count in the unit that fits (K, M, B)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _estimated(m: Module) -> tuple[Module, dict[str, list[str]]]:
+    """``m`` with every plan that lacks estimates estimated (on a copy: the file is not changed),
+    and per plan the problems estimate found (out of memory), as text."""
+    import copy
+
+    from .passes.estimate import estimate_plan
+
+    todo = [p for p in m.plans.values() if p.step_time is None or any(lay.time is None for lay in p.layouts.values())]
+    if not todo:
+        return m, {}
+    m = copy.deepcopy(m)
+    problems = {}
+    for p in todo:
+        try:
+            problems[p.name] = [d.message for d in estimate_plan(m, m.plans[p.name])]
+        except (KeyError, ValueError) as e:  # a plan the verifier let through but the cost model cannot cost
+            problems[p.name] = [f"estimate failed: {e}"]
+    return m, problems
 
 
 def show(m: Module, title: str, console: Console | None = None) -> None:
+    """Print the module's tables. Plans without estimates are estimated here (the file is not
+    changed) and say so; ``nereus opt FILE -p estimate`` writes them into the IR."""
     # Plans are wide; without a terminal rich would wrap at 80 columns.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
+    m, estimated = _estimated(m)
     for c in m.clusters.values():
         t = Table(title=f"{title}: cluster @{c.name}", title_justify="left")
         for col in ("GPUs", "available", "nodes x GPUs", "GPU memory", "peak", "HBM", "NVLink", "NIC"):
@@ -35,7 +71,7 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
         for col in ("model", "params", "layers", "hidden", "heads/kv", "dtype", "head", "trained"):
             t.add_column(col, justify="right")
         for md in m.models.values():
-            t.add_row("@" + md.name, f"{md.num_params() / 1e9:.2f} B", str(md.layers), str(md.hidden),
+            t.add_row("@" + md.name, _count(md.num_params()), str(md.layers), str(md.hidden),
                       f"{md.heads}/{md.kv_heads}", md.dtype, md.head, "yes" if md.trained else "no")
         console.print(t)
     held = _emu_bytes(m)
@@ -54,16 +90,38 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
         console.print(t)
         if p.colocate:
             console.print("  * colocated: " + "; ".join(" + ".join(g) for g in p.colocate))
+        step = format_quantity(Dim.TIME, p.step_time) if p.step_time is not None else "none (a model-stage does not fit)"
+        how = (" (estimated by show; `nereus opt FILE -p estimate` writes the estimates into the IR)"
+               if p.name in estimated else "")
+        console.print(f"  step time: {step}{how}")
+        for problem in estimated.get(p.name, []):
+            console.print(f"  [red]estimate:[/red] {problem}")
+        if p.search:
+            s = p.search
+            console.print(f"  plan-search: {s.status}, objective {format_quantity(Dim.TIME, s.objective)}, bound "
+                          f"{format_quantity(Dim.TIME, s.bound)}, gap {s.gap:.2%}, {s.candidates:,} candidates"
+                          + (f", headroom {s.headroom:.0%}" if s.headroom is not None else "")
+                          + (f", bottleneck {s.bottleneck}" if s.bottleneck else ""))
+        ups = [(lay.model_stage, lay.runner_up) for lay in p.layouts.values() if lay.runner_up]
+        for ms, r in ups:
+            console.print(f"  runner-up for {ms}: TP {r.tp} x PP {r.pp} x DP {r.dp}"
+                          + (f" ZeRO {r.zero}" if r.zero else "") + f", step {format_quantity(Dim.TIME, r.step_time)}")
     for tr in m.transitions.values():
         t = Table(title=f"transition @{tr.name}: @{tr.source} -> @{tr.target}", title_justify="left")
-        for col in ("operations", "bytes moved", "lower bound", "makespan", "port bound", "schedule", "admit", "cost", "saving/step", "break-even"):
+        for col in ("operations", "bytes moved", "lower bound", "makespan", "port bound", "schedule", "admit", "cost",
+                    "saving/step", "horizon", "break-even"):
             t.add_column(col, justify="right")
         a = tr.admit
         fmt_t = lambda x: format_quantity(Dim.TIME, x) if x is not None else ""
         t.add_row(f"{len(tr.ops):,}", _size(tr.bytes_moved), _size(tr.lower_bound), fmt_t(tr.makespan), fmt_t(tr.port_bound),
                   tr.schedule_status or "", a.decision if a else "", fmt_t(a.cost) if a else "",
-                  f"{a.saving:g} s" if a else "", f"{a.break_even:g} steps" if a and a.break_even is not None else ("never" if a else ""))
+                  fmt_t(a.saving) if a else "", f"{a.horizon} steps" if a and a.horizon is not None else "",
+                  f"{a.break_even:g} steps" if a and a.break_even is not None else ("never" if a else ""))
         console.print(t)
+        if a:
+            from .passes.admit import describe
+
+            console.print(f"  admit: {a.decision}: {describe(a)}")
 
 
 def _emu_bytes(m: Module) -> dict[tuple[str, str], int]:
@@ -78,3 +136,47 @@ def _emu_bytes(m: Module) -> dict[tuple[str, str], int]:
         for s in emu.shards:
             per_gpu[(emu.plan, emu.model_stage)][s.gpu] += sum(e.numel() * state_dtype_bytes(model, e.state) for e in s.entries)
     return {k: max(v.values()) for k, v in per_gpu.items() if v}
+
+
+def _layout_text(lay) -> str:
+    parts = [f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}" + (f" x CP {lay.cp}" if lay.cp > 1 else "")]
+    parts += [f"ZeRO {lay.zero}"] if lay.zero else []
+    parts += [f"micro {lay.micro_batches}"] if lay.micro_batches > 1 else []
+    parts += ["recompute"] if lay.recompute else []
+    parts += ["offload " + "+".join(lay.offload)] if lay.offload else []
+    return ", ".join(parts) + f" on {compress_ints(lay.mesh)}"
+
+
+def _change(a: float | None, b: float | None) -> str:
+    if a is None or b is None or not a:
+        return ""
+    return f"{(b - a) / a:+.1%}"
+
+
+def diff(ma: Module, a: str, mb: Module, b: str, title: str, console: Console | None = None) -> None:
+    """Plan ``a`` of ``ma`` beside plan ``b`` of ``mb``: every model-stage's layout, time and
+    peak memory per GPU, and the step time, with the change from A to B. Plans without
+    estimates are estimated first (the files are not changed)."""
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    ma, _ = _estimated(ma)
+    mb, _ = _estimated(mb) if mb is not ma else (ma, {})
+    pa, pb = ma.plans[a], mb.plans[b]
+    t = Table(title=title, title_justify="left")
+    for col in ("model-stage", f"@{a}", f"@{b}", "time A", "time B", "change", "memory A", "memory B", "change "):
+        t.add_column(col, justify="left" if col in ("model-stage", f"@{a}", f"@{b}") else "right")
+    order = list(pa.layouts) + [ms for ms in pb.layouts if ms not in pa.layouts]
+    for ms in order:
+        la, lb = pa.layouts.get(ms), pb.layouts.get(ms)
+        same = la is not None and lb is not None and _layout_text(la) == _layout_text(lb)
+        t.add_row(ms, _layout_text(la) if la else "-", ("same" if same else _layout_text(lb)) if lb else "-",
+                  format_quantity(Dim.TIME, la.time) if la and la.time is not None else "",
+                  format_quantity(Dim.TIME, lb.time) if lb and lb.time is not None else "",
+                  _change(la and la.time, lb and lb.time), _size(la and la.memory), _size(lb and lb.memory),
+                  _change(la and la.memory, lb and lb.memory))
+    fmt = lambda x: format_quantity(Dim.TIME, x) if x is not None else "none"
+    t.add_row("step", "", "", fmt(pa.step_time), fmt(pb.step_time), _change(pa.step_time, pb.step_time), "", "", "",
+              style="bold")
+    console.print(t)
+    if pa.colocate != pb.colocate:
+        for name, p in ((a, pa), (b, pb)):
+            console.print(f"  @{name} colocates: " + ("; ".join(" + ".join(g) for g in p.colocate) or "nothing"))

@@ -29,6 +29,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from ..ir.emu import Box
+from .fold import fold_listing
 from .shards import ShardSpec, StateKey
 
 
@@ -72,7 +73,7 @@ class Step:
     recvs: tuple[Message, ...] = ()  # round
     group: tuple[int, ...] = ()  # broadcast: the subgroup's ranks (the root first)
     message: Message | None = None  # broadcast: the bucket (receiver = -1)
-    round: int = 0
+    round: int = 0  # round: its number (``Program.round_levels``); broadcast, copy, unstage, load: the level it runs in
 
     def __post_init__(self):
         if self.kind not in STEP_KINDS:
@@ -90,6 +91,9 @@ class Program:
     steps: dict[int, list[Step]] = field(default_factory=dict)
     groups: list[tuple[int, ...]] = field(default_factory=list)  # broadcast subgroups, created once, in this order
     bucket_bytes: int = 0
+    # round number -> the level (operations that run together) it belongs to; several rounds
+    # share a level where a chained broadcast pipelines its chunks (empty: each round its own level)
+    round_levels: list[int] = field(default_factory=list)
 
     @property
     def world(self) -> int:
@@ -151,8 +155,13 @@ def _piece(p: Piece) -> str:
     return f"{'arrived ' if p.arrived else ''}{p.src} {_box(p.box)}{same}{' (staged)' if p.staged else ''}"
 
 
-def print_program(prog: Program, ranks: list[int] | None = None) -> str:
-    """The program as text, rank by rank (for goldens and for reading); deterministic."""
+def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = False) -> str:
+    """The program as text, rank by rank (for goldens and for reading); deterministic.
+
+    ``fold``: consecutive lines (a message with its pieces) that differ only in the layer are
+    written once with a ``layers.A..B`` range, and their message ids as ``#I..J``
+    (``fold.fold_listing``; ``fold.unfold_listing`` gives the per-layer text back).
+    """
     out = [(f"program @{prog.transition} (@{prog.source} -> @{prog.target}) world = {prog.world}, "
            f"bucket = {_size(prog.bucket_bytes)} {{")]
     if prog.gpus != list(range(prog.world)):
@@ -191,4 +200,6 @@ def print_program(prog: Program, ranks: list[int] | None = None) -> str:
                     out.append(f"      {_piece(p)}")
         out.append("  }")
     out.append("}")
+    if fold:
+        out = fold_listing(out)
     return "\n".join(out) + "\n"

@@ -87,9 +87,14 @@ def state_dtype(m: Module, model: str, state: str) -> str:
     return m.models[model].dtype if state == "weight" else "fp32"
 
 
-def plan_layout(m: Module, plan: str) -> dict[int, list[ShardSpec]]:
-    """GPU -> the shards it holds under ``plan`` (from the module's EMUs of that plan), in EMU order."""
+def plan_layout(m: Module, plan: str, keys: dict[tuple[str, str, str], StateKey] | None = None) -> dict[int, list[ShardSpec]]:
+    """GPU -> the shards it holds under ``plan`` (from the module's EMUs of that plan), in EMU order.
+
+    Every key is one object however many GPUs hold it (its hash computed once); ``keys``, when
+    given, is the table of those objects, shared with the caller (the lowering: both plans' keys).
+    """
     out: dict[int, list[ShardSpec]] = defaultdict(list)
+    keys = {} if keys is None else keys
     for (p, ms, _dp), emu in sorted(m.emus.items()):
         if p != plan:
             continue
@@ -100,6 +105,9 @@ def plan_layout(m: Module, plan: str) -> dict[int, list[ShardSpec]]:
                 layers = range(e.layers[0], e.layers[1] + 1) if e.layers is not None else [None]
                 for layer in layers:
                     name = e.family if layer is None else f"layers.{layer}.{e.family}"
-                    out[s.gpu].append(ShardSpec(StateKey(ms, e.state, name), tuple(spec.shape), tuple(e.box),
-                                                state_dtype(m, model.name, e.state)))
+                    t = (ms, e.state, name)
+                    key = keys.get(t)
+                    if key is None:
+                        key = keys[t] = StateKey(*t)
+                    out[s.gpu].append(ShardSpec(key, tuple(spec.shape), tuple(e.box), state_dtype(m, model.name, e.state)))
     return dict(out)

@@ -96,6 +96,10 @@ def _expect_int(v: V, what: str = "an integer") -> int:
     return v.value
 
 
+_ITEMS = {"symbols": "references such as [@name]", "dotteds": "model-stages such as [actor.train]",
+          "names": "names", "opids": "operation ids such as [%0]"}
+
+
 def expand_ints(v: V) -> list[int]:
     """``[0..3, 8]`` -> ``[0, 1, 2, 3, 8]``."""
     if v.kind != "list":
@@ -172,12 +176,21 @@ def convert(spec: AttrSpec, v: V) -> Any:
     if k in ("symbols", "dotteds", "names", "opids"):
         item_kind = {"symbols": "symbol", "dotteds": "dotted", "names": "name", "opids": "opid"}[k]
         if v.kind != "list":
+            if k == "symbols" and v.kind == "name":  # `roles = actor`
+                raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of references, got {_describe(v)}",
+                                   f"write [@{v.value}]")
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a list, got {_describe(v)}",
                                f"write [{v.value}]" if v.kind == item_kind else None)
         out = []
         for item in v.value:
             if item.kind != item_kind:
-                raise TypeMismatch(item.loc, f"'{spec.key}' expects a list of {item_kind}s, got {_describe(item)}")
+                hint = None
+                if k == "symbols" and item.kind == "name":  # `roles = [actor, ref]`: the fix, in the user's names
+                    fixed = ["@" + i.value if i.kind == "name" else i.value for i in v.value
+                             if i.kind in ("name", "symbol")]
+                    hint = (f"references start with '@': write [{', '.join(fixed)}]" if len(fixed) == len(v.value)
+                            else f"references start with '@': write @{item.value}")
+                raise TypeMismatch(item.loc, f"'{spec.key}' expects a list of {_ITEMS[k]}, got {_describe(item)}", hint)
             if k == "names" and spec.choices and item.value not in spec.choices:
                 raise TypeMismatch(item.loc, f"'{item.value}' is not one of {', '.join(spec.choices)}",
                                    did_you_mean(item.value, spec.choices))

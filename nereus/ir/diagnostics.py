@@ -35,18 +35,46 @@ class Diagnostic:
     hint: str | None = None
     severity: str = "error"
 
-    def render(self, source: str | None = None) -> str:
+    def render(self, source: str | None = None, lines_of_source: list[str] | None = None) -> str:
+        """The diagnostic, the source line (cut around the caret when long) and a caret under its column.
+
+        ``lines_of_source`` is ``source`` split into lines, for a caller rendering many diagnostics.
+        """
         lines = [f"{self.loc}: {self.severity}: {self.message}"]
         if source is not None and self.loc.line >= 1:
-            src_lines = source.splitlines()
+            src_lines = lines_of_source if lines_of_source is not None else source_lines(source)
             if self.loc.line <= len(src_lines):
-                text = src_lines[self.loc.line - 1].expandtabs(1)
+                # clipped first: expandtabs(1) keeps every column where it is, and a 50 MB line is not copied
+                text, caret = clip_line(src_lines[self.loc.line - 1], max(self.loc.col - 1, 0))
+                text = text.expandtabs(1)
                 gutter = f"{self.loc.line:>5} | "
                 lines.append(gutter + text)
-                lines.append(" " * (len(gutter) - 2) + "| " + " " * max(self.loc.col - 1, 0) + "^")
+                lines.append(" " * (len(gutter) - 2) + "| " + " " * caret + "^")
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)
+
+
+MAX_SHOWN = 120  # columns of a source line a diagnostic echoes; a longer line is cut around the caret
+_ELLIPSIS = "..."
+
+
+def source_lines(source: str) -> list[str]:
+    """``source`` split into lines as the parser counts them (at ``\\n`` only; a ``\\r`` before it dropped)."""
+    return [line[:-1] if line.endswith("\r") else line for line in source.split("\n")]
+
+
+def clip_line(text: str, caret: int, width: int = MAX_SHOWN) -> tuple[str, int]:
+    """``text`` cut to ``width`` columns around column ``caret`` (0-based), with an ellipsis on each
+    cut side; returns the text to show and the caret's column in it. A one-line 50 MB file must
+    not be echoed whole."""
+    if len(text) <= width:
+        return text, caret
+    start = max(0, min(caret - width // 2, len(text) - width))
+    end = start + width
+    head = _ELLIPSIS if start > 0 else ""
+    tail = _ELLIPSIS if end < len(text) else ""
+    return head + text[start:end] + tail, len(head) + caret - start
 
 
 class DiagnosticError(Exception):
@@ -59,9 +87,13 @@ class DiagnosticError(Exception):
         self.source = source
         super().__init__(self.render())
 
+    def __reduce__(self):  # picklable (a pool worker's error must reach the parent, not hang it)
+        return DiagnosticError, (self.diagnostics, self.source)
+
     def render(self, source: str | None = None) -> str:
         src = source if source is not None else self.source
-        return "\n".join(d.render(src) for d in self.diagnostics)
+        lines = source_lines(src) if src is not None and any(d.loc.line >= 1 for d in self.diagnostics) else None
+        return "\n".join(d.render(src, lines) for d in self.diagnostics)
 
 
 class DiagnosticSink:
@@ -82,8 +114,14 @@ class DiagnosticSink:
             raise DiagnosticError(self.diagnostics, source)
 
 
-def did_you_mean(word: str, choices) -> str | None:
+def closest(word: str, choices) -> str | None:
+    """The choice ``word`` most likely misspells, if any is close enough."""
     import difflib
 
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean '{match[0]}'?" if match else None
+    return match[0] if match else None
+
+
+def did_you_mean(word: str, choices) -> str | None:
+    match = closest(word, choices)
+    return f"did you mean '{match}'?" if match else None

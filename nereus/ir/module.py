@@ -15,6 +15,10 @@ from .workload import Workload
 
 @dataclass(kw_only=True)
 class Module:
+    """Everything one .nir file declares, by name (without the @): clusters, models,
+    workloads, plans, EMUs (keyed (plan, model-stage, replica)) and transitions. ``parse``
+    builds one, ``verify`` checks it, passes change it in place, ``print_ir`` prints it."""
+
     clusters: dict[str, Cluster] = field(default_factory=dict)
     models: dict[str, Model] = field(default_factory=dict)
     workloads: dict[str, Workload] = field(default_factory=dict)
@@ -26,6 +30,8 @@ class Module:
     trailing_comments: list[str] = field(default_factory=list, compare=False, repr=False)
     # notes passes leave for the user (e.g. a search stopped by its time limit); not part of the IR
     warnings: list = field(default_factory=list, compare=False, repr=False)
+    # lines passes that explain themselves leave for the user (plan-search{explain=true})
+    explanations: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def emus_of(self, plan: str, model_stage: str) -> list[Emu]:
         return sorted((e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage),

@@ -9,8 +9,11 @@ against the schema of its block and makes the typed dataclasses, collecting ever
 from __future__ import annotations
 
 import bisect
+import gc
 import re
+import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -113,7 +116,7 @@ class _ToSyntax(Transformer):
         return (str(key), value, _loc(key))
 
     def attr(self, key, _eq, value, _comma=None):
-        return ("attr", str(key), value, _loc(key))
+        return ("attr", sys.intern(str(key)), value, _loc(key))  # one string per key name, not per line
 
     def int_list(self, *items):
         out = []
@@ -148,29 +151,30 @@ class _ToSyntax(Transformer):
         return Decl(kind, label, _loc(kw), attrs, children, (_loc(name),))
 
     def cluster(self, *a):
-        return self._block("cluster", *a)
+        return _emit(self._block("cluster", *a))
 
     def model(self, *a):
-        return self._block("model", *a)
+        return _emit(self._block("model", *a))
 
     def workload(self, *a):
-        return self._block("workload", *a)
+        return _emit(self._block("workload", *a))
 
     def stage(self, *a):
         return self._block("stage", *a)
 
     def plan(self, *a):
-        return self._block("plan", *a)
+        return _emit(self._block("plan", *a))
 
     def layout(self, *a):
         return self._block("layout", *a)
 
     def transition(self, *a):
-        return self._block("transition", *a)
+        return _emit(self._block("transition", *a))
 
     def emu(self, kw, plan, model_stage, _l, replicas, _r, _lb, *rest):
         shards = [r for r in rest if isinstance(r, tuple)]
-        return Decl("emu", str(plan)[1:], _loc(kw), [], shards, (_loc(plan), str(model_stage), replicas, _loc(model_stage)))
+        return _emit(Decl("emu", str(plan)[1:], _loc(kw), [], shards,
+                          (_loc(plan), str(model_stage), replicas, _loc(model_stage))))
 
     def shard_ref(self, ms, _l, dp, _c1, pp, _c2, tp, _r):
         return ShardRef(str(ms), int(dp), int(pp), int(tp)), _loc(ms)
@@ -200,7 +204,18 @@ class _ToSyntax(Transformer):
         return ("op", str(opid), kind, state or "weight", tensor, box, src, dst, attrs, _loc(opid))
 
     def start(self, *decls):
-        return list(decls)
+        return [d for d in decls if d is not None]
+
+
+def _emit(decl: Decl) -> Decl | None:
+    """A top-level declaration, as the parser reduces it: inside ``parse``, built into the module
+    at once (its syntax record is garbage right after, so a large file's peak memory is the
+    module's, not the module's and every record's); outside (``lark_parser().parse``), returned."""
+    builder = getattr(_tls, "builder", None)
+    if builder is None:
+        return decl
+    builder.add(decl)
+    return None
 
 
 # ---------------------------------------------------------------- syntax errors
@@ -219,6 +234,8 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
             hint = "comments start with //"
         elif ch in "\"'":
             hint = "there are no strings in the language; write names bare: dtype = bf16"
+        elif ch in "+-" and _BARE_EXPONENT.search(text, max(0, err.pos_in_stream - 64), err.pos_in_stream):
+            hint = _EXPONENT_HINT
         elif ch == "-":
             hint = "only decimal numbers may be negative (-0.5); counts and sizes are not, and ranges are written 0..7"
         elif ch == "@":
@@ -289,6 +306,29 @@ _HOME = {"LAYOUT": "a layout goes inside a plan: plan @p { ... layout actor.trai
          "OPID": "operations go inside a transition: transition @t { %0 = send ... }"}
 
 
+# a number with an exponent but no unit, just before the error: `1e3`, `6e-1`
+_BARE_EXPONENT = re.compile(r"(?<![A-Za-z0-9_.])[0-9]+(\.[0-9]+)?[eE]\Z")
+_EXPONENT_HINT = ("only a quantity takes an exponent, before its unit (3.35e3GB/s); "
+                  "write other numbers in full (1000, 0.001)")
+
+
+def _inside_list(text: str, pos: int, limit: int = 100_000) -> bool:
+    """Whether ``pos`` is inside an open ``[`` (the LALR tables also expect COMMA and RSQB after
+    an attribute's value, where no list is open)."""
+    depth = 0
+    for i in range(pos - 1, max(-1, pos - 1 - limit), -1):
+        ch = text[i]
+        if ch in "])":
+            depth += 1
+        elif ch in "[(":
+            if depth == 0:
+                return ch == "["
+            depth -= 1
+        elif ch in "{}=" and depth == 0:
+            return False
+    return False
+
+
 def _token_hint(err, text: str, expected: list[str]) -> str | None:
     tok = err.token
     if tok.type in _HOME:
@@ -302,7 +342,10 @@ def _token_hint(err, text: str, expected: list[str]) -> str | None:
         return "attributes are written key = value"
     if tok.type == "RBRACE" and "EQUAL" not in expected and prev.endswith("="):
         return "an attribute needs a value after '='"
-    if tok.type in ("INT", "NAME", "QUANTITY", "SYMBOL", "DOTTED", "OPID") and "COMMA" in expected and "RSQB" in expected:
+    if tok.type == "INT" and _BARE_EXPONENT.search(text, max(0, tok.start_pos - 64), tok.start_pos):
+        return _EXPONENT_HINT  # `nodes = 1e3`: read as the quantity 1e (unit e), then 3
+    if (tok.type in ("INT", "NAME", "QUANTITY", "SYMBOL", "DOTTED", "OPID") and "COMMA" in expected and "RSQB" in expected
+            and _inside_list(text, tok.start_pos)):
         return "separate list items with ','"
     if tok.type == "FLOAT" and "COLON" in expected:
         return "slices are written start:stop, e.g. [0:1024, 0:4096]"
@@ -312,23 +355,35 @@ def _token_hint(err, text: str, expected: list[str]) -> str | None:
 # ---------------------------------------------------------------- builder
 
 
-def _build(decls: list[Decl], sink: DiagnosticSink, filename: str | None) -> Module:
-    m = Module(filename=filename)
-    first_seen: dict[str, Loc] = {}
-    for d in decls:
+class _Builder:
+    """Typed nodes from syntax records, one top-level declaration at a time, in file order."""
+
+    def __init__(self, sink: DiagnosticSink, filename: str | None):
+        self.m = Module(filename=filename)
+        self.sink = sink
+        self.first_seen: dict[str, Loc] = {}
+
+    def add(self, d: Decl) -> None:
+        m, sink = self.m, self.sink
         if d.kind == "emu":
             _build_emus(d, m, sink)
-            continue
-        if d.name in first_seen:
-            sink.error(d.extra[0], f"duplicate name @{d.name}", f"first declared at line {first_seen[d.name].line}")
-            continue
-        first_seen[d.name] = d.extra[0]
+            return
+        if d.name in self.first_seen:
+            sink.error(d.extra[0], f"duplicate name @{d.name}", f"first declared at line {self.first_seen[d.name].line}")
+            return
+        self.first_seen[d.name] = d.extra[0]
         builder = {"cluster": _build_cluster, "model": _build_model, "workload": _build_workload,
                    "plan": _build_plan, "transition": _build_transition}[d.kind]
         node = builder(d, sink)
         if node is not None:
             getattr(m, d.kind + "s")[d.name] = node
-    return m
+
+
+def _build(decls: list[Decl], sink: DiagnosticSink, filename: str | None) -> Module:
+    b = _Builder(sink, filename)
+    for d in decls:
+        b.add(d)
+    return b.m
 
 
 def _typed(cls, kind, specs, d: Decl, sink: DiagnosticSink, **extra):
@@ -494,22 +549,60 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
 # ---------------------------------------------------------------- entry point
 
 
+_paused_lock = threading.Lock()
+_paused = 0  # parses running with the cyclic collector paused (threads may parse at once)
+_was_enabled = True
+
+
+@contextmanager
+def _collector_paused():
+    """Pause Python's cyclic garbage collector while a text becomes a module.
+
+    Parsing allocates millions of small objects that all stay alive and form no cycles; each
+    collection of the older generations walks all of them, again and again as the heap grows, for
+    nothing: on 10 MB of model blocks that was half of the parse (12 of 24 s), and what made the
+    time per megabyte grow with the file. Paused, the parse is linear in the text; the collector
+    resumes when the outermost parse ends.
+    """
+    global _paused, _was_enabled
+    with _paused_lock:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
+
+
 def parse(text: str, filename: str | None = None) -> Module:
     """Parse ``.nir`` text into a Module. Raises DiagnosticError with every error found.
 
     Only syntax and schema (attribute names, types, units, duplicate names) are checked
     here; cross-references and semantic rules are ``verify``'s.
     """
+    with _collector_paused():
+        return _parse(text, filename)
+
+
+def _parse(text: str, filename: str | None) -> Module:
     _tls.filename = filename
     _tls.comments = []
+    sink = DiagnosticSink(filename)
+    _tls.builder = builder = _Builder(sink, filename)  # declarations are built as they are parsed
     try:
-        decls = lark_parser().parse(text)
+        lark_parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
         raise DiagnosticError([_syntax_diagnostic(e, text, filename)], text) from None
     except lark.exceptions.VisitError as e:  # an error inside a callback: a malformed token
         raise DiagnosticError([Diagnostic(Loc(0, 0, filename), f"cannot parse: {e.orig_exc}")], text) from None
-    sink = DiagnosticSink(filename)
-    m = _build(decls, sink, filename)
+    finally:
+        _tls.builder = None
+    m = builder.m
     sink.raise_if_any(text)
     _attach_comments(m, _tls.comments)
     m.source = text

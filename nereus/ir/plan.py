@@ -53,12 +53,33 @@ class SearchRecord:
     candidates: int
     estimate: float | None = None  # estimate's step time of the placed plan
     estimate_gap: float | None = None  # (objective - estimate) / estimate: the solver's model against estimate
+    headroom: float | None = None  # fraction of GPU memory training and inference left free
+    bottleneck: str | None = None  # the model-stage taking the largest share of the step
+    unbounded: float | None = None  # seconds (explain): the best step if model-stages sharing GPUs did not limit each other's memory
 
 
 SEARCH = RecordSpec("search", (AttrSpec("status", "choice", choices=("optimal", "feasible")), AttrSpec("objective", "time"),
                                AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint"),
-                               AttrSpec("estimate", "time", default=None), AttrSpec("estimate_gap", "float", default=None)),
+                               AttrSpec("estimate", "time", default=None), AttrSpec("estimate_gap", "float", default=None),
+                               AttrSpec("headroom", "float", default=None), AttrSpec("bottleneck", "dotted", default=None),
+                               AttrSpec("unbounded", "time", default=None)),
                     SearchRecord)
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """plan-search's best plan whose layout of this model-stage has other TP, PP or DP sizes
+    (``plan-search{explain=true}``): those sizes and that plan's step time in seconds."""
+
+    tp: int
+    pp: int
+    dp: int
+    step_time: float
+    zero: int = 0
+
+
+RUNNER_UP = RecordSpec("runner_up", (AttrSpec("tp", "posint"), AttrSpec("pp", "posint"), AttrSpec("dp", "posint"),
+                                     AttrSpec("step_time", "time"), AttrSpec("zero", "int", default=0)), RunnerUp)
 
 @dataclass(frozen=True)
 class RemapRecord:
@@ -78,7 +99,7 @@ PLAN_ATTRS = [
     AttrSpec("colocate", "dotted_groups", default=[],
              doc="groups of model-stages of one stage that share GPUs and run one after another"),
     AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
-    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates; estimate of the placed plan and (objective - estimate) / estimate"),
+    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates; estimate of the placed plan and (objective - estimate) / estimate; the memory headroom kept free; with explain=true the bottleneck model-stage and the best step time if model-stages sharing GPUs did not limit each other's memory (memory binds when lower)"),
     record("remap", REMAP, default=None, doc="set by remap: bytes to move with the GPUs as written and as renamed, GPUs renamed"),
 ]
 
@@ -106,30 +127,37 @@ LAYOUT_ATTRS = [
     AttrSpec("memory", "size", default=None, doc="predicted peak memory per GPU (from estimate)"),
     record("time_breakdown", TIME_BREAKDOWN, default=None, doc="estimate's time by cause"),
     record("memory_breakdown", MEMORY_BREAKDOWN, default=None, doc="estimate's memory by kind, on the fullest GPU"),
+    record("runner_up", RUNNER_UP, default=None,
+           doc="set by plan-search{explain=true}: the best plan with other TP/PP/DP sizes for this model-stage, and its step time"),
 ]
 
 
 @dataclass(kw_only=True)
 class Layout:
-    model_stage: str
-    tp: int
-    pp: int
-    dp: int
-    layers: list[tuple[int, int]]
-    mesh: list[int]
-    micro_batches: int = 1
-    zero: int = 0
-    recompute: bool = False
-    cp: int = 1
-    sp: bool = False
-    vpp: int = 1
-    fp8: bool = False
-    grad_dtype: str = "bf16"
-    offload: list[str] = field(default_factory=list)
-    time: float | None = None
-    memory: int | None = None
+    """The parallel layout of one model-stage (``layout actor.train { tp = 4, ... }``): its
+    GPUs are ``mesh``, dp x cp x pp x tp of them in (dp, cp, pp, tp) order with tp fastest.
+    ``time`` is seconds per step and ``memory`` bytes per GPU at the peak (``estimate``)."""
+
+    model_stage: str  # "actor.train": model, then stage
+    tp: int  # tensor-parallel size
+    pp: int  # pipeline stages
+    dp: int  # data-parallel replicas
+    layers: list[tuple[int, int]]  # inclusive layer range of each pipeline stage
+    mesh: list[int]  # GPU ids, len == dp x cp x pp x tp
+    micro_batches: int = 1  # per pipeline flush
+    zero: int = 0  # ZeRO stage over dp x cp: 1 optimizer, 2 + grads, 3 + weights
+    recompute: bool = False  # full activation recomputation
+    cp: int = 1  # context-parallel size
+    sp: bool = False  # sequence parallelism
+    vpp: int = 1  # virtual pipeline stages per PP rank
+    fp8: bool = False  # FP8 GEMMs
+    grad_dtype: str = "bf16"  # bf16 | fp32
+    offload: list[str] = field(default_factory=list)  # weights | grads | optimizer, kept in host memory between stages
+    time: float | None = None  # seconds per step (estimate)
+    memory: int | None = None  # peak bytes on its fullest GPU (estimate)
     time_breakdown: TimeBreakdown | None = None
     memory_breakdown: MemoryBreakdown | None = None
+    runner_up: RunnerUp | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)
@@ -167,14 +195,18 @@ class Layout:
 
 @dataclass(kw_only=True)
 class Plan:
-    name: str
+    """How a workload runs on a cluster (``plan @p { ... }``): one ``Layout`` per model-stage
+    (``actor.train``), and which model-stages of one stage share GPUs and run one after another
+    (``colocate``). ``step_time`` is seconds (``estimate``)."""
+
+    name: str  # without the @
     workload: str
     cluster: str
-    colocate: list[list[str]] = field(default_factory=list)
-    step_time: float | None = None
-    search: SearchRecord | None = None
-    remap: RemapRecord | None = None
-    layouts: dict[str, Layout] = field(default_factory=dict)
+    colocate: list[list[str]] = field(default_factory=list)  # groups of model-stages of one stage
+    step_time: float | None = None  # seconds per RL step (estimate): stages in order, colocated groups in series
+    search: SearchRecord | None = None  # set by plan-search
+    remap: RemapRecord | None = None  # set by remap
+    layouts: dict[str, Layout] = field(default_factory=dict)  # model-stage -> layout
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)

@@ -81,17 +81,25 @@ LINKS = ("local", "nvlink", "nic", "pcie")
 
 @dataclass(frozen=True)
 class Admission:
-    """What admit decided and why: a transition pays when benefit > cost x (1 + margin)."""
+    """What admit decided and why: a transition pays when benefit > cost x (1 + margin).
+    Every time is in seconds."""
 
     decision: str  # accept | reject
-    cost: float  # seconds: scheduled makespan + fixed overheads
-    benefit: float  # seconds saved over the remaining steps
-    saving: float  # seconds saved per step (negative: plan B is slower)
+    cost: float  # makespan + pg_init + engine_restart
+    benefit: float  # saved over the remaining steps: saving x horizon
+    saving: float  # saved per step (negative: plan B is slower)
     break_even: float | None = None  # steps until the saving repays the cost (None: it never does)
+    makespan: float | None = None  # the scheduled transfers
+    pg_init: float | None = None  # process groups re-initialised (0: no layout changes)
+    engine_restart: float | None = None  # the generation engine restarted (0: the generation layout stays)
+    horizon: int | None = None  # remaining steps the benefit counts
 
 
 ADMISSION = RecordSpec("admit", (AttrSpec("decision", "choice", choices=("accept", "reject")), AttrSpec("cost", "time"),
-                                 AttrSpec("benefit", "float"), AttrSpec("saving", "float"), AttrSpec("break_even", "float", default=None)),
+                                 AttrSpec("makespan", "time", default=None), AttrSpec("pg_init", "time", default=None),
+                                 AttrSpec("engine_restart", "time", default=None),
+                                 AttrSpec("benefit", "time"), AttrSpec("saving", "time"), AttrSpec("horizon", "natural", default=None),
+                                 AttrSpec("break_even", "float", default=None)),
                        Admission)
 
 TRANSITION_ATTRS = [
@@ -102,7 +110,7 @@ TRANSITION_ATTRS = [
     AttrSpec("makespan", "time", default=None, doc="scheduled duration (schedule-transfers)"),
     AttrSpec("port_bound", "time", default=None, doc="max over GPU send/receive ports of their busy time: no schedule is shorter"),
     AttrSpec("schedule_status", "choice", default=None, choices=("optimal", "feasible"), doc="CP-SAT's status for the schedule"),
-    record("admit", ADMISSION, default=None, doc="admit's decision, cost, benefit, per-step saving and break-even steps"),
+    record("admit", ADMISSION, default=None, doc="admit's decision; its cost (seconds) as makespan + pg_init + engine_restart; the benefit over horizon steps, the saving per step (seconds) and the break-even step count"),
 ]
 
 OP_ATTRS = [
@@ -142,19 +150,23 @@ Endpoint = ShardRef | HostRef
 
 @dataclass(kw_only=True)
 class Op:
-    id: str
-    kind: str
-    family: str
-    layers: tuple[int, int] | None
-    box: Box
-    bytes: int
-    link: str
-    state: str = "weight"
-    src: list[Endpoint] = field(default_factory=list)
+    """One operation of a transition (``%3 = send layers.0..15.mlp.up_proj.weight [0:7168, 0:4096]
+    from [...] to [...] { bytes = 896MiB, link = nvlink }``): a slice of one state tensor (of
+    every layer in ``layers``) moved, copied, broadcast, freed, offloaded or loaded."""
+
+    id: str  # "%3"
+    kind: str  # send | copy | broadcast | free | offload | load | ...
+    family: str  # tensor name without the layer index ("mlp.up_proj.weight")
+    layers: tuple[int, int] | None  # inclusive layer range, None for embed/head tensors
+    box: Box  # half-open span per dimension, in elements of the full tensor
+    bytes: int  # bytes moved (all layers of the range)
+    link: str  # local | nvlink | nic | pcie
+    state: str = "weight"  # weight | grad | master | exp_avg | exp_avg_sq
+    src: list[Endpoint] = field(default_factory=list)  # model-stage shard (or host) coordinates
     dst: list[Endpoint] = field(default_factory=list)
-    deps: list[str] = field(default_factory=list)
-    start: float | None = None
-    duration: float | None = None
+    deps: list[str] = field(default_factory=list)  # ids of ops that must finish first
+    start: float | None = None  # seconds from the transition's start (schedule-transfers)
+    duration: float | None = None  # seconds
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     endpoint_locs: list[Loc] = field(default_factory=list, compare=False, repr=False)
@@ -172,16 +184,21 @@ class Op:
 
 @dataclass(kw_only=True)
 class Transition:
-    name: str
-    source: str
-    target: str
-    ops: list[Op] = field(default_factory=list)
-    bytes_moved: int | None = None
-    lower_bound: int | None = None
-    makespan: float | None = None
-    port_bound: float | None = None
-    schedule_status: str | None = None
-    admit: Admission | None = None
+    """The move from plan ``source`` to plan ``target``: a graph of operations on the state of
+    every model (written ``transition @t { ... }``; built by ``plan-transition``).
+
+    ``bytes_moved`` and ``lower_bound`` are bytes; ``makespan`` and ``port_bound`` seconds."""
+
+    name: str  # without the @
+    source: str  # plan A
+    target: str  # plan B
+    ops: list[Op] = field(default_factory=list)  # in dependency order; ``Op.deps`` holds the edges
+    bytes_moved: int | None = None  # bytes received over links, once per receiving GPU (plan-transition)
+    lower_bound: int | None = None  # bytes: sum over GPUs of the destination bytes not already there
+    makespan: float | None = None  # seconds, the scheduled duration (schedule-transfers)
+    port_bound: float | None = None  # seconds: the busiest GPU port's work; no schedule is shorter
+    schedule_status: str | None = None  # optimal | feasible (CP-SAT)
+    admit: Admission | None = None  # admit's decision and its numbers
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)

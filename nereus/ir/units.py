@@ -4,11 +4,14 @@ Every quantity is stored in its base unit (bytes, bytes/s, seconds, FLOP/s) so t
 modules that mean the same thing compare equal whatever units their authors wrote. Parsing
 multiplies exactly (``Decimal``) and rounds once; the printer picks the largest unit that
 prints short and parses back to the identical value, so ``parse(print(x)) == x`` always.
-No exponent notation: ``1e9`` would be ambiguous with a unit, so numbers are plain decimals.
+A quantity's number may carry a decimal exponent before its unit (``3.35e3GB/s``, ``5e-6s``): no
+unit starts with ``e`` and a digit, so the two cannot be confused; the printer never writes one
+(``3.35e3GB/s`` prints as ``3.35TB/s``). Other numbers are plain decimals.
 """
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal, localcontext
 from enum import Enum
 
@@ -71,11 +74,14 @@ class UnitError(ValueError):
         self.hint = hint
 
 
+_NUMBER = re.compile(r"-?[0-9.]*(?:[eE][+-]?[0-9]+)?")
+MAX_EXPONENT = 30  # 1e30 bytes, 1e-30 s: beyond any real quantity, and bounded work for Decimal
+
+
 def split_quantity(text: str) -> tuple[str, str]:
-    """``"80GiB"`` -> ``("80", "GiB")``."""
-    i = 0
-    while i < len(text) and (text[i].isdigit() or text[i] == "."):
-        i += 1
+    """``"80GiB"`` -> ``("80", "GiB")``, ``"3.35e3GB/s"`` -> ``("3.35e3", "GB/s")``; a leading ``-``
+    stays with the number."""
+    i = _NUMBER.match(text).end()
     return text[:i], text[i:]
 
 
@@ -98,6 +104,10 @@ def parse_quantity(text: str) -> tuple[Dim, int | float]:
         )
         raise UnitError(f"unknown unit '{unit}' in '{text}'", hint)
     dim, factor = UNITS[unit]
+    _, e, exponent = number.lower().partition("e")
+    if e and abs(int(exponent)) > MAX_EXPONENT:
+        raise UnitError(f"exponent {int(exponent)} in '{text}' is out of range",
+                        f"exponents go from -{MAX_EXPONENT} to {MAX_EXPONENT}; pick a larger or smaller unit")
     with localcontext() as ctx:
         ctx.prec = 400
         exact = Decimal(number) * factor
@@ -122,7 +132,7 @@ def format_quantity(dim: Dim, value: int | float) -> str:
         exact = Decimal(value) if dim is Dim.SIZE else Decimal(repr(float(value)))
         for unit in _PRINT_UNITS[dim]:
             mag = exact / UNITS[unit][1]
-            if mag < 1:
+            if abs(mag) < 1:
                 continue
             # Shortest decimal (up to 4 fractional digits, for readability) that round-trips.
             for digits in range(0, 5):

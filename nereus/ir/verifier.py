@@ -7,7 +7,8 @@ is the error), so one typo does not produce a cascade.
 
 from __future__ import annotations
 
-from .diagnostics import DiagnosticSink, Loc, did_you_mean
+from .attributes import compress_ints
+from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, closest, did_you_mean
 from .module import Module
 from .plan import Layout, Plan
 from .verify_emus import verify_emus
@@ -26,6 +27,18 @@ def verify(m: Module) -> Module:
     verify_transitions(m, sink)
     sink.raise_if_any(m.source)
     return m
+
+
+def require_declarations(m: Module) -> Module:
+    """Raise a diagnostic when ``m`` declares nothing: for a command given a file, an empty one (or
+    one of comments only) is most likely the wrong file or an unsaved buffer, not a job. ``verify``
+    itself accepts the empty module, which is valid IR (and what a pass may start from)."""
+    if any((m.clusters, m.models, m.workloads, m.plans, m.emus, m.transitions)):
+        return m
+    what = "the file holds only comments" if m.trailing_comments else "the file is empty"
+    raise DiagnosticError([Diagnostic(Loc(0, 0, m.filename), f"empty module: {what}, nothing to check",
+                                      "a .nir file declares a cluster, models, a workload and plans "
+                                      "(README.md's tour of the IR, docs/IR.md)")])
 
 
 def at(node, key: str) -> Loc:
@@ -47,15 +60,35 @@ def resolve(m: Module, kind: str, name: str, loc: Loc, sink: DiagnosticSink, who
     return None
 
 
+def _gpus(gpus) -> str:
+    """``GPU 8`` or ``GPUs 16..31, 40``: the GPUs a diagnostic names, at most about 60 characters of them."""
+    gpus = sorted(gpus)
+    if len(gpus) == 1:
+        return f"GPU {gpus[0]}"
+    text = compress_ints(gpus)
+    if len(text) > 60:
+        text = text[: text.rfind(",", 0, 60)] + f", ... ({len(gpus)} GPUs)"
+    return f"GPUs {text}"
+
+
+def _has_gpus(c) -> str:
+    return (f"cluster @{c.name} has GPUs 0..{c.num_gpus - 1} ({c.nodes} node{'s' if c.nodes != 1 else ''} x "
+            f"{c.gpus_per_node})")
+
+
 def _clusters(m: Module, sink: DiagnosticSink) -> None:
     for c in m.clusters.values():
-        seen = set()
+        seen, twice = set(), set()
         for g in c.unavailable:
-            if g >= c.num_gpus:
-                sink.error(at(c, "unavailable"), f"unavailable GPU {g} does not exist: cluster @{c.name} has GPUs 0..{c.num_gpus - 1}")
             if g in seen:
-                sink.error(at(c, "unavailable"), f"GPU {g} is listed twice in unavailable")
+                twice.add(g)
             seen.add(g)
+        missing = sorted(g for g in seen if g >= c.num_gpus)
+        if missing:
+            sink.error(at(c, "unavailable"), f"unavailable {_gpus(missing)} {'does' if len(missing) == 1 else 'do'} not exist: "
+                                             f"{_has_gpus(c)}")
+        if twice:
+            sink.error(at(c, "unavailable"), f"{_gpus(twice)} {'is' if len(twice) == 1 else 'are'} listed twice in unavailable")
         for key in ("gpu_memory", "peak_flops", "hbm_bandwidth"):
             if getattr(c, key) <= 0:
                 sink.error(at(c, key), f"{key} must be positive")
@@ -105,11 +138,7 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
                            f"set response_len_mean = {round(mean)}")
         if w.algorithm == "grpo" and w.group_size < 2:
             sink.error(at(w, "group_size"), "GRPO compares a group of responses per prompt: group_size must be at least 2")
-        if w.mini_batch is not None and (w.mini_batch > w.samples or w.samples % w.mini_batch):
-            sink.error(at(w, "mini_batch"), f"mini_batch = {w.mini_batch} does not divide the {w.samples} samples of a step",
-                       "samples per step = global_batch x group_size")
-        if w.micro_batch > w.samples:
-            sink.error(at(w, "micro_batch"), f"micro_batch = {w.micro_batch} exceeds the {w.samples} samples of a step")
+        _batch_sizes(w, sink)
         if not w.stages:
             broken.add(w.name)
             sink.error(w.loc, f"workload @{w.name} has no stages", "add: stage generate { kind = generate, models = [@actor] }")
@@ -118,8 +147,11 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
             for r in st.models:
                 if r not in roles:
                     broken.add(w.name)
+                    if r in m.models and any(closest(x, m.models) == r for x in roles if x not in m.models):
+                        continue  # roles misspell @r (`[@reff]`): reported there, with the hint 'ref'
                     sink.error(at(st, "models"), f"stage {st.name} runs @{r}, which is not a role of workload @{w.name}",
-                               did_you_mean(r, roles))
+                               f"add it to the roles: roles = [{', '.join('@' + x for x in [*w.roles, r])}]"
+                               if r in m.models else did_you_mean(r, roles))
                     continue
                 md = m.models.get(r)
                 if md is None:
@@ -159,7 +191,8 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
         stage = w.stage_of(ms)
         if model is not None and ms in expected:
             _verify_layout(lay, model, stage, c, sink)
-            _verify_micro_batches(lay, w, stage, sink)
+            if _verify_batch_split(lay, w, stage, sink):
+                _verify_micro_batches(lay, w, stage, sink)
             _verify_context_parallel(lay, w, stage, sink)
     _colocation(plan, w, sink)
 
@@ -194,16 +227,27 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
         sink.error(at(lay, "mesh"), f"{ms}: mesh has {len(lay.mesh)} GPU(s) but "
                     + (f"dp x cp x pp x tp = {lay.dp} x {lay.cp} x" if lay.cp > 1 else f"dp x pp x tp = {lay.dp} x")
                     + f" {lay.pp} x {lay.tp} = {lay.world}")
+    # one diagnostic per kind of mistake, naming every GPU it concerns (a 4-node mesh on 2 nodes
+    # is one error with the range, not one per GPU)
     seen: set[int] = set()
+    twice: set[int] = set()
     for g in lay.mesh:
         if g in seen:
-            sink.error(at(lay, "mesh"), f"{ms}: GPU {g} appears twice in the mesh")
+            twice.add(g)
         seen.add(g)
-        if cluster is not None:
-            if g >= cluster.num_gpus:
-                sink.error(at(lay, "mesh"), f"{ms}: GPU {g} does not exist: cluster @{cluster.name} has GPUs 0..{cluster.num_gpus - 1}")
-            elif g in cluster.unavailable:
-                sink.error(at(lay, "mesh"), f"{ms}: GPU {g} is unavailable in cluster @{cluster.name}")
+    if twice:
+        sink.error(at(lay, "mesh"), f"{ms}: {_gpus(twice)} {'appears' if len(twice) == 1 else 'appear'} twice in the mesh")
+    if cluster is not None:
+        missing = sorted(g for g in seen if g >= cluster.num_gpus)
+        if missing:
+            sink.error(at(lay, "mesh"), f"{ms}: {_gpus(missing)} {'does not exist' if len(missing) == 1 else 'of the mesh do not exist'}"
+                                        f": {_has_gpus(cluster)}",
+                       f"the mesh reaches node {max(missing) // cluster.gpus_per_node}: give cluster @{cluster.name} nodes = "
+                       f"{max(missing) // cluster.gpus_per_node + 1}" + (f", or place the layout on GPUs 0..{cluster.num_gpus - 1}"
+                                                                        if len(lay.mesh) <= cluster.num_gpus else ""))
+        down = sorted(seen & set(cluster.unavailable))
+        if down:
+            sink.error(at(lay, "mesh"), f"{ms}: {_gpus(down)} {'is' if len(down) == 1 else 'are'} unavailable in cluster @{cluster.name}")
     if not 0 <= lay.zero <= 3:
         sink.error(at(lay, "zero"), f"{ms}: zero = {lay.zero}; ZeRO stages are 0, 1, 2 and 3")
     train = stage is not None and stage.kind == "train"
@@ -234,12 +278,101 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")
+    if lay.offload and cluster is not None and (cluster.host_link is None or cluster.host_memory is None):
+        missing = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
+        sink.error(at(lay, "offload"), f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {missing}",
+                   "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
+                   "(an H100 node's PCIe 5 and DRAM), or drop offload")
 
 
 def flush_samples(w, kind: str) -> int:
     """Samples one pipeline flush takes, over all DP replicas: a mini-batch when training (an
     optimizer step ends the flush), every sample of the step when only running forward."""
     return (w.mini_batch or w.samples) if kind == "train" else w.samples
+
+
+def _divisors_near(n: int, x: int, step: int = 1) -> list[int]:
+    """The multiples of ``step`` that divide ``n`` nearest ``x``, one below and one above (``x``
+    excluded): the fixes a batch-size diagnostic suggests. None past 10**10 (a typo, not a batch)."""
+    if n % step or n > 10**10:
+        return []
+    m, divs = n // step, set()
+    i = 1
+    while i * i <= m:
+        if m % i == 0:
+            divs.update((i * step, m // i * step))
+        i += 1
+    below, above = [v for v in divs if v < x], [v for v in divs if v > x]
+    return ([max(below)] if below else []) + ([min(above)] if above else [])
+
+
+def _use(key: str, values: list[int]) -> str | None:
+    return f"use {key} = " + " or ".join(map(str, values)) if values else None
+
+
+def _join(*parts: str | None) -> str | None:
+    return ", or ".join(p for p in parts if p) or None
+
+
+def batches_split(w) -> bool:
+    """Whether the workload's batch sizes nest: micro_batch divides mini_batch, which divides the
+    samples of a step (without mini_batch, one optimizer step takes them all)."""
+    mini = w.mini_batch or w.samples
+    return mini <= w.samples and w.samples % mini == 0 and w.micro_batch <= mini and mini % w.micro_batch == 0
+
+
+def _batch_sizes(w, sink: DiagnosticSink) -> None:
+    """A step's samples (global_batch x group_size) split into optimizer steps of mini_batch
+    samples, each into micro-batches of micro_batch samples per replica: each size divides the one
+    above, as Megatron-LM and verl require (neither runs a ragged mini- or micro-batch)."""
+    n, mini, mb = w.samples, w.mini_batch, w.micro_batch
+    per_step = "samples per step = global_batch x group_size = " + (
+        f"{w.global_batch} x {w.group_size}" if w.group_size > 1 else f"{n} x 1")
+    if mini is not None and (mini > n or n % mini):
+        fix = _use("mini_batch", _divisors_near(n, mini, mb))
+        if fix is None and (fix := _use("mini_batch", _divisors_near(n, mini))):
+            fix += " with a micro_batch dividing it"
+        sink.error(at(w, "mini_batch"), f"mini_batch = {mini} " + (f"exceeds the {n} samples of a step" if mini > n else
+                                                                   f"does not divide the {n} samples of a step"),
+                   "; ".join(p for p in (per_step, fix) if p))
+        return
+    if mb > n:
+        sink.error(at(w, "micro_batch"), f"micro_batch = {mb} exceeds the {n} samples of a step",
+                   f"{per_step}; use micro_batch <= {n}")
+        return
+    if mini is not None and mb > mini:
+        sink.error(at(w, "micro_batch"), f"micro_batch = {mb} exceeds mini_batch = {mini}: a replica's forward and backward "
+                                         "pass would take more samples than an optimizer step",
+                   _use("micro_batch", _divisors_near(mini, mb)))
+        return
+    flush = mini or n
+    if flush % mb:
+        if mini is None:
+            sink.error(at(w, "micro_batch"), f"micro_batch = {mb} does not divide the {n} samples of a step (one optimizer "
+                                             "step: mini_batch is not set)", _use("micro_batch", _divisors_near(n, mb)))
+            return
+        sink.error(at(w, "mini_batch"), f"mini_batch = {mini} is not a multiple of micro_batch = {mb}: an optimizer step "
+                                        "would end inside a micro-batch",
+                   _join(_use("micro_batch", _divisors_near(mini, mb)), _use("mini_batch", _divisors_near(n, mini, mb))))
+
+
+def _verify_batch_split(lay: Layout, w, stage, sink: DiagnosticSink) -> bool:
+    """Every data-parallel replica of a training model-stage takes a whole number of micro-batches
+    per optimizer step: micro_batch x dp divides mini_batch (Megatron-LM: global batch % (micro
+    batch x DP) == 0; verl: ppo_mini_batch_size / DP % ppo_micro_batch_size_per_gpu == 0). Context
+    parallel ranks share their replica's micro-batch. Returns False when it reported."""
+    if stage is None or stage.kind != "train" or not batches_split(w):
+        return True  # the workload's own batch sizes are reported at the workload
+    flush, mb = w.mini_batch or w.samples, w.micro_batch
+    if flush % (mb * lay.dp) == 0:
+        return True
+    what = f"mini_batch = {flush}" if w.mini_batch else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
+    micro = _divisors_near(flush // lay.dp, mb) if flush % lay.dp == 0 else []
+    fixes = _join(_use("dp", _divisors_near(flush // mb, lay.dp)), _use("micro_batch", micro))
+    sink.error(at(lay, "dp"), f"{lay.model_stage}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}",
+               f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
+               + (f": {fixes}" if fixes else ""))
+    return False
 
 
 def _verify_micro_batches(lay: Layout, w, stage, sink: DiagnosticSink) -> None:

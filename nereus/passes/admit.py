@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.printer import printed_precision
+from ..ir.units import Dim, format_quantity
 from ..ir.transition import Admission
 from .estimate import estimate_plan
 from .pass_manager import ModulePass, Ref, register
@@ -36,12 +37,15 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
     changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or _shape(a.layouts[ms]) != _shape(lay)]
     w = m.workloads[b.workload]
     gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
-    cost = t.makespan + (pg_init if changed else 0.0) + (engine_restart if gen_changed else 0.0)
+    pg = pg_init if changed else 0.0
+    restart = engine_restart if gen_changed else 0.0
+    cost = t.makespan + pg + restart
     saving = a.step_time - b.step_time
     benefit = saving * horizon
     decision = "accept" if benefit > cost * (1 + margin) else "reject"
     return Admission(decision=decision, cost=printed_precision(cost), benefit=printed_precision(benefit), saving=printed_precision(saving),
-                     break_even=printed_precision(cost / saving) if saving > 0 else None)
+                     break_even=printed_precision(cost / saving) if saving > 0 else None,
+                     makespan=t.makespan, pg_init=pg, engine_restart=restart, horizon=horizon)
 
 
 def _shape(lay) -> tuple:
@@ -73,5 +77,16 @@ class Admit(ModulePass):
             t.admit = admission(module, name, horizon, self.margin, self.pg_init, self.engine_restart)
             if t.admit.decision == "reject":
                 module.warnings.append(Diagnostic(
-                    t.loc, f"transition @{name} rejected: it costs {t.admit.cost:g} s and saves {t.admit.saving:g} s per step, "
-                           f"{t.admit.benefit:g} s over {horizon} steps (margin {self.margin:g})", severity="note"))
+                    t.loc, f"transition @{name} rejected: {describe(t.admit)} (margin {self.margin:g})", severity="note"))
+
+
+def describe(a: Admission) -> str:
+    """One line: the cost broken down, the saving and the benefit with units, the horizon."""
+    s = lambda x: format_quantity(Dim.TIME, x)
+    parts = [f"makespan {s(a.makespan)}" if a.makespan is not None else None,
+             f"process groups {s(a.pg_init)}" if a.pg_init else None,
+             f"engine restart {s(a.engine_restart)}" if a.engine_restart else None]
+    cost = f"costs {s(a.cost)}" + (f" ({' + '.join(p for p in parts if p)})" if any(parts) else "")
+    steps = f" over {a.horizon} steps" if a.horizon is not None else ""
+    even = f"; breaks even after {a.break_even:g} steps" if a.break_even is not None else "; never breaks even"
+    return f"{cost}, saves {s(a.saving)} per step, {s(a.benefit)}{steps}{even}"

@@ -472,6 +472,10 @@ class CostModel:
                          resident_state=resident_state, parts=parts, waits=waits, decode=decode, overlap=overlap)
 
     def offload_time(self, bytes_: float) -> tuple[float, float]:
-        """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use."""
-        link = self.cluster.host_link or self.cluster.inter_node
+        """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use.
+        A cluster without a ``host_link`` cannot offload: any bytes cost infinite time (the
+        verifier refuses such a layout; plan-search never picks one)."""
+        link = self.cluster.host_link
+        if link is None:
+            return np.where(np.asarray(bytes_, dtype=float) > 0, np.inf, 0.0), 0.0
         return 2 * bytes_ / link.bandwidth, 2 * link.latency

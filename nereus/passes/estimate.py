@@ -22,7 +22,7 @@ from ..ir.plan import MemoryBreakdown, TimeBreakdown
 from ..ir.printer import printed_precision
 from ..ir.units import Dim, format_quantity
 from .cost_model import C_PCIE, Candidates, CostModel, StageCost
-from .pass_manager import ModulePass, Ref, register
+from .pass_manager import ModulePass, Ref, no_such, register
 
 
 @dataclass
@@ -34,6 +34,7 @@ class LayoutCost:
     offload_latency: float
     resident_kept: float  # bytes of this model-stage's state left on each of its GPUs between stages
     others: dict[int, float]  # GPU -> bytes other model-stages keep there
+    offloaded: float = 0.0  # bytes of this model-stage's state each of its GPUs keeps in host memory
 
     def features(self, coeffs: np.ndarray) -> tuple[np.ndarray, float]:
         """Feature row and fixed latency of this model-stage's time (for calibrate)."""
@@ -71,7 +72,7 @@ def layout_costs(m: Module, plan: Plan, model: CostModel | None = None) -> dict[
         cand = Candidates.of_layout(cluster, lay, resident=max(others.values(), default=0.0))
         cost = model.stage(m.models[lay.model], workload, kinds[ms], cand)
         feat, lat = model.offload_time(offloaded[ms]) if offloaded[ms] else (0.0, 0.0)
-        out[ms] = LayoutCost(cost, feat, lat, kept[ms], others)
+        out[ms] = LayoutCost(cost, feat, lat, kept[ms], others, offloaded[ms])
     return out
 
 
@@ -143,8 +144,32 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
                 "breakdown: " + ", ".join(f"{k} {_size(v)}" for k, v in (
                     ("weights", c.weights[0]), ("grads", c.grads[0]), ("optimizer", c.optimizer[0]),
                     ("activations", c.activations[0]), ("kv_cache", c.kv_cache[0]), ("resident", others)) if v)))
+    problems += host_memory_problems(m, plan, costs)
     plan.step_time = printed_precision(step_time(m, plan, times)) if all(np.isfinite(list(times.values()))) else None
     return problems
+
+
+def host_memory_problems(m: Module, plan: Plan, costs: dict[str, LayoutCost]) -> list[Diagnostic]:
+    """What the plan offloads must fit in host memory: per node, the offloaded bytes of every
+    model-stage on its GPUs against the cluster's ``host_memory``."""
+    cluster = m.clusters[plan.cluster]
+    per_node: dict[int, float] = defaultdict(float)
+    first: dict[int, str] = {}
+    for ms, lc in costs.items():
+        if lc.offloaded:
+            for g in plan.layouts[ms].mesh:
+                node = g // cluster.gpus_per_node
+                per_node[node] += lc.offloaded
+                first.setdefault(node, ms)
+    if not per_node or cluster.host_memory is None:  # the verifier refuses offload without host memory
+        return []
+    node, need = max(per_node.items(), key=lambda kv: (kv[1], -kv[0]))
+    if need <= cluster.host_memory:
+        return []
+    lay = plan.layouts[first[node]]
+    return [Diagnostic(lay.loc, f"the plan offloads {_size(need)} to the host memory of node {node}, which has "
+                                f"{_size(cluster.host_memory)} (host_memory of @{cluster.name})",
+                       "offload less state, or spread the offloading model-stages over more nodes")]
 
 
 def round_bytes(n: float) -> int:
@@ -174,8 +199,7 @@ class Estimate(ModulePass):
         for name in names:
             plan = module.plans.get(name)
             if plan is None:
-                raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"estimate: no plan @{name}",
-                                                  "plans: " + ", ".join("@" + p for p in module.plans))])
+                raise no_such(module, "estimate", "plan", name)
             problems += estimate_plan(module, plan)
         if problems:
             raise DiagnosticError(problems, module.source)

@@ -47,6 +47,22 @@ class ModulePass:
         return []
 
 
+def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticError:
+    """``pass_name: no plan @x``, naming what the module has (or that ``kind=@name`` is missing),
+    with a did-you-mean when a name is close."""
+    from ..ir.diagnostics import did_you_mean
+
+    table = getattr(module, kind + "s")
+    have = ", ".join("@" + n for n in table) or "none"
+    if not name:
+        return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name} needs a {kind}: the module's {kind}s: {have}",
+                                           f"{pass_name}{{{'to' if pass_name in ('plan-transition', 'remap') else kind}=@{list(table)[-1] if table else 'name'}}}")])
+    close = did_you_mean(name, list(table))
+    hint = f"did you mean @{close.split(chr(39))[1]}?" if close else None
+    return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no {kind} @{name}; the module's {kind}s: {have}",
+                                       hint)])
+
+
 PASSES: dict[str, type[ModulePass]] = {}
 """The passes of this layer (``nereus.passes``), by name."""
 
@@ -143,14 +159,22 @@ def parse_pipeline(spec: str, registry: Registry | None = None) -> list[ModulePa
 
 def run_pipeline(module: Module, spec: str | list[ModulePass],
                  after_each: Callable[[ModulePass, Module], None] | None = None,
-                 registry: Registry | None = None) -> Module:
+                 registry: Registry | None = None, verify_input: bool = True) -> Module:
     """Run the passes of ``spec`` on ``module`` in place, verifying after each one; before each
     pass, the passes it ``requires`` (recursively), as steps of their own.
 
-    A pass that reports problems raises DiagnosticError itself; a pass that leaves invalid IR
-    behind raises DiagnosticError whose first diagnostic names it and the passes before it.
+    The input is verified first (``verify_input``; the CLI has just verified it), so invalid
+    input is reported as such, not blamed on the first pass. A pass that reports problems
+    raises DiagnosticError itself; a pass that leaves invalid IR behind raises DiagnosticError
+    whose first diagnostic names it and the passes before it.
     """
     passes = parse_pipeline(spec, registry) if isinstance(spec, str) else spec
+    if verify_input:
+        try:
+            verify(module)
+        except DiagnosticError as e:
+            head = Diagnostic(Loc(0, 0, module.filename), "the input IR is invalid (before any pass ran)")
+            raise DiagnosticError([head, *e.diagnostics], e.source or module.source) from None
     ran: list[str] = []
     for p in passes:
         _run(module, p, ran, after_each, depth=0)
@@ -162,7 +186,14 @@ def _run(module: Module, p: ModulePass, ran: list[str], after_each, depth: int) 
         raise PipelineError(f"pass {p.name}: its requirements do not end ({' <- '.join(ran[-8:])})")
     for q in p.requires(module):
         _run(module, q, ran, after_each, depth + 1)
-    p.apply(module)
+    try:
+        p.apply(module)
+    except DiagnosticError as e:  # diagnostics at IR the pass made have no file: they are in this module's
+        if all(d.loc.file is not None for d in e.diagnostics):
+            raise
+        named = [d if d.loc.file is not None else dataclasses.replace(d, loc=dataclasses.replace(d.loc, file=module.filename))
+                 for d in e.diagnostics]
+        raise DiagnosticError(named, e.source) from None
     try:
         verify(module)
     except DiagnosticError as e:

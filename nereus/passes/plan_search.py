@@ -39,10 +39,12 @@ from ..ir.plan import SearchRecord
 from ..ir.units import Dim, format_quantity
 from ..ir.printer import printed_precision
 from .estimate import estimate_plan
-from .pass_manager import ModulePass, Ref, register
+from .pass_manager import ModulePass, Ref, no_such, register
 from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from .search_bounds import option_bounds, restrict, stage_bounds
-from .search_space import ANYWHERE, KIB, SPAN, SearchProblem, build_problem, layout_grid, sequence_parallel
+from .search_explain import explain
+from .search_space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, layout_grid,
+                           sequence_parallel)
 
 
 @dataclass
@@ -297,14 +299,19 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
     needs at least)."""
     gib = lambda b: format_quantity(Dim.SIZE, int(b)) if b % 2**30 == 0 else f"{b / 2**30:.3f} GiB"
     have = gib(problem.cluster.gpu_memory)
+    if problem.headroom:  # what training and inference may use
+        have += (f" of which training and inference may use {gib(problem.cluster.gpu_memory * (1 - problem.headroom))} "
+                 f"(headroom={problem.headroom:g} keeps the rest free)")
     empty = [ms for ms, sp in problem.spaces.items() if not sp.options]
     if empty:
         ms = empty[0]
         need = min_need(problem, ms)
         what = f"at least {gib(need)} per GPU at its smallest layout" if need is not None else "more GPUs than the cluster has"
         return Diagnostic(loc, f"no plan fits: {ms} needs {what} on {problem.n} available GPUs, the GPUs have {have}",
-                          "add GPUs, use GPUs with more memory, or shorten the responses")
-    alone = "; ".join(f"{ms} at least {gib(min(o.peak for o in sp.options) * KIB)} while it runs, "
+                          "add GPUs, use GPUs with more memory, or shorten the responses"
+                          + (", or lower plan-search{headroom=...}" if problem.headroom else ""))
+    reserve = int(np.ceil(problem.headroom * problem.cluster.gpu_memory / KIB))  # counted in training and inference peaks
+    alone = "; ".join(f"{ms} at least {gib((min(o.peak for o in sp.options) - reserve) * KIB)} while it runs, "
                       f"{gib(min(o.resident for o in sp.options) * KIB)} kept between stages"
                       for ms, sp in problem.spaces.items() if sp.kind != "generate")
     gen = [ms for ms, sp in problem.spaces.items() if sp.kind == "generate"]
@@ -341,7 +348,11 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
 class PlanSearch(ModulePass):
     """Options: ``time_limit`` (s), ``seed``, ``objective`` (step-time), ``workload``/``cluster``
     (``@name``; default: the only one), ``into`` (``@name`` of the new plan; default ``@<workload>_searched``),
-    ``max_pp`` (0: any), ``max_zero`` and ``offload`` (false: none): only layouts the job can run."""
+    ``max_pp`` (0: any), ``max_zero`` and ``offload`` (false: none): only layouts the job can run;
+    ``headroom`` (fraction of GPU memory training and inference leave free for the CUDA context,
+    NCCL buffers and fragmentation; default 0.1, see ``search_space.DEFAULT_HEADROOM``; generation
+    keeps vLLM's own 10%); ``explain`` (true: re-solve to say why, see ``search_explain``: a
+    runner-up per model-stage, the bottleneck, whether memory, colocation and offload matter)."""
 
     name = "plan-search"
     time_limit: float = 10.0
@@ -353,15 +364,21 @@ class PlanSearch(ModulePass):
     max_pp: int = 0
     max_zero: int = 3
     offload: bool = True
+    headroom: float = DEFAULT_HEADROOM
+    explain: bool = False
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"plan-search: unknown objective '{self.objective}'",
                                               "objectives: step-time")])
+        if not 0 <= self.headroom < 0.5:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
+                                              f"plan-search: headroom is a fraction of GPU memory in [0, 0.5), got {self.headroom:g}",
+                                              f"the default is {DEFAULT_HEADROOM:g}")])
         w = _pick(module, "workload", self.workload)
         c = _pick(module, "cluster", self.cluster)
         problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload,
-                                prune=False)  # solve prunes what each of its models holds
+                                prune=False, headroom=self.headroom)  # solve prunes what each of its models holds
         sol = solve(problem, self.time_limit, self.seed)
         if sol.status == "unknown":
             raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "
@@ -383,14 +400,22 @@ class PlanSearch(ModulePass):
                                    bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),
                                    candidates=sum(len(s.options) for s in problem.spaces.values()),
                                    estimate=plan.step_time,
-                                   estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4))
+                                   estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4),
+                                   headroom=self.headroom)
+        if self.explain:
+            why = explain(module, plan, problem, sol.choice, lambda p, t: solve(p, t, self.seed), self.time_limit)
+            for ms, r in why.runner_ups.items():
+                plan.layouts[ms].runner_up = r and replace(r, step_time=printed_precision(r.step_time))
+            plan.search = replace(plan.search, bottleneck=why.bottleneck,
+                                  unbounded=None if why.unbounded is None else printed_precision(why.unbounded))
+            module.explanations.extend(why.lines())
 
 
 def _pick(module: Module, kind: str, name: str):
     table = getattr(module, kind + "s")
     if name:
         if name.lstrip("@") not in table:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"plan-search: no {kind} {name}")])
+            raise no_such(module, "plan-search", kind, name.lstrip("@"))
         return table[name.lstrip("@")]
     if len(table) != 1:
         raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),

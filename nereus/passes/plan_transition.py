@@ -42,7 +42,7 @@ from ..ir.model import state_dtype_bytes
 from .gc_pause import gc_paused
 from .lower_bound import lower_bound
 from .derive_emus import emus_required
-from .pass_manager import ModulePass, Ref, register
+from .pass_manager import ModulePass, Ref, no_such, register
 from .transition_grid import Holding
 from .transition_planner import Planner
 
@@ -119,14 +119,17 @@ def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str
     only other plan of plan B's job."""
     target = to.lstrip("@")
     if target not in module.plans:
-        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no plan @{target}",
-                                          f"{pass_name}{{to=@plan_b}}")])
+        raise no_such(module, pass_name, "plan", target)
     source = source.lstrip("@")
+    if source and source not in module.plans:
+        raise no_such(module, pass_name, "plan", source)
     if not source:
         others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
         if len(others) != 1:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                              f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job")])
+                                              f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job"
+                                              + (f" ({', '.join('@' + p for p in others)})" if others else ""),
+                                              f"{pass_name}{{to=@{target},source=@{others[0]}}}" if others else None)])
         source = others[0]
     return source, target
 

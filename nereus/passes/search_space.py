@@ -61,6 +61,11 @@ OFFLOAD_CHOICES = {"train": tuple(tuple(k for k, on in zip(STATE, bits) if on)
                    "infer": ((), ("weights",)), "generate": ((), ("weights",))}
 EXHAUSTIVE_GPUS = 16  # up to this many available GPUs and
 FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every start
+# Memory plan-search keeps free on every GPU beyond what the cost model counts: the CUDA context
+# (about 0.5 GiB), NCCL's buffers (1-2 GiB with several communicators) and the caching
+# allocator's fragmentation (a few percent of what it holds). 10% of an 80 GiB GPU is 8 GiB,
+# the same share vLLM leaves at its default gpu_memory_utilization = 0.9.
+DEFAULT_HEADROOM = 0.1
 MAX_WAVE_POINTS = 48  # (8 on large clusters)
 VIRTUAL_STAGES = (2, 3, 4)  # interleaved pipeline schedules tried (besides plain 1F1B)
 LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
@@ -220,6 +225,7 @@ class SearchProblem:
     stages: list[tuple[str, list[str]]]
     spaces: dict[str, Space]
     partitions: dict[str, list[list[list[str]]]] = field(default_factory=dict)
+    headroom: float = 0.0  # fraction of GPU memory training and inference options leave free
 
     @property
     def n(self) -> int:
@@ -263,19 +269,25 @@ class SearchProblem:
 
 def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model], cost: CostModel | None = None,
                   max_tp: int | None = None, time_units: int = 1_000_000, max_pp: int = 0, max_zero: int = 3,
-                  offload: bool = True, exhaustive: bool | None = None, prune: bool = True) -> SearchProblem:
+                  offload: bool = True, exhaustive: bool | None = None, prune: bool = True,
+                  headroom: float = DEFAULT_HEADROOM) -> SearchProblem:
     """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
 
     ``max_pp`` (0: no limit), ``max_zero`` and ``offload`` keep only layouts the job can run
     (a live model without pipeline stages, ZeRO or offload, say). ``exhaustive``: the full space,
     every start of a run and exact memory (default: on small jobs, see ``EXHAUSTIVE_GPUS``), else
     the large-cluster space and aligned starts. ``prune``: drop dominated candidates (``prune_rows``);
-    ``plan_search.solve`` prunes the candidates each of its models holds, so it need not be done here."""
+    ``plan_search.solve`` prunes the candidates each of its models holds, so it need not be done here.
+    ``headroom``: the fraction of every GPU's memory training and inference leave free (see
+    ``DEFAULT_HEADROOM``); generation keeps vLLM's own ``1 - gpu_memory_utilization``. Offload is
+    searched only on a cluster that declares a host link and host memory."""
     cost = cost or CostModel(cluster)
     n_avail = len(cluster.available_gpus())
     small = n_avail <= EXHAUSTIVE_GPUS and len(workload.model_stages()) <= FULL_SPACE_MODEL_STAGES
     pos = Positions.of(cluster, small if exhaustive is None else exhaustive)
     mem_kib = cluster.gpu_memory // KIB
+    reserve_kib = int(np.ceil(headroom * cluster.gpu_memory / KIB))
+    offload = offload and cluster.host_link is not None and cluster.host_memory is not None
     raw = {}
     for st in workload.stages:
         for ms in st.model_stages():
@@ -287,6 +299,8 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
     unit = max(best / time_units, 1e-9) if best > 0 else 1e-3
     spaces = {}
     for ms, (kind, c) in raw.items():
+        if kind != "generate":  # the headroom counts as part of the stage's own peak
+            c.peak = np.minimum(c.peak + reserve_kib, np.iinfo(np.int64).max // 4)
         ok = np.isfinite(c.times).any(axis=1) & (c.peak <= mem_kib)
         units = np.where(np.isfinite(c.times), np.ceil(c.times / unit), np.inf)
         keep = np.flatnonzero(ok)
@@ -302,7 +316,7 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
                                int(c.vpp[i])))
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
-    problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces)
+    problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, headroom=headroom)
     problem.partitions = {name: set_partitions(mss) for name, mss in stages}
     return problem
 
@@ -419,6 +433,9 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         sc = cost.stage(model, workload, kind, cand)
         feat, lat = cost.offload_time(offloaded[r])  # as estimate charges it
         off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
+        # a node's host memory, shared evenly by its GPUs (estimate checks the plan's sum per node)
+        host_share = (cluster.host_memory or 0) / cluster.gpus_per_node
+        off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
         with np.errstate(invalid="ignore"):
             t = sc.time(cost.coeffs) + off_time
         times[r, np.array([col_of[int(k)] for k in ex_cls])] = np.where(np.isfinite(t), t, np.inf)

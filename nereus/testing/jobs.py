@@ -9,10 +9,10 @@ the KV-cache budget); the benchmarks call the same builders at other sizes (the 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..ir import parse, print_ir
+from ..ir.presets import preset_attrs
 
 H100 = """\
   gpu_memory = 80GiB
@@ -23,10 +23,11 @@ H100 = """\
   host_link = link(bandwidth = 55GB/s, latency = 10us)
   host_memory = 2TiB"""
 
-LLAMA3_8B = "layers = 32, hidden = 4096, heads = 32, kv_heads = 8, ffn = 14336, vocab = 128256"
-LLAMA2_7B = "layers = 32, hidden = 4096, heads = 32, kv_heads = 32, ffn = 11008, vocab = 32000"
-QWEN2_7B = "layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, vocab = 152064"
-LLAMA3_70B = "layers = 80, hidden = 8192, heads = 64, kv_heads = 8, ffn = 28672, vocab = 128256"
+# model shapes: the public presets (nereus/ir/presets.py, with their sources)
+LLAMA3_8B = preset_attrs("llama3-8b")
+LLAMA2_7B = preset_attrs("llama2-7b")
+QWEN2_7B = preset_attrs("qwen2-7b")
+LLAMA3_70B = preset_attrs("llama3-70b")
 
 
 def _layout_line(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: str = "") -> str:
@@ -203,7 +204,12 @@ EXAMPLES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = Path((argv or sys.argv[1:] or ["examples"])[0])
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nereus.testing.jobs",
+                                description="Write the reference jobs of examples/ (" + ", ".join(EXAMPLES) + ").")
+    p.add_argument("out", nargs="?", default="examples", help="folder to write them to (default: examples)")
+    out = Path(p.parse_args(argv).out)
     out.mkdir(parents=True, exist_ok=True)
     for name, build in EXAMPLES.items():
         (out / name).write_text(build())

@@ -18,11 +18,16 @@ def pytest_addoption(parser):
 
 @pytest.fixture
 def nir_golden(request):
-    """``nir_golden(path, pipeline=None)``: run the case's pipeline and compare with ``path + '.expected'``."""
+    """``nir_golden(path, pipeline=None)``: run the case's pipeline and compare with ``path + '.expected'``.
+    A relative ``path`` is taken from the test file's folder (as a user writes it beside the
+    test), so the test passes from any working directory."""
     update = request.config.getoption("--update-goldens")
+    here = Path(request.node.fspath).parent
 
     def check(path, pipeline: str | None = None) -> str:
         path = Path(path)
+        if not path.is_absolute():
+            path = here / path
         actual = produce(path, pipeline)
         try:
             compare(actual, path.with_name(path.name + ".expected"), update)

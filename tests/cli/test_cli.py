@@ -154,3 +154,29 @@ def test_a_plan_that_overflows_a_small_gpu_names_sizes_in_readable_units(tmp_pat
     err = capsys.readouterr().err
     assert "error: ref.infer needs 625.25 KiB on GPU 0, 25,856 bytes more than its 600.00 KiB" in err
     assert "hint: breakdown: weights 449.25 KiB, activations 176.00 KiB" in err
+
+
+def test_lower_prints_a_summary_by_default_and_the_folded_program_with_full(capsys):
+    """``nereus lower``: a few tables (per round and link, per rank; the totals and the makespan);
+    ``--full``: the whole program with layers.A..B ranges, which unfolds to the per-layer one."""
+    from nereus import parse, run_pipeline
+    from nereus.backend.fold import unfold_listing
+    from nereus.backend.lower import lower
+    from nereus.backend.program import print_program
+
+    case = GOLDEN / "plan-transition" / "tp4_to_tp2.nir"
+    argv = ["lower", str(case), "-p", "plan-transition{to=@b},schedule-transfers"]
+    assert main(argv) == 0
+    summary = capsys.readouterr().out
+    m = run_pipeline(parse(case.read_text(), str(case)), "plan-transition{to=@b},schedule-transfers")
+    prog = lower(m, "a_to_b")
+    sent = sum(prog.sent_bytes(r) for r in range(prog.world))
+    assert sent == m.transitions["a_to_b"].bytes_moved
+    assert f"moves {sent:,} bytes in " in summary
+    assert "per round" in summary and "per rank" in summary and "estimated makespan 80us" in summary
+    assert len(summary.splitlines()) < 40
+    assert main([*argv, "--full"]) == 0
+    full = capsys.readouterr().out
+    per_layer = print_program(prog)
+    assert "layers.0..3." in full and len(full.splitlines()) * 2 < len(per_layer.splitlines())
+    assert unfold_listing(full.splitlines()) == per_layer.splitlines()

@@ -55,7 +55,7 @@ def random_job(rng: np.random.Generator) -> Module:
                       gpu_memory=int(rng.choice([0.5, 1, 2, 4, 8, 24], p=[0.15, 0.2, 0.2, 0.15, 0.1, 0.2]) * GIB),
                       peak_flops=float(rng.choice([312e12, 989e12])), hbm_bandwidth=2e12,
                       intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6), host_link=Link(25e9, 10e-6),
-                      unavailable=down)
+                      host_memory=1024 * GIB, unavailable=down)
     heads = int(rng.choice([4, 8]))
     hidden = heads * int(rng.choice([64, 128]))
     layers = int(rng.integers(2, 7))
@@ -373,7 +373,7 @@ def _check(m: Module, knobs: dict, counts: dict) -> None:
     try:
         # a generous time limit: the property is about the optimum, not about the solver's speed
         # (a loaded machine must not turn a proof into a time-out)
-        nereus.run_pipeline(searched, f"plan-search{{time_limit={TIME_LIMIT}}}")
+        nereus.run_pipeline(searched, f"plan-search{{time_limit={TIME_LIMIT},headroom=0}}")  # the enumerator fills GPUs to 100%
     except nereus.DiagnosticError as err:
         text = str(err) + " " + " ".join(d.message for d in getattr(err, "diagnostics", []))
         assert "no plan fits" in text, f"plan-search failed otherwise: {text}\n" + job_text(m, enum_plan)

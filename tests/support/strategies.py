@@ -369,6 +369,8 @@ def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[s
             for ms in group:
                 model = by_name[ms.rpartition(".")[0]]
                 lays[ms] = fit_flush(draw(layouts(ms, model, pool, stage.kind == "train")), workload, stage.kind)
+                if cluster.host_link is None or cluster.host_memory is None:  # nowhere to offload to
+                    lays[ms].offload = []
             if len(group) > 1 or draw(st.integers(0, 5)) == 0:  # singleton groups are legal too
                 colocate.append(list(group))
     order = draw(st.permutations(list(lays)))

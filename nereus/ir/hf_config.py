@@ -1,0 +1,148 @@
+"""A ``Model`` from a Hugging Face ``config.json`` (Llama, Qwen2 and Mistral families).
+
+What is read (the IR attribute each key sets):
+
+====================================  ==========================================================
+``num_hidden_layers``                 ``layers``
+``hidden_size``                       ``hidden``
+``num_attention_heads``               ``heads``
+``num_key_value_heads``               ``kv_heads`` (absent: ``heads``, no GQA, as Hugging Face does)
+``intermediate_size``                 ``ffn`` (the three families use SwiGLU: ``mlp = gated``)
+``vocab_size``                        ``vocab``
+``head_dim``                          ``head_dim``, only when it differs from hidden / heads
+``tie_word_embeddings``               ``tied_embeddings`` (absent: false, the families' default)
+``torch_dtype`` (v5: ``dtype``)       ``dtype``: bfloat16 -> bf16, float16 -> fp16, float32 -> fp32
+                                      (absent or null: bf16, the IR's default, with a note)
+====================================  ==========================================================
+
+What the IR cannot express, reported as notes (``//`` comments above the printed block, and by
+``nereus import-hf`` on stderr), never dropped silently:
+
+- **biases**: the IR's tensors are Llama's, without biases. Qwen2 always has q/k/v projection
+  biases (``layers x (heads + 2 x kv_heads) x head_dim`` parameters, 129,024 for Qwen2-7B,
+  344,064 for Qwen2.5-14B: ``num_params()`` is short by that many); Llama's ``attention_bias``
+  (also o_proj's) and ``mlp_bias`` when true. Their bytes are not in EMUs or transitions.
+- **sliding-window attention** (Mistral's ``sliding_window``, Qwen2's with ``use_sliding_window``):
+  the cost model sizes KV caches and attention for full attention.
+
+Rope settings, the norm epsilon and the context length do not change any tensor's shape and are
+not part of the IR. An unsupported ``model_type``, a missing or non-integer shape key, or an
+unknown dtype raise a ``DiagnosticError`` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from .diagnostics import Diagnostic, DiagnosticError, Loc
+from .model import Model
+
+FAMILIES = ("llama", "qwen2", "mistral")
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# IR attribute <- config key, in the order the printer writes them
+SHAPE = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+         "ffn": "intermediate_size", "vocab": "vocab_size"}
+
+
+def load_hf_config(config: dict | str | Path) -> tuple[dict, str]:
+    """The config as a dict, and where it came from (a file name, or ``<dict>``)."""
+    if isinstance(config, dict):
+        return config, "<dict>"
+    path = str(config)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _error(path, "no such file") from None
+    except json.JSONDecodeError as e:
+        raise DiagnosticError([Diagnostic(Loc(e.lineno, e.colno, path), f"not JSON: {e.msg}")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _error(path, f"cannot read: {e}") from None
+    if not isinstance(data, dict):
+        raise _error(path, "not a Hugging Face config: the JSON is not an object")
+    return data, path
+
+
+def model_from_hf_config(config: dict | str | Path, name: str = "actor", *, trained: bool = False,
+                         head: str = "lm") -> Model:
+    """The IR model of a Hugging Face config (a dict, or the path of its ``config.json``).
+
+    ``name`` is the model's IR symbol (without ``@``); ``trained`` and ``head`` (``lm`` or
+    ``value``) are the IR's own attributes, not in the config. The notes (module docstring) come
+    back as the model's leading comments, so ``print_ir`` writes them above the block.
+    """
+    cfg, source = load_hf_config(config)
+    check_model_name(name, source)
+    if head not in ("lm", "value"):
+        raise _error(source, f"head = '{head}': choose lm or value")
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise _error(source, f"model_type = {family!r} is not supported",
+                     f"supported: {', '.join(FAMILIES)} (Llama-style decoders the IR models)")
+    shape = {attr: _posint(cfg, key, source) for attr, key in SHAPE.items()}
+    heads = shape["heads"]
+    kv_heads = _posint(cfg, "num_key_value_heads", source) if cfg.get("num_key_value_heads") is not None else heads
+    head_dim = _posint(cfg, "head_dim", source) if cfg.get("head_dim") is not None else None
+    if head_dim == shape["hidden"] // heads:
+        head_dim = None  # the IR's default: print nothing
+    raw_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
+    if raw_dtype is not None and raw_dtype not in DTYPES:
+        raise _error(source, f"torch_dtype = {raw_dtype!r} is not supported", f"supported: {', '.join(DTYPES)}")
+    model = Model(name=name, layers=shape["layers"], hidden=shape["hidden"], heads=heads, kv_heads=kv_heads,
+                  ffn=shape["ffn"], vocab=shape["vocab"], head_dim=head_dim,
+                  dtype=DTYPES[raw_dtype] if raw_dtype else "bf16", mlp="gated",
+                  tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), head=head, trained=trained)
+    notes = hf_notes(cfg, model)
+    origin = f", {cfg['_name_or_path']}" if cfg.get("_name_or_path") else ""
+    model.comments[None] = [(f"// from {source} (model_type = {family}{origin})", False)] + \
+                           [(f"// note: {n}", False) for n in notes]
+    return model
+
+
+def hf_notes(cfg: dict, model: Model) -> list[str]:
+    """What the IR leaves out of this config (see the module docstring), one sentence each."""
+    notes = []
+    if cfg.get("torch_dtype", cfg.get("dtype")) is None:
+        notes.append("the config gives no torch_dtype: dtype = bf16 (the IR's default)")
+    q, kv = model.heads * model.hd, model.kv_heads * model.hd
+    if cfg["model_type"] == "qwen2":
+        n = model.layers * (q + 2 * kv)
+        notes.append(f"q/k/v biases not modelled: {n:,} parameters ({model.layers} layers x ({q} + {kv} + {kv}))")
+    if cfg.get("attention_bias"):
+        n = model.layers * (q + 2 * kv + model.hidden)
+        notes.append(f"attention_bias = true not modelled: {n:,} parameters of q/k/v/o biases")
+    if cfg.get("mlp_bias"):
+        n = model.layers * (2 * model.ffn + model.hidden)
+        notes.append(f"mlp_bias = true not modelled: {n:,} parameters of gate/up/down biases")
+    window = cfg.get("sliding_window")
+    if window and (cfg["model_type"] == "mistral" or cfg.get("use_sliding_window")):
+        notes.append(f"sliding_window = {window} not modelled: the cost model sizes KV caches for full attention")
+    return notes
+
+
+def model_block(model: Model) -> str:
+    """``model @name { ... }`` in canonical form, with its comments: ready to paste into a .nir file."""
+    from .module import Module
+    from .printer import print_ir
+
+    return print_ir(Module(models={model.name: model}))
+
+
+def check_model_name(name: str, source: str) -> None:
+    """A model's IR name is an identifier (``@name`` in the text); raise a diagnostic otherwise."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise _error(source, f"model name '{name}' is not an IR identifier (letters, digits and _, not first a digit)")
+
+
+def _posint(cfg: dict, key: str, source: str) -> int:
+    if key not in cfg or cfg[key] is None:
+        raise _error(source, f"the config has no '{key}'", f"a {cfg.get('model_type')} config.json gives {key}")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _error(source, f"'{key}' = {value!r} is not a positive integer")
+    return value
+
+
+def _error(source: str, message: str, hint: str | None = None) -> DiagnosticError:
+    return DiagnosticError([Diagnostic(Loc(0, 0, source), message, hint)])

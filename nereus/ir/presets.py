@@ -1,0 +1,62 @@
+"""Named shapes of public models, as the IR's model attributes.
+
+Each preset is the model's published Hugging Face ``config.json`` read by
+``nereus.ir.hf_config`` (same fields, same omissions: the IR has no biases, rope, norm epsilon or
+context length, which do not change the tensors it inventories, except Qwen2's q/k/v biases,
+noted there). Sources:
+
+- llama2-7b:   https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json        (6.74 B parameters)
+- llama3-8b:   https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json     (8.03 B)
+- llama3-70b:  https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json    (70.55 B)
+- qwen2-7b:    https://huggingface.co/Qwen/Qwen2-7B/blob/main/config.json                  (7.62 B with biases)
+- qwen2.5-14b: https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json               (14.77 B with biases)
+- mistral-7b:  https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json      (7.24 B)
+
+All are untied, SwiGLU (``mlp = gated``) with GQA except Llama-2-7B (``kv_heads = heads``); ``dtype`` is
+the IR's default bf16 (Llama-2-7B's checkpoint is fp16: ``nereus import-hf`` on its config says so).
+"""
+
+from __future__ import annotations
+
+from .hf_config import check_model_name
+from .model import Model
+
+SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+PRESETS: dict[str, dict[str, int]] = {
+    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "llama3-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+    "qwen2-7b": dict(layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064),
+    "qwen2.5-14b": dict(layers=48, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=152064),
+    "mistral-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000),
+}
+
+# What the IR leaves out of each preset (printed by ``nereus import-hf --preset``): see hf_config.
+PRESET_NOTES: dict[str, list[str]] = {
+    "qwen2-7b": ["q/k/v biases not modelled: 129,024 parameters (28 layers x (3584 + 512 + 512))"],
+    "qwen2.5-14b": ["q/k/v biases not modelled: 344,064 parameters (48 layers x (5120 + 1024 + 1024))"],
+    "mistral-7b": ["sliding_window = 4096 not modelled: the cost model sizes KV caches for full attention"],
+}
+
+
+def _get(name: str) -> dict[str, int]:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown preset '{name}'; presets: {', '.join(PRESETS)}") from None
+
+
+def preset_attrs(name: str) -> str:
+    """The preset's shape as IR attribute text: ``layers = 32, hidden = 4096, ...``."""
+    return ", ".join(f"{k} = {v}" for k, v in _get(name).items())
+
+
+def preset_model(name: str, model_name: str = "actor", *, trained: bool = False, head: str = "lm") -> Model:
+    """A ``Model`` of the preset's shape, named ``model_name``, with its source and notes as leading comments."""
+    shape = _get(name)
+    check_model_name(model_name, f"preset {name}")
+    model = Model(name=model_name, trained=trained, head=head, **shape)
+    model.comments[None] = [(f"// preset {name} (nereus/ir/presets.py)", False)] + \
+                           [(f"// note: {n}", False) for n in PRESET_NOTES.get(name, [])]
+    return model

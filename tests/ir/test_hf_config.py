@@ -1,0 +1,159 @@
+"""Models from Hugging Face config.json files and the public presets: fields, parameter counts
+against the published ones, errors, the ``nereus import-hf`` output, and (with transformers)
+parameter counts against tiny models transformers instantiates from the same configs."""
+
+import json
+
+import pytest
+
+import nereus
+from nereus.cli import main
+from nereus.ir import DiagnosticError
+from nereus.ir.hf_config import model_block, model_from_hf_config
+from nereus.ir.presets import PRESETS, preset_attrs, preset_model
+
+# the public config.json files (the keys the import reads, and a few it ignores)
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 500000.0, "max_position_embeddings": 8192,
+             "rms_norm_eps": 1e-05, "hidden_act": "silu"}
+QWEN25_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824,
+              "num_attention_heads": 40, "num_hidden_layers": 48, "num_key_value_heads": 8, "vocab_size": 152064,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": 131072, "use_sliding_window": False,
+              "max_window_layers": 48, "rope_theta": 1000000.0, "hidden_act": "silu"}
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+              "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": 4096, "rope_theta": 10000.0}
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "torch_dtype": "float16"}
+
+
+def write(tmp_path, cfg, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.mark.parametrize("cfg, preset, published, biases", [
+    (LLAMA3_8B, "llama3-8b", 8_030_261_248, 0),
+    (QWEN25_14B, "qwen2.5-14b", 14_770_033_664, 48 * (5120 + 1024 + 1024)),
+    (MISTRAL_7B, "mistral-7b", 7_241_732_096, 0),
+    (LLAMA2_7B, "llama2-7b", 6_738_415_616, 0),
+])
+def test_public_configs(tmp_path, cfg, preset, published, biases):
+    m = model_from_hf_config(write(tmp_path, cfg), "actor", trained=True)
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab) == (
+        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+        cfg["intermediate_size"], cfg["vocab_size"])
+    assert m.head_dim is None and m.mlp == "gated" and not m.tied_embeddings and m.trained and m.head == "lm"
+    assert m.dtype == {"bfloat16": "bf16", "float16": "fp16"}[cfg["torch_dtype"]]
+    # the published count, less what the IR does not model (Qwen2's q/k/v biases, which the note states)
+    assert m.num_params() + biases == published
+    assert [getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")] == list(PRESETS[preset].values())
+    text = model_block(m)
+    assert nereus.parse(text).models["actor"] == m
+    notes = [line for line in text.splitlines() if line.startswith("// note:")]
+    assert bool(biases) == any("q/k/v biases" in n and f"{biases:,}" in n for n in notes)
+    assert (cfg["model_type"] == "mistral") == any("sliding_window = 4096" in n for n in notes)
+
+
+def test_defaults_head_dim_and_tied(tmp_path):
+    cfg = {k: v for k, v in LLAMA3_8B.items() if k not in ("num_key_value_heads", "torch_dtype")}
+    m = model_from_hf_config(cfg | {"tie_word_embeddings": True, "head_dim": 256, "num_attention_heads": 8}, "critic",
+                             head="value")
+    assert m.kv_heads == 8 and m.head_dim == 256 and m.hd == 256 and m.tied_embeddings and m.dtype == "bf16"
+    assert m.head == "value" and "score.weight" in m.tensors and "lm_head.weight" not in m.tensors
+    assert "no torch_dtype" in model_block(m)
+    assert model_from_hf_config(cfg, "x").kv_heads == cfg["num_attention_heads"]  # no GQA key: MHA
+    assert model_from_hf_config(cfg | {"dtype": "float32"}, "x").dtype == "fp32"  # transformers v5 writes dtype
+    assert model_from_hf_config(cfg | {"head_dim": 128}, "x").head_dim is None  # = hidden / heads: not printed
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "gemma"}, ["model_type = 'gemma' is not supported"]),
+    ({"intermediate_size": None}, ["no 'intermediate_size'"]),
+    ({"num_hidden_layers": "32"}, ["'num_hidden_layers'", "not a positive integer"]),
+    ({"torch_dtype": "int8"}, ["torch_dtype = 'int8'"]),
+])
+def test_errors_name_the_key_and_file(tmp_path, change, words):
+    cfg = {k: v for k, v in (LLAMA3_8B | change).items() if v is not None}
+    path = write(tmp_path, cfg)
+    with pytest.raises(DiagnosticError) as e:
+        model_from_hf_config(path, "actor")
+    text = str(e.value)
+    assert str(path) in text and all(w in text for w in words), text
+
+
+def test_bad_files_and_names(tmp_path, capsys):
+    with pytest.raises(DiagnosticError, match="no such file"):
+        model_from_hf_config(tmp_path / "missing.json", "actor")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama",\n  oops}')
+    with pytest.raises(DiagnosticError, match=r"bad.json:2:\d+: error: not JSON"):
+        model_from_hf_config(bad, "actor")
+    with pytest.raises(DiagnosticError, match="not an IR identifier"):
+        model_from_hf_config(LLAMA3_8B, "my-actor")
+    assert main(["import-hf", str(bad)]) == 1
+    assert "not JSON" in capsys.readouterr().err
+
+
+def test_cli_output_reparses(tmp_path, capsys):
+    path = write(tmp_path, QWEN25_14B)
+    assert main(["import-hf", str(path), "--name", "critic", "--trained", "--head", "value"]) == 0
+    out, err = capsys.readouterr()
+    assert "note: q/k/v biases not modelled: 344,064 parameters" in err
+    assert out.startswith(f"// from {path} (model_type = qwen2)")
+    m = nereus.verify(nereus.parse(out)).models["critic"]
+    assert (m.layers, m.hidden, m.kv_heads, m.trained, m.head) == (48, 5120, 8, True, "value")
+    assert main(["import-hf", "--preset", "qwen2.5-14b"]) == 0
+    out, err = capsys.readouterr()
+    assert nereus.parse(out).models["actor"] == nereus.parse(model_block(model_from_hf_config(QWEN25_14B, "actor"))).models["actor"]
+    assert "344,064" in err and "// preset qwen2.5-14b" in out
+    assert main(["import-hf", "--list-presets"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in PRESETS) and "8.03 B" in listed
+    assert main(["import-hf", "--preset", "llama-9b"]) == 1
+    assert "presets: llama2-7b" in capsys.readouterr().err
+
+
+def test_presets():
+    text = f"model @m {{ {preset_attrs('llama3-70b')} }}"
+    assert nereus.parse(text).models["m"].num_params() == 70_553_706_496
+    qwen = preset_model("qwen2-7b", "ref")
+    assert qwen.name == "ref" and qwen.num_params() + 28 * (3584 + 512 + 512) == 7_615_616_512  # published, with biases
+    assert nereus.parse(model_block(qwen)).models["ref"] == qwen
+
+
+# -------------------------------------------- transformers: a real model from the same config
+TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            vocab_size=128)
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("llama", {"head_dim": 32}),
+    ("qwen2", {}), ("mistral", {}), ("mistral", {"num_key_value_heads": 4}),
+])
+def test_param_count_matches_transformers(family, extra):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(family, **(TINY | extra))
+    ir = model_from_hf_config(cfg.to_dict(), "actor")
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    params = dict(hf.named_parameters())  # tied weights appear once
+    biases = sum(p.numel() for n, p in params.items() if n.endswith(".bias"))
+    assert ir.num_params() == sum(p.numel() for p in params.values()) - biases
+    assert (biases > 0) == (family == "qwen2")
+    if biases:
+        assert f"{biases:,} parameters" in model_block(ir)
+    # every IR tensor has its checkpoint name and shape (model. prefix aside)
+    shapes = {n.removeprefix("model."): tuple(p.shape) for n, p in hf.state_dict().items()}
+    for fam, spec in ir.tensors.items():
+        name = f"layers.1.{fam}" if spec.per_layer else fam
+        assert shapes[name] == spec.shape, name
+
+
+def test_value_head_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model("llama", **TINY, num_labels=1)
+    hf = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    ir = model_from_hf_config(cfg.to_dict(), "critic", head="value")
+    assert ir.num_params() == sum(p.numel() for p in hf.parameters())
