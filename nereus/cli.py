@@ -61,7 +61,15 @@ def _report(err: DiagnosticError) -> None:
 
 
 def cmd_check(args) -> int:
-    failed = [path for path, m, _ in _modules(args.files) if m is None]
+    from .ir.verifier import batch_warnings
+
+    failed = []
+    for path, m, text in _modules(args.files):
+        if m is None:
+            failed.append(path)
+            continue
+        for w in batch_warnings(m):  # valid IR that a framework would not run as written
+            print(w.render(text), file=sys.stderr)
     return 1 if failed else 0
 
 

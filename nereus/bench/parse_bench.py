@@ -10,6 +10,11 @@ fastest of the repetitions, the least disturbed by other work on a shared machin
 its tree transformer; its share of parse is the median over the repetitions of the ratio of the
 two, timed one after the other), verify and print; and the whole round trip again, with the
 collector paused and running.
+
+Large files: parse + verify of generated text of many model blocks (1 and 4 MB; 0.25 MB with
+``--quick``), seconds per MB (flat when the time is linear in the size: it grew with the size
+while the cyclic collector walked every parsed object again and again) and the peak of
+Python's allocations per MB of text (traced separately, on the smallest text).
 """
 
 from __future__ import annotations
@@ -26,6 +31,40 @@ from ..testing.jobs import ppo_70b
 
 SIZES = (128, 256, 512, 1024)
 TARGET_MS = 200.0
+LARGE_MB = (1.0, 4.0)  # --quick: the first quarter of the first
+
+
+def model_blocks(megabytes: float) -> str:
+    """A valid module of about ``megabytes`` MB: one cluster and as many model blocks as fit."""
+    head = ("cluster @c {\n  nodes = 1\n  gpus_per_node = 8\n  gpu_memory = 80GiB\n  peak_flops = 989TFLOPs\n"
+            "  hbm_bandwidth = 3.35TB/s\n  intra_node = link(bandwidth = 450GB/s, latency = 2us)\n"
+            "  inter_node = link(bandwidth = 50GB/s, latency = 5us)\n}\n\n")
+    block = ("model @m{} {{\n  layers = 28\n  hidden = 3584\n  heads = 28\n  kv_heads = 4\n  ffn = 18944\n"
+             "  vocab = 152064\n}}\n\n")
+    n = max(1, int((megabytes * 1e6 - len(head)) / len(block.format(0))))
+    return head + "".join(block.format(i) for i in range(n))
+
+
+def large_files(quick: bool) -> list[dict]:
+    """Seconds per MB of parse + verify on large generated texts, and peak allocations per MB."""
+    import tracemalloc
+
+    rows = []
+    for mb in (LARGE_MB[0] / 4,) if quick else LARGE_MB:
+        text = model_blocks(mb)
+        t0 = time.perf_counter()
+        verify(parse(text))
+        seconds = time.perf_counter() - t0
+        rows.append({"mb": round(len(text) / 1e6, 2), "seconds": round(seconds, 2),
+                     "s_per_mb": round(seconds / (len(text) / 1e6), 2)})
+    text = model_blocks(rows[0]["mb"])
+    tracemalloc.start()
+    try:
+        verify(parse(text))
+        rows[0]["peak_mb_per_mb"] = round(tracemalloc.get_traced_memory()[1] / len(text), 1)
+    finally:
+        tracemalloc.stop()
+    return rows
 
 
 def roundtrip(text: str) -> str:
@@ -86,8 +125,9 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             # lark's share of parse from each repetition's adjacent pair (both see the same load)
             row[f"{label}_lark_share"] = round(statistics.median(l / p for l, p in zip(times["lark"], times["parse"])), 3)
         rows.append(row)
+    large = large_files(quick)
     result = {"benchmark": "parse", "grammar_build_ms": round(grammar_ms, 1), "repeats": repeats,
-              "target_ms_1024": TARGET_MS, "rows": rows}
+              "target_ms_1024": TARGET_MS, "rows": rows, "large_files": large}
     if not json_output:
         table = Table(title="parse + verify + print, 70B PPO job, all EMUs of actor.train (median ms)", title_justify="left")
         for col in ("GPUs", "EMUs", "shards", "lines", "canonical ms", "us/GPU", "expanded lines", "expanded ms", "us/GPU "):
@@ -106,6 +146,13 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
                 split.add_row(str(r["gpus"]), label, f"{r[f'{label}_parse_ms']:.1f}", f"{r[f'{label}_lark_share']:.0%}",
                               *(f"{r[f'{label}_{k}_ms']:.1f}" for k in ("verify", "print", "roundtrip_paused", "roundtrip_collector")))
         console.print(split)
+        big = Table(title="large files: parse + verify of model blocks, once", title_justify="left")
+        for col in ("MB", "s", "s/MB", "peak MB/MB"):
+            big.add_column(col, justify="right")
+        for r in large:
+            big.add_row(f"{r['mb']:.2f}", f"{r['seconds']:.2f}", f"{r['s_per_mb']:.2f}",
+                        f"{r['peak_mb_per_mb']:.1f}" if "peak_mb_per_mb" in r else "")
+        console.print(big)
         last = rows[-1]
         verdict = "meets" if last["canonical_ms"] < TARGET_MS else "misses"
         console.print(f"1,024 GPUs, canonical text: {last['canonical_ms']:.1f} ms ({verdict} the {TARGET_MS:.0f} ms target); "

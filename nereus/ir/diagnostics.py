@@ -55,7 +55,10 @@ class Diagnostic:
         return "\n".join(lines)
 
 
-MAX_SHOWN = 120  # columns of a source line a diagnostic echoes; a longer line is cut around the caret
+# Columns of a source line a diagnostic echoes; a longer line is cut around the caret. Lines a person
+# writes, and the transition operations the printer writes (up to ~180 columns), are shown whole; a
+# one-line layout of 64 pipeline stages (650 columns) or a 50 MB one-line file is not.
+MAX_SHOWN = 200
 _ELLIPSIS = "..."
 
 

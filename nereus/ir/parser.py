@@ -214,7 +214,11 @@ def _emit(decl: Decl) -> Decl | None:
     builder = getattr(_tls, "builder", None)
     if builder is None:
         return decl
-    builder.add(decl)
+    try:
+        builder.add(decl)
+    except Exception as e:  # a bug, not bad input: raised as itself, not as lark's VisitError
+        builder.failed = e
+        raise
     return None
 
 
@@ -362,6 +366,7 @@ class _Builder:
         self.m = Module(filename=filename)
         self.sink = sink
         self.first_seen: dict[str, Loc] = {}
+        self.failed: Exception | None = None
 
     def add(self, d: Decl) -> None:
         m, sink = self.m, self.sink
@@ -599,6 +604,8 @@ def _parse(text: str, filename: str | None) -> Module:
     except lark.exceptions.UnexpectedInput as e:
         raise DiagnosticError([_syntax_diagnostic(e, text, filename)], text) from None
     except lark.exceptions.VisitError as e:  # an error inside a callback: a malformed token
+        if builder.failed is not None:
+            raise builder.failed from None
         raise DiagnosticError([Diagnostic(Loc(0, 0, filename), f"cannot parse: {e.orig_exc}")], text) from None
     finally:
         _tls.builder = None

@@ -30,7 +30,8 @@ transition @NAME { ATTRS  %ID = KIND [STATE] TENSOR [SLICES] from [ENDPOINTS] to
 - Names of declarations (`@actor`) are unique in a file. A model-stage is `MODEL.STAGE`
   (`actor.train`); its layout maps mesh coordinate (dp, pp, tp) to `mesh[(dp * pp_size + pp) * tp_size + tp]`.
 - Quantities carry units: sizes `B KB MB GB TB KiB MiB GiB TiB` (whole bytes), bandwidths
-  `GB/s` or bits `Gb/s`, times `ns us ms s`, rates `TFLOPs` (= `TFLOP/s`). No exponents.
+  `GB/s` or bits `Gb/s`, times `ns us ms s`, rates `TFLOPs` (= `TFLOP/s`). A quantity's number may
+  take an exponent before the unit (`3.35e3GB/s`, printed `3.35TB/s`); other numbers may not.
 - Integer lists take inclusive ranges: `[0..7, 12]`. Slices are half-open `start:stop`.
 - Tensors are Hugging Face Llama names; per-layer tensors carry their layer or layer range:
   `layers.0..15.mlp.up_proj.weight`. States: weights (default), `grad`, `master`, `exp_avg`,

@@ -67,7 +67,8 @@ def _gpus(gpus) -> str:
         return f"GPU {gpus[0]}"
     text = compress_ints(gpus)
     if len(text) > 60:
-        text = text[: text.rfind(",", 0, 60)] + f", ... ({len(gpus)} GPUs)"
+        cut = text.rfind(",", 0, 60)
+        text = text[: cut if cut > 0 else 60] + f", ... ({len(gpus)} GPUs)"
     return f"GPUs {text}"
 
 
@@ -191,8 +192,7 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
         stage = w.stage_of(ms)
         if model is not None and ms in expected:
             _verify_layout(lay, model, stage, c, sink)
-            if _verify_batch_split(lay, w, stage, sink):
-                _verify_micro_batches(lay, w, stage, sink)
+            _verify_micro_batches(lay, w, stage, sink)
             _verify_context_parallel(lay, w, stage, sink)
     _colocation(plan, w, sink)
 
@@ -311,7 +311,9 @@ def _use(key: str, values: list[int]) -> str | None:
 
 
 def _join(*parts: str | None) -> str | None:
-    return ", or ".join(p for p in parts if p) or None
+    """``use dp = 1 or 5`` and ``use micro_batch = 10`` -> ``use dp = 1 or 5, or micro_batch = 10``."""
+    given = [p for p in parts if p]
+    return ", or ".join([given[0], *(p.removeprefix("use ") for p in given[1:])]) if given else None
 
 
 def batches_split(w) -> bool:
@@ -356,23 +358,34 @@ def _batch_sizes(w, sink: DiagnosticSink) -> None:
                    _join(_use("micro_batch", _divisors_near(mini, mb)), _use("mini_batch", _divisors_near(n, mini, mb))))
 
 
-def _verify_batch_split(lay: Layout, w, stage, sink: DiagnosticSink) -> bool:
-    """Every data-parallel replica of a training model-stage takes a whole number of micro-batches
-    per optimizer step: micro_batch x dp divides mini_batch (Megatron-LM: global batch % (micro
-    batch x DP) == 0; verl: ppo_mini_batch_size / DP % ppo_micro_batch_size_per_gpu == 0). Context
-    parallel ranks share their replica's micro-batch. Returns False when it reported."""
-    if stage is None or stage.kind != "train" or not batches_split(w):
-        return True  # the workload's own batch sizes are reported at the workload
-    flush, mb = w.mini_batch or w.samples, w.micro_batch
-    if flush % (mb * lay.dp) == 0:
-        return True
-    what = f"mini_batch = {flush}" if w.mini_batch else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
-    micro = _divisors_near(flush // lay.dp, mb) if flush % lay.dp == 0 else []
-    fixes = _join(_use("dp", _divisors_near(flush // mb, lay.dp)), _use("micro_batch", micro))
-    sink.error(at(lay, "dp"), f"{lay.model_stage}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}",
-               f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
-               + (f": {fixes}" if fixes else ""))
-    return False
+def batch_warnings(m: Module) -> list[Diagnostic]:
+    """Training layouts whose data-parallel replicas cannot share an optimizer step's micro-batches
+    evenly: micro_batch x dp does not divide mini_batch. Megatron-LM requires global batch % (micro
+    batch x DP) == 0 and verl ppo_mini_batch_size / DP % ppo_micro_batch_size_per_gpu == 0, so such a
+    plan does not run there as written. (Context-parallel ranks share their replica's micro-batch.)
+
+    Warnings, which ``nereus check`` prints, not errors of ``verify``: the cost model counts a
+    replica's share of a step as samples / dp, fractions included, and plan-search proposes any DP
+    degree that fits the GPUs (DP 3 or 6 on 6 GPUs), so an error would reject its own plans. Call it
+    on a verified module."""
+    out = []
+    for plan in m.plans.values():
+        w = m.workloads.get(plan.workload)
+        if w is None or not batches_split(w):
+            continue  # the workload's own batch sizes are errors at the workload
+        flush, mb = w.mini_batch or w.samples, w.micro_batch
+        for ms, lay in plan.layouts.items():
+            stage = w.stage_of(ms)
+            if stage is None or stage.kind != "train" or flush % (mb * lay.dp) == 0:
+                continue
+            what = f"mini_batch = {flush}" if w.mini_batch else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
+            micro = _divisors_near(flush // lay.dp, mb) if flush % lay.dp == 0 else []
+            fixes = _join(_use("dp", _divisors_near(flush // mb, lay.dp)), _use("micro_batch", micro))
+            out.append(Diagnostic(at(lay, "dp"), f"{ms}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}: "
+                                                 "Megatron-LM and verl reject this split",
+                                  f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
+                                  + (f": {fixes}" if fixes else ""), severity="warning"))
+    return out
 
 
 def _verify_micro_batches(lay: Layout, w, stage, sink: DiagnosticSink) -> None:

@@ -195,6 +195,9 @@ class Estimate(ModulePass):
 
     def apply(self, module: Module) -> None:
         names = [self.plan.lstrip("@")] if self.plan else list(module.plans)
+        if not names:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "estimate: the module has no plan to estimate",
+                                              "write a plan, or find one with plan-search")])
         problems = []
         for name in names:
             plan = module.plans.get(name)

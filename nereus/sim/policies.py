@@ -15,8 +15,8 @@ restricted to what that kind of system can run (``search``'s ``keep``):
 - ``nereus``: the live controller's decision core (``nereus.control.DecisionCore``) fed the
   simulated measurements: it recalibrates online, re-plans on its triggers and moves only when
   admission says it pays (or must); a move is a live transition (its scheduled makespan).
-- ``oracle``: re-plans at every change of conditions knowing the true coefficients, and moves
-  for free.
+- ``oracle``: re-plans at every change of conditions knowing the true coefficients (memory
+  included, so it keeps no headroom), and moves for free.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..ir import DiagnosticError, Module, Plan
 from ..ir.cluster import Efficiency
 from ..passes.estimate import estimate_plan
 from ..passes.plan_search import solve, to_plan
-from ..passes.search_space import build_problem
+from ..passes.search_space import DEFAULT_HEADROOM, build_problem
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
@@ -41,12 +41,13 @@ class NoPlan(RuntimeError):
     pass
 
 
-def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S) -> Plan:
+def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, headroom: float = DEFAULT_HEADROOM) -> Plan:
     """The best plan of ``m``'s job on its available GPUs among the options ``keep(ms, options,
-    n)`` returns of each model-stage's (plan-search's solver), estimated in ``m``."""
+    n)`` returns of each model-stage's (plan-search's solver, keeping plan-search's memory
+    ``headroom`` free as a real system would), estimated in ``m``."""
     (w,) = m.workloads.values()
     (c,) = m.clusters.values()
-    problem = build_problem(c, w, m.models, prune=False)
+    problem = build_problem(c, w, m.models, prune=False, headroom=headroom)
     if keep is not None:
         for ms, sp in problem.spaces.items():
             sp.options = keep(ms, sp.options, problem.n)
@@ -301,7 +302,8 @@ class Oracle(Policy):
     def _best(self, sim, i) -> Plan:
         key = conditions(sim.trace.steps[i])
         if key not in self.cache:
-            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}")
+            # the truth's memory is exact, so the oracle needs no headroom: its plan is the fastest that runs
+            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0)
         return self.cache[key]
 
     def react(self, sim, i):

@@ -170,3 +170,11 @@ def test_a_diagnostic_raised_in_a_pool_worker_reaches_the_parent():
         with pytest.raises(nereus.DiagnosticError) as e:
             pool.apply_async(parse_in_worker, ("model @x { layers = }",)).get(timeout=120)
     assert e.value.diagnostics[0].loc.file == "worker.nir"
+
+
+def test_estimate_without_a_plan_says_so(tmp_path, capsys):
+    src = tmp_path / "job.nir"
+    text = GRPO.read_text()
+    src.write_text(text[:text.index("plan @")])
+    assert main(["opt", str(src), "-p", "estimate"]) == 1
+    assert "estimate: the module has no plan to estimate" in capsys.readouterr().err

@@ -274,6 +274,7 @@ def workloads(draw, name: str, mods: list[Model], algorithm: str) -> Workload:
     samples = global_batch * group_size
     prompt_max = draw(st.integers(1, 4096))
     response_max = draw(st.integers(1, 8192))
+    mini_batch = draw(st.none() | st.sampled_from(divisors(samples)))
     w = Workload(
         name=name,
         algorithm=algorithm,
@@ -285,8 +286,8 @@ def workloads(draw, name: str, mods: list[Model], algorithm: str) -> Workload:
         response_len_mean=draw(st.integers(1, response_max)),
         response_len_max=response_max,
         ppo_epochs=draw(st.integers(1, 4)),
-        mini_batch=draw(st.none() | st.sampled_from(divisors(samples))),
-        micro_batch=draw(st.integers(1, samples)),
+        mini_batch=mini_batch,
+        micro_batch=draw(st.sampled_from(divisors(mini_batch or samples))),  # batch sizes nest, as the verifier asks
         steps=draw(st.none() | st.integers(1, 100_000)),
         stages=stages,
     )
