@@ -316,6 +316,17 @@ def _join(*parts: str | None) -> str | None:
     return ", or ".join([given[0], *(p.removeprefix("use ") for p in given[1:])]) if given else None
 
 
+def replicas_share_steps(w, kind: str, dp: int) -> bool:
+    """Whether ``dp`` data-parallel replicas of a ``kind`` model-stage take a whole number of
+    micro-batches each per optimizer step: for training, micro_batch x dp divides mini_batch (or
+    the step's samples without one), as Megatron-LM (global batch % (micro batch x DP) == 0) and
+    verl (ppo_mini_batch_size / DP % ppo_micro_batch_size_per_gpu == 0) require. Forward-only
+    stages and workloads whose own sizes do not nest (an error at the workload) pass."""
+    if kind != "train" or not batches_split(w):
+        return True
+    return (w.mini_batch or w.samples) % (w.micro_batch * dp) == 0
+
+
 def batches_split(w) -> bool:
     """Whether the workload's batch sizes nest: micro_batch divides mini_batch, which divides the
     samples of a step (without mini_batch, one optimizer step takes them all)."""
@@ -376,7 +387,7 @@ def batch_warnings(m: Module) -> list[Diagnostic]:
         flush, mb = w.mini_batch or w.samples, w.micro_batch
         for ms, lay in plan.layouts.items():
             stage = w.stage_of(ms)
-            if stage is None or stage.kind != "train" or flush % (mb * lay.dp) == 0:
+            if stage is None or replicas_share_steps(w, stage.kind, lay.dp):
                 continue
             what = f"mini_batch = {flush}" if w.mini_batch else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
             micro = _divisors_near(flush // lay.dp, mb) if flush % lay.dp == 0 else []

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..ir import Cluster, Layout, Module, Plan, Workload
 from ..ir.model import Model, even_split
-from ..ir.verifier import flush_samples
+from ..ir.verifier import flush_samples, replicas_share_steps
 from .cost_model import Candidates, CostModel
 from .estimate import estimate_plan, step_time
 
@@ -88,7 +88,9 @@ def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_sta
         usable = sum(f // tp * tp for f in free.values())  # TP groups inside nodes
         for pp in pp_sizes(model):
             dp = min(usable // (tp * pp), workload.samples)
-            if dp < 1:
+            while dp > 1 and not replicas_share_steps(workload, kind, dp):
+                dp -= 1  # the most replicas that share an optimizer step evenly
+            if dp < 1 or not replicas_share_steps(workload, kind, dp):
                 continue
             (mesh,) = place_blocks(gpus, per_node, [(tp * pp * dp, tp)])
             train = kind == "train"

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir import Cluster, Model, Workload
-from ..ir.verifier import flush_samples
+from ..ir.verifier import flush_samples, replicas_share_steps
 from .cost_model import C_PCIE, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel, NIC, NVLINK
 
 KIB = 1024
@@ -337,8 +337,8 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
         dps = sorted({d for d in range(1, top + 1) if tp * pp * d <= 2 * per_node or d & (d - 1) == 0 or d == top
                       or (tp * pp * d % per_node == 0 and tp * pp * d // per_node <= 8)})
         for dp in dps:
-            if dp > workload.samples:
-                continue
+            if dp > workload.samples or not replicas_share_steps(workload, kind, dp):
+                continue  # Megatron-LM and verl cannot split an optimizer step over dp replicas
             if kind == "generate" or pp == 1:
                 mbs = [1]
             else:

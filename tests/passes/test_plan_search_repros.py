@@ -14,7 +14,9 @@ REPROS = Path(__file__).parent / "repros"
 # repro -> (the step time plan-search recorded before, in s; the best plan the repro writes by hand, if any)
 CASES = {
     "a_microbatches_and_rho.nir": (0.70359, "enum"),  # 16 micro-batches per flush; generation memory stepped
-    "a_pp3.nir": (2.2945, "enum"),  # PP 3 on 6 GPUs
+    # PP 3 on 6 GPUs; its @enum (2.086 s) trains DP 3 over mini_batch 16, which Megatron-LM and verl
+    # reject and plan-search no longer proposes (see the next test): held to the recorded time only
+    "a_pp3.nir": (2.2945, None),
     "c_generation_offload.nir": (None, "gen_offload"),  # "no plan fits" though offloading generation's weights fits
     "d_2x6.nir": (0.055753, None),  # a pipeline pair across the node boundary at GPU 6, costed as NVLink
     "d_failed_gpus.nir": (0.34863, None),  # TP 2 x DP 2 on GPUs [1, 3, 4, 5], DP costed inside a node
@@ -47,6 +49,14 @@ def test_searched_plan_beats_the_repro_and_its_objective_is_the_estimate(name):
         assert m.plans[hand].step_time is not None
         assert plan.step_time <= m.plans[hand].step_time * (1 + 1e-4)
     nereus.verify(m)
+
+
+def test_the_faster_hand_plan_of_a_pp3_does_not_split_its_steps_evenly():
+    from nereus.ir.verifier import batch_warnings
+
+    m = nereus.parse((REPROS / "a_pp3.nir").read_text(), "a_pp3.nir")
+    (d,) = batch_warnings(nereus.verify(m))
+    assert "actor.train: micro_batch x dp = 1 x 3 = 3 does not divide mini_batch = 16" in d.message
 
 
 def test_failed_gpus_cost_the_cross_node_group_the_old_objective_missed():

@@ -30,7 +30,7 @@ import pytest
 import nereus
 from nereus.ir import Cluster, Layout, Link, Model, Module, Plan, Stage, Workload
 from nereus.ir.model import even_split
-from nereus.ir.verifier import flush_samples
+from nereus.ir.verifier import flush_samples, replicas_share_steps
 from nereus.passes.cost_model import C_PCIE, Candidates, CostModel
 from nereus.passes.estimate import estimate_plan
 
@@ -125,6 +125,8 @@ def shapes(model: Model, kind: str, w: Workload, cluster: Cluster, n: int, knobs
                 g = tp * pp * dp
                 if dp > w.samples:
                     break
+                if not replicas_share_steps(w, kind, dp):  # the job's rule (Megatron-LM, verl), not the search's
+                    continue
                 if not (g <= 2 * gpn or g % gpn == 0 or dp & (dp - 1) == 0 or dp == n // (tp * pp)):
                     continue
                 if kind == "generate" or pp == 1:

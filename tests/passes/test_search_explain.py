@@ -176,3 +176,24 @@ def test_the_controllers_memory_trigger_agrees_with_the_search(headroom, fires):
                         memory={ms: lay.memory for ms, lay in plan.layouts.items()})
     memory = [t for t in measured_triggers(m, plan, [record], 0.0, ControlOptions()) if t.kind == "memory"]
     assert bool(memory) is fires
+
+
+@pytest.mark.parametrize("repro", ["a_pp3.nir", "d_2x6.nir"])
+def test_searched_training_layouts_split_an_optimizer_step_evenly(repro):
+    """Megatron-LM and verl reject micro_batch x dp not dividing mini_batch; plan-search proposed
+    DP 3 and 6 on these six-GPU repros. Now it offers training only DP degrees that split a step."""
+    from pathlib import Path
+
+    from nereus.ir.verifier import batch_warnings
+
+    m = nereus.parse((Path(__file__).parent / "repros" / repro).read_text(), repro)
+    nereus.run_pipeline(m, "plan-search{headroom=0}")
+    searched = [p for p in m.plans if p.endswith("_searched")]
+    w = next(iter(m.workloads.values()))
+    for name in searched:
+        for lay in m.plans[name].layouts.values():
+            if lay.stage == "train":
+                assert (w.mini_batch or w.samples) % (w.micro_batch * lay.dp) == 0, (name, lay.dp)
+    for name in [p for p in m.plans if p not in searched]:  # the repro's own plans may warn (a_pp3's DP 3 does)
+        del m.plans[name]
+    assert batch_warnings(m) == []
