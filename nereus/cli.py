@@ -110,6 +110,9 @@ def cmd_diff(args) -> int:
     """Two plans side by side: of one file (its two plans, or --plans) or of two files."""
     from .show import diff
 
+    if len(args.files) > 2:
+        print(f"nereus diff: error: give one file with two plans or two files, not {len(args.files)}", file=sys.stderr)
+        return 1
     loaded = []
     for path in args.files:
         try:
@@ -163,7 +166,7 @@ def cmd_opt(args) -> int:
         from .testing.golden import run_header
 
         try:
-            passes = run_header(m.source or "")
+            passes = run_header(m.source or "", piped=True)
         except ValueError as e:
             print(f"nereus opt: error: {args.file}: give -p PIPELINE: {e}", file=sys.stderr)
             return 1

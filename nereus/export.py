@@ -22,9 +22,8 @@ from __future__ import annotations
 import json
 import math
 
-from .ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
+from .ir import Layout, Module, Plan
 from .ir.attributes import compress_ints
-from .ir.diagnostics import did_you_mean
 
 TARGETS = ("verl", "verl-overrides", "megatron", "vllm")
 _DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -37,9 +36,9 @@ def export_plan(module: Module, plan_name: str, target: str) -> str:
     name = plan_name.lstrip("@")
     plan = module.plans.get(name)
     if plan is None:
-        plans = ", ".join("@" + p for p in module.plans) or "none"
-        hint = did_you_mean(name, module.plans)
-        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"no plan @{name}; plans: {plans}", hint)])
+        from .passes.pass_manager import no_such
+
+        raise no_such(module, "export", "plan", name)
     body = {"verl": _verl, "verl-overrides": _verl, "megatron": _megatron, "vllm": _vllm}[target](module, plan, target)
     return "\n".join(body) + "\n"
 
@@ -254,7 +253,7 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
                                 "ulysses": "reward_model.ulysses_sequence_parallel_size"}, of[(reward, "infer")], False)
     for name in rest:
         notes.append(f"not expressible in verl: model @{name} (verl has one actor, critic, ref and reward model)")
-    for ms in set(kinds) - set(of.values()):
+    for ms in sorted(set(kinds) - set(of.values())):
         notes.append(f"not expressible in verl: {ms} (a second {kinds[ms]} stage of model @{lays[ms].model})")
     for st in w.stages:  # model-stages Nereus runs side by side run one after another in verl
         mss = st.model_stages()

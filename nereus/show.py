@@ -140,6 +140,12 @@ def _emu_bytes(m: Module) -> dict[tuple[str, str], int]:
 
 def _layout_text(lay) -> str:
     parts = [f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}" + (f" x CP {lay.cp}" if lay.cp > 1 else "")]
+    if lay.pp > 1:
+        parts += ["layers " + "|".join(f"{lo}..{hi}" for lo, hi in lay.layers)]
+    parts += [f"VPP {lay.vpp}"] if lay.vpp > 1 else []
+    parts += ["SP"] if lay.sp else []
+    parts += ["FP8"] if lay.fp8 else []
+    parts += [f"{lay.grad_dtype} grads"] if lay.grad_dtype != "bf16" else []
     parts += [f"ZeRO {lay.zero}"] if lay.zero else []
     parts += [f"micro {lay.micro_batches}"] if lay.micro_batches > 1 else []
     parts += ["recompute"] if lay.recompute else []

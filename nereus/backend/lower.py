@@ -37,12 +37,11 @@ definition (``ir.transition.OpKind``), never its name.
 
 from __future__ import annotations
 
-import gc
 from collections import defaultdict
-from contextlib import contextmanager
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef
 from ..ir.diagnostics import did_you_mean
+from ..ir.gc_pause import gc_paused
 from .check_program import check_coverage, check_slices
 from .program import Message, Piece, Program, Step
 from .shards import ShardSpec, StateKey, plan_layout
@@ -76,7 +75,7 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
     t = m.transitions[transition]
     for p in (t.source, t.target):
         m.require_emus(p, "lower-collectives")
-    with _gc_paused():
+    with gc_paused():  # 40% of a 32-GPU lowering went to the collector (ir/gc_pause.py)
         low = _Lowering(m, transition, gpus, bucket_bytes, direct_bytes, broadcast, chunk_bytes)  # 1. ranks and shards
         for op in t.ops:  # 2.-6. levels; every operation cut into per-layer pieces and steps
             low.cut(op)
@@ -85,19 +84,6 @@ def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct
         prog = low.assemble()  # 3. pieces packed into messages and rounds; the program, rank by rank
         check_slices(prog)  # 7. every piece inside its rank's shards
     return prog
-
-
-@contextmanager
-def _gc_paused():
-    """Lowering builds hundreds of thousands of small objects (keys, pieces, messages, steps) and
-    no reference cycles; the cyclic collector's passes over them took 40% of a 32-GPU lowering."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _levels(ops: list[Op]) -> dict[str, int]:

@@ -183,7 +183,8 @@ class DecisionCore:
         # run at 2,000, learned a 13% slower cluster)
         measured_lengths(self.m.workloads[self.m.plans[self.plan].workload], window)
         (fit,) = calibrate_records(self.m, records).values()
-        self._estimate(self.m, self.plan)
+        # at the measured lengths plan A may no longer fit: the memory trigger and the re-plan see it
+        self._estimate(self.m, self.plan, raise_on_oom=False)
         return {"recalibrated": True, "fit_error_before": round(fit.error_before, 4),
                 "fit_error_after": round(fit.error_after, 4)}
 

@@ -42,6 +42,7 @@ class AttrSpec:
     choices: tuple[str, ...] = ()
     doc: str = ""
     record: "RecordSpec | None" = None
+    signed: bool = False  # a quantity that may be negative (admit's saving); others may not
 
     @property
     def required(self) -> bool:
@@ -130,6 +131,8 @@ def convert(spec: AttrSpec, v: V) -> Any:
             raise TypeMismatch(v.loc, str(e), e.hint) from None
         if dim is not want:
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value} (e.g. {want.example}), got a {dim.value} '{v.value}'")
+        if value < 0 and not spec.signed:
+            raise TypeMismatch(v.loc, f"'{spec.key}' must not be negative, got '{v.value}'")
         return value
     if k in ("int", "posint", "natural"):
         value = _expect_int(v)

@@ -9,11 +9,9 @@ against the schema of its block and makes the typed dataclasses, collecting ever
 from __future__ import annotations
 
 import bisect
-import gc
 import re
 import sys
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -25,6 +23,7 @@ from lark import Token, Transformer, v_args
 from .attributes import V, build_attrs
 from .cluster import CLUSTER_ATTRS, Cluster
 from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
+from .gc_pause import gc_paused
 from .emu import SHARD_ATTRS, STATES, Emu, Shard, SliceEntry, split_tensor_name
 from .model import MODEL_ATTRS, Model
 from .module import Module
@@ -241,7 +240,7 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
         elif ch in "+-" and _BARE_EXPONENT.search(text, max(0, err.pos_in_stream - 64), err.pos_in_stream):
             hint = _EXPONENT_HINT
         elif ch == "-":
-            hint = "only decimal numbers may be negative (-0.5); counts and sizes are not, and ranges are written 0..7"
+            hint = "only decimal numbers and a few times (admit's saving) may be negative; counts and sizes are not, and ranges are written 0..7"
         elif ch == "@":
             hint = "a reference is @ followed by a letter or underscore"
     elif isinstance(err, lark.exceptions.UnexpectedToken):
@@ -554,43 +553,13 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
 # ---------------------------------------------------------------- entry point
 
 
-_paused_lock = threading.Lock()
-_paused = 0  # parses running with the cyclic collector paused (threads may parse at once)
-_was_enabled = True
-
-
-@contextmanager
-def _collector_paused():
-    """Pause Python's cyclic garbage collector while a text becomes a module.
-
-    Parsing allocates millions of small objects that all stay alive and form no cycles; each
-    collection of the older generations walks all of them, again and again as the heap grows, for
-    nothing: on 10 MB of model blocks that was half of the parse (12 of 24 s), and what made the
-    time per megabyte grow with the file. Paused, the parse is linear in the text; the collector
-    resumes when the outermost parse ends.
-    """
-    global _paused, _was_enabled
-    with _paused_lock:
-        if _paused == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _paused += 1
-    try:
-        yield
-    finally:
-        with _paused_lock:
-            _paused -= 1
-            if _paused == 0 and _was_enabled:
-                gc.enable()
-
-
 def parse(text: str, filename: str | None = None) -> Module:
     """Parse ``.nir`` text into a Module. Raises DiagnosticError with every error found.
 
     Only syntax and schema (attribute names, types, units, duplicate names) are checked
     here; cross-references and semantic rules are ``verify``'s.
     """
-    with _collector_paused():
+    with gc_paused():  # millions of small objects, no cycles (gc_pause.py)
         return _parse(text, filename)
 
 

@@ -98,7 +98,7 @@ class Admission:
 ADMISSION = RecordSpec("admit", (AttrSpec("decision", "choice", choices=("accept", "reject")), AttrSpec("cost", "time"),
                                  AttrSpec("makespan", "time", default=None), AttrSpec("pg_init", "time", default=None),
                                  AttrSpec("engine_restart", "time", default=None),
-                                 AttrSpec("benefit", "time"), AttrSpec("saving", "time"), AttrSpec("horizon", "natural", default=None),
+                                 AttrSpec("benefit", "time", signed=True), AttrSpec("saving", "time", signed=True), AttrSpec("horizon", "natural", default=None),
                                  AttrSpec("break_even", "float", default=None)),
                        Admission)
 

@@ -74,14 +74,15 @@ class UnitError(ValueError):
         self.hint = hint
 
 
-_NUMBER = re.compile(r"-?[0-9.]*(?:[eE][+-]?[0-9]+)?")
+_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 MAX_EXPONENT = 30  # 1e30 bytes, 1e-30 s: beyond any real quantity, and bounded work for Decimal
 
 
 def split_quantity(text: str) -> tuple[str, str]:
     """``"80GiB"`` -> ``("80", "GiB")``, ``"3.35e3GB/s"`` -> ``("3.35e3", "GB/s")``; a leading ``-``
     stays with the number."""
-    i = _NUMBER.match(text).end()
+    m = _NUMBER.match(text)
+    i = m.end() if m else 0
     return text[:i], text[i:]
 
 
@@ -97,6 +98,8 @@ def suggest_unit(unit: str) -> str | None:
 def parse_quantity(text: str) -> tuple[Dim, int | float]:
     """Parse ``"80GiB"`` into ``(Dim.SIZE, 85899345920)``; sizes are whole bytes (int)."""
     number, unit = split_quantity(text)
+    if not number:
+        raise UnitError(f"'{text}' has no number before its unit", "write the number first, e.g. 80GiB")
     if unit not in UNITS:
         guess = suggest_unit(unit)
         hint = f"did you mean '{number}{guess}'?" if guess else "known units: " + ", ".join(

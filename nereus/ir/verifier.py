@@ -376,9 +376,9 @@ def batch_warnings(m: Module) -> list[Diagnostic]:
     plan does not run there as written. (Context-parallel ranks share their replica's micro-batch.)
 
     Warnings, which ``nereus check`` prints, not errors of ``verify``: the cost model counts a
-    replica's share of a step as samples / dp, fractions included, and plan-search proposes any DP
-    degree that fits the GPUs (DP 3 or 6 on 6 GPUs), so an error would reject its own plans. Call it
-    on a verified module."""
+    replica's share of a step as samples / dp, fractions included, and a framework that pads its
+    batches runs such a plan (plan-search and the greedy baseline propose only DP degrees that
+    split evenly, ``replicas_share_steps``). Call it on a verified module."""
     out = []
     for plan in m.plans.values():
         w = m.workloads.get(plan.workload)

@@ -14,7 +14,7 @@ from ..ir import Diagnostic, DiagnosticError, Module
 from ..ir.diagnostics import did_you_mean
 from ..ir.sharding import derive_emus, states_of
 from .estimate import layout_costs
-from .gc_pause import gc_paused
+from ..ir.gc_pause import gc_paused
 from .pass_manager import ModulePass, Ref, register
 
 

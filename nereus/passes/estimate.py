@@ -158,7 +158,7 @@ def host_memory_problems(m: Module, plan: Plan, costs: dict[str, LayoutCost]) ->
     for ms, lc in costs.items():
         if lc.offloaded:
             for g in plan.layouts[ms].mesh:
-                node = g // cluster.gpus_per_node
+                node = cluster.node_of(g)
                 per_node[node] += lc.offloaded
                 first.setdefault(node, ms)
     if not per_node or cluster.host_memory is None:  # the verifier refuses offload without host memory

@@ -90,7 +90,7 @@ def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_sta
             dp = min(usable // (tp * pp), workload.samples)
             while dp > 1 and not replicas_share_steps(workload, kind, dp):
                 dp -= 1  # the most replicas that share an optimizer step evenly
-            if dp < 1 or not replicas_share_steps(workload, kind, dp):
+            if dp < 1:
                 continue
             (mesh,) = place_blocks(gpus, per_node, [(tp * pp * dp, tp)])
             train = kind == "train"

@@ -50,15 +50,15 @@ class ModulePass:
 def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticError:
     """``pass_name: no plan @x``, naming what the module has (or that ``kind=@name`` is missing),
     with a did-you-mean when a name is close."""
-    from ..ir.diagnostics import did_you_mean
+    from ..ir.diagnostics import closest
 
     table = getattr(module, kind + "s")
     have = ", ".join("@" + n for n in table) or "none"
     if not name:
         return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name} needs a {kind}: the module's {kind}s: {have}",
                                            f"{pass_name}{{{'to' if pass_name in ('plan-transition', 'remap') else kind}=@{list(table)[-1] if table else 'name'}}}")])
-    close = did_you_mean(name, list(table))
-    hint = f"did you mean @{close.split(chr(39))[1]}?" if close else None
+    close = closest(name, table)
+    hint = f"did you mean @{close}?" if close else None
     return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no {kind} @{name}; the module's {kind}s: {have}",
                                        hint)])
 

@@ -403,7 +403,7 @@ class PlanSearch(ModulePass):
                                    estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4),
                                    headroom=self.headroom)
         if self.explain:
-            why = explain(module, plan, problem, sol.choice, lambda p, t: solve(p, t, self.seed), self.time_limit)
+            why = explain(module, plan, problem, sol.choice, objective, lambda p, t: solve(p, t, self.seed), self.time_limit)
             for ms, r in why.runner_ups.items():
                 plan.layouts[ms].runner_up = r and replace(r, step_time=printed_precision(r.step_time))
             plan.search = replace(plan.search, bottleneck=why.bottleneck,

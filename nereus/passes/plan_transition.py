@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
 from ..ir.model import state_dtype_bytes
-from .gc_pause import gc_paused
+from ..ir.gc_pause import gc_paused
 from .lower_bound import lower_bound
 from .derive_emus import emus_required
 from .pass_manager import ModulePass, Ref, no_such, register

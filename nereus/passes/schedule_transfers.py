@@ -30,7 +30,7 @@ from ortools.sat.python import cp_model
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
 from ..ir.printer import printed_precision
 from .cost_model import CostModel
-from .gc_pause import gc_paused
+from ..ir.gc_pause import gc_paused
 from .pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us

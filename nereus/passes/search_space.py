@@ -433,8 +433,9 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         sc = cost.stage(model, workload, kind, cand)
         feat, lat = cost.offload_time(offloaded[r])  # as estimate charges it
         off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
-        # a node's host memory, shared evenly by its GPUs (estimate checks the plan's sum per node)
-        host_share = (cluster.host_memory or 0) / cluster.gpus_per_node
+        # a node's host memory split evenly over its GPUs and the model-stages that may offload:
+        # within its share no placement can overfill a node (estimate checks the plan's sum)
+        host_share = cluster.host_memory / cluster.gpus_per_node / len(workload.model_stages()) if cluster.host_memory else 0.0
         off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
         with np.errstate(invalid="ignore"):
             t = sc.time(cost.coeffs) + off_time

@@ -25,16 +25,18 @@ import re
 from pathlib import Path
 
 _RUN = re.compile(r"^//\s*RUN:\s*nereus opt %s -p (\S+)\s*$")
+_PIPED_RUN = re.compile(r"^//\s*RUN:\s*nereus opt %s -p (\S+)\s*(\|.*)?$")  # lit's form: ... | filecheck %s
 
 
 class GoldenMismatch(AssertionError):
     pass
 
 
-def run_header(text: str) -> str:
-    """The pipeline named by a ``// RUN: nereus opt %s -p PIPELINE`` line."""
+def run_header(text: str, piped: bool = False) -> str:
+    """The pipeline named by a ``// RUN: nereus opt %s -p PIPELINE`` line (``piped``: also one
+    that goes on to ``| filecheck %s``, as the CHECK-line goldens write it)."""
     for line in text.splitlines():
-        m = _RUN.match(line.strip())
+        m = (_PIPED_RUN if piped else _RUN).match(line.strip())
         if m:
             return m.group(1)
         if line.strip() and not line.startswith("//"):

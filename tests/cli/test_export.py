@@ -224,11 +224,11 @@ def test_vllm_accepts_the_arguments():
 
 
 def test_missing_plan_lists_the_plans(capsys, tmp_path):
-    with pytest.raises(nereus.DiagnosticError, match=r"no plan @nope; plans: @ppo_p0"):
+    with pytest.raises(nereus.DiagnosticError, match=r"export: no plan @nope; the module's plans: @ppo_p0"):
         export_plan(load(PPO), "@nope", "verl")
     assert main(["export", str(PPO), "--plan", "@ppo_p", "--to", "megatron"]) == 1
     err = capsys.readouterr().err
-    assert "no plan @ppo_p; plans: @ppo_p0" in err and "did you mean 'ppo_p0'?" in err
+    assert "export: no plan @ppo_p; the module's plans: @ppo_p0" in err and "did you mean @ppo_p0?" in err
     out = tmp_path / "grpo.yaml"
     assert main(["export", str(GRPO), "--plan", "@grpo_p0", "--to", "verl", "-o", str(out)]) == 0
     assert out.read_text() == export_plan(load(GRPO), "grpo_p0", "verl")

@@ -178,3 +178,22 @@ def test_estimate_without_a_plan_says_so(tmp_path, capsys):
     src.write_text(text[:text.index("plan @")])
     assert main(["opt", str(src), "-p", "estimate"]) == 1
     assert "estimate: the module has no plan to estimate" in capsys.readouterr().err
+
+
+def test_opt_reads_a_piped_run_line_and_diff_refuses_three_files(capsys):
+    assert main(["opt", str(TP4_TO_TP2)]) == 0  # // RUN: nereus opt %s -p ... | filecheck %s
+    assert "admit = admit(" in capsys.readouterr().out
+    assert main(["diff", str(GRPO), str(GRPO), str(GRPO)]) == 1
+    assert "not 3" in capsys.readouterr().err
+
+
+def test_a_negative_size_or_a_unit_without_a_number_is_a_diagnostic(tmp_path, capsys):
+    bad = tmp_path / "bad.nir"
+    bad.write_text(GRPO.read_text().replace("host_memory = 2TiB", "host_memory = -2TiB"))
+    assert main(["check", str(bad)]) == 1
+    assert "'host_memory' must not be negative, got '-2TiB'" in capsys.readouterr().err
+    from nereus.passes import PipelineError
+    from nereus.registry import parse_pipeline
+
+    with pytest.raises(PipelineError, match="expects a size such as 64MiB, got .e5MiB."):
+        parse_pipeline("lower-collectives{bucket=e5MiB}")

@@ -187,3 +187,14 @@ def test_plan_b_never_takes_the_name_of_a_plan_the_module_has():
     d = c.decide()
     assert d.target not in (None, "p0") and d.transition != "p0_to_p0"
     assert d.action == "transition" and d.numbers["saving"] > 0
+
+
+def test_recalibrating_at_responses_too_long_for_plan_a_replans_instead_of_raising():
+    """The core costs measured steps at the lengths they generated; when those no longer fit
+    plan A, recalibration must not stop the loop: the re-plan sees plan A does not fit (forced)."""
+    c = core(recalibrate_every=1)
+    for step in range(2):
+        c.observe(as_planned(c, step, length=64.0))  # 64k-token responses: plan A runs out of memory
+    d = c.decide()
+    assert d.numbers["recalibrated"]
+    assert d.forced and d.action in ("transition", "infeasible")

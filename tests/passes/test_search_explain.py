@@ -134,7 +134,7 @@ def test_runner_ups_equal_brute_force(inst):
     plan = to_plan(problem, sol, "p", w.name, cluster.name)
     m.plans["p"] = plan
     assert estimate_plan(m, plan) == []
-    why = explain(m, plan, problem, sol.choice, lambda p, t: solve(p, 30), time_limit=120)
+    why = explain(m, plan, problem, sol.choice, sol.objective * problem.unit_s, lambda p, t: solve(p, 30), time_limit=120)
     for ms, c in sol.choice.items():
         o = problem.spaces[ms].options[c]
         sizes = (o.tp, o.pp, o.dp)
