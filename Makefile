@@ -32,6 +32,11 @@ demo: $(STAMP)
 	mkdir -p out
 	$(BIN)/nereus opt examples/ppo_8b_16gpu.nir -p estimate,plan-search -o out/ppo_8b_16gpu.searched.nir
 	$(BIN)/nereus show out/ppo_8b_16gpu.searched.nir
+	$(BIN)/nereus opt examples/grpo_7b_8gpu.nir -p plan-search --explain -o out/grpo_7b_8gpu.searched.nir
+	$(BIN)/nereus diff out/grpo_7b_8gpu.searched.nir
+	$(BIN)/nereus import-hf --preset qwen2.5-14b --name actor --trained
+	$(BIN)/nereus export out/grpo_7b_8gpu.searched.nir --plan @grpo_searched --to verl -o out/grpo_7b_8gpu.verl.yaml
+	$(BIN)/nereus export out/grpo_7b_8gpu.searched.nir --plan @grpo_searched --to vllm -o out/grpo_7b_8gpu.vllm.py
 	$(BIN)/nereus bench parse --quick
 	$(BIN)/nereus bench estimate --quick
 	$(BIN)/nereus bench plan-search --quick
