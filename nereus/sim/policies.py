@@ -5,7 +5,9 @@ restricted to what that kind of system can run (``search``'s ``keep``):
 
 - ``fixed`` (the paper's baseline): the best plan for step 0; when the GPUs change, or the plan
   stops fitting, the best plan with every model-stage's TP and PP kept, i.e. only DP (and
-  micro-batching, ZeRO, placement) rescaled. A move is a restart from a checkpoint.
+  micro-batching, ZeRO, placement) rescaled. A move is a restart from a checkpoint. When no plan
+  with its TP/PP fits (responses outgrew them), it restarts with the best new TP/PP, as its user
+  would, and keeps those; so do the next two.
 - ``verl``: every model-stage on all available GPUs (or the most its TP/PP can use; one colocated
   pool, run in turn), TP/PP fixed
   after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
@@ -95,7 +97,8 @@ class Restarting(Policy):
         self.tp_pp: dict[str, tuple[int, int]] = {}
         self.gpus: frozenset[int] = frozenset()
 
-    def initial(self, sim: SimCluster) -> Plan:
+    def initial(self, sim: SimCluster, i: int = 0) -> Plan:
+        """The best plan of this kind for step ``i``'s conditions, TP/PP free."""
         raise NotImplementedError
 
     def keep(self, ms, options, n) -> list:
@@ -113,8 +116,12 @@ class Restarting(Policy):
         t0 = time.perf_counter()
         try:
             self.plan = self.replan(sim, i)
-        except NoPlan:
-            return Move(0.0, time.perf_counter() - t0)
+        except NoPlan:  # nothing fits with TP/PP kept: restart with new ones, as its user would
+            try:
+                self.plan = self.initial(sim, i)
+            except NoPlan:
+                return Move(0.0, time.perf_counter() - t0)
+            self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in self.plan.layouts.items()}
         self.gpus = frozenset(sim.trace.available(i))
         return Move(sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
 
@@ -130,8 +137,8 @@ class Restarting(Policy):
 class Fixed(Restarting):
     name = "fixed"
 
-    def initial(self, sim):
-        return search(copy.deepcopy(sim.module_at(0)), None, "fixed0")
+    def initial(self, sim, i=0):
+        return search(copy.deepcopy(sim.module_at(i)), None, f"fixed{i}")
 
 
 class Verl(Restarting):
@@ -144,8 +151,8 @@ class Verl(Restarting):
         most = max((o.gpus for o in options), default=0)
         return [o for o in options if o.gpus == most]
 
-    def initial(self, sim):
-        return search(copy.deepcopy(sim.module_at(0)), lambda ms, opts, n: self.widest(opts), "verl0")
+    def initial(self, sim, i=0):
+        return search(copy.deepcopy(sim.module_at(i)), lambda ms, opts, n: self.widest(opts), f"verl{i}")
 
     def keep(self, ms, options, n):
         return self.widest([o for o in options if (o.tp, o.pp) == self.tp_pp[ms]])
@@ -209,12 +216,12 @@ class OpenRLHF(Restarting):
             raise NoPlan("the pooled plan does not fit")
         return plan
 
-    def initial(self, sim):
-        m = copy.deepcopy(sim.module_at(0))
+    def initial(self, sim, i=0):
+        m = copy.deepcopy(sim.module_at(i))
         best = None
         for share in self.GEN_SHARES:
             try:
-                plan = self.pooled(m, share, "openrlhf0", False)
+                plan = self.pooled(m, share, f"openrlhf{i}", False)
             except NoPlan:
                 continue
             if best is None or plan.step_time < best[0].step_time:

@@ -105,3 +105,13 @@ def test_a_trace_beyond_the_cluster_or_an_unknown_policy_is_refused_before_the_r
         simulate(_job(), _trace(gpus=32), progress=False)
     with pytest.raises(DiagnosticError, match=r"unknown policies \['slurm'\]"):
         simulate(_job(), _trace(), policies=["nereus", "slurm"], progress=False)
+
+
+def test_a_restarting_policy_whose_tp_pp_no_longer_fit_restarts_with_new_ones():
+    """Responses grow 1k -> 4k tokens at step 2 on 8 GPUs: the OpenRLHF-like pools' step-0 TP/PP no
+    longer fit. It used to fail every later step; like a user, it now restarts with new TP/PP."""
+    steps = [TraceStep(i, length_shares(1000 if i < 2 else 4000, 8000), frozenset(range(8, 16)), frozenset())
+             for i in range(4)]
+    r = simulate(_job(), Trace("grow", "ppo_8b_16gpu", 16, steps), policies=["fixed", "verl", "openrlhf"], progress=False)
+    for name, run in r["runs"].items():
+        assert run.summary()["completed"] == 4 and run.moves == [2], name
