@@ -6,12 +6,14 @@
    to the stage times of the last ``window`` steps (``calibrate``) and re-estimate the current plan;
 2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons. A GPU
    change that a re-plan already weighed and rejected fires again only when the GPUs change again
-   (or when it forces a move);
+   (or when it forces a move); a length drift weighed and rejected, when the lengths drift again
+   from those weighed;
 3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
    left, the response lengths of the window): ``plan-search`` for plan B on those GPUs,
    ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
    announced to leave still send; GPUs that are gone hold nothing), ``schedule-transfers`` and
-   ``admit`` over the remaining steps;
+   ``admit`` over the remaining steps. A plan B whose saving cannot pay even the move's fixed
+   costs (process groups, engine restart) is rejected right after the search;
 4. ``transition`` when admitted or forced (the current plan uses GPUs that are gone or leaving,
    or does not fit any more), else ``stay``; ``infeasible`` when a forced move finds no plan.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ir import DiagnosticError, Module
-from ..passes.admit import admission
+from ..passes.admit import admission, fixed_costs
 from ..passes.calibrate import calibrate_records
 from ..passes.derive_emus import derive_missing_emus
 from ..passes.estimate import estimate_plan
@@ -82,6 +84,10 @@ class DecisionCore:
         self.workload = self.m.workloads[p.workload]
         self.total_steps = total_steps if total_steps is not None else (self.workload.steps or 0)
         self._estimate(self.m, plan)
+        # the state the running plan holds, derived from its layouts once (a module may declare
+        # only some of its EMUs, e.g. weights only; the live job holds all of its states)
+        for key in [k for k in self.m.emus if k[0] == plan]:
+            del self.m.emus[key]
         self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
@@ -191,7 +197,7 @@ class DecisionCore:
     def _replan(self, step: int, window: list[StepRecord], triggers: list[Trigger], numbers: dict) -> Decision:
         opts = self.options
         forced = any(t.forced for t in triggers)
-        m = copy.deepcopy(self.m)
+        m = self._copy_job()
         a = m.plans[self.plan]
         w = m.workloads[a.workload]
         measured_lengths(w, window)  # plan for the responses the job generates now
@@ -220,12 +226,24 @@ class DecisionCore:
         b = m.plans[target]
         numbers["step_time_new"] = b.step_time
         numbers["search_status"] = b.search.status
-        # the state each plan holds, derived from its layouts (a module may declare only some of
-        # plan A's EMUs, e.g. weights only; the live job holds all of its states)
-        for key in [k for k in m.emus if k[0] == self.plan]:
-            del m.emus[key]
-        for p in (self.plan, target):
+        horizon = max(1, self.total_steps - step - 1)
+        if not forced and a.step_time is not None:
+            # a move pays at least its fixed costs (the transfers add to them): a saving that cannot
+            # pay those is rejected before the transition is planned, as admit would reject it after
+            pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart)
+            saving = a.step_time - b.step_time
+            if saving * horizon <= (pg + restart) * (1 + opts.margin):
+                numbers.update(saving=saving, benefit=saving * horizon, cost_lower_bound=pg + restart, horizon=horizon,
+                               admitted=False)
+                self._weighed(w)
+                why = ("plan A is still the best plan found" if pg + restart == 0 else
+                       f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
+                       f"cannot pay its fixed costs of {pg + restart:.4g} s")
+                return Decision(step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers,
+                                message=why)
+        for p in (self.plan, target):  # plan A's once per plan (kept in ``self.m``), plan B's
             derive_missing_emus(m, p)
+        self.m.emus.update((k, e) for k, e in m.emus.items() if k[0] == self.plan)
         rec = remap(m, self.plan, target, lost=lost)
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
         name = f"{self.plan}_to_{target}"
@@ -239,7 +257,6 @@ class DecisionCore:
                             numbers=numbers, message=f"plan-transition: {why}")
         m.transitions[name] = t
         schedule_transition(m, t, time_limit=opts.schedule_time_limit, seed=opts.seed)
-        horizon = max(1, self.total_steps - step - 1)
         if a.step_time is not None:
             t.admit = admission(m, name, horizon, opts.margin, opts.pg_init, opts.engine_restart)
             numbers.update(cost=t.admit.cost, benefit=t.admit.benefit, saving=t.admit.saving,
@@ -252,8 +269,26 @@ class DecisionCore:
             action, message = "transition", "admitted: it pays back within the remaining steps"
         else:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
+            self._weighed(w)
         return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
                         module=m if action == "transition" else None)
+
+    def _copy_job(self) -> Module:
+        """The job to re-plan on: a deep copy, except that the EMUs are shared (passes replace an
+        EMU, never change one), which at 1,024 GPUs saves copying every slice of plan A."""
+        emus, self.m.emus = self.m.emus, {}
+        try:
+            m = copy.deepcopy(self.m)
+        finally:
+            self.m.emus = emus
+        m.emus = dict(emus)
+        return m
+
+    def _weighed(self, w) -> None:
+        """A re-plan at the measured lengths of workload ``w`` kept plan A: the response-length
+        trigger measures drift from those lengths from now on (as a rejected GPU change fires
+        again only when the GPUs change again), not from the lengths plan A was made for."""
+        self.planned_response = float(w.response_len_mean)
 
     @staticmethod
     def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:

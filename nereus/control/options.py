@@ -14,7 +14,7 @@ class ControlOptions:
       every this many steps (0: never).
     - ``window``: how many recent steps the measurements are taken over.
     - ``response_drift``: re-plan when the mean response length of the window differs from the
-      one the plan was made for by more than this fraction.
+      one the plan was made for (or a rejected re-plan last weighed) by more than this fraction.
     - ``memory_headroom``: re-plan when a model-stage's measured peak memory leaves less than
       this fraction of the GPU free.
     - ``slowdown``: re-plan when a model-stage's measured time exceeds the plan's estimate (after

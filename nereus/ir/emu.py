@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .attributes import AttrSpec
 from .diagnostics import NOWHERE, Loc
@@ -37,8 +38,10 @@ class SliceEntry:
         """The tensor as written in text: ``layers.0..15.mlp.up_proj.weight``."""
         return tensor_name(self.family, self.layers)
 
-    @property
+    @cached_property
     def region(self) -> Box:
+        """The slice as one box (``region_of``); computed once: entries are not changed after
+        they are built (the passes build new ones)."""
         return region_of(self.layers, self.box)
 
     def numel(self) -> int:

@@ -34,11 +34,7 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
             problems = estimate_plan(m, plan)
             if problems:
                 raise DiagnosticError(problems)
-    changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or _shape(a.layouts[ms]) != _shape(lay)]
-    w = m.workloads[b.workload]
-    gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
-    pg = pg_init if changed else 0.0
-    restart = engine_restart if gen_changed else 0.0
+    pg, restart = fixed_costs(m, a, b, pg_init, engine_restart)
     cost = t.makespan + pg + restart
     saving = a.step_time - b.step_time
     benefit = saving * horizon
@@ -46,6 +42,17 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
     return Admission(decision=decision, cost=printed_precision(cost), benefit=printed_precision(benefit), saving=printed_precision(saving),
                      break_even=printed_precision(cost / saving) if saving > 0 else None,
                      makespan=t.makespan, pg_init=pg, engine_restart=restart, horizon=horizon)
+
+
+def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float) -> tuple[float, float]:
+    """(process groups, engine restart) seconds of moving from plan ``a`` to plan ``b``: the
+    part of admission's cost that does not depend on the transfers (the makespan adds to it).
+    Known as soon as plan B is, so a move whose saving cannot pay even these is rejected before
+    its transition is planned."""
+    changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or _shape(a.layouts[ms]) != _shape(lay)]
+    w = m.workloads[b.workload]
+    gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
+    return (pg_init if changed else 0.0), (engine_restart if gen_changed else 0.0)
 
 
 def _shape(lay) -> tuple:

@@ -47,9 +47,30 @@ def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset(
     return total
 
 
+def _volume(b: Box) -> int:
+    n = 1
+    for lo, hi in b:
+        n *= hi - lo
+    return n
+
+
+def _inside(a: Box, b: Box) -> bool:
+    return all(blo <= alo and ahi <= bhi for (alo, ahi), (blo, bhi) in zip(a, b))
+
+
+def _meet(a: Box, b: Box) -> bool:
+    return all(alo < bhi and blo < ahi for (alo, ahi), (blo, bhi) in zip(a, b))
+
+
 @lru_cache(maxsize=1 << 16)
 def _missing_volume(need: frozenset[Box], have: frozenset[Box]) -> int:
     """Volume of union(need) minus union(have), on the grid of these boxes' own boundaries."""
+    if len(need) == 1:  # the common case, a GPU's one slice of a tensor: inside a held box, or apart from all
+        (b,) = need
+        if any(_inside(b, h) for h in have):
+            return 0
+        if not any(_meet(b, h) for h in have):
+            return _volume(b)
     boxes = list(need) + list(have)
     ndim = len(boxes[0])
     cuts = [np.unique([x for b in boxes for x in b[d]]) for d in range(ndim)]

@@ -114,6 +114,41 @@ def test_a_move_that_does_not_pay_is_rejected_and_the_cooldown_holds():
     assert again.action == "stay" and again.triggers == []  # within the cooldown: no re-plan
 
 
+def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_the_transition(monkeypatch):
+    c = core()
+    c.total_steps = 2  # one step left: the saving cannot pay even the process groups
+    c.observe(as_planned(c, 0, length=3.0))
+    d = c.decide()
+    n = d.numbers
+    assert d.action == "stay" and "before planning the transition" in d.message
+    assert n["cost_lower_bound"] > 0 and n["saving"] * n["horizon"] <= n["cost_lower_bound"] * 1.1
+    assert "bytes_moved" not in n and "makespan" not in n  # plan-transition and schedule-transfers never ran
+    # with the shortcut off, the whole path (transition planned, scheduled, admitted) decides the same
+    import nereus.control.decide as decide_mod
+    monkeypatch.setattr(decide_mod, "fixed_costs", lambda *a: (-1e9, 0.0))
+    full = core()
+    full.total_steps = 2
+    full.observe(as_planned(full, 0, length=3.0))
+    e = full.decide()
+    assert e.action == "stay" and e.numbers["admitted"] is False and e.numbers["bytes_moved"] > 0
+    assert e.numbers["cost"] >= n["cost_lower_bound"] and e.numbers["saving"] == pytest.approx(n["saving"])
+
+
+def test_a_length_drift_weighed_and_rejected_fires_again_only_when_the_lengths_drift_again():
+    c = core(cooldown=0)
+    c.total_steps = 2  # nothing pays: every re-plan is rejected
+    c.observe(as_planned(c, 0, length=3.0))
+    assert [t.kind for t in c.decide().triggers] == ["response_length"]
+    assert c.planned_response == 3 * 1024  # the lengths that re-plan weighed
+    c.observe(as_planned(c, 1, length=3.0))
+    c.history = c.history[-1:]
+    again = c.decide()
+    assert again.action == "stay" and again.triggers == []  # the same lengths: nothing new to weigh
+    c.observe(as_planned(c, 2, length=4.5))
+    c.history = c.history[-1:]
+    assert [t.kind for t in c.decide().triggers] == ["response_length"]  # +50% from what was weighed
+
+
 def test_memory_without_headroom_is_a_trigger_and_over_the_gpu_is_forced():
     c = core()
     cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory

@@ -69,3 +69,21 @@ def test_the_bound_counts_an_element_once_per_gpu_however_many_stages_need_it():
     # actor weights once (generate and train share them), fp32 master and two Adam moments, ref weights
     by_hand = actor.num_params() * (actor.dtype_bytes + 3 * 4) + ref.num_params() * ref.dtype_bytes
     assert lower_bound(m, "a", "b") == brute_force(m, "a", "b") == by_hand
+
+
+_span = st.tuples(st.integers(0, 5), st.integers(1, 4)).map(lambda t: (t[0], t[0] + t[1]))
+_box = st.tuples(_span, _span)
+
+
+@settings(max_examples=300, deadline=None)
+@given(need=st.sets(_box, min_size=1, max_size=3), have=st.sets(_box, max_size=3))
+def test_missing_volume_equals_counting_cells(need, have):
+    """Every path of ``_missing_volume`` (one needed box inside a held one, apart from all, or cut
+    on the grid) against marking 2-D cells one by one."""
+    from nereus.passes.lower_bound import _missing_volume
+
+    wanted, there = np.zeros((10, 10), bool), np.zeros((10, 10), bool)
+    for grid, boxes in ((wanted, need), (there, have)):
+        for (a, b), (c, d) in boxes:
+            grid[a:b, c:d] = True
+    assert _missing_volume(frozenset(need), frozenset(have)) == int((wanted & ~there).sum())
