@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -296,7 +297,8 @@ def cmd_simulate(args) -> int:
         trace = read_trace(args.trace)
         module = _trace_job(trace, args.trace)
         policies = args.policies.split(",") if args.policies else list(POLICIES)
-        result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json)
+        result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json,
+                          jobs=args.jobs)
     except FileNotFoundError:
         _report(DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]))
         return 1
@@ -433,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
     sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")
+    sm.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="run the policies in this many processes (default: one per CPU)")
     sm.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition, reshard, calibrate, controller or push")

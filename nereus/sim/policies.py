@@ -72,6 +72,7 @@ class Move:
 class Policy:
     name = ""
     sync = "p2p"
+    start_s = 0.0  # wall seconds its start took (its first search)
 
     def start(self, sim: SimCluster) -> None:
         raise NotImplementedError

@@ -11,7 +11,9 @@ policy sees the same noise at the same step. Latency per step = step + push + mo
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from rich.progress import Progress
@@ -68,8 +70,12 @@ def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
 
 
 def simulate(module: Module, trace: Trace, policies: list[str] | None = None, steps: int | None = None,
-             seed: int = 0, progress: bool = True) -> dict:
-    """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs."""
+             seed: int = 0, progress: bool = True, jobs: int = 1) -> dict:
+    """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs.
+
+    The policies are independent given the step noise (drawn here, once, for all of them), so
+    with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are
+    the same as one process gives, up to the search's time limits on a loaded machine."""
     names = policies or list(POLICIES)
     check_fits(module, trace, names)
     if steps is not None:
@@ -77,27 +83,74 @@ def simulate(module: Module, trace: Trace, policies: list[str] | None = None, st
                       trace.sources, trace.path)
     sim = SimCluster(module, trace, seed=seed)
     factors = [sim.noise() for _ in trace.steps]  # the same noise for every policy
-    runs: dict[str, PolicyRun] = {}
-    pols: dict[str, Policy] = {}
     t_start = time.perf_counter()
-    for name in names:
-        p = POLICIES[name]()
-        t0 = time.perf_counter()
-        try:
-            p.start(sim)
-        except NoPlan as e:
-            raise DiagnosticError([Diagnostic(Loc(1, 1, str(trace.path) if trace.path else None),
-                                              f"policy {name} cannot run on the trace's first step: {e}")]) from e
-        pols[name] = p
-        runs[name] = PolicyRun(name, decide_s=time.perf_counter() - t0, samples_per_step=sim.workload.samples)
+    jobs = max(1, min(jobs, len(names)))
     with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"simulate {trace.name}: {len(names)} policies", total=len(trace.steps))
-        for i in range(len(trace.steps)):
-            for name, p in pols.items():
-                _step(sim, p, runs[name], i, factors[i])
-            bar.advance(task)
+        task = bar.add_task(f"simulate {trace.name}: {len(names)} policies", total=len(trace.steps) * len(names))
+        if jobs == 1:
+            pols = {name: _start(sim, name) for name in names}
+            runs = {name: PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
+                    for name, p in pols.items()}
+            for i in range(len(trace.steps)):
+                for name, p in pols.items():
+                    _step(sim, p, runs[name], i, factors[i])
+                bar.advance(task, len(pols))
+        else:
+            runs, pols = _in_processes(module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n))
     return {"trace": trace.name, "job": trace.job, "steps": len(trace.steps), "seed": seed,
-            "wall_s": time.perf_counter() - t_start, "runs": runs, "policies": pols}
+            "wall_s": time.perf_counter() - t_start, "runs": {n: runs[n] for n in names},
+            "policies": {n: pols[n] for n in names}}
+
+
+def _start(sim: SimCluster, name: str) -> Policy:
+    p = POLICIES[name]()
+    t0 = time.perf_counter()
+    try:
+        p.start(sim)
+    except NoPlan as e:
+        raise DiagnosticError([Diagnostic(Loc(1, 1, str(sim.trace.path) if sim.trace.path else None),
+                                          f"policy {name} cannot run on the trace's first step: {e}")]) from e
+    p.start_s = time.perf_counter() - t0
+    return p
+
+
+# the slowest first, so that the last to finish is a short one: the oracle searches at every change
+# of conditions, Nereus re-plans on its triggers, the restarting policies search on GPU changes
+_COST_ORDER = ("oracle", "nereus", "openrlhf", "verl", "fixed")
+_done = None  # in a worker process: the shared per-policy step counters
+
+
+def _init_worker(done) -> None:
+    global _done
+    _done = done
+
+
+def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, factors: list[float]):
+    """One policy over the whole trace, in a worker process: (its run, the policy, less what a
+    decision kept of the job at each move)."""
+    sim = SimCluster(module, trace, seed=seed)
+    p = _start(sim, name)
+    run = PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
+    for i in range(len(trace.steps)):
+        _step(sim, p, run, i, factors[i])
+        _done[slot] = i + 1
+    for d in getattr(getattr(p, "core", None), "decisions", ()):
+        d.module = None  # each move's whole job at 1,024 GPUs: not needed back, and large to send
+    return run, p
+
+
+def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[dict, dict]:
+    ctx = multiprocessing.get_context("spawn")
+    done = ctx.Array("i", len(names), lock=False)
+    order = sorted(names, key=lambda n: _COST_ORDER.index(n) if n in _COST_ORDER else -1)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(done,)) as pool:
+        futures = {pool.submit(_run_one, module, trace, n, names.index(n), seed, factors): n for n in order}
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            advance(sum(done))
+        results = {futures[f]: f.result() for f in futures}  # re-raises a worker's error (a DiagnosticError pickles)
+    return {n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()}
 
 
 def _account(run: PolicyRun, move, i: int) -> float:

@@ -66,6 +66,17 @@ def test_the_oracle_is_never_slower_than_a_plan_in_the_same_truth(result):
                 assert oracle.step[i] <= run.step[i] * (1 + 1e-3), (name, i, oracle.step[i], run.step[i])
 
 
+def test_policies_run_in_worker_processes_give_the_same_runs(result):
+    """``jobs=2``: each policy in a spawned process, with the noise drawn once in the parent."""
+    par = simulate(_job(), _trace(), progress=False, jobs=2)
+    assert list(par["runs"]) == list(result["runs"])
+    for name, run in result["runs"].items():
+        other = par["runs"][name]
+        assert (other.latency, other.moves, other.failures) == (run.latency, run.moves, run.failures), name
+    assert [d.action for d in par["policies"]["nereus"].core.decisions] == \
+        [d.action for d in result["policies"]["nereus"].core.decisions]
+
+
 def test_the_decision_core_learns_to_predict_the_hidden_truth(result):
     """After calibrating online, the core's estimate of the plan it runs is close to the step time
     the simulated cluster's hidden coefficients give, and much closer than the priors'. (The
