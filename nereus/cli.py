@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=cmd_passes)
     sm = sub.add_parser("simulate", help="run the policies side by side on a trace (nereus/sim/traces/*.jsonl)")
     sm.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, nereus/sim/trace.py)")
-    sm.add_argument("--policies", help="comma-separated: fixed, verl, openrlhf, nereus, oracle (default: all)")
+    sm.add_argument("--policies", help="comma-separated: fixed, fixed-dp, verl, openrlhf, nereus, oracle (default: all)")
     sm.add_argument("--steps", type=int, help="simulate only the first N steps")
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -1,4 +1,4 @@
-"""The five policies ``nereus simulate`` runs side by side, each the best of its kind.
+"""The policies ``nereus simulate`` runs side by side, each the best of its kind.
 
 Every plan a policy starts from is found by ``plan-search``'s own solver over the whole job,
 restricted to what that kind of system can run (``search``'s ``keep``):
@@ -8,6 +8,9 @@ restricted to what that kind of system can run (``search``'s ``keep``):
   micro-batching, ZeRO, placement) rescaled. A move is a restart from a checkpoint. When no plan
   with its TP/PP fits (responses outgrew them), it restarts with the best new TP/PP, as its user
   would, and keeps those; so do the next two.
+- ``fixed-dp`` (the paper's baseline as its words read, "the initial fixed TP/PP layout with DP
+  scaling"): as ``fixed``, but every model-stage also keeps its recomputation, ZeRO stage,
+  offload and virtual stages until they stop fitting.
 - ``verl``: every model-stage on all available GPUs (or the most its TP/PP can use; one colocated
   pool, run in turn), TP/PP fixed
   after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
@@ -106,9 +109,13 @@ class Restarting(Policy):
         return [o for o in options if (o.tp, o.pp) == self.tp_pp[ms]]
 
     def start(self, sim: SimCluster) -> None:
-        self.plan = self.initial(sim)
-        self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in self.plan.layouts.items()}
+        self.adopt(self.initial(sim))
         self.gpus = frozenset(sim.trace.available(0))
+
+    def adopt(self, plan: Plan) -> None:
+        """Run ``plan`` from now on; what it keeps fixed is taken from it."""
+        self.plan = plan
+        self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in plan.layouts.items()}
 
     def replan(self, sim: SimCluster, i: int) -> Plan:
         return search(copy.deepcopy(sim.module_at(i)), self.keep, f"{self.name}{i}")
@@ -116,13 +123,12 @@ class Restarting(Policy):
     def _move(self, sim: SimCluster, i: int) -> Move:
         t0 = time.perf_counter()
         try:
-            self.plan = self.replan(sim, i)
+            self.adopt(self.replan(sim, i))
         except NoPlan:  # nothing fits with TP/PP kept: restart with new ones, as its user would
             try:
-                self.plan = self.initial(sim, i)
+                self.adopt(self.initial(sim, i))
             except NoPlan:
                 return Move(0.0, time.perf_counter() - t0)
-            self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in self.plan.layouts.items()}
         self.gpus = frozenset(sim.trace.available(i))
         return Move(sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
 
@@ -140,6 +146,29 @@ class Fixed(Restarting):
 
     def initial(self, sim, i=0):
         return search(copy.deepcopy(sim.module_at(i)), None, f"fixed{i}")
+
+
+class FixedDp(Fixed):
+    """The paper's baseline as its words read: the step-0 plan with only DP rescaled. Every
+    model-stage keeps its TP, PP, virtual stages, recomputation, ZeRO stage and offload (the
+    micro-batch count follows DP, as a per-GPU micro-batch size does); when that no longer fits,
+    its user re-tunes the memory knobs with TP/PP kept, then, failing that, TP/PP too."""
+
+    name = "fixed-dp"
+
+    def adopt(self, plan):
+        super().adopt(plan)
+        self.knobs = {ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), lay.zero, frozenset(lay.offload))
+                      for ms, lay in plan.layouts.items()}
+
+    def keep(self, ms, options, n):
+        return [o for o in options if (o.tp, o.pp, o.vpp, bool(o.recompute), o.zero, frozenset(o.offload)) == self.knobs[ms]]
+
+    def replan(self, sim, i):
+        try:
+            return super().replan(sim, i)
+        except NoPlan:
+            return search(copy.deepcopy(sim.module_at(i)), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}")
 
 
 class Verl(Restarting):
@@ -340,4 +369,4 @@ def gantt_rows(m: Module, t) -> list[tuple[int, float, float, str]]:
     return rows
 
 
-POLICIES = {"fixed": Fixed, "verl": Verl, "openrlhf": OpenRLHF, "nereus": Nereus, "oracle": Oracle}
+POLICIES = {"fixed": Fixed, "fixed-dp": FixedDp, "verl": Verl, "openrlhf": OpenRLHF, "nereus": Nereus, "oracle": Oracle}

@@ -20,8 +20,9 @@ def summaries(result: dict) -> list[dict]:
         for base in ("fixed", "verl", "openrlhf", "oracle"):
             if base in by and by[base]["throughput_samples_per_s"]:
                 r[f"throughput_vs_{base}"] = r["throughput_samples_per_s"] / by[base]["throughput_samples_per_s"]
-        if "fixed" in by and by["fixed"]["mean_s"]:
-            r["latency_cut_vs_fixed"] = 1 - r["mean_s"] / by["fixed"]["mean_s"]
+        for base in ("fixed", "fixed-dp"):
+            if base in by and by[base]["mean_s"]:
+                r[f"latency_cut_vs_{base}"] = 1 - r["mean_s"] / by[base]["mean_s"]
     return rows
 
 
@@ -31,11 +32,12 @@ def table(result: dict, console: Console | None = None) -> None:
                     f"simulated in {result['wall_s']:.0f} s)", title_justify="left")
     for _, head, _ in COLUMNS:
         t.add_column(head, justify="left" if head == "policy" else "right")
-    for extra in ("vs fixed: latency cut", "throughput / verl", "throughput / openrlhf", "throughput / oracle"):
+    cuts = [b for b in ("fixed", "fixed-dp") if any(r["policy"] == b for r in rows)]
+    for extra in [f"latency cut vs {b}" for b in cuts] + ["throughput / verl", "throughput / openrlhf", "throughput / oracle"]:
         t.add_column(extra, justify="right")
     for r in rows:
         cells = [fmt.format(r[k]) for k, _, fmt in COLUMNS]
-        cells.append(f"{r['latency_cut_vs_fixed']:+.1%}" if "latency_cut_vs_fixed" in r else "")
+        cells += [f"{r[f'latency_cut_vs_{b}']:+.1%}" if r["policy"] != b else "" for b in cuts]
         for base in ("verl", "openrlhf", "oracle"):
             v = r.get(f"throughput_vs_{base}")
             cells.append(f"{v:.2f}x" if v is not None else "")

@@ -116,7 +116,7 @@ def _start(sim: SimCluster, name: str) -> Policy:
 
 # the slowest first, so that the last to finish is a short one: the oracle searches at every change
 # of conditions, Nereus re-plans on its triggers, the restarting policies search on GPU changes
-_COST_ORDER = ("oracle", "nereus", "openrlhf", "verl", "fixed")
+_COST_ORDER = ("oracle", "nereus", "openrlhf", "verl", "fixed", "fixed-dp")
 _done = None  # in a worker process: the shared per-policy step counters
 
 

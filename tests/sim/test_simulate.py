@@ -50,7 +50,7 @@ def test_every_policy_runs_every_step_and_the_numbers_add_up(result):
         # latency = the step + the weight push + moves + lost time, nothing else
         assert sum(run.latency) == pytest.approx(sum(run.step) + sum(run.sync) + run.move_s + run.lost_s, rel=1e-9)
     # the GPUs changed three times: every restarting policy moved, and so did Nereus (a GPU it used left)
-    for name in ("fixed", "verl", "openrlhf", "nereus"):
+    for name in ("fixed", "fixed-dp", "verl", "openrlhf", "nereus"):
         assert result["runs"][name].moves, name
     assert result["runs"]["oracle"].move_s == 0
 
@@ -116,6 +116,21 @@ def test_a_trace_beyond_the_cluster_or_an_unknown_policy_is_refused_before_the_r
         simulate(_job(), _trace(gpus=32), progress=False)
     with pytest.raises(DiagnosticError, match=r"unknown policies \['slurm'\]"):
         simulate(_job(), _trace(), policies=["nereus", "slurm"], progress=False)
+
+
+def test_the_papers_baseline_rescales_only_dp(result):
+    """``fixed-dp`` keeps each model-stage's step-0 TP, PP, recomputation, ZeRO and offload through
+    the trace's GPU changes (they fit throughout); its DP follows the GPUs."""
+    from nereus.sim.policies import search
+
+    start = search(copy.deepcopy(SimCluster(_job(), _trace()).module_at(0)), None, "p0")
+    p = result["policies"]["fixed-dp"]
+    assert {8, 21} <= set(result["runs"]["fixed-dp"].moves)  # it restarts when the GPUs change
+    for ms, lay in p.plan.layouts.items():
+        first = start.layouts[ms]
+        assert (lay.tp, lay.pp, lay.vpp, lay.recompute, lay.zero, sorted(lay.offload)) == \
+            (first.tp, first.pp, first.vpp, first.recompute, first.zero, sorted(first.offload)), ms
+    assert {ms: lay.dp for ms, lay in p.plan.layouts.items()} != {ms: lay.dp for ms, lay in start.layouts.items()}
 
 
 def test_a_restarting_policy_whose_tp_pp_no_longer_fit_restarts_with_new_ones():
