@@ -48,45 +48,55 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     for p in (source, target):
         m.require_emus(p, "remap")
     src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
-    value = np.zeros((gpus, gpus))
     need = np.zeros(gpus)
     outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})
     if outside:
         raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
                                                                f"outside plan @{target}'s cluster of {gpus} GPUs")])
+    reuse = csr_matrix((gpus, gpus))
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
         itemsize = state_dtype_bytes(m.models[key[0]], key[1])
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        held: dict[int, set[int]] = defaultdict(set)
-        for p in srcs:
-            held[p.gpu].update(grid.cells(p.region))
-        needed: dict[int, set[int]] = defaultdict(set)
-        for p in dsts:
-            needed[p.gpu].update(grid.cells(p.region))
-        cols: dict[int, int] = {}  # cell -> column
-        for cells in needed.values():
-            for c in cells:
-                cols.setdefault(c, len(cols))
-        size = np.zeros(len(cols))
-        for c, k in cols.items():
-            size[k] = grid.info(c)[1] * itemsize
-
-        n = _cell_matrix(needed, cols, gpus, size)
-        need += np.asarray(n.sum(axis=1)).ravel()
-        value += (_cell_matrix(held, cols, gpus, None) @ n.T).toarray()
-    return value, need
+        ng, nc = _gpu_cells(grid, dsts)  # (GPU, cell) plan B needs, each once
+        cells, col = np.unique(nc, return_inverse=True)
+        size = _cell_sizes(grid, cells) * itemsize
+        need += np.bincount(ng, weights=size[col], minlength=gpus)
+        needed = csr_matrix((size[col], (ng, col)), shape=(gpus, len(cells)))
+        hg, hc = _gpu_cells(grid, srcs)  # (GPU, cell) plan A holds, each once; only needed cells count
+        at = np.minimum(np.searchsorted(cells, hc), len(cells) - 1)
+        ok = cells[at] == hc
+        held = csr_matrix((np.ones(int(ok.sum())), (hg[ok], at[ok])), shape=(gpus, len(cells)))
+        reuse = reuse + held @ needed.T
+    return reuse.toarray(), need
 
 
-def _cell_matrix(by_gpu: dict[int, set[int]], cols: dict[int, int], gpus: int, weights: np.ndarray | None) -> csr_matrix:
-    """GPUs x cells: 1 (or the cell's bytes) where a GPU has the cell; cells outside ``cols`` dropped."""
-    rows, idx, vals = [], [], []
-    for g, cells in by_gpu.items():
-        ks = [cols[c] for c in cells if c in cols]
-        rows += [g] * len(ks)
-        idx += ks
-        vals += [1.0] * len(ks) if weights is None else list(weights[ks])
-    return csr_matrix((vals, (rows, idx)), shape=(gpus, len(cols)))
+def _gpu_cells(grid: Grid, pieces) -> tuple[np.ndarray, np.ndarray]:
+    """(GPUs, cells): every (GPU, cell) that ``pieces`` put on a GPU, each pair once (a GPU may
+    hold overlapping slices of several model-stages of a model)."""
+    if not pieces:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    by_region: dict = {}
+    gs, cs = [], []
+    for p in pieces:
+        c = by_region.get(p.region)
+        if c is None:
+            c = by_region[p.region] = np.asarray(grid.cells(p.region), dtype=np.int64)
+        gs.append(np.full(len(c), p.gpu, dtype=np.int64))
+        cs.append(c)
+    ncells = int(np.prod(grid.radix, dtype=np.int64))
+    pairs = np.unique(np.concatenate(gs) * ncells + np.concatenate(cs))
+    return pairs // ncells, pairs % ncells
+
+
+def _cell_sizes(grid: Grid, cells: np.ndarray) -> np.ndarray:
+    """Elements of each cell (``Grid.info``'s count, for an array of cells)."""
+    size = np.ones(len(cells))
+    rest = cells.copy()
+    for cuts, n in zip(reversed(grid.cuts), reversed(grid.radix)):
+        rest, i = np.divmod(rest, n)
+        size *= np.diff(np.asarray(cuts, dtype=np.float64))[i]
+    return size
 
 
 def best_permutation(value: np.ndarray, per_node: int, can_host: np.ndarray, used: np.ndarray) -> list[int] | None:

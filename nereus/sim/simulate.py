@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ def _start(sim: SimCluster, name: str) -> Policy:
 # of conditions, Nereus re-plans on its triggers, the restarting policies search on GPU changes
 _COST_ORDER = ("oracle", "nereus", "openrlhf", "verl", "fixed", "fixed-dp")
 _done = None  # in a worker process: the shared per-policy step counters
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _init_worker(done) -> None:
@@ -143,8 +145,20 @@ def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[d
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Array("i", len(names), lock=False)
     order = sorted(names, key=lambda n: _COST_ORDER.index(n) if n in _COST_ORDER else -1)
-    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(done,)) as pool:
+    # one thread of BLAS/OpenMP per worker (read when the worker loads them): the workers already
+    # fill the CPUs, and more threads than cores only contend
+    threads = {k: os.environ.get(k) for k in _THREAD_VARS}
+    os.environ.update({k: "1" for k in _THREAD_VARS})
+    try:
+        pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(done,))
         futures = {pool.submit(_run_one, module, trace, n, names.index(n), seed, factors): n for n in order}
+    finally:  # the workers have started
+        for k, v in threads.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    with pool:
         pending = set(futures)
         while pending:
             _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)

@@ -88,3 +88,48 @@ def test_unavailable_gpus_never_take_plan_b_state():
     t = m.transitions["a_to_b"]
     assert t.lower_bound == b.remap.after
     assert simulate(m, t).mismatches == []
+
+
+@pytest.mark.parametrize("case,n", [("tp4-tp2x2", 4), ("pp2-pp4", 4), ("train-gen", 4), ("dp4-dp2", 8), ("ppo", 16)])
+def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
+    """``reuse_matrix``'s value[i, j] (bytes GPU j needs under plan B that GPU i holds under plan A)
+    against ``lower_bound``'s box arithmetic, which shares no code with its cell grid. ``ppo``: the
+    8B PPO example to the plan searched for it, where a GPU holds overlapping slices of one model
+    for several model-stages (each byte counts once)."""
+    from collections import defaultdict
+
+    from nereus.ir.model import state_dtype_bytes
+    from nereus.passes.derive_emus import derive_missing_emus
+    from nereus.passes.lower_bound import _missing_volume
+    from nereus.passes.remap import reuse_matrix
+
+    if case == "ppo":
+        from ..support import EXAMPLES
+
+        m = nereus.parse(next(p for p in EXAMPLES if p.name == "ppo_8b_16gpu.nir").read_text())
+        nereus.run_pipeline(m, "plan-search{into=@b}")
+        m.plans["a"] = m.plans.pop("ppo_p0")
+        m.plans["a"].name = "a"
+        m.emus = {("a" if k[0] == "ppo_p0" else k[0],) + k[1:]: e for k, e in m.emus.items()}
+    else:
+        m = case_module(case, n, hidden=64, layers=4)
+    for p in ("a", "b"):
+        derive_missing_emus(m, p)
+    boxes = {p: defaultdict(set) for p in ("a", "b")}  # plan -> (gpu, model, state, family) -> regions
+    for (plan, ms, _), emu in m.emus.items():
+        for s in emu.shards:
+            for e in s.entries:
+                boxes[plan][(s.gpu, ms.rpartition(".")[0], e.state, e.family)].add(e.region)
+    value, need = reuse_matrix(m, "a", "b", n, lost=set())
+    for j in range(n):
+        for i in range(n):
+            want = 0
+            for (g, model, state, family), regions in boxes["b"].items():
+                if g != j:
+                    continue
+                have = frozenset(boxes["a"].get((i, model, state, family), ()))
+                size = state_dtype_bytes(m.models[model], state)
+                want += (_missing_volume(frozenset(regions), frozenset()) - _missing_volume(frozenset(regions), have)) * size
+            assert value[i, j] == want, (i, j)
+        assert need[j] == sum(_missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
+                              for k, r in boxes["b"].items() if k[0] == j)
