@@ -88,6 +88,7 @@ class DecisionCore:
         # only some of its EMUs, e.g. weights only; the live job holds all of its states)
         for key in [k for k in self.m.emus if k[0] == plan]:
             del self.m.emus[key]
+        derive_missing_emus(self.m, plan)
         self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
@@ -241,9 +242,7 @@ class DecisionCore:
                        f"cannot pay its fixed costs of {pg + restart:.4g} s")
                 return Decision(step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers,
                                 message=why)
-        for p in (self.plan, target):  # plan A's once per plan (kept in ``self.m``), plan B's
-            derive_missing_emus(m, p)
-        self.m.emus.update((k, e) for k, e in m.emus.items() if k[0] == self.plan)
+        derive_missing_emus(m, target)  # plan A's are in ``self.m`` (derived at the start or the commit)
         rec = remap(m, self.plan, target, lost=lost)
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
         name = f"{self.plan}_to_{target}"
