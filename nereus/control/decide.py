@@ -160,6 +160,20 @@ class DecisionCore:
         decision.numbers["decide_s"] = round(time.perf_counter() - t0, 4)
         return self._record(decision)
 
+    def follow(self, decision: Decision) -> None:
+        """On a rank that did not re-plan (after a ``check()`` whose triggers fired): take the
+        decision ``replan()`` made on another rank from the same records, and what it changed in
+        the core (the step of the last re-plan, the GPUs and lengths it weighed), so that this
+        rank's next ``check()`` gives the same answer as that rank's."""
+        if self._pending is None:
+            raise ValueError("follow() follows a check() that found a trigger")
+        self._pending = None
+        self.last_replan = decision.step
+        self.gpus_considered = (frozenset(self.gpus_now), frozenset(self.leaving))
+        if decision.numbers.get("weighed_response") is not None:
+            self.planned_response = float(decision.numbers["weighed_response"])
+        self.decisions.append(decision)
+
     def commit(self, decision: Decision) -> None:
         """The runtime applied ``decision``'s transition: run under its plan B from now on."""
         if decision.action != "transition":
@@ -229,14 +243,15 @@ class DecisionCore:
         numbers["search_status"] = b.search.status
         horizon = max(1, self.total_steps - step - 1)
         if not forced and a.step_time is not None:
-            # a move pays at least its fixed costs (the transfers add to them): a saving that cannot
-            # pay those is rejected before the transition is planned, as admit would reject it after
-            pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart)
+            # a move pays at least its fixed costs (the transfers add to them, and so may a placement
+            # that remap cannot undo): a saving that cannot pay those is rejected before the
+            # transition is planned, as admit would reject it after
+            pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart, placement=False)
             saving = a.step_time - b.step_time
             if saving * horizon <= (pg + restart) * (1 + opts.margin):
                 numbers.update(saving=saving, benefit=saving * horizon, cost_lower_bound=pg + restart, horizon=horizon,
                                admitted=False)
-                self._weighed(w)
+                self._weighed(w, numbers)
                 why = ("plan A is still the best plan found" if pg + restart == 0 else
                        f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
                        f"cannot pay its fixed costs of {pg + restart:.4g} s")
@@ -268,7 +283,7 @@ class DecisionCore:
             action, message = "transition", "admitted: it pays back within the remaining steps"
         else:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
-            self._weighed(w)
+            self._weighed(w, numbers)
         return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
                         module=m if action == "transition" else None)
 
@@ -283,11 +298,12 @@ class DecisionCore:
         m.emus = dict(emus)
         return m
 
-    def _weighed(self, w) -> None:
+    def _weighed(self, w, numbers: dict) -> None:
         """A re-plan at the measured lengths of workload ``w`` kept plan A: the response-length
         trigger measures drift from those lengths from now on (as a rejected GPU change fires
-        again only when the GPUs change again), not from the lengths plan A was made for."""
-        self.planned_response = float(w.response_len_mean)
+        again only when the GPUs change again), not from the lengths plan A was made for. The
+        decision carries them (``weighed_response``) for the ranks that ``follow`` it."""
+        self.planned_response = numbers["weighed_response"] = float(w.response_len_mean)
 
     @staticmethod
     def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:

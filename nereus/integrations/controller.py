@@ -175,8 +175,7 @@ class Controller:
             box = pickle.loads(pickle.dumps(box))
         decision = box[0]
         if self.rank != leader:
-            self.core.decisions.append(decision)
-            self.core.last_replan = decision.step
+            self.core.follow(decision)
         if decision.action == "transition" and (len(self.members) < self.world or self.degraded):
             decision.action = "stay"
             decision.message = ("not applied: the default process group " + ("saw a failed transition" if self.degraded

@@ -44,19 +44,25 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
                      makespan=t.makespan, pg_init=pg, engine_restart=restart, horizon=horizon)
 
 
-def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float) -> tuple[float, float]:
+def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float, placement: bool = True) -> tuple[float, float]:
     """(process groups, engine restart) seconds of moving from plan ``a`` to plan ``b``: the
     part of admission's cost that does not depend on the transfers (the makespan adds to it).
-    Known as soon as plan B is, so a move whose saving cannot pay even these is rejected before
-    its transition is planned."""
-    changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or _shape(a.layouts[ms]) != _shape(lay)]
+    With ``placement=False`` the GPUs a layout sits on are not compared: a lower bound that holds
+    before ``remap`` renames plan B's GPUs (a different placement only adds cost), so a move whose
+    saving cannot pay even these is rejected before its transition is planned."""
+    shape = _shape if placement else _shape_unplaced
+    changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or shape(a.layouts[ms]) != shape(lay)]
     w = m.workloads[b.workload]
     gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
     return (pg_init if changed else 0.0), (engine_restart if gen_changed else 0.0)
 
 
 def _shape(lay) -> tuple:
-    return (lay.tp, lay.pp, lay.dp, lay.cp, tuple(lay.mesh), tuple(map(tuple, lay.layers)))
+    return _shape_unplaced(lay) + (tuple(lay.mesh),)
+
+
+def _shape_unplaced(lay) -> tuple:
+    return (lay.tp, lay.pp, lay.dp, lay.cp, tuple(map(tuple, lay.layers)))
 
 
 @register

@@ -60,6 +60,8 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
         ng, nc = _gpu_cells(grid, dsts)  # (GPU, cell) plan B needs, each once
         cells, col = np.unique(nc, return_inverse=True)
+        if not len(cells):  # empty slices only
+            continue
         size = _cell_sizes(grid, cells) * itemsize
         need += np.bincount(ng, weights=size[col], minlength=gpus)
         needed = csr_matrix((size[col], (ng, col)), shape=(gpus, len(cells)))

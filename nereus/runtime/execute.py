@@ -356,8 +356,8 @@ class _Rank:
         self._tick("unpack", t)
 
     def check_program(self) -> None:
-        """Every rank runs the same program: the digests all-gathered, compared before this rank's
-        first message."""
+        """Every rank runs the same program: the digests shared at the start, compared before this
+        rank waits on its first receive (on NCCL, before its first message; see ``exchange``)."""
         if self.digest is None:
             return
         works, every = self.digest
@@ -462,8 +462,8 @@ def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta)
 
 
 def _post_digest(program: Program, rank: int, world: int, device) -> tuple:
-    """Start sharing every rank's program digest (checked by ``_Rank.check_program`` before the
-    first message, while local copies and packing run)."""
+    """Start sharing every rank's program digest (checked by ``_Rank.check_program`` while the
+    first round is in flight on gloo, before it on NCCL; local copies and packing run meanwhile)."""
     return _share(program.digest(), rank, world, device, DIGEST_TAG)
 
 

@@ -10,7 +10,7 @@ restricted to what that kind of system can run (``search``'s ``keep``):
   would, and keeps those; so do the next two.
 - ``fixed-dp`` (the paper's baseline as its words read, "the initial fixed TP/PP layout with DP
   scaling"): as ``fixed``, but every model-stage also keeps its recomputation, ZeRO stage,
-  offload and virtual stages until they stop fitting.
+  offload and virtual stages until they stop fitting (``FixedDp``).
 - ``verl``: every model-stage on all available GPUs (or the most its TP/PP can use; one colocated
   pool, run in turn), TP/PP fixed
   after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
@@ -149,20 +149,25 @@ class Fixed(Restarting):
 
 
 class FixedDp(Fixed):
-    """The paper's baseline as its words read: the step-0 plan with only DP rescaled. Every
-    model-stage keeps its TP, PP, virtual stages, recomputation, ZeRO stage and offload (the
-    micro-batch count follows DP, as a per-GPU micro-batch size does); when that no longer fits,
-    its user re-tunes the memory knobs with TP/PP kept, then, failing that, TP/PP too."""
+    """The paper's baseline as its words read: the step-0 plan with DP rescaled. Every
+    model-stage keeps its TP, PP, virtual stages, recomputation, offload and ZeRO stage (ZeRO
+    only while DP stays above 1 or at 1: sharding over one replica is no sharding); DP, the
+    micro-batch count (which follows DP, as a per-GPU micro-batch size does), sequence
+    parallelism (which follows TP) and the placement are searched. When that no longer fits, its
+    user re-tunes the memory knobs with TP/PP kept, then, failing that, TP/PP too."""
 
     name = "fixed-dp"
 
     def adopt(self, plan):
         super().adopt(plan)
-        self.knobs = {ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), lay.zero, frozenset(lay.offload))
+        self.knobs = {ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), frozenset(lay.offload))
                       for ms, lay in plan.layouts.items()}
+        self.zero = {ms: (lay.zero, lay.dp > 1) for ms, lay in plan.layouts.items()}
 
     def keep(self, ms, options, n):
-        return [o for o in options if (o.tp, o.pp, o.vpp, bool(o.recompute), o.zero, frozenset(o.offload)) == self.knobs[ms]]
+        zero, sharded = self.zero[ms]
+        return [o for o in options if (o.tp, o.pp, o.vpp, bool(o.recompute), frozenset(o.offload)) == self.knobs[ms]
+                and (o.zero == zero or (o.dp > 1) != sharded)]
 
     def replan(self, sim, i):
         try:

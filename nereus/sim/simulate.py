@@ -161,9 +161,16 @@ def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[d
     with pool:
         pending = set(futures)
         while pending:
-            _, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             advance(sum(done))
-        results = {futures[f]: f.result() for f in futures}  # re-raises a worker's error (a DiagnosticError pickles)
+            failed = next((f for f in finished if f.exception() is not None), None)
+            if failed is not None:  # a policy that cannot run: say so now, not after the others' whole runs
+                for f in pending:
+                    f.cancel()
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
+                raise failed.exception()  # a DiagnosticError pickles
+        results = {futures[f]: f.result() for f in futures}
     return {n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()}
 
 

@@ -125,7 +125,7 @@ def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_th
     assert "bytes_moved" not in n and "makespan" not in n  # plan-transition and schedule-transfers never ran
     # with the shortcut off, the whole path (transition planned, scheduled, admitted) decides the same
     import nereus.control.decide as decide_mod
-    monkeypatch.setattr(decide_mod, "fixed_costs", lambda *a: (-1e9, 0.0))
+    monkeypatch.setattr(decide_mod, "fixed_costs", lambda *a, **k: (-1e9, 0.0))
     full = core()
     full.total_steps = 2
     full.observe(as_planned(full, 0, length=3.0))
@@ -147,6 +147,25 @@ def test_a_length_drift_weighed_and_rejected_fires_again_only_when_the_lengths_d
     c.observe(as_planned(c, 2, length=4.5))
     c.history = c.history[-1:]
     assert [t.kind for t in c.decide().triggers] == ["response_length"]  # +50% from what was weighed
+
+
+def test_a_rank_that_follows_the_leaders_rejected_replan_checks_as_the_leader_does():
+    """The live Controller re-plans on one rank and broadcasts; the others ``follow``. After a
+    rejected length re-plan every rank must re-base its trigger, or the others fire alone next."""
+    leader, other = core(cooldown=0), core(cooldown=0)
+    for c in (leader, other):
+        c.total_steps = 2  # nothing pays: every re-plan is rejected
+        c.observe(as_planned(c, 0, length=3.0))
+    d = leader.decide()
+    assert d.action == "stay" and other.check() is None  # the same trigger fired on both
+    other.follow(d)
+    assert other.planned_response == leader.planned_response == 3 * 1024
+    assert other.last_replan == leader.last_replan and other.gpus_considered == leader.gpus_considered
+    for c in (leader, other):
+        c.observe(as_planned(c, 1, length=3.0))
+        c.history = c.history[-1:]
+    quiet = [c.check() for c in (leader, other)]  # None would mean a trigger fired: a re-plan on that rank
+    assert all(q is not None and q.action == "stay" and q.triggers == [] for q in quiet), quiet
 
 
 def test_memory_without_headroom_is_a_trigger_and_over_the_gpu_is_forced():
