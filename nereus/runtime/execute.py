@@ -272,25 +272,17 @@ class _Rank:
         payload is packed, so packing overlaps the wire (NCCL gets one batch: a group of p2p
         calls must be issued together); ``copies`` (local copy steps) and the checksums of the
         payloads run while the data is in flight, and every message's checksum is computed as it
-        lands. Per peer, messages go in id order on both sides, its checksum vector last.
-
-        On gloo the program digests are compared after this round's messages are posted, not
-        before: messages are tagged with the program's digest (``data_tag``), so a message of a
-        different program never matches a receive (gloo would abort a process on a size
-        mismatch); the comparison only has to come before the first receive is waited on. NCCL
-        matches no tags: there the digests are compared before any message."""
-        gloo = dist.get_backend() == "gloo"
-        if not gloo:
-            self.check_program()
+        lands. Per peer, messages go in id order on both sides, its checksum vector last."""
+        self.check_program()
         fault = self._fault(step.round)
         t = time.perf_counter()
+        gloo = dist.get_backend() == "gloo"
         batch: list[dist.P2POp] = []  # NCCL: every op of the round in one batch
         works: list = []
-        tag = data_tag(self.prog)
 
         def post(op, tensor, peer):
             if gloo:
-                works.append((dist.isend if op == "send" else dist.irecv)(tensor, peer, tag=tag))
+                works.append((dist.isend if op == "send" else dist.irecv)(tensor, peer))
             else:
                 batch.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
 
@@ -333,7 +325,6 @@ class _Rank:
         t = self._tick("pack", t)
         if batch:
             works += dist.batch_isend_irecv(batch)
-        self.check_program()  # gloo: the digests travelled beside this round's first messages
         got: dict[int, list[torch.Tensor]] = {}
         for i, (msg, buf) in enumerate(recv_bufs):  # each message checksummed and unpacked as it lands
             if gloo:
@@ -356,8 +347,8 @@ class _Rank:
         self._tick("unpack", t)
 
     def check_program(self) -> None:
-        """Every rank runs the same program: the digests shared at the start, compared before this
-        rank waits on its first receive (on NCCL, before its first message; see ``exchange``)."""
+        """Every rank runs the same program: the digests all-gathered, compared before this rank's
+        first message."""
         if self.digest is None:
             return
         works, every = self.digest
@@ -422,15 +413,7 @@ def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[S
     return dict(out)
 
 
-AGREE_TAG, DIGEST_TAG = 1, 2  # point-to-point tags of the agreement and the digest exchange
-_DATA_TAGS = 2**30  # data tags: 3 + the digest modulo this (ranks of different programs match no data)
-
-
-def data_tag(program: Program) -> int:
-    """The gloo tag of a program's data and checksum messages: derived from its digest, so that
-    ranks running different programs never match each other's messages (a collision between two
-    given programs has probability 2**-30, and the digests are still compared)."""
-    return 3 + program.digest() % _DATA_TAGS
+AGREE_TAG, DIGEST_TAG = 1, 2  # point-to-point tags of the agreement and the digest exchange (data uses 0)
 
 
 def _share(value: int, rank: int, world: int, device, tag: int) -> tuple[list, torch.Tensor]:
@@ -462,8 +445,8 @@ def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta)
 
 
 def _post_digest(program: Program, rank: int, world: int, device) -> tuple:
-    """Start sharing every rank's program digest (checked by ``_Rank.check_program`` while the
-    first round is in flight on gloo, before it on NCCL; local copies and packing run meanwhile)."""
+    """Start sharing every rank's program digest (checked by ``_Rank.check_program`` before the
+    first message, while local copies and packing run)."""
     return _share(program.digest(), rank, world, device, DIGEST_TAG)
 
 
