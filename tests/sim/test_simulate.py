@@ -141,3 +141,25 @@ def test_a_restarting_policy_whose_tp_pp_no_longer_fit_restarts_with_new_ones():
     r = simulate(_job(), Trace("grow", "ppo_8b_16gpu", 16, steps), policies=["fixed", "verl", "openrlhf"], progress=False)
     for name, run in r["runs"].items():
         assert run.summary()["completed"] == 4 and run.moves == [2], name
+
+
+def test_the_command_line_runs_the_policies_in_processes_and_prints_each(tmp_path, capsys):
+    """``nereus simulate TRACE --jobs 2 --json``, end to end on a file: every policy's row, the
+    latency cut against both fixed baselines, and a trace line that is wrong is a diagnostic."""
+    import json
+
+    from nereus.cli import main
+    from nereus.sim.trace import write_trace
+
+    t = _trace()
+    path = tmp_path / "small.jsonl"
+    write_trace(Trace(t.name, t.job, t.gpus, t.steps[:10]), path)
+    assert main(["simulate", str(path), "--jobs", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["policy"]: r for r in out["policies"]}
+    assert list(rows) == ["fixed", "fixed-dp", "verl", "openrlhf", "nereus", "oracle"] and out["steps"] == 10
+    assert all(r["completed"] == 10 for r in rows.values())
+    assert {"latency_cut_vs_fixed", "latency_cut_vs_fixed-dp"} <= set(rows["nereus"])
+    path.write_text(path.read_text() + '{"step": 10, "response_len_dist": [9, 5]}\n')
+    assert main(["simulate", str(path), "--jobs", "2"]) == 1
+    assert f"{path}:12:" in capsys.readouterr().err
