@@ -306,14 +306,18 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
         keep = np.flatnonzero(ok)
         if prune:
             keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
+        # the kept rows as Python lists first: per-element numpy indexing is most of this loop's time
+        cols = [c.tp, c.pp, c.dp, c.mb, c.rc, c.zero, c.rho, c.gpus, c.peak, c.resident, c.vpp]
+        tp, pp, dp, mb, rc, zero, rho, gpus, peak, resident, vpp = (np.asarray(x)[keep].tolist() for x in cols)
+        classes = np.asarray(c.classes).tolist()
+        times, kept_units = c.times[keep].tolist(), units[keep].tolist()
         opts = []
-        for i in keep:
-            cols = np.flatnonzero(np.isfinite(units[i]))
-            opts.append(Option(int(c.tp[i]), int(c.pp[i]), int(c.dp[i]), int(c.mb[i]), bool(c.rc[i]), int(c.zero[i]),
-                               c.offload[i], int(c.rho[i]), int(c.gpus[i]),
-                               {int(c.classes[j]): float(c.times[i, j]) for j in cols},
-                               {int(c.classes[j]): int(units[i, j]) for j in cols}, int(c.peak[i]), int(c.resident[i]),
-                               int(c.vpp[i])))
+        for r, i in enumerate(keep.tolist()):
+            row_t, row_u = times[r], kept_units[r]
+            at = [j for j, u in enumerate(row_u) if u != np.inf]
+            opts.append(Option(int(tp[r]), int(pp[r]), int(dp[r]), int(mb[r]), bool(rc[r]), int(zero[r]), c.offload[i],
+                               int(rho[r]), int(gpus[r]), {classes[j]: row_t[j] for j in at},
+                               {classes[j]: int(row_u[j]) for j in at}, int(peak[r]), int(resident[r]), int(vpp[r])))
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
     problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, headroom=headroom)
