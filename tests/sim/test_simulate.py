@@ -67,12 +67,17 @@ def test_the_oracle_is_never_slower_than_a_plan_in_the_same_truth(result):
 
 
 def test_policies_run_in_worker_processes_give_the_same_runs(result):
-    """``jobs=2``: each policy in a spawned process, with the noise drawn once in the parent."""
+    """``jobs=2``: each policy in a spawned process, with the noise drawn once in the parent. The
+    same plans at every step and the same moves; only what a move costs may differ, for Nereus,
+    whose transfer schedules are solved under a wall-clock limit (a loaded CI machine showed it)."""
     par = simulate(_job(), _trace(), progress=False, jobs=2)
     assert list(par["runs"]) == list(result["runs"])
     for name, run in result["runs"].items():
         other = par["runs"][name]
-        assert (other.latency, other.moves, other.failures) == (run.latency, run.moves, run.failures), name
+        assert (other.step, other.sync, other.moves, other.failures, other.lost_s) == \
+            (run.step, run.sync, run.moves, run.failures, run.lost_s), name
+        if name != "nereus":
+            assert other.latency == run.latency, name
     assert [d.action for d in par["policies"]["nereus"].core.decisions] == \
         [d.action for d in result["policies"]["nereus"].core.decisions]
 
