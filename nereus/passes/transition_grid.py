@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
+import numpy as np
+
 from ..ir import ShardRef
 from ..ir.emu import Box
 
@@ -36,7 +38,16 @@ class Grid:
         self.cuts = [sorted({x for r in regions for x in r[d]}) for d in range(ndim)]
         self.radix = [max(len(c) - 1, 1) for c in self.cuts]
         self._cells: dict[Box, list[int]] = {}
+        self._spans: dict[Box, tuple[tuple[int, int], ...]] = {}
         self._info: dict[int, tuple[Box, int]] = {}
+
+    def span(self, region: Box) -> tuple[tuple[int, int], ...]:
+        """``region`` as half-open spans of interval indices, per dimension."""
+        out = self._spans.get(region)
+        if out is None:
+            out = self._spans[region] = tuple((bisect.bisect_left(c, lo), bisect.bisect_left(c, hi))
+                                              for (lo, hi), c in zip(region, self.cuts))
+        return out
 
     def cells(self, region: Box) -> list[int]:
         """The cells inside ``region``, in ascending order."""
@@ -112,9 +123,9 @@ class Local(NamedTuple):
 def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) -> Local:
     """Decisions of a GPU holding source slices ``srcs`` and needing ``dsts`` ((model-stage, region) each).
 
-    A cell that some source slice on the GPU covers is kept (when a slice of the same model-stage
-    and region is there) or copied from the first source slice covering it; any other cell is
-    missing and will be received.
+    A destination slice that a source slice of the same model-stage and region on the GPU holds
+    is kept. Any other destination cell that some source slice on the GPU covers is copied from
+    the first source slice covering it; the rest is missing and will be received.
     """
     cells = grid.cells
     if len(dsts) == 1 and len(srcs) <= 1:  # the common case, decided without per-cell tables
@@ -125,34 +136,45 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
         for c in cells(dsts[0][1]):
             (copied if c in held else miss).append(c)
         return Local([], [(0, 0, copied)] if copied else [], [(c, [0]) for c in miss])
-    need: dict[int, list[int]] = {}
-    for j, (_, r) in enumerate(dsts):
-        for c in cells(r):
-            if c in need:
-                need[c].append(j)
-            else:
-                need[c] = [j]
-    on_gpu: dict[int, list[int]] = {}
-    for i, (_, r) in enumerate(srcs):
-        for c in cells(r):
-            if c in on_gpu:
-                on_gpu[c].append(i)
-            else:
-                on_gpu[c] = [i]
-    keeps: dict[tuple[int, int], None] = {}
-    copies: dict[tuple[int, int], list[int]] = {}
-    missing = []
-    for c in sorted(need):
-        js = need[c]
-        held = on_gpu.get(c)
-        if held is None:
-            missing.append((c, js))
+    keeps: list[tuple[int, int]] = []
+    copies: list[tuple[int, int, int, list[int]]] = []  # (first cell, destination, source, cells)
+    missing: dict[int, list[int]] = {}
+    src_spans = [grid.span(r) for _, r in srcs]
+    for j, d in enumerate(dsts):
+        same = next((i for i, s in enumerate(srcs) if s == d), None)
+        if same is not None:  # every cell of the slice is there, in the same model-stage's slice
+            keeps.append((same, j))
             continue
-        for j in js:
-            d = dsts[j]
-            same = next((i for i in held if srcs[i] == d), None)
-            if same is not None:
-                keeps[(same, j)] = None
-            else:  # merged boxes must stay inside one source slice and one destination slice
-                copies.setdefault((held[0], j), []).append(c)
-    return Local(list(keeps), [(i, j, cs) for (i, j), cs in copies.items()], missing)
+        # which source slice covers each cell first: boxes of interval indices, cut out of the
+        # destination's own box (cells ascend in row-major order of that box)
+        span = grid.span(d[1])
+        owner = None
+        for i, sspan in enumerate(src_spans):
+            box = []
+            for (a, b), (sa, sb) in zip(span, sspan):
+                lo, hi = max(a, sa), min(b, sb)
+                if lo >= hi:
+                    break
+                box.append(slice(lo - a, hi - a))
+            else:
+                if owner is None:
+                    owner = np.full([b - a for a, b in span], -1, dtype=np.int32)
+                view = owner[tuple(box)]
+                view[view < 0] = i
+        dcells = cells(d[1])
+        if owner is None:
+            miss = dcells
+        else:
+            flat = owner.ravel()
+            arr = np.asarray(dcells, dtype=np.int64)
+            for i in np.unique(flat[flat >= 0]).tolist():
+                got = arr[flat == i].tolist()
+                copies.append((got[0], j, i, got))
+            miss = arr[flat < 0].tolist()
+        for c in miss:
+            if c in missing:
+                missing[c].append(j)
+            else:
+                missing[c] = [j]
+    copies.sort(key=lambda x: (x[0], x[1]))  # in the order of their first cell, as a scan of the cells meets them
+    return Local(keeps, [(i, j, cs) for _, j, i, cs in copies], sorted(missing.items()))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import numpy as np
+
 from ..ir import Diagnostic, DiagnosticError, HostRef, Module, Op
 from ..ir.model import state_dtype_bytes
 from ..ir.emu import Box
@@ -33,7 +35,8 @@ class Planner:
         self.src_all, self.dst_all = src_all, dst_all
         self.sbase, self.dbase = _index(src_all), _index(dst_all)
         self.ops: list[Op] = []  # op "%i" is ops[i]
-        self.load: dict[int, int] = defaultdict(int)  # bytes each GPU sends
+        top = max((p.gpu for pieces in src_all.values() for p in pieces), default=0)
+        self.load = np.zeros(top + 1, dtype=np.int64)  # bytes each GPU sends
         self.bytes_moved = 0
         self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
         self.kept: set[int] = set()  # source pieces reused in place
@@ -176,31 +179,40 @@ class Planner:
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells."""
+        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells.
+
+        Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept in that
+        order, so the first minimum of their loads is the one chosen."""
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             groups[p.region].append(i)
-        holders: dict[int, list[list[int]]] = defaultdict(list)  # cell -> groups of source pieces holding it
-        for region, idx in groups.items():
+        members = list(groups.values())
+        holders: dict[int, list[int]] = defaultdict(list)  # cell -> the groups of source pieces holding it
+        for g, region in enumerate(groups):
             for c in grid.cells(region):
-                holders[c].append(idx)
+                holders[c].append(g)
+        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
         load, info = self.load, grid.info
         transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
         for c in sorted(missing):
             recv = tuple(missing[c])
-            cands = holders.get(c)
-            if not cands:
+            gs = holders.get(c)
+            if not gs:
                 model_name, state, family = key
                 raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
                                                                    f"{family} of @{model_name} that plan @{self.target} needs")])
-            if len(cands) == 1 and len(cands[0]) == 1:
-                best = cands[0][0]
-            else:  # ties: the first holder in plan order
-                best = min((i for idx in cands for i in idx),
-                           key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
+            if len(gs) == 1 and len(members[gs[0]]) == 1:
+                best = members[gs[0]][0]
+            else:
+                gs = tuple(gs)
+                r = ranked.get(gs)
+                if r is None:
+                    order = sorted((i for g in gs for i in members[g]),
+                                   key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
+                    r = ranked[gs] = (order, np.array([srcs[i].gpu for i in order], dtype=np.int64))
+                best = r[0][int(np.argmin(load[r[1]]))]
             gpus = 1 if len(recv) == 1 else len({dsts[j].gpu for j in recv})
-            nbytes = info(c)[1] * itemsize * gpus
-            load[srcs[best].gpu] += nbytes
+            load[srcs[best].gpu] += info(c)[1] * itemsize * gpus
             t = transfers.get((best, recv))
             if t is None:
                 transfers[(best, recv)] = [c]

@@ -1,0 +1,70 @@
+"""``transition_grid.local`` (what one GPU keeps, copies and misses) against a scan of every cell.
+
+The reference is the rule itself, cell by cell: a destination slice with a source slice of the
+same model-stage and region on the GPU is kept; any other cell of a destination slice is copied
+from the first source slice (in list order) whose region covers it, else it is missing. Copies
+come in the order in which that scan (cells ascending, destinations in order) first meets them.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nereus.passes.transition_grid import Grid, local
+
+
+def _scan(grid: Grid, srcs, dsts):
+    need: dict[int, list[int]] = {}
+    for j, (_, r) in enumerate(dsts):
+        for c in grid.cells(r):
+            need.setdefault(c, []).append(j)
+    on_gpu: dict[int, list[int]] = {}
+    for i, (_, r) in enumerate(srcs):
+        for c in grid.cells(r):
+            on_gpu.setdefault(c, []).append(i)
+    keeps, copies, missing = {}, {}, []
+    for c in sorted(need):
+        held = on_gpu.get(c)
+        if held is None:
+            missing.append((c, need[c]))
+            continue
+        for j in need[c]:
+            same = next((i for i in held if srcs[i] == dsts[j]), None)
+            if same is not None:
+                keeps[(same, j)] = None
+            else:
+                copies.setdefault((held[0], j), []).append(c)
+    return sorted(keeps), [(i, j, cs) for (i, j), cs in copies.items()], missing
+
+
+@st.composite
+def _gpu(draw):
+    """Slices of a 2-D tensor of 8 x 6 on one GPU: a few sources and destinations, some equal."""
+    def box():
+        a = draw(st.integers(0, 7))
+        b = draw(st.integers(a + 1, 8))
+        c = draw(st.integers(0, 5))
+        d = draw(st.integers(c + 1, 6))
+        return ((a, b), (c, d))
+    stages = ["m.train", "m.infer", "m.generate"]
+    srcs = [(draw(st.sampled_from(stages)), box()) for _ in range(draw(st.integers(0, 3)))]
+    dsts = []
+    for _ in range(draw(st.integers(1, 3))):
+        if srcs and draw(st.booleans()):
+            dsts.append(draw(st.sampled_from(srcs)))  # a slice that some source holds as it is
+        else:
+            dsts.append((draw(st.sampled_from(stages)), box()))
+    return srcs, dsts
+
+
+@settings(max_examples=300, deadline=None)
+@given(_gpu())
+def test_local_equals_a_scan_of_every_cell(case):
+    srcs, dsts = case
+    grid = Grid({r for _, r in srcs} | {r for _, r in dsts})
+    got = local(grid, srcs, dsts)
+    keeps, copies, missing = _scan(grid, srcs, dsts)
+    assert sorted(got.keeps) == keeps
+    assert got.copies == copies
+    assert got.missing == missing
