@@ -53,42 +53,82 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     if outside:
         raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
                                                                f"outside plan @{target}'s cluster of {gpus} GPUs")])
-    reuse = csr_matrix((gpus, gpus))
+    reuse = np.zeros((gpus, gpus))
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
         itemsize = state_dtype_bytes(m.models[key[0]], key[1])
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        ng, nc = _gpu_cells(grid, dsts)  # (GPU, cell) plan B needs, each once
-        cells, col = np.unique(nc, return_inverse=True)
+        b_cells, b_gpu, b_term = _union_terms(grid, dsts)  # plan B's cells on each GPU, as shared disjoint terms
+        if not b_cells:
+            continue
+        cells, col = np.unique(np.concatenate(b_cells), return_inverse=True)
         if not len(cells):  # empty slices only
             continue
         size = _cell_sizes(grid, cells) * itemsize
-        need += np.bincount(ng, weights=size[col], minlength=gpus)
-        needed = csr_matrix((size[col], (ng, col)), shape=(gpus, len(cells)))
-        hg, hc = _gpu_cells(grid, srcs)  # (GPU, cell) plan A holds, each once; only needed cells count
+        b_rows = np.repeat(np.arange(len(b_cells)), [len(c) for c in b_cells])
+        tb = csr_matrix((size[col], (b_rows, col)), shape=(len(b_cells), len(cells)))  # term x cell: bytes
+        at_b = csr_matrix((np.ones(len(b_gpu)), (b_gpu, b_term)), shape=(gpus, len(b_cells)))
+        need += at_b @ np.asarray(tb.sum(axis=1)).ravel()
+        a_cells, a_gpu, a_term = _union_terms(grid, srcs)
+        if not a_cells:
+            continue
+        hc = np.concatenate(a_cells)  # plan A's cells; only those plan B needs count
+        a_rows = np.repeat(np.arange(len(a_cells)), [len(c) for c in a_cells])
         at = np.minimum(np.searchsorted(cells, hc), len(cells) - 1)
         ok = cells[at] == hc
-        held = csr_matrix((np.ones(int(ok.sum())), (hg[ok], at[ok])), shape=(gpus, len(cells)))
-        reuse = reuse + held @ needed.T
-    return reuse.toarray(), need
+        ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
+        overlap = (ta @ tb.T).toarray()  # bytes shared by every (plan A term, plan B term)
+        at_a = csr_matrix((np.ones(len(a_gpu)), (a_gpu, a_term)), shape=(gpus, len(a_cells)))
+        reuse += (at_b @ (at_a @ overlap).T).T  # value[i, j] = sum over i's A terms and j's B terms
+    return reuse, need
 
 
-def _gpu_cells(grid: Grid, pieces) -> tuple[np.ndarray, np.ndarray]:
-    """(GPUs, cells): every (GPU, cell) that ``pieces`` put on a GPU, each pair once (a GPU may
-    hold overlapping slices of several model-stages of a model)."""
-    if not pieces:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    by_region: dict = {}
-    gs, cs = [], []
+def _union_terms(grid: Grid, pieces) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The cells of the union of the regions each GPU holds, as a sum of disjoint terms that GPUs
+    share: (the terms' cells, and GPU and term arrays saying which terms make up which GPU).
+
+    A GPU's regions are taken most widely held first; its k-th term is the cells of its k-th
+    region not in the first k - 1. Replicas share all their terms, and a GPU with one region of
+    its own (a ZeRO shard) adds one small term, so the work grows with the distinct terms, not
+    with GPUs times cells (a GPU may hold overlapping slices of several model-stages)."""
+    regions_on: dict[int, set] = defaultdict(set)
     for p in pieces:
-        c = by_region.get(p.region)
-        if c is None:
-            c = by_region[p.region] = np.asarray(grid.cells(p.region), dtype=np.int64)
-        gs.append(np.full(len(c), p.gpu, dtype=np.int64))
-        cs.append(c)
-    ncells = int(np.prod(grid.radix, dtype=np.int64))
-    pairs = np.unique(np.concatenate(gs) * ncells + np.concatenate(cs))
-    return pairs // ncells, pairs % ncells
+        regions_on[p.gpu].add(p.region)
+    held_by: dict = defaultdict(int)
+    for rs in regions_on.values():
+        for r in rs:
+            held_by[r] += 1
+    cells_of: dict = {}
+
+    def region_cells(r):
+        out = cells_of.get(r)
+        if out is None:
+            out = cells_of[r] = np.asarray(grid.cells(r), dtype=np.int64)
+        return out
+
+    unions: dict[tuple, np.ndarray] = {(): np.zeros(0, np.int64)}
+
+    def union(prefix: tuple) -> np.ndarray:  # the cells of the regions in ``prefix``, computed when a term needs them
+        out = unions.get(prefix)
+        if out is None:
+            out = unions[prefix] = np.union1d(union(prefix[:-1]), region_cells(prefix[-1]))
+        return out
+
+    terms: list[np.ndarray] = []
+    term_of: dict[tuple, int] = {}
+    gs, ts = [], []
+    for g in sorted(regions_on):
+        prefix: tuple = ()
+        for r in sorted(regions_on[g], key=lambda r: (-held_by[r], r)):
+            t = term_of.get((prefix, r))
+            if t is None:
+                t = term_of[(prefix, r)] = len(terms)
+                cells = region_cells(r)
+                terms.append(np.setdiff1d(cells, union(prefix), assume_unique=True) if prefix else cells)
+            gs.append(g)
+            ts.append(t)
+            prefix += (r,)
+    return terms, np.asarray(gs, dtype=np.int64), np.asarray(ts, dtype=np.int64)
 
 
 def _cell_sizes(grid: Grid, cells: np.ndarray) -> np.ndarray:
