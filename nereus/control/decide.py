@@ -7,7 +7,8 @@
 2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons. A GPU
    change that a re-plan already weighed and rejected fires again only when the GPUs change again
    (or when it forces a move); a length drift weighed and rejected, when the lengths drift again
-   from those weighed;
+   from those weighed; a memory peak weighed and kept, past half the way from it to the GPU's
+   memory;
 3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
    left, the response lengths of the window): ``plan-search`` for plan B on those GPUs,
    ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
@@ -93,6 +94,7 @@ class DecisionCore:
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
         self.planned_response = float(self.workload.response_len_mean)
+        self.weighed_memory: dict[str, int] = {}  # model-stage -> the peak a re-plan weighed and kept plan A at
         self.history: list[StepRecord] = []
         self.last_replan = -10**9
         self.gpus_considered: tuple | None = None  # (GPUs, leaving) the last re-plan weighed
@@ -135,7 +137,7 @@ class DecisionCore:
         if (frozenset(self.gpus_now), frozenset(self.leaving)) == self.gpus_considered:
             # a GPU change already weighed (and rejected) does not fire again until the GPUs change again
             triggers = [t for t in triggers if t.forced]
-        measured = measured_triggers(self.m, plan, window, self.planned_response, opts)
+        measured = measured_triggers(self.m, plan, window, self.planned_response, opts, self.weighed_memory)
         forced_measured = [t for t in measured if t.forced]
         if step - self.last_replan >= opts.cooldown:
             triggers += measured
@@ -172,6 +174,8 @@ class DecisionCore:
         self.gpus_considered = (frozenset(self.gpus_now), frozenset(self.leaving))
         if decision.numbers.get("weighed_response") is not None:
             self.planned_response = float(decision.numbers["weighed_response"])
+        if decision.numbers.get("weighed_memory") is not None:
+            self.weighed_memory = dict(decision.numbers["weighed_memory"])
         self.decisions.append(decision)
 
     def commit(self, decision: Decision) -> None:
@@ -192,6 +196,7 @@ class DecisionCore:
         self.gpus_now = set(self.gpus_planned)
         self.leaving = set()
         self.planned_response = float(self.workload.response_len_mean)
+        self.weighed_memory = {}
 
     # -- steps of a decision ---------------------------------------------------------------------
     def _recalibrate(self, window: list[StepRecord]) -> dict:
@@ -251,7 +256,7 @@ class DecisionCore:
             if saving * horizon <= (pg + restart) * (1 + opts.margin):
                 numbers.update(saving=saving, benefit=saving * horizon, cost_lower_bound=pg + restart, horizon=horizon,
                                admitted=False)
-                self._weighed(w, numbers)
+                self._weighed(w, window, numbers)
                 why = ("plan A is still the best plan found" if pg + restart == 0 else
                        f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
                        f"cannot pay its fixed costs of {pg + restart:.4g} s")
@@ -283,7 +288,7 @@ class DecisionCore:
             action, message = "transition", "admitted: it pays back within the remaining steps"
         else:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
-            self._weighed(w, numbers)
+            self._weighed(w, window, numbers)
         return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
                         module=m if action == "transition" else None)
 
@@ -298,12 +303,16 @@ class DecisionCore:
         m.emus = dict(emus)
         return m
 
-    def _weighed(self, w, numbers: dict) -> None:
-        """A re-plan at the measured lengths of workload ``w`` kept plan A: the response-length
-        trigger measures drift from those lengths from now on (as a rejected GPU change fires
-        again only when the GPUs change again), not from the lengths plan A was made for. The
-        decision carries them (``weighed_response``) for the ranks that ``follow`` it."""
+    def _weighed(self, w, window: list[StepRecord], numbers: dict) -> None:
+        """A re-plan at the measured lengths of workload ``w`` and the memory peaks of ``window``
+        kept plan A: the response-length trigger measures drift from those lengths from now on
+        (as a rejected GPU change fires again only when the GPUs change again), not from the
+        lengths plan A was made for, and the memory trigger counts from those peaks
+        (``measured_triggers``). The decision carries both (``weighed_response``,
+        ``weighed_memory``) for the ranks that ``follow`` it."""
         self.planned_response = numbers["weighed_response"] = float(w.response_len_mean)
+        peaks = {ms: max((r.memory.get(ms, 0) for r in window), default=0) for ms in self.m.plans[self.plan].layouts}
+        self.weighed_memory = numbers["weighed_memory"] = {ms: int(v) for ms, v in peaks.items() if v}
 
     @staticmethod
     def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:

@@ -16,7 +16,8 @@ class ControlOptions:
     - ``response_drift``: re-plan when the mean response length of the window differs from the
       one the plan was made for (or a rejected re-plan last weighed) by more than this fraction.
     - ``memory_headroom``: re-plan when a model-stage's measured peak memory leaves less than
-      this fraction of the GPU free.
+      this fraction of the GPU free (after a re-plan that kept the plan at a peak, only past half
+      the way from that peak to the GPU's memory).
     - ``slowdown``: re-plan when a model-stage's measured time exceeds the plan's estimate (after
       recalibration) by more than this fraction: it became a bottleneck the plan did not expect.
     - ``cooldown``: steps after a decision to re-plan before an optional trigger may fire again

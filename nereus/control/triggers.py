@@ -38,8 +38,13 @@ def gpu_triggers(plan: Plan, gpus_now: set[int], gpus_planned: set[int], leaving
 
 
 def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_response: float,
-                      opts: ControlOptions) -> list[Trigger]:
-    """Response length drift, memory headroom and slowdown against the plan's estimates."""
+                      opts: ControlOptions, weighed_memory: dict[str, int] | None = None) -> list[Trigger]:
+    """Response length drift, memory headroom and slowdown against the plan's estimates.
+
+    ``weighed_memory``: per model-stage, the peak a re-plan last weighed and kept the plan at.
+    Short of the GPU's memory, such a model-stage's trigger fires again only past half the way
+    from that peak to the GPU's memory: a plan that runs close to full and that a re-plan found
+    still best is weighed again as it closes in, not at every check (over the GPU always fires)."""
     out = []
     count = sum(r.responses[0] for r in window)
     if count and planned_response > 0:
@@ -55,7 +60,8 @@ def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_r
         if stage is not None and stage.kind == "generate":
             continue  # the engine fills its memory with KV cache by design; a short cache shows as time
         peak = max((r.memory.get(ms, 0) for r in window), default=0)
-        if peak > cap * (1 - opts.memory_headroom):
+        weighed = (weighed_memory or {}).get(ms, 0)
+        if peak > max(cap * (1 - opts.memory_headroom), weighed + (cap - weighed) / 2) or peak > cap:
             out.append(Trigger("memory", f"{ms} peaked at {peak / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB "
                                          f"(headroom under {opts.memory_headroom:.0%})", forced=peak > cap))
     for ms, lay in plan.layouts.items():

@@ -177,6 +177,45 @@ def test_memory_without_headroom_is_a_trigger_and_over_the_gpu_is_forced():
     assert [t.kind for t in d.triggers] == ["memory"] and not d.forced
 
 
+def test_memory_weighed_and_kept_fires_again_only_as_it_closes_in_on_the_gpu():
+    """A plan that runs close to full and that a re-plan found still best is not weighed again at
+    every check: the trigger counts from the peak weighed, and fires past half the way from there
+    to the GPU's memory (over it, always, and forced)."""
+    c = core(cooldown=0)
+    c.total_steps = 2  # nothing pays: every re-plan keeps plan A
+    cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory
+    rec = as_planned(c, 0)
+
+    def at(step, fraction):
+        c.observe(StepRecord(step, rec.seconds, memory={"actor.train": int(cap * fraction)},
+                             response_lengths=rec.response_lengths))
+        c.history = c.history[-1:]
+        return c.decide()
+
+    first = at(0, 0.96)
+    assert [t.kind for t in first.triggers] == ["memory"] and first.action == "stay"
+    assert first.numbers["weighed_memory"]["actor.train"] == int(cap * 0.96)
+    assert at(1, 0.96).triggers == [] and at(2, 0.975).triggers == []  # short of 0.98: nothing new to weigh
+    again = at(3, 0.985)
+    assert [t.kind for t in again.triggers] == ["memory"] and not again.forced
+    assert c.weighed_memory["actor.train"] == int(cap * 0.985)
+    over = at(4, 1.01)
+    assert [t.kind for t in over.triggers] == ["memory"] and over.forced
+
+
+def test_a_follower_takes_the_weighed_memory_peaks_from_the_leader():
+    leader, other = core(cooldown=0), core(cooldown=0)
+    for c in (leader, other):
+        c.total_steps = 2
+        cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory
+        rec = as_planned(c, 0)
+        c.observe(StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.96)}, response_lengths=rec.response_lengths))
+    d = leader.decide()
+    assert other.check() is None
+    other.follow(d)
+    assert other.weighed_memory == leader.weighed_memory == {"actor.train": int(cap * 0.96)}
+
+
 def test_recalibration_fits_the_measured_times():
     c = core(recalibrate_every=4, slowdown=10.0)
     before = c.m.plans[c.plan].step_time
