@@ -72,6 +72,7 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     eff = model.efficiency
     groups: dict[tuple, Bucket] = {}
     on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
+    receivers: dict[tuple[int, str], tuple[int, ...]] = {}  # (id of a destination list, plan) -> GPUs
     for op in t.ops:
         kind = op.spec
         staged_copy = kind.local and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
@@ -79,7 +80,12 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
             continue  # local copies and frees use no port
         src = (on_b if kind.source_plan == "target" else on_a)(op.src[0])
         dst_gpu = on_a if kind.destination_plan == "source" else on_b
-        dsts = (dst_gpu(op.dst[0]),) if len(op.dst) == 1 else tuple(sorted({dst_gpu(d) for d in op.dst}))
+        if len(op.dst) == 1:
+            dsts = (dst_gpu(op.dst[0]),)
+        else:  # a broadcast: plan-transition gives the operations of one group one list (alive all along)
+            dsts = receivers.get((id(op.dst), kind.destination_plan))
+            if dsts is None:
+                dsts = receivers[(id(op.dst), kind.destination_plan)] = tuple(sorted({dst_gpu(d) for d in op.dst}))
         direction = "h2d" if kind.reads_host else "d2h" if kind.writes_host or staged_copy else "net"
         # PCIe moves of different kinds go in different buckets: a staged copy, its unstage and
         # an offload after the unstage share a direction, and one bucket would order them in a

@@ -86,6 +86,7 @@ class Planner:
                 self.copy_ops[d.gpu].append(o.id)
         per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
         recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
+        fan: dict[tuple[int, ...], tuple] = {}  # receivers -> their GPUs, shards and references
         for (si, receivers), cells in transfers.items():
             s = srcs[si]
             node = s.gpu // per_node
@@ -101,14 +102,19 @@ class Planner:
                 recv_bytes[d.gpu] += nbytes
                 recv_ops[d.gpu].append((oid, nbytes))
                 continue
-            rgpus = sorted({dsts[j].gpu for j in receivers})
-            to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
-            shards_on = Counter(dsts[j].gpu for j in {dsts[j].rid: j for j in receivers}.values())
+            got = fan.get(receivers)
+            if got is None:
+                rgpus = sorted({dsts[j].gpu for j in receivers})
+                to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
+                shards_on = Counter(dsts[j].gpu for j in {dsts[j].rid: j for j in receivers}.values())
+                # one list for every operation to these receivers (replaced, never changed in place)
+                got = fan[receivers] = (rgpus, to, shards_on, list(to.values()))
+            rgpus, to, shards_on, refs = got
             kind = "send" if len(receivers) == 1 else "broadcast"
             link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
             for region in grid.boxes(cells):
                 nbytes = _volume(region) * itemsize
-                oid = op(kind, state, family, region, [s.ref], list(to.values()), nbytes, link, per_layer).id
+                oid = op(kind, state, family, region, [s.ref], refs, nbytes, link, per_layer).id
                 reads[sbase + si].append(oid)
                 for rid in to:
                     delivers[(dbase, rid)].append(oid)
