@@ -53,7 +53,9 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     if outside:
         raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
                                                                f"outside plan @{target}'s cluster of {gpus} GPUs")])
-    reuse = np.zeros((gpus, gpus))
+    # families whose terms sit on the GPUs alike (tensors of one model split alike) add their
+    # overlaps up, and each such group is spread onto GPU pairs once
+    groups: dict[bytes, list] = {}
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
         itemsize = state_dtype_bytes(m.models[key[0]], key[1])
@@ -78,7 +80,14 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         ok = cells[at] == hc
         ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
         overlap = (ta @ tb.T).toarray()  # bytes shared by every (plan A term, plan B term)
-        at_a = csr_matrix((np.ones(len(a_gpu)), (a_gpu, a_term)), shape=(gpus, len(a_cells)))
+        sig = b"|".join(x.tobytes() for x in (a_gpu, a_term, b_gpu, b_term))
+        if sig in groups:
+            groups[sig][2] += overlap
+        else:
+            at_a = csr_matrix((np.ones(len(a_gpu)), (a_gpu, a_term)), shape=(gpus, len(a_cells)))
+            groups[sig] = [at_a, at_b, overlap]
+    reuse = np.zeros((gpus, gpus))
+    for at_a, at_b, overlap in groups.values():
         reuse += (at_b @ (at_a @ overlap).T).T  # value[i, j] = sum over i's A terms and j's B terms
     return reuse, need
 
