@@ -84,7 +84,19 @@ class Grid:
         if len(cells) == 1:
             return [self.info(cells[0])[0]]
         cuts = self.cuts
-        return [tuple((c[a], c[b]) for c, (a, b) in zip(cuts, box)) for box in merge([self.index(x) for x in cells])]
+        idx = np.empty((len(cells), len(self.radix)), dtype=np.int64)  # every cell's interval indices, at once
+        rest = np.asarray(cells, dtype=np.int64)
+        for d in reversed(range(len(self.radix))):
+            rest, idx[:, d] = np.divmod(rest, self.radix[d])
+        lo, hi = idx.min(axis=0).tolist(), idx.max(axis=0).tolist()
+        n = 1
+        for a, b in zip(lo, hi):
+            n *= b - a + 1
+        if n == len(cells):  # every cell of their bounding box: that box (``merge``'s first case)
+            boxes = [tuple((a, b + 1) for a, b in zip(lo, hi))]
+        else:
+            boxes = merge([tuple(x) for x in idx.tolist()])
+        return [tuple((c[a], c[b]) for c, (a, b) in zip(cuts, box)) for box in boxes]
 
 
 def merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
