@@ -25,6 +25,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
@@ -157,18 +158,29 @@ def _precedences(t: Transition, index: dict[str, int]) -> set[tuple[int, int]]:
 
 
 def _graph(buckets: list[Bucket], prec: set[tuple[int, int]]):
-    """Predecessors and successors of every bucket, its ports, and each port's total busy time."""
-    preds: dict[int, list[int]] = defaultdict(list)
-    succs: dict[int, list[int]] = defaultdict(list)
-    for a, b in prec:
-        preds[b].append(a)
-        succs[a].append(b)
+    """Predecessors and successors of every bucket (lists indexed by bucket), its ports, and each
+    port's total busy time. The lists are cut from one sort of the pairs (millions at 1,024 GPUs,
+    where one GPU's offload waits for every bucket that delivers to it)."""
+    n = len(buckets)
+    if prec:
+        pairs = np.fromiter((x for ab in prec for x in ab), dtype=np.int64, count=2 * len(prec)).reshape(-1, 2)
+        preds, succs = _adjacency(pairs[:, 1], pairs[:, 0], n), _adjacency(pairs[:, 0], pairs[:, 1], n)
+    else:
+        preds, succs = [[] for _ in range(n)], [[] for _ in range(n)]
     ports = [_ports(b) for b in buckets]
     busy: dict[tuple, int] = defaultdict(int)
     for b, ps in zip(buckets, ports):
         for p in ps:
             busy[p] += b.duration
     return preds, succs, ports, busy
+
+
+def _adjacency(key: np.ndarray, value: np.ndarray, n: int) -> list[list[int]]:
+    """``out[k]``: the values paired with key k, in the pairs' order."""
+    order = np.argsort(key, kind="stable")
+    values = value[order].tolist()
+    ends = np.cumsum(np.bincount(key, minlength=n)).tolist()
+    return [values[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
 def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
@@ -286,13 +298,13 @@ class Schedule:
     bound: int
 
 
-def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]]) -> int:
+def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> int:
     """No schedule is shorter: for every port, the work on it that cannot start before some
     moment, from that moment on. A bucket cannot start before the longest chain of buckets
     that must precede it (its head); on a port whose buckets sorted by head are b_1..b_n, the
     makespan is at least head(b_k) + the durations of b_k..b_n, for every k. With k = 1 (head
-    0 without dependencies) this is the port's busy time."""
-    preds, _, ports, busy = _graph(buckets, prec)
+    0 without dependencies) this is the port's busy time. ``graph``: ``_graph``'s, if made."""
+    preds, _, ports, busy = graph or _graph(buckets, prec)
     if not prec:
         return max(busy.values(), default=0)
     head = [t - b.duration for t, b in zip(_tails(buckets, preds), buckets)]  # chains before, on the reversed graph
@@ -313,13 +325,13 @@ def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]]) -> int:
 LARGE = 4000  # buckets: above this, one pass of list scheduling (``serial``) instead of ``greedy``
 
 
-def serial(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
+def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> list[int]:
     """List schedule in one pass, O(n log n): buckets in topological order, the busiest port's
     work first among those released together, each started as early as its ports and
     predecessors allow. ``greedy`` re-keys every bucket waiting on a port each time the port
     fills, which is quadratic on a port thousands of buckets wait for (a transition of a
-    1,024-GPU job); this is the fallback there."""
-    preds, succs, ports, left = _graph(buckets, prec)
+    1,024-GPU job); this is the fallback there. ``graph``: ``_graph``'s, if made (read only)."""
+    preds, succs, ports, left = graph or _graph(buckets, prec)
     start: list[int] = [0] * len(buckets)
     free_at: dict[tuple, int] = defaultdict(int)
     waiting = [len(preds[i]) for i in range(len(buckets))]
@@ -346,11 +358,12 @@ def serial(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
 
 
 def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit: float, seed: int = 0) -> Schedule:
-    bound = port_bound(buckets, prec)
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
+    graph = _graph(buckets, prec)  # read by the bound and the one-pass schedule; greedy's changes its busy times
+    bound = port_bound(buckets, prec, graph)
     if len(buckets) > LARGE:  # no search on this scale: the one-pass list schedule and its bound
-        warm = serial(buckets, prec)
+        warm = serial(buckets, prec, graph)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
         return Schedule(warm, horizon, bound, "optimal" if horizon == bound else "feasible", bound)
     warm = greedy(buckets, prec)
