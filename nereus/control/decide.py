@@ -165,7 +165,7 @@ class DecisionCore:
     def follow(self, decision: Decision) -> None:
         """On a rank that did not re-plan (after a ``check()`` whose triggers fired): take the
         decision ``replan()`` made on another rank from the same records, and what it changed in
-        the core (the step of the last re-plan, the GPUs and lengths it weighed), so that this
+        the core (the step of the last re-plan, the GPUs, lengths and memory peaks it weighed), so that this
         rank's next ``check()`` gives the same answer as that rank's."""
         if self._pending is None:
             raise ValueError("follow() follows a check() that found a trigger")
@@ -311,8 +311,10 @@ class DecisionCore:
         (``measured_triggers``). The decision carries both (``weighed_response``,
         ``weighed_memory``) for the ranks that ``follow`` it."""
         self.planned_response = numbers["weighed_response"] = float(w.response_len_mean)
-        peaks = {ms: max((r.memory.get(ms, 0) for r in window), default=0) for ms in self.m.plans[self.plan].layouts}
-        self.weighed_memory = numbers["weighed_memory"] = {ms: int(v) for ms, v in peaks.items() if v}
+        peaks = {ms: max((r.memory.get(ms, 0) for r in window), default=0) for ms in self.m.plans[self.plan].layouts
+                 if getattr(w.stage_of(ms), "kind", None) != "generate"}  # the memory trigger skips generation
+        self.weighed_memory = {ms: int(v) for ms, v in peaks.items() if v}
+        numbers["weighed_memory"] = dict(self.weighed_memory)
 
     @staticmethod
     def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:

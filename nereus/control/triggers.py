@@ -62,8 +62,9 @@ def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_r
         peak = max((r.memory.get(ms, 0) for r in window), default=0)
         weighed = (weighed_memory or {}).get(ms, 0)
         if peak > max(cap * (1 - opts.memory_headroom), weighed + (cap - weighed) / 2) or peak > cap:
+            since = f"; a re-plan weighed {weighed / 2**30:.2f} GiB" if weighed else ""
             out.append(Trigger("memory", f"{ms} peaked at {peak / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB "
-                                         f"(headroom under {opts.memory_headroom:.0%})", forced=peak > cap))
+                                         f"(headroom under {opts.memory_headroom:.0%}{since})", forced=peak > cap))
     for ms, lay in plan.layouts.items():
         times = [r.seconds[ms] for r in window if ms in r.seconds]
         if times and lay.time:

@@ -10,7 +10,8 @@ permuted), that maximizes the bytes every GPU already holds of what plan B needs
     value(i, j) = bytes of the state plan B puts on GPU j that GPU i holds under plan A
 
 (any model-stage of the same model, every state and tensor, cut into the cells both plans'
-slices define; ``scipy.sparse`` products per tensor family). The best permutation is exact for
+slices define; ``scipy.sparse`` products per group of tensor families whose slices sit on the
+GPUs alike). The best permutation is exact for
 that group: for every pair of nodes the best assignment of the GPUs inside them (Hungarian,
 ``linear_sum_assignment``), then the best assignment of nodes on those values. A GPU that plan
 B's cluster marks unavailable hosts none of plan B's state; a GPU lost since plan A holds
@@ -55,7 +56,7 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
                                                                f"outside plan @{target}'s cluster of {gpus} GPUs")])
     # families whose terms sit on the GPUs alike (tensors of one model split alike) add their
     # overlaps up, and each such group is spread onto GPU pairs once
-    groups: dict[bytes, list] = {}
+    groups: dict[tuple, list] = {}
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
         itemsize = state_dtype_bytes(m.models[key[0]], key[1])
@@ -80,7 +81,7 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         ok = cells[at] == hc
         ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
         overlap = (ta @ tb.T).toarray()  # bytes shared by every (plan A term, plan B term)
-        sig = b"|".join(x.tobytes() for x in (a_gpu, a_term, b_gpu, b_term))
+        sig = tuple(x.tobytes() for x in (a_gpu, a_term, b_gpu, b_term))
         if sig in groups:
             groups[sig][2] += overlap
         else:

@@ -81,8 +81,8 @@ class Grid:
 
     def boxes(self, cells: list[int]) -> list[Box]:
         """Merge cells into boxes (greedy along each axis), as regions in elements."""
-        if len(cells) == 1:
-            return [self.info(cells[0])[0]]
+        if len(cells) <= 1:
+            return [self.info(c)[0] for c in cells]
         cuts = self.cuts
         idx = np.empty((len(cells), len(self.radix)), dtype=np.int64)  # every cell's interval indices, at once
         rest = np.asarray(cells, dtype=np.int64)
@@ -140,7 +140,7 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
     the first source slice covering it; the rest is missing and will be received.
     """
     cells = grid.cells
-    if len(dsts) == 1 and len(srcs) <= 1:  # the common case, decided without per-cell tables
+    if len(dsts) == 1 and len(srcs) <= 1:  # the common case, one slice needed and at most one held
         if srcs and srcs[0] == dsts[0]:
             return Local([(0, 0)], [], [])
         held = set(cells(srcs[0][1])) if srcs else ()
@@ -171,7 +171,7 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
             else:
                 if owner is None:
                     owner = np.full([b - a for a, b in span], -1, dtype=np.int32)
-                view = owner[tuple(box)]
+                view = owner[(*box, Ellipsis)]  # a view, also of a 0-d box
                 view[view < 0] = i
         dcells = cells(d[1])
         if owner is None:

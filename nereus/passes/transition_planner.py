@@ -144,7 +144,7 @@ class Planner:
         for g in sorted(dst_on):
             sl, dl = src_on.get(g), dst_on[g]
             if not shared and len(dl) == 1 and (sl is None or len(sl) == 1):
-                # one slice needed, at most one held: ``local`` without its per-cell tables
+                # one slice needed, at most one held: decided inline, as ``local`` decides it
                 j = dl[0]
                 d = dsts[j]
                 s = srcs[sl[0]] if sl else None

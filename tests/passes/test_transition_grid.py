@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus.passes.transition_grid import Grid, local
+from nereus.passes.transition_grid import Grid, local, merge
 
 
 def _scan(grid: Grid, srcs, dsts):
@@ -38,15 +38,20 @@ def _scan(grid: Grid, srcs, dsts):
     return sorted(keeps), [(i, j, cs) for (i, j), cs in copies.items()], missing
 
 
+SHAPES = [(8,), (8, 6), (4, 6, 5)]  # 1-D, 2-D and 3-D (a per-layer family: layers first)
+
+
 @st.composite
 def _gpu(draw):
-    """Slices of a 2-D tensor of 8 x 6 on one GPU: a few sources and destinations, some equal."""
+    """Slices of one tensor on one GPU: a few sources and destinations, some equal."""
+    shape = draw(st.sampled_from(SHAPES))
+
     def box():
-        a = draw(st.integers(0, 7))
-        b = draw(st.integers(a + 1, 8))
-        c = draw(st.integers(0, 5))
-        d = draw(st.integers(c + 1, 6))
-        return ((a, b), (c, d))
+        out = []
+        for n in shape:
+            a = draw(st.integers(0, n - 1))
+            out.append((a, draw(st.integers(a + 1, n))))
+        return tuple(out)
     stages = ["m.train", "m.infer", "m.generate"]
     srcs = [(draw(st.sampled_from(stages)), box()) for _ in range(draw(st.integers(0, 3)))]
     dsts = []
@@ -68,3 +73,19 @@ def test_local_equals_a_scan_of_every_cell(case):
     assert sorted(got.keeps) == keeps
     assert got.copies == copies
     assert got.missing == missing
+
+
+@settings(max_examples=200, deadline=None)
+@given(_gpu(), st.data())
+def test_boxes_merge_cells_as_the_greedy_merge_does_and_cover_them_exactly(case, data):
+    """``Grid.boxes`` (interval indices decoded at once) against ``merge`` on the cells one by
+    one, and the boxes hold exactly the cells they were made of."""
+    srcs, dsts = case
+    grid = Grid({r for _, r in srcs} | {r for _, r in dsts})
+    every = sorted({c for _, r in srcs + dsts for c in grid.cells(r)})
+    cells = sorted(data.draw(st.sets(st.sampled_from(every), min_size=1)))
+    boxes = grid.boxes(cells)
+    assert boxes == [tuple((c[a], c[b]) for c, (a, b) in zip(grid.cuts, box))
+                     for box in merge([grid.index(x) for x in cells])]
+    covered = sorted(c for b in boxes for c in grid.cells(b))
+    assert covered == cells
