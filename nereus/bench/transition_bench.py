@@ -7,7 +7,11 @@ Cases, on the 70B PPO job (actor and critic train with TP 8 x PP 4, colocated on
    its DP to the GPUs left; the leaving GPUs still send their state. (Had they failed, ZeRO-1's
    optimizer shards on them would be lost: the planner reports exactly that, since no other
    GPU holds those shards.)
-3. case 1 with no memory to spare: each GPU's memory is the larger of its state under plan A
+3. both trained models from TP 8 x PP 4 with ZeRO-1 to TP 4 with ZeRO-3 over all the GPUs (DP
+   256 at 1,024 GPUs): every weight, master and moment sliced 256 ways, each new slice gathered
+   from the four pipeline stages that held its layers (the widest moves the simulator's decision
+   core makes, at steps 810-934 of ``combined``);
+4. case 1 with no memory to spare: each GPU's memory is the larger of its state under plan A
    and under plan B, as when activations and the KV cache fill the rest. No GPU can hold its
    old and new shards at once: what does not fit beside the old state is staged through host
    memory (``unstage``), which the time to beat includes.
@@ -98,6 +102,16 @@ def cases(gpus: int):
             lay.mesh = alive[first:first + lay.dp * per]
     m2.plans[c.name] = c
     yield "DP 32 -> 30: 64 GPUs reclaimed", m2, "ppo70b_p0", "dp_shrunk"
+    m4 = copy.deepcopy(base)
+    z = copy.deepcopy(a)
+    z.name = "zero3"
+    for ms in ("actor.train", "critic.train"):
+        lay = z.layouts[ms]
+        lay.tp, lay.pp, lay.vpp, lay.zero = 4, 1, 1, 3
+        lay.dp = len(lay.mesh) // 4
+        lay.layers = [(0, 79)]
+    m4.plans[z.name] = z
+    yield "TP8 PP4 ZeRO-1 -> TP4 ZeRO-3", m4, "ppo70b_p0", "zero3"
     for plan in ("ppo70b_p0", "tp4pp8"):
         derive_missing_emus(tight, plan)
     before, after_ = state_bytes(tight, "ppo70b_p0"), state_bytes(tight, "tp4pp8")

@@ -245,7 +245,7 @@ def _tails(buckets: list[Bucket], succs) -> list[int]:
     return tail
 
 
-def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False) -> list[int]:
+def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False, graph=None) -> list[int]:
     """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
     then the bucket with more ports, then the longer), each at the earliest time after its
     predecessors at which all its ports are free for its whole duration, in a gap left between
@@ -254,8 +254,9 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = 
     Placing the many-port broadcasts first and filling the gaps they leave with point-to-point
     buckets keeps the busiest receive ports working from start to end, where ``greedy`` (which
     appends to each port) leaves them idle while a broadcast waits for all its ports.
+    ``graph``: ``_graph``'s, if made (read only).
     """
-    preds, succs, ports, busy = _graph(buckets, prec)
+    preds, succs, ports, busy = graph or _graph(buckets, prec)
     tail = _tails(buckets, succs) if chains else [0] * len(buckets)
     prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
@@ -322,7 +323,8 @@ def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) ->
     return best
 
 
-LARGE = 4000  # buckets: above this, one pass of list scheduling (``serial``) instead of ``greedy``
+INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
+LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy`` and CP-SAT
 
 
 def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> list[int]:
@@ -362,9 +364,16 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
         return Schedule([], 0, 0, "optimal", 0)
     graph = _graph(buckets, prec)  # read by the bound and the one-pass schedule; greedy's changes its busy times
     bound = port_bound(buckets, prec, graph)
-    if len(buckets) > LARGE:  # no search on this scale: the one-pass list schedule and its bound
+    if len(buckets) > LARGE:  # no search on this scale: the better of two list schedules, and the bound
         warm = serial(buckets, prec, graph)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
+        # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
+        # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
+        if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:
+            other = insertion(buckets, prec, bool(prec), graph)
+            span = max(s + b.duration for s, b in zip(other, buckets))
+            if span < horizon:
+                warm, horizon = other, span
         return Schedule(warm, horizon, bound, "optimal" if horizon == bound else "feasible", bound)
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
