@@ -40,7 +40,12 @@ class Memory:
         self.p, self.mem_a, self.dead, self.frees, self.gpu_b = planner, mem_a, dead, frees, gpu_b
         self.cap = planner.cluster.gpu_memory
         self.staged_on_node: dict[int, int] = defaultdict(int)
-        self.unstaged: dict[tuple[str, object], str] = {}  # (staged op, destination shard) -> unstage op
+        self.unstaged: dict[tuple[str, int], str] = {}  # (staged op, GPU) -> its unstage there
+        self.staged: dict[str, tuple[Op, set[int]]] = {}  # staged op -> (it, the GPUs it writes host memory of)
+        self._mine: dict[int, dict[int, list]] = {}  # id of a destination list -> GPU -> its shards there
+        # operation -> the prefixes of dead frees it waits for, one per GPU it writes: (frees,
+        # their numbers, length); added to its dependencies once, at the end (``_add_waits``)
+        self.waits: dict[str, list[tuple[list[str], list[int], int]]] = defaultdict(list)
 
     def order(self) -> list[Diagnostic]:
         p, problems = self.p, []
@@ -55,6 +60,8 @@ class Memory:
             ops = [(oid, p.ops[op_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
             direct = loads + (ops if grow <= room else self._stage(g, room - loaded, grow, ops, problems))
             self._after_dead(g, direct, dead)
+        self._add_waits()
+        self._write_host()
         self._offloads_after_unstage()
         host = self.p.cluster.host_memory
         for node, nbytes in sorted(self.staged_on_node.items()):
@@ -66,17 +73,16 @@ class Memory:
     def _after_dead(self, g: int, direct: list[tuple[str, int]], dead: list[Op]) -> None:
         """Each copy or receive that writes GPU g directly waits for the shortest prefix of g's
         dead frees that leaves room for it and the ones before it (the first need none)."""
-        p = self.p
-        avail, k, need, prefix = self.cap - self.mem_a[g], 0, 0, []
+        avail, k, need, prefix, numbers = self.cap - self.mem_a[g], 0, 0, [], []
         for op_id, nbytes in direct:
             need += nbytes
             while avail < need and k < len(dead):
                 avail += dead[k].bytes
                 prefix.append(dead[k].id)  # frees are numbered in creation order: the prefix stays sorted
+                numbers.append(op_number(dead[k].id))
                 k += 1
-            if prefix:
-                op = p.ops[op_number(op_id)]
-                op.deps = prefix[:] if not op.deps else sorted({*op.deps, *prefix}, key=op_number)
+            if prefix:  # the prefix only grows: its length now says which part this one waits for
+                self.waits[op_id].append((prefix, numbers, len(prefix)))
 
     def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]],
                problems: list[Diagnostic]) -> list[tuple[str, int]]:
@@ -114,35 +120,75 @@ class Memory:
                 freed += live[k].bytes
                 k += 1
             deps = sorted({*dead, *(f.id for f in live[:k])}, key=op_number) if dead else [f.id for f in live[:k]]
+            numbers = [op_number(d) for d in deps]
             for w in wave:
-                self._unstage(g, w, deps)
+                self._unstage(g, w, deps, numbers)
             wave, in_wave = [], 0
         return direct
 
-    def _unstage(self, g: int, op: Op, frees: list[str]) -> None:
+    def _unstage(self, g: int, op: Op, frees: list[str], numbers: list[int]) -> None:
         """Send or copy ``op``'s slice for GPU g into host[g]; an unstage moves it on after
-        ``frees`` (sorted by number, as all dependency lists are)."""
+        ``frees`` (sorted by number, as all dependency lists are; ``numbers`` are theirs).
+        ``op``'s destinations are rewritten once for all its GPUs, by ``_write_host``."""
         p = self.p
-        mine = [r for r in op.dst if not isinstance(r, HostRef) and self.gpu_b[r] == g]
-        at = op.dst.index(mine[0])
-        rest = [r for r in op.dst if r not in mine]
-        op.dst = rest[:at] + [HostRef(g)] + rest[at:]
+        on = self._mine.get(id(op.dst))  # destination lists are shared between operations, and alive all along
+        if on is None:
+            on = self._mine[id(op.dst)] = defaultdict(list)
+            for r in op.dst:
+                on[self.gpu_b[r]].append(r)
+        mine = on[g]
+        got = self.staged.get(op.id)
+        if got is None:
+            self.staged[op.id] = (op, {g})
+        else:
+            got[1].add(g)
         if op.spec.local:
             op.link = "pcie"  # a copy staged: device to its own host memory
+        at = bisect.bisect_right(numbers, op_number(op.id))
         un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
-                src=[HostRef(g)], dst=mine, bytes=op.bytes, link="pcie", deps=list(frees))
-        bisect.insort(un.deps, op.id, key=op_number)
+                src=[HostRef(g)], dst=list(mine), bytes=op.bytes, link="pcie", deps=[*frees[:at], op.id, *frees[at:]])
         p.ops.append(un)
-        for r in mine:
-            self.unstaged[(op.id, r)] = un.id
+        self.unstaged[(op.id, g)] = un.id
         self.staged_on_node[p.cluster.node_of(g)] += op.bytes
+
+    def _add_waits(self) -> None:
+        """Every copy or receive waits for the prefixes of dead frees recorded for it, merged
+        into its dependencies in number order, without repeats."""
+        ops = self.p.ops
+        for op_id, waits in self.waits.items():
+            op = ops[op_number(op_id)]
+            if len(waits) == 1 and not op.deps:
+                prefix, _, k = waits[0]
+                op.deps = prefix[:k]
+                continue
+            by_number = dict(zip(map(op_number, op.deps), op.deps))
+            for prefix, numbers, k in waits:
+                by_number.update(zip(numbers[:k], prefix[:k]))
+            op.deps = [by_number[n] for n in sorted(by_number)]
+
+    def _write_host(self) -> None:
+        """A staged operation writes host[g] in place of its destination shards on each GPU g it
+        stages for (where the first of them stood)."""
+        for op, gpus in self.staged.values():
+            dst, put = [], set()
+            for r in op.dst:
+                g = self.gpu_b[r]
+                if g not in gpus:
+                    dst.append(r)
+                elif g not in put:
+                    put.add(g)
+                    dst.append(HostRef(g))
+            op.dst = dst
 
     def _offloads_after_unstage(self) -> None:
         """An offload of plan B's slice waits for the unstage that put a staged part of it on the GPU."""
         if not self.unstaged:
             return
+        unstaged = self.unstaged
         for op in self.p.ops:
-            if op.spec.writes_host:  # offloads
-                extra = {self.unstaged[(d, op.src[0])] for d in op.deps if (d, op.src[0]) in self.unstaged}
+            if op.kind == "offload":
+                # its dependencies write its shard (they deliver it), so a staged one was staged for its GPU
+                g = self.gpu_b[op.src[0]]
+                extra = {unstaged[(d, g)] for d in op.deps if (d, g) in unstaged}
                 if extra:
                     op.deps = sorted(set(op.deps) | extra, key=op_number)
