@@ -175,3 +175,37 @@ def test_state_that_stays_in_host_memory_takes_no_gpu_memory():
     assert not any(op.kind in ("load", "offload") for op in t.ops)  # the reference model never moves
     result = simulate(m, t)
     assert result.mismatches == [] and max(result.peak.values()) <= m.clusters["c"].gpu_memory
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plan_pairs(), st.floats(1.0, 1.3))
+def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
+    """Under tight memory (staging, waves of unstages waiting for frees): each bucket's
+    precedences, gathered once per bucket, equal those derived operation by operation through
+    the non-bucket operations (frees, copies); an unstage's bucket is on the GPU of its shards."""
+    from nereus.passes.cost_model import CostModel
+    from nereus.passes.schedule_transfers import _gpu, _precedences, buckets_of
+
+    a, b = state_bytes(m, "a"), state_bytes(m, "b")
+    m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
+    nereus.run_pipeline(m, "plan-transition{to=@b}")
+    t = m.transitions["a_to_b"]
+    buckets, index = buckets_of(m, t, CostModel(m.clusters["c"]))
+    by_id = {op.id: op for op in t.ops}
+
+    def before(op_id):  # the buckets a non-bucket operation waits for, directly or through others
+        out = set()
+        for d in by_id[op_id].deps:
+            out |= {index[d]} if d in index else before(d)
+        return out
+
+    want = set()
+    for op in t.ops:
+        i = index.get(op.id)
+        for d in op.deps if i is not None else ():
+            want |= {(j, i) for j in ({index[d]} if d in index else before(d)) if j != i}
+    assert _precedences(t, buckets, index) == want
+    for bucket in buckets:
+        for op in bucket.ops:
+            if op.kind == "unstage":
+                assert {_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
