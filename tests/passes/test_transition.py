@@ -209,3 +209,26 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
         for op in bucket.ops:
             if op.kind == "unstage":
                 assert {_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
+
+
+def test_a_broadcast_waits_for_the_dead_frees_of_every_gpu_it_writes():
+    """The actor moves from GPU 0 to replicas on GPUs 1 and 2 (broadcasts), which hold reference
+    replicas plan B no longer needs (the one on GPU 3 stays): with no room for both, each
+    broadcast waits for the frees on both receiving GPUs, and neither GPU overflows."""
+    m = job()
+    one = {"actor.generate": [0], "actor.train": [0], "ref.infer": [1, 2, 3]}
+    two = {"actor.generate": [1, 2], "actor.train": [1, 2], "ref.infer": [3]}
+    for name, meshes in (("a", one), ("b", two)):
+        m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts={
+            ms: Layout(model_stage=ms, tp=1, pp=1, dp=len(mesh), layers=[(0, 4)], mesh=mesh) for ms, mesh in meshes.items()})
+    a, b = state_bytes(m, "a"), state_bytes(m, "b")
+    m.clusters["c"].gpu_memory = cap = max(max(a.values()), max(b.values()))
+    assert a[1] + b[1] > cap  # the actor does not fit beside the reference replica
+    nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+    t = m.transitions["a_to_b"]
+    frees_on = {g: {op.id for op in t.ops if op.kind == "free" and op.src[0].model_stage == "ref.infer"
+                    and op.src[0].dp == g - 1} for g in (1, 2)}
+    waiting = [op for op in t.ops if op.kind == "broadcast" and set(op.deps) & frees_on[1] and set(op.deps) & frees_on[2]]
+    assert waiting and all(op.deps == sorted(set(op.deps), key=lambda d: int(d[1:])) for op in t.ops)
+    result = simulate(m, t)
+    assert result.mismatches == [] and max(result.peak.values()) <= cap
