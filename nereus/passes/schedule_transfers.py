@@ -273,7 +273,10 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = 
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
-    placed: dict[tuple, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))  # port -> starts, ends
+    # port -> the starts and ends of its busy spans: buckets placed back to back are one span,
+    # so the search for a gap jumps over a packed stretch at once (a port thousands of buckets
+    # use is one span or a few, and the search stays short)
+    placed: dict[tuple, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     start: dict[int, int] = {}
     while heap:
         i = heapq.heappop(heap)[-1]
@@ -284,14 +287,24 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = 
         while moved:  # the earliest gap of length d from t on, on every port at once
             moved = False
             for starts, ends in lines:
-                k = bisect.bisect_right(ends, t)  # the first bucket on this port ending after t
+                k = bisect.bisect_right(ends, t)  # the first span on this port ending after t
                 if k < len(starts) and starts[k] < t + d:
                     t, moved = ends[k], True
         start[i] = t
         for starts, ends in lines:
-            k = bisect.bisect_left(starts, t)
-            starts.insert(k, t)
-            ends.insert(k, t + d)
+            k = bisect.bisect_left(starts, t)  # spans before k end by t, spans from k start at t + d or later
+            joins_left = k > 0 and ends[k - 1] == t
+            joins_right = k < len(starts) and starts[k] == t + d
+            if joins_left and joins_right:
+                ends[k - 1] = ends[k]
+                del starts[k], ends[k]
+            elif joins_left:
+                ends[k - 1] = t + d
+            elif joins_right:
+                starts[k] = t
+            else:
+                starts.insert(k, t)
+                ends.insert(k, t + d)
         for j in succs[i]:
             waiting[j] -= 1
             if waiting[j] == 0:

@@ -1,6 +1,8 @@
 """schedule-transfers: the list schedules place every bucket without overlapping a port and
 after its predecessors; the schedule with insertion fills the gaps broadcasts leave."""
 
+import bisect
+import heapq
 from collections import defaultdict
 from itertools import pairwise
 
@@ -9,7 +11,9 @@ from hypothesis import strategies as st
 
 from nereus.passes.schedule_transfers import (
     Bucket,
+    _graph,
     _ports,
+    _tails,
     greedy,
     insertion,
     serial,
@@ -88,3 +92,44 @@ def test_a_large_transition_is_scheduled_in_one_pass_not_in_quadratic_time():
     sched = solve_schedule(buckets, prec, time_limit=1.0)
     assert_valid(buckets, prec, sched.starts)
     assert sched.makespan == port_bound(buckets) and sched.status == "optimal"
+
+
+def insertion_by_buckets(buckets, prec, chains):
+    """``insertion`` as first written: every placed bucket its own span on a port, the gap
+    search stepping over them one by one."""
+    preds, succs, ports, busy = _graph(buckets, prec)
+    tail = _tails(buckets, succs) if chains else [0] * len(buckets)
+    prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
+    waiting = {i: len(preds[i]) for i in range(len(buckets))}
+    heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    placed, start = defaultdict(lambda: ([], [])), {}
+    while heap:
+        i = heapq.heappop(heap)[-1]
+        d = buckets[i].duration
+        t = max((start[j] + buckets[j].duration for j in preds[i]), default=0)
+        lines = [placed[p] for p in ports[i]]
+        moved = True
+        while moved:
+            moved = False
+            for starts, ends in lines:
+                k = bisect.bisect_right(ends, t)
+                if k < len(starts) and starts[k] < t + d:
+                    t, moved = ends[k], True
+        start[i] = t
+        for starts, ends in lines:
+            k = bisect.bisect_left(starts, t)
+            starts.insert(k, t)
+            ends.insert(k, t + d)
+        for j in succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, prio[j])
+    return [start[i] for i in range(len(buckets))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances(), st.booleans())
+def test_insertion_on_merged_spans_places_every_bucket_where_per_bucket_spans_do(inst, chains):
+    buckets, prec = inst
+    assert insertion(buckets, prec, chains) == insertion_by_buckets(buckets, prec, chains)
