@@ -15,6 +15,9 @@ Cases, on the 70B PPO job (actor and critic train with TP 8 x PP 4, colocated on
    and under plan B, as when activations and the KV cache fill the rest. No GPU can hold its
    old and new shards at once: what does not fit beside the old state is staged through host
    memory (``unstage``), which the time to beat includes.
+5. case 3 backwards, with no memory to spare: out of ZeRO-3, every new slice gathered from the
+   GPUs that each held 1/256 of it, and most of it staged through host memory (the move the
+   simulator's decision core is forced into at step 934 of ``combined``, when GPUs leave).
 
 Peers reshard only the model-stages whose pieces differ between plan A and plan B (a model-stage
 with the same layout on the same GPUs stays put, as in any real system), each from its own
@@ -117,6 +120,13 @@ def cases(gpus: int):
     before, after_ = state_bytes(tight, "ppo70b_p0"), state_bytes(tight, "tp4pp8")
     tight.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
     yield "TP8 PP4 -> TP4 PP8, no memory to spare", tight, "ppo70b_p0", "tp4pp8"
+    back = copy.deepcopy(base)
+    back.plans[z.name] = copy.deepcopy(z)
+    for plan in ("zero3", "ppo70b_p0"):
+        derive_missing_emus(back, plan)
+    before, after_ = state_bytes(back, "zero3"), state_bytes(back, "ppo70b_p0")
+    back.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
+    yield "TP4 ZeRO-3 -> TP8 PP4 ZeRO-1, no memory to spare", back, "zero3", "ppo70b_p0"
 
 
 @dataclass
