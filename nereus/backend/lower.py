@@ -106,11 +106,14 @@ def _levels(ops: list[Op]) -> dict[str, int]:
     return level
 
 
-def _names(op: Op) -> list[str]:
-    """The per-layer tensor names an operation's slice covers."""
+def _names(op: Op) -> list[tuple[str, str]]:
+    """(state, per-layer tensor name) of every tensor an operation's slice covers: each of its
+    states (``optimizer``: master, exp_avg, exp_avg_sq) of each layer."""
     if op.layers is None:
-        return [op.family]
-    return [f"layers.{i}.{op.family}" for i in range(op.layers[0], op.layers[1] + 1)]
+        names = [op.family]
+    else:
+        names = [f"layers.{i}.{op.family}" for i in range(op.layers[0], op.layers[1] + 1)]
+    return [(st, n) for st in op.states for n in names]
 
 
 def _nbytes(box, itemsize: int) -> int:
@@ -231,17 +234,17 @@ class _Lowering:
         for ref in op.src:
             g = self.gpu_of[(self.t.source, ref)]
             if g in self.rank_of:
-                self.releases[self.rank_of[g]] += [self.key(ref, op.state, n) for n in _names(op)]
+                self.releases[self.rank_of[g]] += [self.key(ref, st, n) for st, n in _names(op)]
 
     def _unstage(self, op: Op) -> None:
         """5. An unstage copies the staging buffer into every destination shard on its GPU."""
         r, lv = self.rank_of[op.src[0].gpu], self.level[op.id]
         first = op.dst[0]
-        for name in _names(op):
-            fk = self.key(first, op.state, name)
+        for state, name in _names(op):
+            fk = self.key(first, state, name)
             itemsize = self.dst_spec[(r, fk)].itemsize
             for ref in op.dst:
-                dk = self.key(ref, op.state, name)
+                dk = self.key(ref, state, name)
                 self.before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, op.box, _nbytes(op.box, itemsize),
                                                                         staged=True), round=lv))
                 self.written[(r, dk)] += _nbytes(op.box, itemsize)
@@ -255,7 +258,7 @@ class _Lowering:
         plan = t.source if (kind.destination_plan if loads else kind.source_plan) == "source" else t.target
         for ref in refs:
             r = self.rank_of[self.gpu_of[(plan, ref)]]
-            ks = tuple(self.key(ref, op.state, n) for n in _names(op))
+            ks = tuple(self.key(ref, st, n) for st, n in _names(op))
             if loads:
                 self.before[(r, self.level[op.id])].append(Step("load", keys=ks, round=self.level[op.id]))
             else:
@@ -280,13 +283,13 @@ class _Lowering:
             s = rank_of[self.gpu_of[(t.source, sref)]]
             remote = sorted(rank_of[g] for g in by_gpu if rank_of[g] != s)
             grouped = op.spec.one_to_many and len(remote) > 1 and not staged and self.chained(self.gpus[s], len(remote))
-            for name in names:
-                sk = self.key(sref, op.state, name)
+            for state, name in names:
+                sk = self.key(sref, state, name)
                 nb = _nbytes(box, self.src_spec[(s, sk)].itemsize)
                 group_pieces: dict[int, Piece] = {}
                 for g, refs in by_gpu.items():
                     r = rank_of[g]
-                    first = self.key(refs[0], op.state, name)
+                    first = self.key(refs[0], state, name)
                     piece = Piece(sk, first, box, nb, staged=g in staged)
                     if r == s:
                         self.before[(r, lv)].append(Step("copy", piece=piece, round=lv))
@@ -298,7 +301,7 @@ class _Lowering:
                         continue  # written into the shards by the unstage
                     self.written[(r, first)] += nb
                     for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
-                        ek = self.key(extra, op.state, name)
+                        ek = self.key(extra, state, name)
                         self.after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb, arrived=True), round=lv))
                         self.written[(r, ek)] += nb
                 if group_pieces and self.broadcast == "collective":

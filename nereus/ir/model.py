@@ -169,5 +169,8 @@ class Model:
 
 
 def state_dtype_bytes(model: Model, state: str) -> int:
-    """Bytes per element of a state: weights in the model dtype; grads, fp32 master and Adam moments in fp32."""
-    return model.dtype_bytes if state == "weight" else 4
+    """Bytes per element of a state: weights in the model dtype; grads, fp32 master and Adam
+    moments in fp32; a group of states (``optimizer``: master and both moments) the sum of its members'."""
+    from .emu import member_states
+
+    return sum(model.dtype_bytes if st == "weight" else 4 for st in member_states(state))

@@ -135,6 +135,8 @@ class _ToSyntax(Transformer):
     def state(self, tok):
         return str(tok)
 
+    op_state = state
+
     def entry(self, state, tensor, box):
         return ("entry", state or "weight", tensor, box)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
-from .emu import Box, tensor_name
+from .emu import Box, member_states, tensor_name
 
 @dataclass(frozen=True)
 class OpKind:
@@ -161,7 +161,7 @@ class Op:
     box: Box  # half-open span per dimension, in elements of the full tensor
     bytes: int  # bytes moved (all layers of the range)
     link: str  # local | nvlink | nic | pcie
-    state: str = "weight"  # weight | grad | master | exp_avg | exp_avg_sq
+    state: str = "weight"  # weight | grad | master | exp_avg | exp_avg_sq | optimizer (the last three at once)
     src: list[Endpoint] = field(default_factory=list)  # model-stage shard (or host) coordinates
     dst: list[Endpoint] = field(default_factory=list)
     deps: list[str] = field(default_factory=list)  # ids of ops that must finish first
@@ -175,6 +175,11 @@ class Op:
     @property
     def tensor(self) -> str:
         return tensor_name(self.family, self.layers)
+
+    @property
+    def states(self) -> tuple[str, ...]:
+        """The single states this operation moves the slice of (``optimizer``: master, exp_avg, exp_avg_sq)."""
+        return member_states(self.state)
 
     @property
     def spec(self) -> OpKind:

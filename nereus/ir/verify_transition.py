@@ -53,10 +53,12 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
         region = region_of(op.layers, op.box)
         if op.spec.frees:
             for ref in op.src:
-                freed.add((ref, op.state, op.family, region))
+                for st in op.states:
+                    freed.add((ref, st, op.family, region))
         elif op.spec.delivers:  # (load and offload move a slice between a GPU and its host)
             for ref in op.dst:
-                delivered[(ref, op.state, op.family)].append(region)
+                for st in op.states:
+                    delivered[(ref, st, op.family)].append(region)
     in_place: dict[tuple, set] = defaultdict(set)
     for (plan, ms, dp), emu in m.emus.items():
         if plan != t.source:
@@ -208,18 +210,26 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
             or (op.layers is not None and op.layers[1] >= model.layers):
         sink.error(op.locs.get("tensor", op.loc), f"{op.id}: slice {tensor} {format_box(op.box)} is outside the tensor of shape {list(shape)}")
         return
-    args = (op.state, op.family, op.layers, op.box)
+    def lacks(entries) -> str | None:
+        """The first of the operation's states whose slice ``entries`` do not hold (None: all held)."""
+        return next((st for st in op.states if not any(holds_slice(e, st, op.family, op.layers, op.box) for e in entries)),
+                    None)
+
+    def what(st: str) -> str:
+        return tensor if st == "weight" else f"{st} {tensor}"
+
     for (gpu, entries, _), ref, loc in zip(src, op.src, locs):
         if entries is None:
             continue
-        holds = any(holds_slice(e, *args) for e in entries)
-        if not holds:
-            sink.error(loc, f"{op.id}: source {ref} does not hold {tensor} {format_box(op.box)}")
+        st = lacks(entries)
+        if st is not None:
+            sink.error(loc, f"{op.id}: source {ref} does not hold {what(st)} {format_box(op.box)}")
     for (gpu, entries, _), ref, loc in zip(dst, op.dst, locs[len(op.src):]):
         if entries is None:
             continue
-        if not any(holds_slice(e, *args) for e in entries):
-            sink.error(loc, f"{op.id}: destination {ref} does not hold {tensor} {format_box(op.box)} in plan @{dst_plan}")
+        st = lacks(entries)
+        if st is not None:
+            sink.error(loc, f"{op.id}: destination {ref} does not hold {what(st)} {format_box(op.box)} in plan @{dst_plan}")
     numel = 1 if op.layers is None else op.layers[1] - op.layers[0] + 1
     for lo, hi in op.box:
         numel *= hi - lo

@@ -16,6 +16,11 @@ trained models) and every tensor family:
 5. where the plans differ in what they keep in host memory, plan A's offloaded slices are
    loaded before they are read and plan B's are offloaded once they arrived.
 
+A trained model's fp32 master copy and Adam moments are sliced alike under every layout, so
+where both plans hold the three alike, they are planned once, as one ``optimizer`` state whose
+operations move the slice of all three (``group_optimizer_states``): a third of the operations
+and messages that per-state planning makes for them, the same bytes.
+
 Source slices on GPUs that plan B's cluster marks unavailable are lost: their data comes from
 other replicas, and the pass reports what no surviving GPU holds.
 
@@ -38,6 +43,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
+from ..ir.emu import STATE_GROUPS
 from ..ir.model import state_dtype_bytes
 from ..ir.gc_pause import gc_paused
 from .lower_bound import lower_bound
@@ -46,7 +52,7 @@ from .pass_manager import ModulePass, Ref, no_such, register
 from .transition_grid import Holding
 from .transition_planner import Planner
 
-__all__ = ["Holding", "plan_holdings", "plan_transition", "state_bytes"]
+__all__ = ["Holding", "group_optimizer_states", "plan_holdings", "plan_transition", "state_bytes"]
 
 
 def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
@@ -88,6 +94,29 @@ def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[
     return out
 
 
+def group_optimizer_states(src_all: dict, dst_all: dict) -> tuple[dict, dict]:
+    """``src_all`` and ``dst_all`` with the states of each group (``optimizer``: master, exp_avg,
+    exp_avg_sq) of each (model, family) as one key, where each plan holds every member alike
+    (the same pieces: shard, GPU and slice, in order); other families keep their single states."""
+    src, dst = dict(src_all), dict(dst_all)
+    for group, members in STATE_GROUPS.items():
+        for model_name, _, family in [k for k in dst_all if k[1] == members[0]]:
+            keys = [(model_name, st, family) for st in members]
+            alike = True
+            for holdings in (src_all, dst_all):
+                first = holdings.get(keys[0])
+                if first is None or any(holdings.get(k) != first for k in keys[1:]):
+                    alike = False
+                    break
+            if not alike:
+                continue
+            for holdings, out in ((src_all, src), (dst_all, dst)):
+                out[(model_name, group, family)] = holdings[keys[0]]
+                for k in keys:
+                    del out[k]
+    return src, dst
+
+
 def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None) -> Transition:
     """Build the transition graph; see the module docstring. Needs both plans' EMUs
     (``derive-emus``; the pass declares it and the pass manager runs it).
@@ -103,6 +132,7 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
         # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
         lost = set(cluster.unavailable) if lost is None else set(lost)
         src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
+        src_all, dst_all = group_optimizer_states(src_all, dst_all)
         planner = Planner(m, source, target, cluster, src_all, dst_all)
         for key in sorted(dst_all):
             planner.family(key, src_all.get(key, []), dst_all[key])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -126,7 +126,8 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
         return out
 
     received = 0
-    for op in _order(t):
+    for op in (replace(o, state=st) if len(o.states) > 1 else o for o in _order(t) for st in o.states):
+        # an operation on a group of states (``optimizer``) runs as one per member state here
         region = region_of(op.layers, op.box)
         model = (op.src[0] if isinstance(op.src[0], ShardRef) else op.dst[0]).model_stage.rpartition(".")[0]
         kind = op.spec

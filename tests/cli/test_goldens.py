@@ -128,7 +128,7 @@ def test_a_wrong_value_fails_the_case(tmp_path):
         run_case(wrong)
     run_case(case)
     # and a wrong count of operations
-    wrong.write_text(case.read_text().replace("SEND-COUNT-252:", "SEND-COUNT-251:"))
+    wrong.write_text(case.read_text().replace("SEND-COUNT-84:", "SEND-COUNT-83:"))
     with pytest.raises(RunError, match="SEND-NOT"):
         run_case(wrong)
 
