@@ -202,12 +202,15 @@ class _Lowering:
         """A slice staged in host[g] by operation d: the destination shards on g that its unstage fills."""
         by_id = {op.id: op for op in self.t.ops}
         self.staged_for: dict[tuple[str, int], list[ShardRef]] = {}
+        self.fed_by: dict[str, list[Op]] = {}  # unstage -> the operations that staged its slices
         for op in self.t.ops:
             if op.spec.reads_host and op.spec.delivers:
                 g = op.src[0].gpu
+                fed = self.fed_by[op.id] = []
                 for d in op.deps:
                     if any(isinstance(r, HostRef) and r.gpu == g for r in by_id[d].dst):
                         self.staged_for[(d, g)] = list(op.dst)
+                        fed.append(by_id[d])
 
     def chained(self, root_gpu: int, remote: int) -> bool:
         """4. Whether a broadcast from ``root_gpu`` to ``remote`` receivers is chained (or a collective)."""
@@ -237,17 +240,20 @@ class _Lowering:
                 self.releases[self.rank_of[g]] += [self.key(ref, st, n) for st, n in _names(op)]
 
     def _unstage(self, op: Op) -> None:
-        """5. An unstage copies the staging buffer into every destination shard on its GPU."""
+        """5. An unstage copies the staging buffers of the slices it takes (each operation it
+        depends on that staged one) into every destination shard on its GPU."""
         r, lv = self.rank_of[op.src[0].gpu], self.level[op.id]
         first = op.dst[0]
+        boxes = [f.box for f in self.fed_by[op.id]]
         for state, name in _names(op):
             fk = self.key(first, state, name)
             itemsize = self.dst_spec[(r, fk)].itemsize
             for ref in op.dst:
                 dk = self.key(ref, state, name)
-                self.before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, op.box, _nbytes(op.box, itemsize),
-                                                                        staged=True), round=lv))
-                self.written[(r, dk)] += _nbytes(op.box, itemsize)
+                for box in boxes:
+                    nb = _nbytes(box, itemsize)
+                    self.before[(r, lv)].append(Step("unstage", piece=Piece(fk, dk, box, nb, staged=True), round=lv))
+                    self.written[(r, dk)] += nb
                 self.late[r].add(dk)
 
     def _host_move(self, op: Op) -> None:

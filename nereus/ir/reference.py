@@ -35,7 +35,9 @@ transition @NAME { ATTRS  %ID = KIND [STATE] TENSOR [SLICES] from [ENDPOINTS] to
 - Integer lists take inclusive ranges: `[0..7, 12]`. Slices are half-open `start:stop`.
 - Tensors are Hugging Face Llama names; per-layer tensors carry their layer or layer range:
   `layers.0..15.mlp.up_proj.weight`. States: weights (default), `grad`, `master`, `exp_avg`,
-  `exp_avg_sq`; weights are in the model's dtype, the others in fp32.
+  `exp_avg_sq`; weights are in the model's dtype, the others in fp32. An operation may name the
+  group `optimizer`: the same slice of `master`, `exp_avg` and `exp_avg_sq` at once (its bytes
+  are the three's; plan-transition moves a trained model's optimizer state so).
 - Endpoints: `MODEL.STAGE[dp, pp, tp]` (sources in the source plan, destinations in the
   target plan) or `host[GPU]`. Operation kinds: """ + ", ".join(OP_KINDS) + """ (below).
 

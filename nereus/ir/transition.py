@@ -69,7 +69,7 @@ OP_KINDS: dict[str, OpKind] = {k.name: k for k in (
            (1, 1), (1, 1), reads="b", writes="host", pcie=True),
     OpKind("load", "plan A's slice, offloaded between steps, comes back from host[g] before it is read",
            (1, 1), (1, 1), reads="host", writes="a", pcie=True),
-    OpKind("unstage", "a staged slice from host[g] into plan B's shards on GPU g",
+    OpKind("unstage", "a staged slice from host[g] into plan B's shards on GPU g (the slices the operations it depends on staged there, which fill its box)",
            (1, 1), (1, None), reads="host", writes="b", delivers=True, pcie=True),
 )}
 """Every operation kind, by name, in printing order."""

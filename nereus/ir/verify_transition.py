@@ -85,29 +85,61 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
 
 def _staging(t: Transition, sink: DiagnosticSink) -> None:
     """A slice staged in ``host[g]`` by a copy or send is moved onto GPU g by an ``unstage`` that
-    depends on that operation, and an ``unstage`` reads only what such an operation staged."""
-    staged: dict[tuple, list[Op]] = defaultdict(list)
+    depends on that operation, and an ``unstage`` reads exactly what the operations it depends on
+    staged there: their slices of its tensor lie inside its box, overlap nowhere and fill it (one
+    unstage may take the slices many senders staged for one new shard)."""
+    stages: dict[str, dict[tuple, Op]] = defaultdict(dict)  # staging op -> (gpu, state, family, layers) -> it
     for op in t.ops:
         if op.spec.stages:
             for ref in op.dst:
                 if isinstance(ref, HostRef):
-                    staged[(ref.gpu, op.state, op.family, op.layers, op.box)].append(op)
-    taken: set[str] = set()
+                    stages[op.id][(ref.gpu, op.state, op.family, op.layers)] = op
+    taken: set[tuple[str, int]] = set()
     for op in t.ops:
         if not (op.spec.reads_host and op.spec.delivers) or not op.src or not isinstance(op.src[0], HostRef):
             continue
-        key = (op.src[0].gpu, op.state, op.family, op.layers, op.box)
-        feeders = [s.id for s in staged.get(key, []) if s.id in op.deps]
+        g = op.src[0].gpu
+        key = (g, op.state, op.family, op.layers)
+        feeders = [f for d in op.deps if (f := stages.get(d, {}).get(key)) is not None and _inside(f.box, op.box)]
         if not feeders:
             sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
                                                     f"from {op.src[0]}, but depends on no operation that stages it there")
-        taken.update(feeders)
-    for ops in staged.values():
-        for op in ops:
-            if op.id not in taken:
-                host = next(r for r in op.dst if isinstance(r, HostRef))
+            continue
+        if not _tiles([f.box for f in feeders], op.box):
+            sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
+                                                    f"from {op.src[0]}, but the slices its dependencies "
+                                                    f"({', '.join(f.id for f in feeders)}) stage there do not fill it once")
+        taken.update((f.id, g) for f in feeders)
+    for op_id, where in stages.items():
+        for (g, *_), op in where.items():
+            if (op_id, g) not in taken:
+                host = HostRef(g)
                 sink.error(op.loc, f"{op.id} stages {op.state} {op.tensor} {format_box(op.box)} in {host}, but no unstage "
                                    f"moves it onto GPU {host.gpu}", f"add: unstage ... from [{host}] to [SHARD] {{deps = [{op.id}]}}")
+
+
+def _inside(box, outer) -> bool:
+    return len(box) == len(outer) and all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(box, outer))
+
+
+def _volume(box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _tiles(boxes: list, outer) -> bool:
+    """Whether ``boxes``, each inside ``outer``, fill it exactly: no two overlap and their volumes add up to it."""
+    if sum(_volume(b) for b in boxes) != _volume(outer):
+        return False
+    active: list = []  # a sweep along the first axis: boxes still open at the current start
+    for b in sorted(boxes):
+        active = [a for a in active if a[0][1] > b[0][0]]
+        if any(all(lo < bb and aa < hi for (lo, hi), (aa, bb) in zip(a, b)) for a in active):
+            return False
+        active.append(b)
+    return True
 
 
 def _uncovered(region, boxes) -> bool:

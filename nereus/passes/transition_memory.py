@@ -4,7 +4,6 @@ does not fit they are staged through the host memory beside the GPU and unstaged
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 
 from ..ir import Diagnostic, HostRef, Loc, Op
@@ -30,7 +29,9 @@ class Memory:
     slices no one reads (``dead``) that leaves room for it and those before it. Where even all
     dead frees leave too little room, g stages: the loads (whose data is in host memory already),
     then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
-    over its link) and an ``unstage`` moves it onto the GPU. Unstages go in waves, each after
+    over its link) and an ``unstage`` moves it onto the GPU; the slices of one tensor staged in
+    one wave for the same shards, which together fill a box (a new shard gathered from many
+    senders), are moved by one unstage (``merge_boxes``). Unstages go in waves, each after
     the dead frees and the shortest prefix of g's other frees that leaves room for it, so that
     unstaging overlaps the sends those frees wait for. That always fits when plans A and B
     each fit on the GPU.
@@ -120,23 +121,18 @@ class Memory:
                 freed += live[k].bytes
                 k += 1
             deps = sorted({*dead, *(f.id for f in live[:k])}, key=op_number) if dead else [f.id for f in live[:k]]
-            numbers = [op_number(d) for d in deps]
-            for w in wave:
-                self._unstage(g, w, deps, numbers)
+            self._unstage_wave(g, wave, deps)
             wave, in_wave = [], 0
         return direct
 
-    def _unstage(self, g: int, op: Op, frees: list[str], numbers: list[int]) -> None:
-        """Send or copy ``op``'s slice for GPU g into host[g]; an unstage moves it on after
-        ``frees`` (sorted by number, as all dependency lists are; ``numbers`` are theirs).
-        ``op``'s destinations are rewritten once for all its GPUs, by ``_write_host``."""
-        p = self.p
+    def _stage_one(self, g: int, op: Op) -> list:
+        """Send or copy ``op``'s slice for GPU g into host[g] (its destinations are rewritten once
+        for all its GPUs, by ``_write_host``); returns its destination shards on g."""
         on = self._mine.get(id(op.dst))  # destination lists are shared between operations, and alive all along
         if on is None:
             on = self._mine[id(op.dst)] = defaultdict(list)
             for r in op.dst:
                 on[self.gpu_b[r]].append(r)
-        mine = on[g]
         got = self.staged.get(op.id)
         if got is None:
             self.staged[op.id] = (op, {g})
@@ -144,12 +140,33 @@ class Memory:
             got[1].add(g)
         if op.spec.local:
             op.link = "pcie"  # a copy staged: device to its own host memory
-        at = bisect.bisect_right(numbers, op_number(op.id))
-        un = Op(id=f"%{len(p.ops)}", kind="unstage", state=op.state, family=op.family, layers=op.layers, box=op.box,
-                src=[HostRef(g)], dst=list(mine), bytes=op.bytes, link="pcie", deps=[*frees[:at], op.id, *frees[at:]])
-        p.ops.append(un)
-        self.unstaged[(op.id, g)] = un.id
-        self.staged_on_node[p.cluster.node_of(g)] += op.bytes
+        return on[g]
+
+    def _unstage_wave(self, g: int, wave: list[Op], frees: list[str]) -> None:
+        """Stage ``wave``'s slices for GPU g in host[g]; unstages move them onto g after ``frees``
+        (sorted by number, as all dependency lists are). Slices of one tensor for the same shards
+        that together fill a box (a new shard gathered from many senders) take one unstage."""
+        p = self.p
+        groups: dict[tuple, list[Op]] = {}
+        mine_of: dict[tuple, list] = {}
+        for op in wave:
+            mine = self._stage_one(g, op)
+            key = (op.state, op.family, op.layers, tuple(mine))
+            groups.setdefault(key, []).append(op)
+            mine_of[key] = mine
+        node = p.cluster.node_of(g)
+        for key, ops in groups.items():
+            state, family, layers, _ = key
+            for box, members in merge_boxes([op.box for op in ops]):
+                fed = [ops[i] for i in members]
+                nbytes = sum(op.bytes for op in fed)
+                deps = frees if not fed else sorted([*frees, *(op.id for op in fed)], key=op_number)
+                un = Op(id=f"%{len(p.ops)}", kind="unstage", state=state, family=family, layers=layers, box=box,
+                        src=[HostRef(g)], dst=list(mine_of[key]), bytes=nbytes, link="pcie", deps=deps)
+                p.ops.append(un)
+                for op in fed:
+                    self.unstaged[(op.id, g)] = un.id
+                self.staged_on_node[node] += nbytes
 
     def _add_waits(self) -> None:
         """Every copy or receive waits for the prefixes of dead frees recorded for it, merged
@@ -192,3 +209,23 @@ class Memory:
                 extra = {unstaged[(d, g)] for d in op.deps if (d, g) in unstaged}
                 if extra:
                     op.deps = sorted(set(op.deps) | extra, key=op_number)
+
+
+def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
+    """Disjoint boxes merged, greedily along each axis, where two are equal but on one axis and
+    adjacent on it: (box, the indices of the boxes it is made of) for each result."""
+    if len(boxes) == 1:
+        return [(boxes[0], [0])]
+    items = [(b, [i]) for i, b in enumerate(boxes)]
+    for axis in reversed(range(len(boxes[0]))):
+        items.sort(key=lambda it: (tuple(x for k, x in enumerate(it[0]) if k != axis), it[0][axis]))
+        merged: list = []
+        for b, members in items:
+            if merged:
+                q, into = merged[-1]
+                if q[axis][1] == b[axis][0] and all(q[k] == b[k] for k in range(len(b)) if k != axis):
+                    merged[-1] = (tuple((q[k][0], b[k][1]) if k == axis else q[k] for k in range(len(b))), into + members)
+                    continue
+            merged.append((b, members))
+        items = merged
+    return [(b, sorted(members)) for b, members in items]

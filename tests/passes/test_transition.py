@@ -12,7 +12,7 @@ from nereus.passes.derive_emus import derive_missing_emus
 from nereus.passes.plan_transition import state_bytes as _state_bytes
 from nereus.runtime.simulate import simulate
 
-from ..support.jobs import job
+from ..support.jobs import job, zero3_gather
 
 GIB = 2**30
 
@@ -232,3 +232,34 @@ def test_a_broadcast_waits_for_the_dead_frees_of_every_gpu_it_writes():
     assert waiting and all(op.deps == sorted(set(op.deps), key=lambda d: int(d[1:])) for op in t.ops)
     result = simulate(m, t)
     assert result.mismatches == [] and max(result.peak.values()) <= cap
+
+
+def test_a_shard_gathered_from_many_senders_is_unstaged_at_once():
+    """Out of ZeRO-3 with no memory to spare: the slices that several senders stage for one new
+    shard are moved onto the GPU by one unstage (fed by each of them), which the verifier, the
+    reference executor and the memory bound all accept; the optimizer state moves as one state."""
+    m = zero3_gather()
+    nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+    t = m.transitions["a_to_b"]
+    staging = {op.id for op in t.ops if any(isinstance(r, nereus.ir.HostRef) for r in op.dst)}
+    unstages = [op for op in t.ops if op.kind == "unstage"]
+    fed = [len(set(op.deps) & staging) for op in unstages]
+    assert max(fed) >= 3 and min(fed) >= 1
+    assert sum(fed) == sum(1 for op in t.ops if op.id in staging for r in op.dst if isinstance(r, nereus.ir.HostRef))
+    assert {op.state for op in t.ops} == {"weight", "optimizer"}
+    result = simulate(m, t)
+    assert result.mismatches == []
+    assert t.bytes_moved == t.lower_bound == result.received_bytes
+    assert max(result.peak.values()) <= m.clusters["c"].gpu_memory
+    assert nereus.parse(nereus.print_ir(m)) == m
+
+
+def test_an_unstage_its_dependencies_do_not_fill_is_a_diagnostic():
+    m = zero3_gather()
+    nereus.run_pipeline(m, "plan-transition{to=@b}")
+    t = m.transitions["a_to_b"]
+    staging = {op.id for op in t.ops if any(isinstance(r, nereus.ir.HostRef) for r in op.dst)}
+    merged = next(op for op in t.ops if op.kind == "unstage" and len(set(op.deps) & staging) >= 2)
+    merged.deps.remove(next(d for d in merged.deps if d in staging))  # one sender's slice no longer taken
+    with pytest.raises(nereus.DiagnosticError, match=rf"{merged.id}: unstage reads .* do not fill it once"):
+        nereus.verify(m)

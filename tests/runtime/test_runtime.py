@@ -20,7 +20,7 @@ from nereus.runtime.execute import Fault
 from nereus.runtime.launch import LaunchError, run_local
 
 from ..support import runtime_workers as w
-from ..support.jobs import job
+from ..support.jobs import job, zero3_gather
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -93,7 +93,7 @@ def staging_pairs(n: int, seed: int = 1) -> list[str]:
 
 
 def test_random_plan_pairs_run_for_real_on_8_processes():
-    texts = random_pairs(8) + staging_pairs(3)
+    texts = random_pairs(8) + staging_pairs(3) + [nereus.print_ir(zero3_gather())]  # the last: merged unstages
     results = run_local(w.run_modules, 8, texts, timeout=240)
     for i in range(len(texts)):
         problems = [p for r in results for p in r[i]]

@@ -25,3 +25,28 @@ def parse_in_worker(text: str):
     import nereus
 
     return nereus.parse(text, "worker.nir")
+
+
+def zero3_gather(tight: bool = True) -> Module:
+    """The actor's training state from ZeRO-3 over 4 GPUs (TP 1) to TP 2 x DP 2 without ZeRO, on
+    other GPUs: every new shard is gathered from slices of several senders. With ``tight``, each
+    GPU has just the memory plan A or plan B needs on the fullest GPU, so most of it is staged."""
+    from nereus.ir import Layout, Plan
+    from nereus.passes.derive_emus import derive_missing_emus
+    from nereus.passes.plan_transition import state_bytes
+
+    m = job(layers=3)
+
+    def lay(ms, tp, dp, mesh, zero=0):
+        return Layout(model_stage=ms, tp=tp, pp=1, dp=dp, layers=[(0, 2)], mesh=mesh, zero=zero)
+
+    for name, train in (("a", lay("actor.train", 1, 4, [0, 1, 2, 3], zero=3)), ("b", lay("actor.train", 2, 2, [2, 3, 0, 1]))):
+        m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts={
+            "actor.generate": lay("actor.generate", 4, 1, [0, 1, 2, 3]), "ref.infer": lay("ref.infer", 4, 1, [0, 1, 2, 3]),
+            "actor.train": train})
+    if tight:
+        for p in ("a", "b"):
+            derive_missing_emus(m, p)
+        a, b = state_bytes(m, "a"), state_bytes(m, "b")
+        m.clusters["c"].gpu_memory = max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b))
+    return m
