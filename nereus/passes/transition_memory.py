@@ -44,6 +44,7 @@ class Memory:
         self.unstaged: dict[tuple[str, int], str] = {}  # (staged op, GPU) -> its unstage there
         self.staged: dict[str, tuple[Op, set[int]]] = {}  # staged op -> (it, the GPUs it writes host memory of)
         self._mine: dict[int, dict[int, list]] = {}  # id of a destination list -> GPU -> its shards there
+        self._shards: dict[int, tuple] = {}  # id of such a list of shards -> the same as a tuple
         # operation -> the prefixes of dead frees it waits for, one per GPU it writes: (frees,
         # their numbers, length); added to its dependencies once, at the end (``_add_waits``)
         self.waits: dict[str, list[tuple[list[str], list[int], int]]] = defaultdict(list)
@@ -149,11 +150,19 @@ class Memory:
         p = self.p
         groups: dict[tuple, list[Op]] = {}
         mine_of: dict[tuple, list] = {}
+        shards = self._shards
         for op in wave:
             mine = self._stage_one(g, op)
-            key = (op.state, op.family, op.layers, tuple(mine))
-            groups.setdefault(key, []).append(op)
-            mine_of[key] = mine
+            on = shards.get(id(mine))  # the shards as a key, once per list (the lists live in ``_mine``)
+            if on is None:
+                on = shards[id(mine)] = tuple(mine)
+            key = (op.state, op.family, op.layers, on)
+            got = groups.get(key)
+            if got is None:
+                groups[key] = [op]
+                mine_of[key] = mine
+            else:
+                got.append(op)
         node = p.cluster.node_of(g)
         for key, ops in groups.items():
             state, family, layers, _ = key
@@ -216,6 +225,11 @@ def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
     adjacent on it: (box, the indices of the boxes it is made of) for each result."""
     if len(boxes) == 1:
         return [(boxes[0], [0])]
+    # the common case, one new shard's slices from many senders: disjoint boxes whose volumes add
+    # up to their bounding box's fill it, and the greedy merge ends with that box
+    hull = tuple((min(b[k][0] for b in boxes), max(b[k][1] for b in boxes)) for k in range(len(boxes[0])))
+    if sum(_volume(b) for b in boxes) == _volume(hull):
+        return [(hull, list(range(len(boxes))))]
     items = [(b, [i]) for i, b in enumerate(boxes)]
     for axis in reversed(range(len(boxes[0]))):
         items.sort(key=lambda it: (tuple(x for k, x in enumerate(it[0]) if k != axis), it[0][axis]))
@@ -229,3 +243,10 @@ def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
             merged.append((b, members))
         items = merged
     return [(b, sorted(members)) for b, members in items]
+
+
+def _volume(box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n

@@ -1,6 +1,8 @@
 """plan-transition: random plan pairs executed on numpy arrays reconstruct every destination
 tensor exactly, with bytes moved equal to the lower bound."""
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -263,3 +265,25 @@ def test_an_unstage_its_dependencies_do_not_fill_is_a_diagnostic():
     merged.deps.remove(next(d for d in merged.deps if d in staging))  # one sender's slice no longer taken
     with pytest.raises(nereus.DiagnosticError, match=rf"{merged.id}: unstage reads .* do not fill it once"):
         nereus.verify(m)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       st.data())
+def test_merge_boxes_keeps_exactly_the_cells_it_is_given(rows, cols, data):
+    """Disjoint boxes cut from a grid (a random subset of its cells): each merged box is the
+    union of the boxes it names, which lie inside it, and every box is named once."""
+    from nereus.passes.transition_memory import merge_boxes
+
+    r_cut = [0, *itertools.accumulate(rows)]
+    c_cut = [0, *itertools.accumulate(cols)]
+    cells = [((r_cut[i], r_cut[i + 1]), (c_cut[j], c_cut[j + 1])) for i in range(len(rows)) for j in range(len(cols))]
+    boxes = data.draw(st.lists(st.sampled_from(cells), min_size=1, unique=True))
+    out = merge_boxes(boxes)
+    named = sorted(i for _, members in out for i in members)
+    assert named == list(range(len(boxes)))
+    for box, members in out:
+        inside = [boxes[i] for i in members]
+        assert all(all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(x, box)) for x in inside)
+        vol = lambda b: (b[0][1] - b[0][0]) * (b[1][1] - b[1][0])
+        assert sum(vol(x) for x in inside) == vol(box)
