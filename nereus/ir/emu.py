@@ -21,8 +21,8 @@ _LAYER_NAME = re.compile(r"layers\.(\d+)(?:\.\.(\d+))?\.(.+)\Z")
 STATES = ("weight", "grad", "master", "exp_avg", "exp_avg_sq")
 # A transition operation may move the same slice of several states of one tensor at once: the
 # optimizer state of a trained model (fp32 master and Adam's two moments) is sliced alike under
-# every layout, so plan-transition moves it as one operation per slice (``optimizer``), as one
-# message, not three. EMU entries always name a single state.
+# every layout, so plan-transition moves it as one operation per slice (``optimizer``), not
+# three. EMU entries always name a single state.
 STATE_GROUPS = {"optimizer": ("master", "exp_avg", "exp_avg_sq")}
 
 

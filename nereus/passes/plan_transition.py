@@ -19,7 +19,7 @@ trained models) and every tensor family:
 A trained model's fp32 master copy and Adam moments are sliced alike under every layout, so
 where both plans hold the three alike, they are planned once, as one ``optimizer`` state whose
 operations move the slice of all three (``group_optimizer_states``): a third of the operations
-and messages that per-state planning makes for them, the same bytes.
+that per-state planning makes for them, the same bytes (lowering still moves each state's tensor).
 
 Source slices on GPUs that plan B's cluster marks unavailable are lost: their data comes from
 other replicas, and the pass reports what no surviving GPU holds.

@@ -94,6 +94,8 @@ class Grid:
             n *= b - a + 1
         if n == len(cells):  # every cell of their bounding box: that box (``merge``'s first case)
             boxes = [tuple((a, b + 1) for a, b in zip(lo, hi))]
+        elif len(cells) >= MERGE_ARRAYS:
+            boxes = merge_arrays(idx)
         else:
             boxes = merge([tuple(x) for x in idx.tolist()])
         return [tuple((c[a], c[b]) for c, (a, b) in zip(cuts, box)) for box in boxes]
@@ -122,6 +124,33 @@ def merge(cells: list[tuple[int, ...]]) -> list[tuple[tuple[int, int], ...]]:
             merged.append(b)
         boxes = merged
     return boxes
+
+
+MERGE_ARRAYS = 64  # from this many cells ``merge_arrays`` (numpy) is faster than ``merge``
+
+
+def merge_arrays(idx: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
+    """``merge`` on the cells whose interval indices are the rows of ``idx`` (distinct), with
+    numpy: the same boxes in the same order. Each axis, last first: the boxes sorted as ``merge``
+    sorts them (the other axes' spans, then this axis's), and each run of consecutive boxes that
+    agree on the other axes and touch on this one becomes one box."""
+    lo = idx.astype(np.int64, copy=True)
+    hi = lo + 1
+    ndim = lo.shape[1]
+    for axis in reversed(range(ndim)):
+        others = [k for k in range(ndim) if k != axis]
+        keys = [x for k in others for x in (lo[:, k], hi[:, k])] + [lo[:, axis], hi[:, axis]]
+        order = np.lexsort(keys[::-1])  # lexsort's last key is its first
+        lo, hi = lo[order], hi[order]
+        joins = hi[:-1, axis] == lo[1:, axis]
+        if others:
+            joins &= (lo[1:, others] == lo[:-1, others]).all(axis=1) & (hi[1:, others] == hi[:-1, others]).all(axis=1)
+        starts = np.flatnonzero(np.r_[True, ~joins])
+        ends = np.r_[starts[1:], len(lo)] - 1
+        end = hi[ends, axis]
+        lo, hi = lo[starts], hi[starts]
+        hi[:, axis] = end
+    return [tuple(zip(a, b)) for a, b in zip(lo.tolist(), hi.tolist())]
 
 
 class Local(NamedTuple):

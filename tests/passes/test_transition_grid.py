@@ -8,10 +8,13 @@ come in the order in which that scan (cells ascending, destinations in order) fi
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus.passes.transition_grid import Grid, local, merge
+from nereus.passes.transition_grid import Grid, local, merge, merge_arrays
 
 
 def _scan(grid: Grid, srcs, dsts):
@@ -89,3 +92,13 @@ def test_boxes_merge_cells_as_the_greedy_merge_does_and_cover_them_exactly(case,
                      for box in merge([grid.index(x) for x in cells])]
     covered = sorted(c for b in boxes for c in grid.cells(b))
     assert covered == cells
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.data())
+def test_merge_arrays_gives_merge_s_boxes_in_merge_s_order(shape, data):
+    """The numpy merge that ``Grid.boxes`` takes from ``MERGE_ARRAYS`` cells on: the very boxes
+    of ``merge``, in its order, on any set of distinct cells (1 to 3 axes, up to 729 cells)."""
+    every = list(itertools.product(*(range(n) for n in shape)))
+    cells = data.draw(st.lists(st.sampled_from(every), min_size=1, max_size=len(every), unique=True))
+    assert merge_arrays(np.array(cells, dtype=np.int64)) == merge(cells)
