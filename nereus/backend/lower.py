@@ -206,11 +206,13 @@ class _Lowering:
         for op in self.t.ops:
             if op.spec.reads_host and op.spec.delivers:
                 g = op.src[0].gpu
-                fed = self.fed_by[op.id] = []
+                fed = self.fed_by[op.id] = []  # (the verifier checks that they fill its box)
                 for d in op.deps:
-                    if any(isinstance(r, HostRef) and r.gpu == g for r in by_id[d].dst):
+                    f = by_id[d]
+                    if any(isinstance(r, HostRef) and r.gpu == g for r in f.dst) and (f.state, f.family, f.layers) == \
+                            (op.state, op.family, op.layers) and all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(f.box, op.box)):
                         self.staged_for[(d, g)] = list(op.dst)
-                        fed.append(by_id[d])
+                        fed.append(f)
 
     def chained(self, root_gpu: int, remote: int) -> bool:
         """4. Whether a broadcast from ``root_gpu`` to ``remote`` receivers is chained (or a collective)."""
