@@ -24,7 +24,7 @@ from .attributes import V, build_attrs
 from .cluster import CLUSTER_ATTRS, Cluster
 from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
 from .gc_pause import gc_paused
-from .emu import SHARD_ATTRS, STATES, Emu, Shard, SliceEntry, split_tensor_name
+from .emu import SHARD_ATTRS, STATE_GROUPS, STATES, Emu, Shard, SliceEntry, split_tensor_name
 from .model import MODEL_ATTRS, Model
 from .module import Module
 from .plan import LAYOUT_ATTRS, PLAN_ATTRS, Layout, Plan
@@ -264,6 +264,14 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
                 return Diagnostic(Loc(line, col, filename), f"'{spaced.group(0).strip()}' has a space between number and unit",
                                   f"write {number}{unit}")
             keyword = _KEYWORD_BEFORE.search(text, 0, tok.start_pos)
+            if expected == ["EQUAL"] and keyword and keyword.group(1) in STATE_GROUPS:
+                # `optimizer layers.0..3.x [..]` as an EMU entry: a group of states is an operation's
+                word, pos = keyword.group(1), keyword.start(1)
+                line = text.count("\n", 0, pos) + 1
+                col = pos - text.rfind("\n", 0, pos)
+                return Diagnostic(Loc(line, col, filename), f"'{word}' names several states ({', '.join(STATE_GROUPS[word])}): "
+                                                             "only a transition operation may move them at once",
+                                  "an EMU entry holds one state: write one entry per state")
             if expected == ["EQUAL"] and keyword and keyword.group(1) in _KEYWORDS:
                 # A block keyword where only an attribute may stand: the lexer read it as an
                 # attribute name (`emu` inside a plan); point at the keyword, not past it.
