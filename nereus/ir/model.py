@@ -27,6 +27,7 @@ from functools import cached_property
 
 from .attributes import AttrSpec
 from .diagnostics import NOWHERE, Loc
+from .emu import member_states
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -171,6 +172,4 @@ class Model:
 def state_dtype_bytes(model: Model, state: str) -> int:
     """Bytes per element of a state: weights in the model dtype; grads, fp32 master and Adam
     moments in fp32; a group of states (``optimizer``: master and both moments) the sum of its members'."""
-    from .emu import member_states
-
     return sum(model.dtype_bytes if st == "weight" else 4 for st in member_states(state))
