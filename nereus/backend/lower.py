@@ -42,6 +42,7 @@ from collections import defaultdict
 from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef
 from ..ir.diagnostics import did_you_mean
 from ..ir.gc_pause import gc_paused
+from ..ir.transition import unstage_feeders
 from .check_program import check_coverage, check_slices
 from .program import Message, Piece, Program, Step
 from .shards import ShardSpec, StateKey, plan_layout
@@ -206,13 +207,9 @@ class _Lowering:
         for op in self.t.ops:
             if op.spec.reads_host and op.spec.delivers:
                 g = op.src[0].gpu
-                fed = self.fed_by[op.id] = []  # (the verifier checks that they fill its box)
-                for d in op.deps:
-                    f = by_id[d]
-                    if any(isinstance(r, HostRef) and r.gpu == g for r in f.dst) and (f.state, f.family, f.layers) == \
-                            (op.state, op.family, op.layers) and all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(f.box, op.box)):
-                        self.staged_for[(d, g)] = list(op.dst)
-                        fed.append(f)
+                fed = self.fed_by[op.id] = unstage_feeders(op, by_id)
+                for f in fed:
+                    self.staged_for[(f.id, g)] = list(op.dst)
 
     def chained(self, root_gpu: int, remote: int) -> bool:
         """4. Whether a broadcast from ``root_gpu`` to ``remote`` receivers is chained (or a collective)."""

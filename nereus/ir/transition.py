@@ -187,6 +187,22 @@ class Op:
         return OP_KINDS[self.kind]
 
 
+def unstage_feeders(op: Op, by_id: dict[str, Op]) -> list[Op]:
+    """The operations whose staged slices unstage ``op`` moves onto its GPU g: those of its
+    dependencies that stage the same state, tensor and layers in host[g], inside its box (the
+    verifier checks that they fill it once; lowering copies each one's staging buffer)."""
+    g = op.src[0].gpu
+    out = []
+    for d in op.deps:
+        f = by_id.get(d)
+        if f is None or not f.spec.stages or (f.state, f.family, f.layers) != (op.state, op.family, op.layers):
+            continue
+        if any(isinstance(r, HostRef) and r.gpu == g for r in f.dst) and len(f.box) == len(op.box) and \
+                all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(f.box, op.box)):
+            out.append(f)
+    return out
+
+
 @dataclass(kw_only=True)
 class Transition:
     """The move from plan ``source`` to plan ``target``: a graph of operations on the state of

@@ -14,7 +14,7 @@ from .diagnostics import DiagnosticSink, Loc, did_you_mean
 from .emu import region_of, tensor_name
 from .model import state_dtype_bytes
 from .module import Module
-from .transition import HOST_READING_KINDS, HOST_WRITING_KINDS, HostRef, Op, ShardRef, Transition
+from .transition import HOST_READING_KINDS, HOST_WRITING_KINDS, HostRef, Op, ShardRef, Transition, unstage_feeders
 from .verify_emus import format_box, holds_slice
 
 
@@ -88,19 +88,13 @@ def _staging(t: Transition, sink: DiagnosticSink) -> None:
     depends on that operation, and an ``unstage`` reads exactly what the operations it depends on
     staged there: their slices of its tensor lie inside its box, overlap nowhere and fill it (one
     unstage may take the slices many senders staged for one new shard)."""
-    stages: dict[str, dict[tuple, Op]] = defaultdict(dict)  # staging op -> (gpu, state, family, layers) -> it
-    for op in t.ops:
-        if op.spec.stages:
-            for ref in op.dst:
-                if isinstance(ref, HostRef):
-                    stages[op.id][(ref.gpu, op.state, op.family, op.layers)] = op
+    by_id = {op.id: op for op in t.ops}
     taken: set[tuple[str, int]] = set()
     for op in t.ops:
         if not (op.spec.reads_host and op.spec.delivers) or not op.src or not isinstance(op.src[0], HostRef):
             continue
         g = op.src[0].gpu
-        key = (g, op.state, op.family, op.layers)
-        feeders = [f for d in op.deps if (f := stages.get(d, {}).get(key)) is not None and _inside(f.box, op.box)]
+        feeders = unstage_feeders(op, by_id)
         if not feeders:
             sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
                                                     f"from {op.src[0]}, but depends on no operation that stages it there")
@@ -110,16 +104,12 @@ def _staging(t: Transition, sink: DiagnosticSink) -> None:
                                                     f"from {op.src[0]}, but the slices its dependencies "
                                                     f"({', '.join(f.id for f in feeders)}) stage there do not fill it once")
         taken.update((f.id, g) for f in feeders)
-    for op_id, where in stages.items():
-        for (g, *_), op in where.items():
-            if (op_id, g) not in taken:
-                host = HostRef(g)
-                sink.error(op.loc, f"{op.id} stages {op.state} {op.tensor} {format_box(op.box)} in {host}, but no unstage "
-                                   f"moves it onto GPU {host.gpu}", f"add: unstage ... from [{host}] to [SHARD] {{deps = [{op.id}]}}")
-
-
-def _inside(box, outer) -> bool:
-    return len(box) == len(outer) and all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(box, outer))
+    for op in t.ops:
+        if op.spec.stages:
+            for ref in op.dst:
+                if isinstance(ref, HostRef) and (op.id, ref.gpu) not in taken:
+                    sink.error(op.loc, f"{op.id} stages {op.state} {op.tensor} {format_box(op.box)} in {ref}, but no unstage "
+                                       f"moves it onto GPU {ref.gpu}", f"add: unstage ... from [{ref}] to [SHARD] {{deps = [{op.id}]}}")
 
 
 def _volume(box) -> int:
