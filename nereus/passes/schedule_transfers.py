@@ -352,32 +352,38 @@ LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``i
 
 
 def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> list[int]:
-    """List schedule in one pass, O(n log n): buckets in topological order, the busiest port's
-    work first among those released together, each started as early as its ports and
-    predecessors allow. ``greedy`` re-keys every bucket waiting on a port each time the port
-    fills, which is quadratic on a port thousands of buckets wait for (a transition of a
-    1,024-GPU job); this is the fallback there. ``graph``: ``_graph``'s, if made (read only)."""
-    preds, succs, ports, left = graph or _graph(buckets, prec)
+    """List schedule in one pass, O(n log n): of the buckets whose predecessors are placed, the
+    one with the longest chain of work from its start to the end (its bottom level, ``_tails``)
+    first, started as early as its ports and predecessors allow. ``greedy`` re-keys every
+    bucket waiting on a port each time the port fills, which is quadratic on a port thousands
+    of buckets wait for (a transition of a 1,024-GPU job); this is the fallback there.
+
+    The bottom level first, not the earliest released: where a GPU's offload waits for every
+    delivery to that GPU, the deliveries start first and the offloads overlap the rest of the
+    traffic (20.9 s -> 6.2 s on a 282,428-bucket move of the combined trace, whose port bound is
+    1.1 s). ``graph``: ``_graph``'s, if made (read only)."""
+    preds, succs, ports, _ = graph or _graph(buckets, prec)
+    tail = _tails(buckets, succs) if prec else [b.duration for b in buckets]
     start: list[int] = [0] * len(buckets)
     free_at: dict[tuple, int] = defaultdict(int)
     waiting = [len(preds[i]) for i in range(len(buckets))]
     release = [0] * len(buckets)
-    heap = [(0, -max((left[p] for p in ports[i]), default=0), -buckets[i].duration, i)
-            for i in range(len(buckets)) if waiting[i] == 0]
+    heap = [(-tail[i], i) for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
     placed = 0
     while heap:
-        *_, i = heapq.heappop(heap)
+        i = heapq.heappop(heap)[-1]
+        d = buckets[i].duration
         s = max([release[i]] + [free_at[p] for p in ports[i]])
         start[i] = s
         placed += 1
         for p in ports[i]:
-            free_at[p] = s + buckets[i].duration
+            free_at[p] = s + d
         for j in succs[i]:
-            release[j] = max(release[j], s + buckets[i].duration)
+            release[j] = max(release[j], s + d)
             waiting[j] -= 1
             if waiting[j] == 0:
-                heapq.heappush(heap, (release[j], -max((left[p] for p in ports[j]), default=0), -buckets[j].duration, j))
+                heapq.heappush(heap, (-tail[j], j))
     if placed != len(buckets):
         raise ValueError("cyclic dependencies between transfer buckets")
     return start

@@ -133,3 +133,21 @@ def insertion_by_buckets(buckets, prec, chains):
 def test_insertion_on_merged_spans_places_every_bucket_where_per_bucket_spans_do(inst, chains):
     buckets, prec = inst
     assert insertion(buckets, prec, chains) == insertion_by_buckets(buckets, prec, chains)
+
+
+def test_the_one_pass_schedule_starts_what_long_chains_wait_for_first():
+    """As on a 1,024-GPU move into an offloaded plan: each GPU's offload to host (PCIe, long)
+    waits for the delivery to that GPU. Three longer transfers from the same sender wait for
+    nothing after them. Released in order of time, with the longer first, they would hold the
+    sender's port for 15 ticks before any delivery, and the offloads would end at 31. The
+    bottom level first: the deliveries go first, the offloads overlap the other transfers, and
+    the schedule ends when the sender's port does, at 21 (its busy time: optimal)."""
+    other = [Bucket(0, (9,), "nic", [], duration=5) for _ in range(3)]
+    deliver = [Bucket(0, (g,), "nic", [], duration=2) for g in (1, 2, 3)]
+    offload = [Bucket(g, (g,), "pcie", [], "d2h", duration=10) for g in (1, 2, 3)]
+    buckets = other + deliver + offload
+    prec = {(3 + k, 6 + k) for k in range(3)}
+    starts = serial(buckets, prec)
+    assert_valid(buckets, prec, starts)
+    assert max(s + b.duration for s, b in zip(starts, buckets)) == 21 == port_bound(buckets)
+    assert sorted(starts[3:6]) == [0, 2, 4]  # the deliveries first
