@@ -260,7 +260,8 @@ def _tails(buckets: list[Bucket], succs) -> list[int]:
     return tail
 
 
-def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False, graph=None) -> list[int]:
+def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False, graph=None,
+              tails: list[int] | None = None) -> list[int]:
     """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
     then the bucket with more ports, then the longer), each at the earliest time after its
     predecessors at which all its ports are free for its whole duration, in a gap left between
@@ -269,10 +270,10 @@ def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = 
     Placing the many-port broadcasts first and filling the gaps they leave with point-to-point
     buckets keeps the busiest receive ports working from start to end, where ``greedy`` (which
     appends to each port) leaves them idle while a broadcast waits for all its ports.
-    ``graph``: ``_graph``'s, if made (read only).
+    ``graph``: ``_graph``'s, if made (read only); ``tails``: ``_tails``', if computed.
     """
     preds, succs, ports, busy = graph or _graph(buckets, prec)
-    tail = _tails(buckets, succs) if chains else [0] * len(buckets)
+    tail = (tails or _tails(buckets, succs)) if chains else [0] * len(buckets)
     prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
@@ -355,7 +356,7 @@ INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``in
 LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy`` and CP-SAT
 
 
-def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> list[int]:
+def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None, tails: list[int] | None = None) -> list[int]:
     """List schedule in one pass, O(n log n): of the buckets whose predecessors are placed, the
     one with the longest chain of work from its start to the end (its bottom level, ``_tails``)
     first, started as early as its ports and predecessors allow. ``greedy`` re-keys every
@@ -365,9 +366,9 @@ def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> lis
     The bottom level first, not the earliest released: where a GPU's offload waits for every
     delivery to that GPU, the deliveries start first and the offloads overlap the rest of the
     traffic (20.9 s -> 6.2 s on a 282,428-bucket move of the combined trace, whose port bound is
-    1.1 s). ``graph``: ``_graph``'s, if made (read only)."""
+    1.1 s). ``graph``: ``_graph``'s, if made (read only); ``tails``: ``_tails``', if computed."""
     preds, succs, ports, _ = graph or _graph(buckets, prec)
-    tail = _tails(buckets, succs) if prec else [b.duration for b in buckets]
+    tail = tails or _tails(buckets, succs)
     start: list[int] = [0] * len(buckets)
     free_at: dict[tuple, int] = defaultdict(int)
     waiting = [len(preds[i]) for i in range(len(buckets))]
@@ -399,12 +400,13 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
     graph = _graph(buckets, prec)  # read by the bound and the one-pass schedule; greedy's changes its busy times
     bound = port_bound(buckets, prec, graph)
     if len(buckets) > LARGE:  # no search on this scale: the better of two list schedules, and the bound
-        warm = serial(buckets, prec, graph)
+        tails = _tails(buckets, graph[1])  # both list schedules order by them
+        warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
         # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
         # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
         if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:
-            other = insertion(buckets, prec, bool(prec), graph)
+            other = insertion(buckets, prec, bool(prec), graph, tails)
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
                 warm, horizon = other, span
