@@ -35,6 +35,8 @@ from ..ir.gc_pause import gc_paused
 from .pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
+# (before, after) bucket pairs: ``_precedences``' array of two columns, or a set of pairs (small cases, tests)
+Precedences = "np.ndarray | set[tuple[int, int]]"
 
 
 @dataclass
@@ -133,8 +135,11 @@ def _ports(b: Bucket) -> list[tuple]:
     return [("send", kind, b.src)] + [("recv", kind, d) for d in b.dsts]
 
 
-def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) -> set[tuple[int, int]]:
-    """Bucket-level precedences from op dependencies, through frees and copies (transitively)."""
+def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) -> np.ndarray:
+    """Bucket-level precedences from op dependencies, through frees and copies (transitively):
+    the distinct (before, after) pairs as an array of two columns, in ascending order (millions
+    at 1,024 GPUs, where one GPU's offload waits for every bucket that delivers to it; a set of
+    pairs, as the tests write them, is accepted wherever an array is)."""
     by_id: dict[str, object] = {}
     memo: dict[str, set[int]] = {}
 
@@ -154,31 +159,45 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
         memo[op_id] = out
         return out
 
-    pairs = set()
+    before_of, after_of = [], []  # the pairs, bucket by bucket: each bucket's predecessors once
     for i, b in enumerate(buckets):  # only what buckets wait for matters
         # the dependencies of a bucket's operations, once each: a wave of unstages waits for the
         # same prefix of its GPU's frees, 50 of them for each of millions of unstages at 1,024 GPUs
         deps = set().union(*[op.deps for op in b.ops])
-        for d in deps:
-            j = index.get(d)
-            if j is None:
-                before = memo.get(d)
-                if before is None:
-                    before = buckets_before(d)
-                if before:  # most are frees of slices nobody reads: they wait for nothing
-                    pairs.update((k, i) for k in before if k != i)
-            elif j != i:
-                pairs.add((j, i))
+        preds = {index.get(d, -1) for d in deps}
+        if -1 in preds:  # dependencies on operations outside buckets: what those wait for
+            preds.discard(-1)
+            for d in deps:
+                if d not in index:
+                    before = memo.get(d)
+                    if before is None:
+                        before = buckets_before(d)
+                    preds |= before  # most are frees of slices nobody reads: they wait for nothing
+        preds.discard(i)
+        if preds:
+            before_of.extend(sorted(preds))
+            after_of.extend([i] * len(preds))
+    pairs = np.empty((len(before_of), 2), dtype=np.int64)
+    if len(before_of):
+        pairs[:, 0], pairs[:, 1] = before_of, after_of
+        pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
     return pairs
 
 
-def _graph(buckets: list[Bucket], prec: set[tuple[int, int]]):
+def _pairs(prec) -> np.ndarray:
+    """Precedences as an array of (before, after) rows: ``_precedences``' own, or a set of pairs."""
+    if isinstance(prec, np.ndarray):
+        return prec.reshape(-1, 2)
+    return np.array(sorted(prec), dtype=np.int64).reshape(-1, 2)
+
+
+def _graph(buckets: list[Bucket], prec):
     """Predecessors and successors of every bucket (lists indexed by bucket), its ports, and each
     port's total busy time. The lists are cut from one sort of the pairs (millions at 1,024 GPUs,
     where one GPU's offload waits for every bucket that delivers to it)."""
     n = len(buckets)
-    if prec:
-        pairs = np.fromiter((x for ab in prec for x in ab), dtype=np.int64, count=2 * len(prec)).reshape(-1, 2)
+    pairs = _pairs(prec)
+    if len(pairs):
         preds, succs = _adjacency(pairs[:, 1], pairs[:, 0], n), _adjacency(pairs[:, 0], pairs[:, 1], n)
     else:
         preds, succs = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -198,7 +217,7 @@ def _adjacency(key: np.ndarray, value: np.ndarray, n: int) -> list[list[int]]:
     return [values[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
 
-def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
+def greedy(buckets: list[Bucket], prec: Precedences) -> list[int]:
     """List schedule: repeatedly start, as early as its ports and predecessors allow, the ready
     bucket whose busiest port has the most work left (ties: the longer bucket), so that the
     ports that bound the makespan are never left idle when they could work.
@@ -239,28 +258,51 @@ def greedy(buckets: list[Bucket], prec: set[tuple[int, int]]) -> list[int]:
 
 def _tails(buckets: list[Bucket], succs) -> list[int]:
     """Each bucket's bottom level: its duration plus the longest chain of buckets after it."""
-    order, seen = [], [False] * len(buckets)
-    for root in range(len(buckets)):  # iterative post-order DFS: successors before each bucket
-        if seen[root]:
-            continue
-        seen[root] = True
-        stack = [(root, iter(succs[root]))]
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                order.append(node)
-                stack.pop()
-            elif not seen[nxt]:
-                seen[nxt] = True
-                stack.append((nxt, iter(succs[nxt])))
-    tail = [0] * len(buckets)
-    for i in order:
-        tail[i] = buckets[i].duration + max((tail[j] for j in succs[i]), default=0)
-    return tail
+    after = np.fromiter((j for js in succs for j in js), dtype=np.int64)
+    before = np.repeat(np.arange(len(succs), dtype=np.int64), [len(js) for js in succs])
+    return bottom_levels(_durations(buckets), before, after).tolist()
 
 
-def insertion(buckets: list[Bucket], prec: set[tuple[int, int]], chains: bool = False, graph=None,
+def _durations(buckets: list[Bucket]) -> np.ndarray:
+    return np.fromiter((b.duration for b in buckets), dtype=np.int64, count=len(buckets))
+
+
+def bottom_levels(duration: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """``level[i] = duration[i] + max(level[j] for every edge i -> j)`` (0 without one) on the
+    DAG of edges ``before[k] -> after[k]``: level by level from the sinks, each level's edges at
+    once (a transition's bucket graph is millions of edges but only tens of levels deep).
+    Raises ValueError on a cycle."""
+    n = len(duration)
+    level = duration.astype(np.int64, copy=True)
+    if not len(before):
+        return level
+    order = np.argsort(after, kind="stable")
+    into = before[order]  # the edges' first ends, grouped by their second
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(after, minlength=n), out=ptr[1:])
+    best = np.zeros(n, dtype=np.int64)  # the longest level among the successors final so far
+    left = np.bincount(before, minlength=n)  # successors not final yet
+    frontier = np.flatnonzero(left == 0)
+    done = 0
+    while len(frontier):
+        done += len(frontier)
+        level[frontier] += best[frontier]
+        counts = ptr[frontier + 1] - ptr[frontier]
+        total = int(counts.sum())
+        if not total:
+            break
+        offsets = np.repeat(ptr[frontier] - (np.cumsum(counts) - counts), counts) + np.arange(total)
+        src = into[offsets]
+        np.maximum.at(best, src, np.repeat(level[frontier], counts))
+        dec = np.bincount(src, minlength=n)
+        left -= dec
+        frontier = np.flatnonzero((left == 0) & (dec > 0))
+    if done != n:
+        raise ValueError("cyclic dependencies between transfer buckets")
+    return level
+
+
+def insertion(buckets: list[Bucket], prec: Precedences, chains: bool = False, graph=None,
               tails: list[int] | None = None) -> list[int]:
     """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
     then the bucket with more ports, then the longer), each at the earliest time after its
@@ -328,35 +370,37 @@ class Schedule:
     bound: int
 
 
-def port_bound(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None) -> int:
+def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
     """No schedule is shorter: for every port, the work on it that cannot start before some
     moment, from that moment on. A bucket cannot start before the longest chain of buckets
     that must precede it (its head); on a port whose buckets sorted by head are b_1..b_n, the
     makespan is at least head(b_k) + the durations of b_k..b_n, for every k. With k = 1 (head
     0 without dependencies) this is the port's busy time. ``graph``: ``_graph``'s, if made."""
-    preds, _, ports, busy = graph or _graph(buckets, prec)
-    if not prec:
+    _, _, ports, busy = graph or _graph(buckets, prec)
+    pairs = _pairs(prec)
+    if not len(pairs):
         return max(busy.values(), default=0)
-    head = [t - b.duration for t, b in zip(_tails(buckets, preds), buckets)]  # chains before, on the reversed graph
-    on_port: dict[tuple, list[int]] = defaultdict(list)
-    for i, ps in enumerate(ports):
-        for p in ps:
-            on_port[p].append(i)
-    best = 0
-    for idx in on_port.values():
-        idx.sort(key=head.__getitem__)
-        work = 0
-        for i in reversed(idx):
-            work += buckets[i].duration
-            best = max(best, head[i] + work)
-    return best
+    duration = _durations(buckets)
+    head = bottom_levels(duration, pairs[:, 1], pairs[:, 0]) - duration  # chains before, on the reversed graph
+    number: dict[tuple, int] = {}
+    port = np.fromiter((number.setdefault(p, len(number)) for ps in ports for p in ps), dtype=np.int64)
+    bucket = np.repeat(np.arange(len(buckets), dtype=np.int64), [len(ps) for ps in ports])
+    order = np.lexsort((head[bucket], port))  # port by port, by head
+    port, h, d = port[order], head[bucket][order], duration[bucket][order]
+    # the work from each bucket to the end of its port's list: the port's total less what came before
+    done_before = np.cumsum(d) - d
+    first = np.flatnonzero(np.r_[True, port[1:] != port[:-1]])
+    total = np.add.reduceat(d, first)
+    start = np.repeat(done_before[first], np.diff(np.r_[first, len(d)]))
+    end = np.repeat(total, np.diff(np.r_[first, len(d)]))
+    return int(np.max(h + end - (done_before - start)))
 
 
 INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
 LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy`` and CP-SAT
 
 
-def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None, tails: list[int] | None = None) -> list[int]:
+def serial(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int] | None = None) -> list[int]:
     """List schedule in one pass, O(n log n): of the buckets whose predecessors are placed, the
     one with the longest chain of work from its start to the end (its bottom level, ``_tails``)
     first, started as early as its ports and predecessors allow. ``greedy`` re-keys every
@@ -394,19 +438,20 @@ def serial(buckets: list[Bucket], prec: set[tuple[int, int]], graph=None, tails:
     return start
 
 
-def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit: float, seed: int = 0) -> Schedule:
+def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, seed: int = 0) -> Schedule:
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
     graph = _graph(buckets, prec)  # read by the bound and the one-pass schedule; greedy's changes its busy times
     bound = port_bound(buckets, prec, graph)
     if len(buckets) > LARGE:  # no search on this scale: the better of two list schedules, and the bound
-        tails = _tails(buckets, graph[1])  # both list schedules order by them
+        pairs = _pairs(prec)
+        tails = bottom_levels(_durations(buckets), pairs[:, 0], pairs[:, 1]).tolist()  # both list schedules order by them
         warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
         # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
         # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
         if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:
-            other = insertion(buckets, prec, bool(prec), graph, tails)
+            other = insertion(buckets, prec, len(prec) > 0, graph, tails)
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
                 warm, horizon = other, span
@@ -414,7 +459,7 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
     for chains in (False, True):  # then list schedules with insertion; the best of them
-        if horizon == bound or (chains and not prec):
+        if horizon == bound or (chains and not len(prec)):
             break
         other = insertion(buckets, prec, chains)
         span = max(s + b.duration for s, b in zip(other, buckets))
@@ -438,7 +483,7 @@ def solve_schedule(buckets: list[Bucket], prec: set[tuple[int, int]], time_limit
     for ivs in by_port.values():
         if len(ivs) > 1:
             m.add_no_overlap(ivs)
-    for a, b in prec:
+    for a, b in _pairs(prec).tolist():
         m.add(starts[b] >= ends[a])
     makespan = m.new_int_var(bound, horizon, "makespan")
     m.add_max_equality(makespan, ends)

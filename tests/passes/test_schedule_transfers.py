@@ -6,14 +6,17 @@ import heapq
 from collections import defaultdict
 from itertools import pairwise
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nereus.passes.schedule_transfers as sb
 from nereus.passes.schedule_transfers import (
     Bucket,
     _graph,
     _ports,
     _tails,
+    bottom_levels,
     greedy,
     insertion,
     serial,
@@ -151,3 +154,60 @@ def test_the_one_pass_schedule_starts_what_long_chains_wait_for_first():
     assert_valid(buckets, prec, starts)
     assert max(s + b.duration for s, b in zip(starts, buckets)) == 21 == port_bound(buckets)
     assert sorted(starts[3:6]) == [0, 2, 4]  # the deliveries first
+
+
+def bottom_levels_by_dfs(durations, prec):
+    """The bottom levels by memoized recursion over the successors: the definition."""
+    succs = defaultdict(list)
+    for a, b in prec:
+        succs[a].append(b)
+    memo = {}
+
+    def level(i):
+        if i not in memo:
+            memo[i] = durations[i] + max((level(j) for j in succs[i]), default=0)
+        return memo[i]
+
+    return [level(i) for i in range(len(durations))]
+
+
+def port_bound_by_ports(buckets, prec):
+    """``port_bound`` as first written: per port, its buckets sorted by head, the work from each."""
+    preds = defaultdict(list)
+    for a, b in prec:
+        preds[b].append(a)
+    head = [t - b.duration for t, b in zip(bottom_levels_by_dfs([b.duration for b in buckets],
+                                                                 {(b, a) for a, b in prec}), buckets)]
+    on_port = defaultdict(list)
+    for i, b in enumerate(buckets):
+        for p in _ports(b):
+            on_port[p].append(i)
+    best = 0
+    for idx in on_port.values():
+        idx.sort(key=head.__getitem__)
+        work = 0
+        for i in reversed(idx):
+            work += buckets[i].duration
+            best = max(best, head[i] + work)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_bottom_levels_and_port_bound_by_levels_equal_their_definitions(inst):
+    """``bottom_levels`` (level by level, each level's edges at once, as a 1,024-GPU move's
+    millions of precedences need) and the port bound built on it, against the recursion and the
+    per-port loop; from a set of pairs and from ``_precedences``' array alike."""
+    buckets, prec = inst
+    durations = [b.duration for b in buckets]
+    pairs = np.array(sorted(prec), dtype=np.int64).reshape(-1, 2)
+    assert bottom_levels(np.array(durations), pairs[:, 0], pairs[:, 1]).tolist() == bottom_levels_by_dfs(durations, prec)
+    assert _tails(buckets, _graph(buckets, prec)[1]) == bottom_levels_by_dfs(durations, prec)
+    assert sb.port_bound(buckets, prec) == sb.port_bound(buckets, pairs) == port_bound_by_ports(buckets, prec)
+
+
+def test_bottom_levels_of_a_cycle_is_an_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="cyclic"):
+        bottom_levels(np.array([1, 1, 1]), np.array([0, 1, 2]), np.array([1, 2, 1]))
