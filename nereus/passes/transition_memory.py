@@ -41,7 +41,7 @@ class Memory:
         self.p, self.mem_a, self.dead, self.frees, self.gpu_b = planner, mem_a, dead, frees, gpu_b
         self.cap = planner.cluster.gpu_memory
         self.staged_on_node: dict[int, int] = defaultdict(int)
-        self.unstaged: dict[tuple[str, int], str] = {}  # (staged op, GPU) -> its unstage there
+        self.unstaged: dict[str, dict[int, str]] = {}  # staged op -> GPU -> its unstage there
         self.staged: dict[str, tuple[Op, set[int]]] = {}  # staged op -> (it, the GPUs it writes host memory of)
         self._mine: dict[int, dict[int, list]] = {}  # id of a destination list -> GPU -> its shards there
         self._shards: dict[int, tuple] = {}  # id of such a list of shards -> the same as a tuple
@@ -173,8 +173,13 @@ class Memory:
                 un = Op(id=f"%{len(p.ops)}", kind="unstage", state=state, family=family, layers=layers, box=box,
                         src=[HostRef(g)], dst=list(mine_of[key]), bytes=nbytes, link="pcie", deps=deps)
                 p.ops.append(un)
+                unstaged = self.unstaged
                 for op in fed:
-                    self.unstaged[(op.id, g)] = un.id
+                    on = unstaged.get(op.id)
+                    if on is None:
+                        unstaged[op.id] = {g: un.id}
+                    else:
+                        on[g] = un.id
                 self.staged_on_node[node] += nbytes
 
     def _add_waits(self) -> None:
@@ -215,7 +220,7 @@ class Memory:
             if op.kind == "offload":
                 # its dependencies write its shard (they deliver it), so a staged one was staged for its GPU
                 g = self.gpu_b[op.src[0]]
-                extra = {unstaged[(d, g)] for d in op.deps if (d, g) in unstaged}
+                extra = {u for u in (unstaged[d].get(g) for d in op.deps if d in unstaged) if u is not None}
                 if extra:
                     op.deps = sorted(set(op.deps) | extra, key=op_number)
 
