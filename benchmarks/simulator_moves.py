@@ -1,0 +1,116 @@
+"""The simulator's largest moves, taken out of a run and timed alone: `plan-transition` and
+`schedule-transfers` on exactly the module the decision core built at those steps, so that two
+versions of the passes can be timed against each other, alternated, on the same input.
+
+    python benchmarks/simulator_moves.py dump nereus/sim/traces/combined.jsonl --steps 933,934 --dir /tmp/moves
+    python benchmarks/simulator_moves.py time /tmp/moves --steps 933,934
+
+`dump` runs the Nereus policy alone (`nereus simulate --policies nereus --jobs 1`) up to the
+last step named and, at each, pickles the module the decision core passes to `plan-transition`
+(plan-search and remap done) and the one it passes to `schedule-transfers`; it stops there. A
+plan search stops at a wall-clock limit, so on a loaded machine a dump can hold another plan B
+than a run on an idle one: time two versions on the same dump. `time` prints one JSON line per
+pass and step: seconds, operations, and a hash of every operation (kind, slices, endpoints,
+bytes, dependencies, and after scheduling start and duration) that two versions must share. To
+time another checkout's passes, run `time` with PYTHONPATH pointing at that checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+
+def _hash(t, scheduled: bool) -> str:
+    h = hashlib.sha256()
+    for op in t.ops:
+        row = (op.id, op.kind, op.state, op.family, op.layers, op.box, [str(r) for r in op.src],
+               [str(r) for r in op.dst], op.bytes, op.link, op.deps) + ((op.start, op.duration) if scheduled else ())
+        h.update(repr(row).encode())
+    return h.hexdigest()[:16]
+
+
+def dump(trace_path: str, steps: set[int], out: Path) -> None:
+    import nereus.control.decide as decide
+    from nereus.cli import _trace_job
+    from nereus.sim.simulate import simulate
+    from nereus.sim.trace import read_trace
+
+    out.mkdir(parents=True, exist_ok=True)
+    plan_transition, schedule_transition = decide.plan_transition, decide.schedule_transition
+    at = {"step": None}
+    replan = decide.DecisionCore._replan
+
+    def replan_at(self, step, *args):
+        at["step"] = step
+        return replan(self, step, *args)
+
+    def plan_and_keep(m, source, target, name, lost=None):
+        if at["step"] in steps:
+            with open(out / f"plan{at['step']}.pkl", "wb") as f:
+                pickle.dump((m, source, target, name, lost), f, protocol=5)
+        return plan_transition(m, source, target, name, lost=lost)
+
+    def schedule_and_keep(m, t, *args, **kwargs):
+        if at["step"] in steps:
+            with open(out / f"schedule{at['step']}.pkl", "wb") as f:
+                pickle.dump((m, t.name, args, kwargs), f, protocol=5)
+            print(f"dumped step {at['step']}: {len(t.ops):,} operations", flush=True)
+            if at["step"] == max(steps):
+                raise SystemExit(0)
+        return schedule_transition(m, t, *args, **kwargs)
+
+    decide.DecisionCore._replan = replan_at
+    decide.plan_transition, decide.schedule_transition = plan_and_keep, schedule_and_keep
+    trace = read_trace(trace_path)
+    simulate(_trace_job(trace, trace_path), trace, ["nereus"], progress=False, jobs=1)
+    sys.exit(f"no move at steps {sorted(steps)}: nothing dumped for the steps without one")
+
+
+def time_passes(where: Path, steps: list[int]) -> None:
+    from nereus.passes.plan_transition import plan_transition
+    from nereus.passes.schedule_transfers import schedule_transition
+
+    for step in steps:
+        with open(where / f"plan{step}.pkl", "rb") as f:
+            m, source, target, name, lost = pickle.load(f)
+        t0 = time.perf_counter()
+        t = plan_transition(m, source, target, name, lost=lost)
+        print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
+                          "ops": len(t.ops), "hash": _hash(t, False)}), flush=True)
+        del m, t
+        with open(where / f"schedule{step}.pkl", "rb") as f:
+            m, name, args, kwargs = pickle.load(f)
+        t = m.transitions[name]
+        t0 = time.perf_counter()
+        schedule_transition(m, t, *args, **kwargs)
+        print(json.dumps({"step": step, "pass": "schedule-transfers", "s": round(time.perf_counter() - t0, 2),
+                          "ops": len(t.ops), "makespan_s": t.makespan, "port_bound_s": t.port_bound,
+                          "hash": _hash(t, True)}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="run Nereus on a trace and pickle the passes' inputs at the steps")
+    d.add_argument("trace")
+    d.add_argument("--steps", required=True, help="comma-separated steps whose re-plan moves")
+    d.add_argument("--dir", required=True)
+    t = sub.add_parser("time", help="time plan-transition and schedule-transfers on the dumped inputs")
+    t.add_argument("dir")
+    t.add_argument("--steps", required=True)
+    args = ap.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    if args.cmd == "dump":
+        dump(args.trace, set(steps), Path(args.dir))
+    else:
+        time_passes(Path(args.dir), steps)
+
+
+if __name__ == "__main__":
+    main()
