@@ -174,8 +174,8 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
                         before = buckets_before(d)
                     preds |= before  # most are frees of slices nobody reads: they wait for nothing
         preds.discard(i)
-        if preds:
-            before_of.extend(sorted(preds))
+        if preds:  # in any order: the pairs are sorted once, below
+            before_of.extend(preds)
             after_of.extend([i] * len(preds))
     pairs = np.empty((len(before_of), 2), dtype=np.int64)
     if len(before_of):
