@@ -76,6 +76,10 @@ def time_passes(where: Path, steps: list[int]) -> None:
     from nereus.passes.plan_transition import plan_transition
     from nereus.passes.schedule_transfers import schedule_transition
 
+    missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("plan", "schedule")
+               if not (where / f"{kind}{step}.pkl").exists()]
+    if missing:
+        sys.exit(f"no dump of these steps: {', '.join(missing)} (run `dump` for them first)")
     for step in steps:
         with open(where / f"plan{step}.pkl", "rb") as f:
             m, source, target, name, lost = pickle.load(f)
