@@ -238,7 +238,7 @@ class DecisionCore:
         try:
             PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
                        cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp, max_zero=opts.max_zero,
-                       offload=opts.offload).apply(m)
+                       offload=opts.offload, incumbent=f"@{self.plan}").apply(m)
         except DiagnosticError as e:
             action = "infeasible" if forced else "stay"
             return Decision(step, action, self.plan, forced=forced, triggers=triggers, numbers=numbers,

@@ -43,8 +43,12 @@ from .pass_manager import ModulePass, Ref, no_such, register
 from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from .search_bounds import option_bounds, restrict, stage_bounds
 from .search_explain import explain
-from .search_space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, layout_grid,
+from .search_space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, columns, layout_grid,
                            sequence_parallel)
+
+
+FIRST_SLACK = 64  # the first cap: lb + lb / FIRST_SLACK
+SLACK_GROWTH = 4
 
 
 @dataclass
@@ -64,7 +68,7 @@ class Solution:
         return (self.objective - self.bound) / self.objective
 
 
-def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> Solution:
+def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known: Solution | None = None) -> Solution:
     """The optimal plan of ``problem`` (CP-SAT, deterministic for a given seed: one worker).
 
     Solved under a cap on the step time: with ``lb`` the bound of ``search_bounds``, the model
@@ -78,9 +82,12 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
     deadline = time.monotonic() + float(time_limit)
     bounds = option_bounds(problem)
     lb = floor = sum(stage_bounds(problem, bounds).values())  # no plan is faster than floor
-    slack = max(lb // 64, 1)
+    slack = max(lb // FIRST_SLACK, 1)
     cap = lb + slack
     best = None  # the best plan found so far (choice in the problem's option indices)
+    if known is not None and known.objective is not None:  # a plan of the problem: the optimum is no slower
+        best = known
+        cap = min(cap, known.objective)
     while True:
         model, keep, complete = restrict(problem, bounds, cap)
         hint = None
@@ -103,11 +110,53 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0) -> So
         if sol.status == "feasible":  # out of time, with a plan above the cap: a better one is above the model's bound or the cap
             return _timed_out(sol, max(min(sol.bound, cap + 1), floor))
         floor = cap + 1  # no plan at most cap fast
-        if sol.choice is not None:
-            best, cap = sol, sol.objective
-        else:
-            slack *= 4
-            cap = lb + slack
+        if sol.choice is not None and (best is None or sol.objective < best.objective):
+            best = sol
+        slack *= SLACK_GROWTH
+        cap = lb + slack
+        if best is not None and best.objective <= cap:
+            cap = best.objective
+
+
+def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
+    """``plan`` as a solution of ``problem`` (its options, starts and groups, with its step time
+    in the problem's units), or None where the problem has no such plan: a layout that is not
+    among its candidates, a mesh that is not a run of its positions, or a plan that breaks one
+    of its constraints (memory, say, when the responses grew). Of the generation candidates of
+    one layout (one per allowance for others' state), the fastest that the plan satisfies."""
+    pos = problem.positions
+    index = {g: i for i, g in enumerate(pos.gpus)}
+    choices, start = {}, {}
+    for ms, sp in problem.spaces.items():
+        lay = plan.layouts.get(ms)
+        if lay is None or not lay.mesh or lay.mesh[0] not in index:
+            return None
+        s = start[ms] = index[lay.mesh[0]]
+        if list(pos.gpus[s:s + len(lay.mesh)]) != list(lay.mesh):
+            return None
+        col, opts = columns(sp.options), sp.options
+        rows = np.flatnonzero((col["tp"] == lay.tp) & (col["pp"] == lay.pp) & (col["dp"] == lay.dp) & (col["vpp"] == lay.vpp)
+                              & (col["mb"] == lay.micro_batches) & (col["rc"] == bool(lay.recompute)) & (col["zero"] == lay.zero))
+        k = pos.class_of(s, len(lay.mesh))
+        same = [c for c in rows.tolist() if k in opts[c].times and frozenset(opts[c].offload) == frozenset(lay.offload)]
+        if not same:
+            return None
+        choices[ms] = sorted(same, key=lambda c: (opts[c].times[k], c))
+    partition = {}
+    together = [set(g) for g in plan.colocate]
+    for stage, mss in problem.stages:
+        groups = {frozenset(g & set(mss)) for g in together if len(g & set(mss)) > 1}
+        groups |= {frozenset([ms]) for ms in mss if not any(ms in g for g in groups)}
+        found = [i for i, part in enumerate(problem.partitions[stage]) if {frozenset(g) for g in part} == groups]
+        if not found:
+            return None
+        partition[stage] = found[0]
+    for choice in itertools.islice(itertools.product(*choices.values()), 64):  # the allowances, fastest first
+        pick = dict(zip(choices, choice))
+        value = problem.evaluate(pick, start, partition)
+        if value is not None:
+            return Solution("feasible", value, None, pick, start, partition)
+    return None
 
 
 def _timed_out(best: Solution | None, bound: int) -> Solution:
@@ -352,7 +401,10 @@ class PlanSearch(ModulePass):
     ``headroom`` (fraction of GPU memory training and inference leave free for the CUDA context,
     NCCL buffers and fragmentation; default 0.1, see ``search_space.DEFAULT_HEADROOM``; generation
     keeps vLLM's own 10%); ``explain`` (true: re-solve to say why, see ``search_explain``: a
-    runner-up per model-stage, the bottleneck, whether memory, colocation and offload matter)."""
+    runner-up per model-stage, the bottleneck, whether memory, colocation and offload matter);
+    ``incumbent`` (``@name`` of a plan, the running one, say: where it is still a plan of the
+    problem, on the same GPUs and fitting, the search starts from it and only proves that nothing
+    is faster, usually on far fewer candidates; the result is the same optimum)."""
 
     name = "plan-search"
     time_limit: float = 10.0
@@ -366,6 +418,7 @@ class PlanSearch(ModulePass):
     offload: bool = True
     headroom: float = DEFAULT_HEADROOM
     explain: bool = False
+    incumbent: Ref = ""
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":
@@ -379,7 +432,12 @@ class PlanSearch(ModulePass):
         c = _pick(module, "cluster", self.cluster)
         problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload,
                                 prune=False, headroom=self.headroom)  # solve prunes what each of its models holds
-        sol = solve(problem, self.time_limit, self.seed)
+        known = None
+        if self.incumbent:
+            if self.incumbent.lstrip("@") not in module.plans:
+                raise no_such(module, "plan-search", "plan", self.incumbent.lstrip("@"))
+            known = placed(problem, module.plans[self.incumbent.lstrip("@")])
+        sol = solve(problem, self.time_limit, self.seed, known)
         if sol.status == "unknown":
             raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "
                                                      "(and could not prove there is none)", "raise time_limit")], module.source)

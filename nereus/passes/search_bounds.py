@@ -7,7 +7,11 @@ memory: every model-stage runs in some group of its stage, and a stage takes at 
 as each of its groups. So for each member ``i`` of stage ``X``, ``T[X] >= t(i)``; and for each
 pair ``(i, j)`` of members, either they share a group (``T[X] >= t(i) + t(j)``) or they take
 disjoint runs of the ``n`` positions (``G(i) + G(j) <= n`` and ``T[X] >= max(t(i), t(j))``).
-``t`` is an option's fastest start class. A plan with step time at most ``cap`` uses, for each
+And over all members at once, GPU-time: groups take disjoint runs, a group's run is as wide as
+its widest member and lasts the sum of its members' times, so ``sum_i G(i) t(i) <= n T[X]``
+(``T[X] >= (G(i) t(i) + the least G t of every other member) / n``). It is what bounds a stage
+of four models side by side, each on a quarter of the GPUs, where the pairs alone allow each
+three quarters. ``t`` is an option's fastest start class. A plan with step time at most ``cap`` uses, for each
 model-stage, only options whose stage bound plus the other stages' bounds is at most ``cap``:
 ``restrict`` keeps exactly those.
 """
@@ -18,22 +22,27 @@ from dataclasses import replace
 
 import numpy as np
 
-from .search_space import SearchProblem, prune_options
+from .search_space import SearchProblem, columns, prune_options
 
 
 def option_bounds(problem: SearchProblem) -> dict[str, np.ndarray]:
     """Per model-stage, per option: a lower bound (units) on its stage's time when it takes that option."""
     n = problem.n
-    fastest = {ms: np.array([min(o.times.values()) for o in sp.options], dtype=np.int64) for ms, sp in problem.spaces.items()}
-    gpus = {ms: np.array([o.gpus for o in sp.options], dtype=np.int64) for ms, sp in problem.spaces.items()}
+    cols = {ms: columns(sp.options) for ms, sp in problem.spaces.items()}
+    fastest = {ms: c["fastest"] for ms, c in cols.items()}
+    gpus = {ms: c["gpus"] for ms, c in cols.items()}
     # per model-stage: the fastest option using at most g GPUs, for every g
     within = {}
     for ms, t in fastest.items():
         best = np.full(n + 1, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(best, np.minimum(gpus[ms], n), t)
         within[ms] = np.minimum.accumulate(best)
+    # GPU-time: a model-stage on g GPUs for t units covers g x t of the stage's n x T (area bound)
+    area = {ms: gpus[ms] * fastest[ms] for ms in fastest}
+    least = {ms: int(a.min()) if len(a) else 0 for ms, a in area.items()}
     out = {}
     for _, mss in problem.stages:
+        others = sum(least[j] for j in mss)
         for i in mss:
             lb = fastest[i].copy()
             for j in mss:
@@ -42,6 +51,8 @@ def option_bounds(problem: SearchProblem) -> dict[str, np.ndarray]:
                 together = fastest[i] + fastest[j].min()
                 apart = np.maximum(fastest[i], within[j][np.clip(n - gpus[i], 0, n)])
                 lb = np.maximum(lb, np.minimum(together, apart))
+            if n:
+                lb = np.maximum(lb, -(-(area[i] + others - least[i]) // n))  # ceil: T is whole units
             out[i] = lb
     return out
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,9 @@ LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": 
 
 ANYWHERE = -1  # start class of a run costed for any start (links that may cross nodes taken as crossing)
 SPAN = 1 << 30  # start classes SPAN + s: the single start s of a run across segments
+
+
+_LINKS: dict[tuple, tuple[int, int, int]] = {}  # Positions.links, by segments and mesh
 
 
 @dataclass
@@ -157,7 +161,17 @@ class Positions:
 
     def links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
         """(tp, pp, dp) link codes of the mesh of a run of class ``cls`` (as ``Candidates.of_layout``);
-        ``ANYWHERE``: NIC for every kind of group with more than one GPU."""
+        ``ANYWHERE``: NIC for every kind of group with more than one GPU. Remembered across
+        searches by the segments: which positions share a node follows from them alone."""
+        key = (tuple(self.segments), self.per_node, self.exhaustive, tp, pp, dp, cls)
+        got = _LINKS.get(key)
+        if got is None:
+            if len(_LINKS) >= 1 << 17:
+                _LINKS.clear()
+            got = _LINKS[key] = self._links(tp, pp, dp, cls)
+        return got
+
+    def _links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
         if cls == ANYWHERE:
             return tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp))
         start = self.starts(cls, tp * pp * dp)[0]
@@ -193,11 +207,54 @@ class Option:
         return self.peak - self.resident
 
 
+class OptionRows(Sequence):
+    """A model-stage's candidates as arrays, each an ``Option`` when first asked for: a search
+    at 1,024 GPUs generates tens of thousands, of which ``restrict`` keeps a few percent, so
+    most are never made. ``columns`` are the arrays bounds and look-ups read instead."""
+
+    def __init__(self, columns: dict[str, np.ndarray], offload: list[tuple[str, ...]], classes: list[int],
+                 times_s: np.ndarray, units: np.ndarray) -> None:
+        self.columns = columns  # tp pp dp mb rc zero rho gpus peak resident vpp fastest (units), one row per option
+        self.offload, self.classes, self.times_s, self.units = offload, classes, times_s, units
+        self._made: dict[int, Option] = {}
+
+    def __len__(self) -> int:
+        return len(self.offload)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        o = self._made.get(i)
+        if o is None:
+            if not -len(self) <= i < len(self):
+                raise IndexError(i)
+            i %= len(self)
+            c = self.columns
+            row_t, row_u = self.times_s[i].tolist(), self.units[i].tolist()
+            at = [j for j, u in enumerate(row_u) if u != np.inf]
+            o = self._made[i] = Option(int(c["tp"][i]), int(c["pp"][i]), int(c["dp"][i]), int(c["mb"][i]), bool(c["rc"][i]),
+                                       int(c["zero"][i]), self.offload[i], int(c["rho"][i]), int(c["gpus"][i]),
+                                       {self.classes[j]: row_t[j] for j in at}, {self.classes[j]: int(row_u[j]) for j in at},
+                                       int(c["peak"][i]), int(c["resident"][i]), int(c["vpp"][i]))
+        return o
+
+
+def columns(options) -> dict[str, np.ndarray]:
+    """The arrays of ``OptionRows.columns`` for any sequence of options."""
+    if isinstance(options, OptionRows):
+        return options.columns
+    names = {"tp": "tp", "pp": "pp", "dp": "dp", "mb": "micro_batches", "rc": "recompute", "zero": "zero", "rho": "rho",
+             "gpus": "gpus", "peak": "peak", "resident": "resident", "vpp": "vpp"}
+    out = {k: np.array([getattr(o, a) for o in options], dtype=bool if k == "rc" else np.int64) for k, a in names.items()}
+    out["fastest"] = np.array([min(o.times.values()) for o in options], dtype=np.int64)
+    return out
+
+
 @dataclass
 class Space:
     model_stage: str
     kind: str
-    options: list[Option]
+    options: Sequence[Option]  # a list, or OptionRows as build_problem makes them
     generated: int  # candidates before pruning
 
 
@@ -306,18 +363,11 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
         keep = np.flatnonzero(ok)
         if prune:
             keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
-        # the kept rows as Python lists first: per-element numpy indexing is most of this loop's time
-        cols = [c.tp, c.pp, c.dp, c.mb, c.rc, c.zero, c.rho, c.gpus, c.peak, c.resident, c.vpp]
-        tp, pp, dp, mb, rc, zero, rho, gpus, peak, resident, vpp = (np.asarray(x)[keep].tolist() for x in cols)
-        classes = np.asarray(c.classes).tolist()
-        times, kept_units = c.times[keep].tolist(), units[keep].tolist()
-        opts = []
-        for r, i in enumerate(keep.tolist()):
-            row_t, row_u = times[r], kept_units[r]
-            at = [j for j, u in enumerate(row_u) if u != np.inf]
-            opts.append(Option(int(tp[r]), int(pp[r]), int(dp[r]), int(mb[r]), bool(rc[r]), int(zero[r]), c.offload[i],
-                               int(rho[r]), int(gpus[r]), {classes[j]: row_t[j] for j in at},
-                               {classes[j]: int(row_u[j]) for j in at}, int(peak[r]), int(resident[r]), int(vpp[r])))
+        cols = {k: np.asarray(getattr(c, k))[keep] for k in ("tp", "pp", "dp", "mb", "rc", "zero", "rho", "gpus", "peak",
+                                                              "resident", "vpp")}
+        kept_units = units[keep]
+        cols["fastest"] = kept_units.min(axis=1, initial=np.inf).astype(np.int64) if len(keep) else np.zeros(0, np.int64)
+        opts = OptionRows(cols, [c.offload[i] for i in keep.tolist()], np.asarray(c.classes).tolist(), c.times[keep], kept_units)
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
     problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, headroom=headroom)

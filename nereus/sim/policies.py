@@ -35,7 +35,7 @@ from ..control import ControlOptions, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module, Plan
 from ..ir.cluster import Efficiency
 from ..passes.estimate import estimate_plan
-from ..passes.plan_search import solve, to_plan
+from ..passes.plan_search import placed, solve, to_plan
 from ..passes.search_space import DEFAULT_HEADROOM, build_problem
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
@@ -46,17 +46,19 @@ class NoPlan(RuntimeError):
     pass
 
 
-def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, headroom: float = DEFAULT_HEADROOM) -> Plan:
+def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, headroom: float = DEFAULT_HEADROOM,
+           incumbent: Plan | None = None) -> Plan:
     """The best plan of ``m``'s job on its available GPUs among the options ``keep(ms, options,
     n)`` returns of each model-stage's (plan-search's solver, keeping plan-search's memory
-    ``headroom`` free as a real system would), estimated in ``m``."""
+    ``headroom`` free as a real system would), estimated in ``m``. ``incumbent``: the plan the
+    policy runs, where the search may start from it (``plan_search.placed``)."""
     (w,) = m.workloads.values()
     (c,) = m.clusters.values()
     problem = build_problem(c, w, m.models, prune=False, headroom=headroom)
     if keep is not None:
         for ms, sp in problem.spaces.items():
             sp.options = keep(ms, sp.options, problem.n)
-    sol = solve(problem, time_limit, 0)
+    sol = solve(problem, time_limit, 0, placed(problem, incumbent) if incumbent is not None else None)
     if sol.choice is None:
         raise NoPlan(f"no plan fits on {problem.n} GPUs")
     plan = to_plan(problem, sol, name, w.name, c.name)
@@ -118,7 +120,7 @@ class Restarting(Policy):
         self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in plan.layouts.items()}
 
     def replan(self, sim: SimCluster, i: int) -> Plan:
-        return search(copy.deepcopy(sim.module_at(i)), self.keep, f"{self.name}{i}")
+        return search(copy.deepcopy(sim.module_at(i)), self.keep, f"{self.name}{i}", incumbent=self.plan)
 
     def _move(self, sim: SimCluster, i: int) -> Move:
         t0 = time.perf_counter()
@@ -339,13 +341,15 @@ class Oracle(Policy):
 
     def start(self, sim):
         self.cache: dict[tuple, Plan] = {}
+        self.plan: Plan | None = None
         self.plan = self._best(sim, 0)
 
     def _best(self, sim, i) -> Plan:
         key = conditions(sim.trace.steps[i])
         if key not in self.cache:
             # the truth's memory is exact, so the oracle needs no headroom: its plan is the fastest that runs
-            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0)
+            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0,
+                                     incumbent=self.plan)
         return self.cache[key]
 
     def react(self, sim, i):

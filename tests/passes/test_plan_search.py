@@ -186,8 +186,8 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
 
     real = plan_search.solve
 
-    def stopped_early(problem, time_limit, seed):
-        sol = real(problem, time_limit, seed)
+    def stopped_early(problem, time_limit, seed, known=None):
+        sol = real(problem, time_limit, seed, known)
         return plan_search.Solution("feasible", sol.objective, int(sol.objective * 0.97), sol.choice, sol.start,
                                     sol.partition)
 
@@ -239,3 +239,132 @@ def test_step_time_bounds_hold_for_every_plan(inst):
     if best is not None:  # the cap at the optimum keeps an optimal plan: brute force on it agrees
         sub = restrict(problem, bounds, best)
         assert brute_force(sub[0] if sub else problem, limit=300_000)[0] == best
+
+
+@st.composite
+def synthetic_problems(draw):
+    """A stage of three or four model-stages side by side (where the GPU-time bound adds to the
+    pairs' bounds) and a second stage of one, with drawn candidates: GPU counts, a time per start
+    class, peak and resident memory tight enough to bind. Small enough to enumerate every plan."""
+    from nereus.passes.search_space import NO_RHO, Positions, SearchProblem, Space
+
+    nodes, per_node = draw(st.sampled_from([(1, 2), (1, 4), (2, 2)]))
+    cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
+                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
+    pos = Positions.of(cluster)
+    members = [f"m{i}.infer" for i in range(draw(st.integers(3, 4)))]
+    spaces = {}
+    for ms in members + ["t.train"]:
+        opts = []
+        for _ in range(draw(st.integers(1, 3 if len(members) == 3 else 2))):
+            g = draw(st.integers(1, pos.n))
+            times = {k: draw(st.integers(1, 40)) for k in pos.classes(g)}
+            resident = draw(st.integers(0, 6))
+            opts.append(Option(1, 1, g, 1, False, 0, (), NO_RHO, g, {k: float(v) for k, v in times.items()}, times,
+                               resident + draw(st.integers(0, 6)), resident))
+        spaces[ms] = Space(ms, ms.rpartition(".")[2], opts, len(opts))
+    stages = [("infer", members), ("train", ["t.train"])]
+    problem = SearchProblem(cluster, None, {}, pos, 1.0, draw(st.integers(8, 16)), stages, spaces)
+    problem.partitions = {name: set_partitions(mss) for name, mss in stages}
+    return problem
+
+
+def _every_plan(problem):
+    import itertools
+
+    names = list(problem.spaces)
+    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
+               for s in problem.positions.starts(k, o.gpus)] for ms in names]
+    for k in itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)):
+        partition = {s: ki for (s, _), ki in zip(problem.stages, k)}
+        for combo in itertools.product(*per_ms):
+            choice, start = {ms: c for ms, (c, _) in zip(names, combo)}, {ms: s for ms, (_, s) in zip(names, combo)}
+            v = problem.evaluate(choice, start, partition)
+            if v is not None:
+                yield v, choice, start, partition
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(synthetic_problems(), st.randoms(use_true_random=False))
+def test_gpu_time_bound_holds_and_a_known_plan_gives_the_same_optimum(problem, rnd):
+    """``search_bounds`` on stages of three or four members: every option's bound plus the other
+    stages' bounds is at most the step time of every plan that uses it. ``solve`` finds brute
+    force's optimum both from scratch and started from any plan of the problem (``known``)."""
+    from nereus.passes.plan_search import Solution
+    from nereus.passes.search_bounds import option_bounds, stage_bounds
+
+    bounds = option_bounds(problem)
+    lower = stage_bounds(problem, bounds)
+    stage_of = {ms: st for st, mss in problem.stages for ms in mss}
+    plans = list(_every_plan(problem))
+    for v, choice, _, _ in plans:
+        for ms, c in choice.items():
+            assert bounds[ms][c] + sum(lower.values()) - lower[stage_of[ms]] <= v
+    best = min((p[0] for p in plans), default=None)
+    event("feasible" if plans else "infeasible")
+    assert solve(problem, time_limit=30).objective == best
+    if plans:
+        v, choice, start, partition = rnd.choice(plans)
+        sol = solve(problem, time_limit=30, known=Solution("feasible", v, None, choice, start, partition))
+        assert sol.status == "optimal" and sol.objective == best
+        assert problem.evaluate(sol.choice, sol.start, sol.partition) == best
+
+
+def test_gpu_time_bound_of_four_models_side_by_side():
+    """Four inference model-stages that each take least GPU-time on a quarter of the GPUs: the
+    pairs alone let each take three quarters of them (a stage bound of 64, the optimum is 100),
+    GPU-time does not."""
+    from nereus.passes.search_bounds import option_bounds, stage_bounds
+    from nereus.passes.search_space import NO_RHO, Positions, SearchProblem, Space
+
+    cluster = Cluster(name="c", nodes=2, gpus_per_node=8, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
+                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
+    pos = Positions.of(cluster)
+
+    def o(g, t):
+        return Option(1, 1, g, 1, False, 0, (), NO_RHO, g, {k: float(t) for k in pos.classes(g)},
+                      {k: t for k in pos.classes(g)}, 1, 0)
+
+    members = [f"m{i}.infer" for i in range(4)]
+    spaces = {ms: Space(ms, "infer", [o(4, 100), o(12, 40), o(16, 32)], 3) for ms in members}  # GPU-time 400, 480, 512
+    problem = SearchProblem(cluster, None, {}, pos, 1.0, 1 << 20, [("infer", members)], spaces)
+    problem.partitions = {"infer": set_partitions(members)}
+    assert stage_bounds(problem, option_bounds(problem))["infer"] == 100  # 4 x 400 / 16
+    sol = solve(problem, time_limit=30)
+    assert sol.objective == 100 and sol.status == "optimal"
+
+
+def test_search_started_from_the_running_plan_finds_the_same_plan_on_fewer_candidates():
+    """``placed`` reads a plan back as a solution of the problem; ``plan-search{incumbent=@p}``
+    starts from it. On the 1,024-GPU example, re-searched after the responses grew by a tenth,
+    the search from the running plan proves the same optimum on fewer candidates; a plan on other
+    GPUs is no solution of the problem; an unknown incumbent is a diagnostic."""
+    import copy
+
+    from nereus.passes.plan_search import placed
+
+    m = nereus.parse(next(p for p in EXAMPLES if p.name == "ppo_70b_1024gpu.nir").read_text())
+    (w,), (c,) = m.workloads.values(), m.clusters.values()
+    problem = build_problem(c, w, m.models, prune=False)
+    first = solve(problem, time_limit=60)
+    plan = to_plan(problem, first, "run", w.name, c.name)
+    back = placed(problem, plan)
+    assert back is not None and back.objective == first.objective
+    assert problem.evaluate(back.choice, back.start, back.partition) == first.objective
+
+    w.response_len_mean = int(w.response_len_mean * 1.1)
+    grown = build_problem(c, w, m.models, prune=False)
+    cold = solve(grown, time_limit=60)
+    warm = solve(grown, time_limit=60, known=placed(grown, plan))
+    assert warm.status == cold.status == "optimal" and warm.objective == cold.objective
+    assert warm.options < cold.options
+
+    moved = copy.deepcopy(plan)
+    lay = next(iter(moved.layouts.values()))
+    lay.mesh = [g + 1 for g in lay.mesh]
+    assert placed(grown, moved) is None
+
+    m.plans["run"] = plan
+    with pytest.raises(nereus.DiagnosticError) as e:
+        nereus.run_pipeline(m, "plan-search{incumbent=@rnu}")
+    assert "no plan @rnu" in str(e.value) and "did you mean @run?" in str(e.value)
