@@ -366,13 +366,19 @@ class Oracle(Policy):
 
 
 def gantt_rows(m: Module, t) -> list[tuple[int, float, float, str]]:
-    """(receiving GPU, start s, duration s, kind) of every scheduled operation of transition ``t``."""
+    """(receiving GPU, start s, duration s, kind) of every scheduled operation of transition ``t``:
+    its destinations' GPUs, or its sources' where it writes none. A reference names a shard of
+    the plan its kind says (a load writes plan A's shards, an offload reads plan B's)."""
     rows = []
     for op in t.ops:
         if op.start is None or op.duration is None:
             continue
-        for ref in op.dst or op.src:
-            plan = t.target if ref in op.dst else t.source
+        kind = op.spec
+        if op.dst:
+            refs, plan = op.dst, t.source if kind.destination_plan == "source" else t.target
+        else:
+            refs, plan = op.src, t.target if kind.source_plan == "target" else t.source
+        for ref in refs:
             gpu = ref.gpu if hasattr(ref, "gpu") else m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp).gpu
             rows.append((gpu, op.start, op.duration, op.kind))
     return rows

@@ -168,3 +168,28 @@ def test_the_command_line_runs_the_policies_in_processes_and_prints_each(tmp_pat
     path.write_text(path.read_text() + '{"step": 10, "response_len_dist": [9, 5]}\n')
     assert main(["simulate", str(path), "--jobs", "2"]) == 1
     assert f"{path}:12:" in capsys.readouterr().err
+
+
+def test_the_gantt_chart_finds_every_operation_on_its_gpu_in_the_plan_it_names():
+    """A load writes plan A's shard (its state offloaded between steps, brought back before it is
+    read): its row is on that shard's GPU, though plan B has no such shard (PP 2 x TP 2 -> PP 4
+    x TP 1). Seen on length_growth, where Nereus's first move loaded offloaded state back."""
+    from pathlib import Path
+
+    from nereus.sim.policies import gantt_rows
+
+    text = (Path(__file__).parents[1] / "golden" / "plan-transition" / "pp2_to_pp4.nir").read_text()
+    old = "layout actor.train { tp = 2, pp = 2, dp = 1, layers = [0..1, 2..3], mesh = [0..3] }"
+    assert old in text
+    text = text.replace(old, old[:-2] + ", offload = [optimizer] }")
+    link = next(line for line in text.splitlines() if line.strip().startswith("inter_node"))
+    m = nereus.parse(text.replace(link, link + "\n  host_link = link(bandwidth = 55GB/s, latency = 10us)\n  host_memory = 2TiB"))
+    nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+    (t,) = m.transitions.values()
+    loads = [op for op in t.ops if op.kind == "load"]
+    assert loads and any((op.dst[0].pp, op.dst[0].tp) == (1, 1) for op in loads)  # a shard plan B lacks
+    rows = gantt_rows(m, t)
+    scheduled = [op for op in t.ops if op.start is not None and op.duration is not None]
+    assert len(rows) == sum(len(op.dst or op.src) for op in scheduled)
+    for op in loads:  # host[g] back onto plan A's shard on GPU g
+        assert (op.src[0].gpu, op.start, op.duration, "load") in rows
