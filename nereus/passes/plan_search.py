@@ -48,7 +48,7 @@ from .search_space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem,
 
 
 FIRST_SLACK = 64  # the first cap: lb + lb / FIRST_SLACK
-SLACK_GROWTH = 4
+SLACK_GROWTH = 4  # each next cap: lb + SLACK_GROWTH x the slack before
 
 
 @dataclass
@@ -74,11 +74,13 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
     Solved under a cap on the step time: with ``lb`` the bound of ``search_bounds``, the model
     holds only the options a plan at most ``cap`` can use (``restrict``), ``cap`` = ``lb`` plus
     1/64 of it at first. If the model's optimum is within the cap, it is the optimum of the whole
-    problem (a better plan would use only kept options). If its optimum is above the cap, that
-    plan's step time is the next cap (a model that holds the plan, its hint, and every better
-    one). If it has no plan, none exists within the cap, and the cap grows (1/16, 1/4, ... of
-    ``lb``). So the result, its status and its bound are those of the whole problem; on a
-    time-out, the best plan so far with the bound proven so far."""
+    problem (a better plan would use only kept options). Otherwise no plan is within the cap, and
+    the cap grows (1/16, 1/4, ... of ``lb`` over it), but never past the best plan found so far
+    (a model's optimum above its cap is a plan of the problem too): a model that holds that
+    plan, given to CP-SAT as its hint, and every better one. ``known``: a plan of the problem
+    (``placed``), the best so far from the start, so the first cap is at most its step time. So
+    the result, its status and its bound are those of the whole problem; on a time-out, the best
+    plan so far with the bound proven so far."""
     deadline = time.monotonic() + float(time_limit)
     bounds = option_bounds(problem)
     lb = floor = sum(stage_bounds(problem, bounds).values())  # no plan is faster than floor

@@ -224,11 +224,11 @@ class OptionRows(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i = int(i) % len(self)
         o = self._made.get(i)
         if o is None:
-            if not -len(self) <= i < len(self):
-                raise IndexError(i)
-            i %= len(self)
             c = self.columns
             row_t, row_u = self.times_s[i].tolist(), self.units[i].tolist()
             at = [j for j, u in enumerate(row_u) if u != np.inf]

@@ -368,3 +368,23 @@ def test_search_started_from_the_running_plan_finds_the_same_plan_on_fewer_candi
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.run_pipeline(m, "plan-search{incumbent=@rnu}")
     assert "no plan @rnu" in str(e.value) and "did you mean @run?" in str(e.value)
+
+
+def test_candidates_made_lazily_read_the_same_as_made_options():
+    """``OptionRows``: an index makes one ``Option`` (the same object each time, negative indices
+    and slices as a list's); ``columns`` of the made options equal the arrays the bounds read."""
+    from nereus.passes.search_space import OptionRows, columns
+
+    m = nereus.parse(next(p for p in EXAMPLES if p.name == "ppo_8b_16gpu.nir").read_text())
+    (w,), (c,) = m.workloads.values(), m.clusters.values()
+    problem = build_problem(c, w, m.models, prune=False)
+    for sp in problem.spaces.values():
+        rows = sp.options
+        assert isinstance(rows, OptionRows) and len(rows) > 1
+        assert rows[-1] is rows[len(rows) - 1] and rows[0] is rows[np.int64(0)] and rows[1:3] == [rows[1], rows[2]]
+        with pytest.raises(IndexError):
+            rows[len(rows)]
+        made = columns(list(rows))
+        assert made.keys() == rows.columns.keys()
+        for k, col in rows.columns.items():
+            assert np.array_equal(made[k], col), k
