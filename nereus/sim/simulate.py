@@ -142,35 +142,48 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
 
 
 def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[dict, dict]:
+    """The policies in ``jobs`` worker processes, the slowest first. A policy is handed to a
+    worker only when one is free: a call queued behind busy workers (the job and the trace,
+    pickled, 150 KB at 1,024 GPUs: more than a pipe holds) would block the queue's feeder thread
+    once those workers are terminated on a failure, and the exit waits for that thread."""
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Array("i", len(names), lock=False)
-    order = sorted(names, key=lambda n: _COST_ORDER.index(n) if n in _COST_ORDER else -1)
+    queue = sorted(names, key=lambda n: _COST_ORDER.index(n) if n in _COST_ORDER else -1)
     # one thread of BLAS/OpenMP per worker (read when the worker loads them): the workers already
     # fill the CPUs, and more threads than cores only contend
     threads = {k: os.environ.get(k) for k in _THREAD_VARS}
     os.environ.update({k: "1" for k in _THREAD_VARS})
+    futures = {}
+
+    def hand_out(pool) -> set:
+        n = queue.pop(0)
+        f = pool.submit(_run_one, module, trace, n, names.index(n), seed, factors)
+        futures[f] = n
+        return {f}
+
     try:
-        pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(done,))
-        futures = {pool.submit(_run_one, module, trace, n, names.index(n), seed, factors): n for n in order}
-    finally:  # the workers have started
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(done,)) as pool:
+            pending = set()
+            while queue and len(pending) < jobs:
+                pending |= hand_out(pool)
+            while pending:
+                finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                advance(sum(done))
+                failed = next((f for f in finished if f.exception() is not None), None)
+                if failed is not None:  # a policy that cannot run: say so now, not after the others' whole runs
+                    for proc in list(getattr(pool, "_processes", {}).values()):
+                        proc.terminate()
+                    raise failed.exception()  # a DiagnosticError pickles
+                for _ in finished:
+                    if queue:
+                        pending |= hand_out(pool)
+    finally:
         for k, v in threads.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    with pool:
-        pending = set(futures)
-        while pending:
-            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            advance(sum(done))
-            failed = next((f for f in finished if f.exception() is not None), None)
-            if failed is not None:  # a policy that cannot run: say so now, not after the others' whole runs
-                for f in pending:
-                    f.cancel()
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
-                raise failed.exception()  # a DiagnosticError pickles
-        results = {futures[f]: f.result() for f in futures}
+    results = {futures[f]: f.result() for f in futures}
     return {n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()}
 
 

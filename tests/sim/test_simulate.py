@@ -193,3 +193,22 @@ def test_the_gantt_chart_finds_every_operation_on_its_gpu_in_the_plan_it_names()
     assert len(rows) == sum(len(op.dst or op.src) for op in scheduled)
     for op in loads:  # host[g] back onto plan A's shard on GPU g
         assert (op.src[0].gpu, op.start, op.duration, "load") in rows
+
+
+def test_a_policy_that_fails_in_a_worker_ends_the_run_at_once_with_its_diagnostic(tmp_path):
+    """Responses no plan fits from step 0: the first worker to fail ends the run with its
+    diagnostic, and the command exits while the other policies' work is still queued (it used to
+    hang at exit, a queue's feeder thread blocked on a pipe to a terminated worker)."""
+    import subprocess
+    import sys
+
+    from nereus.sim.trace import write_trace
+
+    # the 1,024-GPU job: its pickled module (150 KB) is more than a pipe holds, as a queued call
+    steps = [TraceStep(i, length_shares(400000, 1000000), frozenset()) for i in range(3)]
+    path = tmp_path / "too_long.jsonl"
+    write_trace(Trace("too_long", "ppo_70b_1024gpu", 1024, steps), path)
+    run = subprocess.run([sys.executable, "-m", "nereus", "simulate", str(path), "--jobs", "2", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "cannot run on the trace's first step" in run.stderr and "Traceback" not in run.stderr
