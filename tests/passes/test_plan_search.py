@@ -365,6 +365,10 @@ def test_search_started_from_the_running_plan_finds_the_same_plan_on_fewer_candi
     assert placed(grown, moved) is None
 
     m.plans["run"] = plan
+    nereus.run_pipeline(m, "plan-search{incumbent=@run,into=@warm},plan-search{into=@cold}")
+    warm_plan, cold_plan = m.plans["warm"], m.plans["cold"]
+    assert warm_plan.search.status == cold_plan.search.status == "optimal"
+    assert warm_plan.search.objective == cold_plan.search.objective and warm_plan.step_time == cold_plan.step_time
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.run_pipeline(m, "plan-search{incumbent=@rnu}")
     assert "no plan @rnu" in str(e.value) and "did you mean @run?" in str(e.value)
