@@ -9,9 +9,10 @@ of one run each (candidate generation + solve), as the controller would pay them
 "fit alone": candidates whose own peak fits a GPU; "in model": what the last CP-SAT model held
 (the candidates a plan under its step-time cap can use, less the dominated ones).
 "searched step" is ``estimate`` on the placed plan; "objective" is the solver's own value of
-it (integer time units, rounded up per candidate), and "agree" their relative difference. "re-plan s" and "from plan s": the controller's re-plan
-when the responses grow by a tenth, searched from scratch and from the running plan
-(``plan-search{incumbent=...}``): the same optimum, the second usually on fewer candidates.
+it (integer time units, rounded up per candidate), and "agree" their relative difference.
+"re-plan s" and "from plan s": the controller's re-plan when the responses grow by a tenth,
+searched from scratch and from the running plan (``plan-search{incumbent=...}``): the same
+optimum, the second usually on fewer candidates.
 """
 
 from __future__ import annotations
