@@ -50,6 +50,7 @@ class Planner:
         self.copy_ops: dict[int, list[str]] = defaultdict(list)
         self.loaded: set[int] = set()  # plan A's offloaded pieces that a load brings onto their GPU
         self.load_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)  # GPU -> (load, bytes)
+        self.fans: dict[tuple[int, ...], dict] = {}  # destination shards of a family -> its receivers' look-ups
 
     def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
         if per_layer:
@@ -86,7 +87,9 @@ class Planner:
                 self.copy_ops[d.gpu].append(o.id)
         per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
         recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
-        fan: dict[tuple[int, ...], tuple] = {}  # receivers -> their GPUs, shards and references
+        # receivers -> their GPUs, shards and references; shared by the families whose destination
+        # pieces are the same shards in the same order (a piece's shard fixes its GPU and reference)
+        fan: dict[tuple[int, ...], tuple] = self.fans.setdefault(tuple([p.rid for p in dsts]), {})
         for (si, receivers), cells in transfers.items():
             s = srcs[si]
             node = s.gpu // per_node
@@ -180,7 +183,7 @@ class Planner:
             for i, j, cells in res.copies:
                 copies.append((sl[i], dl[j], cells))
             for c, js in res.missing:
-                missing[c].extend(dl[j] for j in js)
+                missing[c].extend([dl[j] for j in js])
         return copies, missing
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
