@@ -600,8 +600,8 @@ def prune_options(options: list[Option]) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     classes = sorted({k for o in options for k in o.times})
     times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(len(options), -1)
-    return prune_rows(np.array([o.gpus for o in options]), times, np.array([o.extra for o in options]),
-                      np.array([o.resident for o in options]), np.array([o.rho for o in options]))
+    col = columns(options)
+    return prune_rows(col["gpus"], times, col["peak"] - col["resident"], col["resident"], col["rho"])
 
 
 def brute_force(problem: SearchProblem, limit: int = 2_000_000) -> tuple[int | None, dict | None, dict | None, dict | None]:
