@@ -1,6 +1,7 @@
 """plan-transition: random plan pairs executed on numpy arrays reconstruct every destination
 tensor exactly, with bytes moved equal to the lower bound."""
 
+import copy
 import itertools
 
 import pytest
@@ -207,6 +208,12 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
         for d in op.deps if i is not None else ():
             want |= {(j, i) for j in ({index[d]} if d in index else before(d)) if j != i}
     assert set(map(tuple, _precedences(t, buckets, index).tolist())) == want
+    # operations named otherwise than plan-transition's "%k" (a transition written by hand): the same
+    name = {op.id: f"x{len(t.ops) - k}" for k, op in enumerate(t.ops)}
+    renamed = copy.deepcopy(t)
+    for op in renamed.ops:
+        op.id, op.deps = name[op.id], [name[d] for d in op.deps]
+    assert set(map(tuple, _precedences(renamed, buckets, {name[k]: v for k, v in index.items()}).tolist())) == want
     for bucket in buckets:
         for op in bucket.ops:
             if op.kind == "unstage":
