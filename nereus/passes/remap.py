@@ -108,13 +108,9 @@ def _union_terms(grid: Grid, pieces) -> tuple[list[np.ndarray], np.ndarray, np.n
     for rs in regions_on.values():
         for r in rs:
             held_by[r] += 1
-    cells_of: dict = {}
-
-    def region_cells(r):
-        out = cells_of.get(r)
-        if out is None:
-            out = cells_of[r] = np.asarray(grid.cells(r), dtype=np.int64)
-        return out
+    regions = list(held_by)
+    cells_of = dict(zip(regions, grid.cell_arrays(regions)))
+    region_cells = cells_of.__getitem__
 
     unions: dict[tuple, np.ndarray] = {(): np.zeros(0, np.int64)}
 

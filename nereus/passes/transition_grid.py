@@ -60,6 +60,32 @@ class Grid:
             self._cells[region] = out
         return out
 
+    def cell_arrays(self, regions: list[Box]) -> list[np.ndarray]:
+        """``cells(r)`` of every region, as arrays, made at once with numpy (a 1,024-GPU plan holds
+        100,000 distinct slices of a tensor: one call each cost more than the cells)."""
+        if not regions:
+            return []
+        ndim = len(self.radix)
+        lo = np.empty((len(regions), ndim), dtype=np.int64)
+        hi = np.empty((len(regions), ndim), dtype=np.int64)
+        for d, cuts in enumerate(self.cuts):
+            spans = np.asarray([r[d] for r in regions], dtype=np.int64).reshape(-1, 2)
+            lo[:, d] = np.searchsorted(cuts, spans[:, 0])
+            hi[:, d] = np.searchsorted(cuts, spans[:, 1])
+        extent = np.maximum(hi - lo, 0)
+        count = extent.prod(axis=1)
+        total = int(count.sum())
+        which = np.repeat(np.arange(len(regions)), count)
+        rest = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)  # offset in its region
+        cell = np.zeros(total, dtype=np.int64)
+        stride = 1
+        for d in reversed(range(ndim)):  # row-major inside each region: the last axis fastest
+            e = extent[which, d]
+            rest, i = np.divmod(rest, np.maximum(e, 1))
+            cell += (lo[which, d] + i) * stride
+            stride *= self.radix[d]
+        return np.split(cell, np.cumsum(count)[:-1])
+
     def index(self, cell: int) -> tuple[int, ...]:
         """The interval index of ``cell`` along every dimension."""
         out = []

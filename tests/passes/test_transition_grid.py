@@ -80,6 +80,24 @@ def test_local_equals_a_scan_of_every_cell(case):
 
 @settings(max_examples=200, deadline=None)
 @given(_gpu(), st.data())
+def test_cell_arrays_are_the_cells_of_every_region(case, data):
+    """``Grid.cell_arrays`` (every region at once, numpy) against ``Grid.cells`` region by region,
+    for regions drawn from the grid's own slices and boxes of its cuts (empty ones too)."""
+    srcs, dsts = case
+    grid = Grid({r for _, r in srcs} | {r for _, r in dsts})
+    regions = [r for _, r in srcs + dsts]
+    for _ in range(data.draw(st.integers(0, 3))):  # any box on the cuts, possibly empty along an axis
+        box = []
+        for cuts in grid.cuts:
+            a = data.draw(st.sampled_from(cuts))
+            box.append((a, data.draw(st.sampled_from([c for c in cuts if c >= a]))))
+        regions.append(tuple(box))
+    got = grid.cell_arrays(regions)
+    assert [a.tolist() for a in got] == [grid.cells(r) for r in regions]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_gpu(), st.data())
 def test_boxes_merge_cells_as_the_greedy_merge_does_and_cover_them_exactly(case, data):
     """``Grid.boxes`` (interval indices decoded at once) against ``merge`` on the cells one by
     one, and the boxes hold exactly the cells they were made of."""
