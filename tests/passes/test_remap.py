@@ -133,3 +133,32 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
             assert value[i, j] == want, (i, j)
         assert need[j] == sum(_missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
                               for k, r in boxes["b"].items() if k[0] == j)
+
+
+def test_holdings_remembered_only_for_the_emus_they_were_read_from():
+    """``plan_holdings`` hands back what it read for the same EMUs, and reads again once remap
+    replaced plan B's EMUs, or a shard's GPU or entry list changed in place."""
+    from dataclasses import replace
+
+    from nereus.passes.derive_emus import derive_missing_emus
+    from nereus.passes.plan_transition import _plan_holdings, plan_holdings
+
+    m = case_module("tp2x2-tp4", 8, hidden=64, layers=4)
+    for p in ("a", "b"):
+        derive_missing_emus(m, p)
+
+    def fresh(plan):
+        return dict(_plan_holdings(sorted((k, e) for k, e in m.emus.items() if k[0] == plan)))
+
+    first = plan_holdings(m, "b")
+    assert plan_holdings(m, "b") == first == fresh("b")
+    key = next(k for k in m.emus if k[0] == "b")
+    emu = m.emus[key]
+    m.emus[key] = replace(emu, shards=[replace(s, gpu=7 - s.gpu) for s in emu.shards])  # as remap rewrites
+    assert plan_holdings(m, "b") == fresh("b") != first
+    shard = m.emus[key].shards[0]
+    shard.gpu = 5 - shard.gpu  # in place
+    assert plan_holdings(m, "b") == fresh("b")
+    shard.entries = shard.entries[:-1]  # another list
+    assert plan_holdings(m, "b") == fresh("b")
+    assert plan_holdings(m, "a") == fresh("a")
