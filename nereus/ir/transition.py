@@ -148,7 +148,7 @@ class HostRef:
 Endpoint = ShardRef | HostRef
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Op:
     """One operation of a transition (``%3 = send layers.0..15.mlp.up_proj.weight [0:7168, 0:4096]
     from [...] to [...] { bytes = 896MiB, link = nvlink }``): a slice of one state tensor (of
@@ -169,7 +169,9 @@ class Op:
     duration: float | None = None  # seconds
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     locs: dict[str, Loc] = field(default_factory=dict, compare=False, repr=False)
-    endpoint_locs: list[Loc] = field(default_factory=list, compare=False, repr=False)
+    # the parser's, one per endpoint; one shared empty tuple otherwise (a 1,024-GPU transition
+    # has a million operations, and an empty list each is a million more objects for the collector)
+    endpoint_locs: list[Loc] | tuple = field(default=(), compare=False, repr=False)
     comments: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -99,7 +99,7 @@ def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[
     return dict(out)
 
 
-HOLDINGS_KEPT = 4  # plans whose holdings are remembered: a move's plans A and B, before and after remap
+HOLDINGS_KEPT = 2  # plans whose holdings are remembered: a move's plans A and B (after remap, plan A of the next)
 
 
 def _plan_holdings(emus) -> dict[tuple[str, str, str], list[Holding]]:

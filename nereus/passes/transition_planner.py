@@ -36,7 +36,7 @@ class Planner:
         self.sbase, self.dbase = _index(src_all), _index(dst_all)
         self.ops: list[Op] = []  # op "%i" is ops[i]
         top = max((p.gpu for pieces in src_all.values() for p in pieces), default=0)
-        self.load = np.zeros(top + 1, dtype=np.int64)  # bytes each GPU sends
+        self.load = [0] * (top + 1)  # bytes each GPU sends
         self.bytes_moved = 0
         self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
         self.kept: set[int] = set()  # source pieces reused in place
@@ -129,8 +129,8 @@ class Planner:
     def _local(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], shared: bool):
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
 
-        Returns the copies (source, destination, cells) and the missing cells (cell -> the
-        destination pieces needing it, by GPU ascending). With ``shared``, GPUs holding the same
+        Returns the copies (source, destination, cells) and the missing cells: the cells
+        ascending and, for each, the destination pieces needing it (by GPU ascending). With ``shared``, GPUs holding the same
         slices (replicas) decide the same: once.
         """
         sbase, dbase, kept, kept_b = self.sbase[key], self.dbase[key], self.kept, self.kept_b
@@ -141,9 +141,12 @@ class Planner:
         dst_on: dict[int, list[int]] = defaultdict(list)
         for j, p in enumerate(dsts):
             dst_on[p.gpu].append(j)
-        memo: dict[tuple, Local] = {}
+        memo: dict[tuple, tuple] = {}
         copies: list[tuple[int, int, list[int]]] = []
-        missing: dict[int, list[int]] = defaultdict(list)
+        # the missing cells and the destination pieces needing them, GPU by GPU (ascending):
+        # chunks of (cells, pieces) pairs, grouped by cell at the end (``_by_cell``)
+        miss_cells: list = []
+        miss_pieces: list = []
         for g in sorted(dst_on):
             sl, dl = src_on.get(g), dst_on[g]
             if not shared and len(dl) == 1 and (sl is None or len(sl) == 1):
@@ -158,33 +161,41 @@ class Planner:
                 held = () if s is None else cells_of(s.region)
                 if len(held) > 8:
                     held = set(held)
-                copied = []
+                copied, miss = [], []
                 for c in cells_of(d.region):
                     if c in held:
                         copied.append(c)
                     else:
-                        missing[c].append(j)
+                        miss.append(c)
                 if copied:
                     copies.append((sl[0], j, copied))
+                if miss:
+                    miss_cells.append(miss)
+                    miss_pieces.append([j] * len(miss))
                 continue
             sl = sl or ()
             s_items = [(srcs[i].ref.model_stage, srcs[i].region) for i in sl]
             d_items = [(dsts[j].ref.model_stage, dsts[j].region) for j in dl]
-            if shared:
-                sig = (tuple(s_items), tuple(d_items))
-                res = memo.get(sig)
-                if res is None:
-                    res = memo[sig] = local(grid, s_items, d_items)
-            else:
+            sig = (tuple(s_items), tuple(d_items)) if shared else None
+            got = memo.get(sig) if shared else None
+            if got is None:
                 res = local(grid, s_items, d_items)
+                # the missing (cell, piece) pairs as arrays, pieces by their place on this GPU
+                cells = np.fromiter((c for c, js in res.missing for _ in js), dtype=np.int64)
+                where = np.fromiter((j for _, js in res.missing for j in js), dtype=np.int64)
+                got = (res, cells, where)
+                if shared:
+                    memo[sig] = got
+            res, cells, where = got
             for i, j in res.keeps:
                 kept.add(sbase + sl[i])
                 kept_b.add(dbase + dl[j])
-            for i, j, cells in res.copies:
-                copies.append((sl[i], dl[j], cells))
-            for c, js in res.missing:
-                missing[c].extend([dl[j] for j in js])
-        return copies, missing
+            for i, j, cells_ in res.copies:
+                copies.append((sl[i], dl[j], cells_))
+            if len(cells):
+                miss_cells.append(cells)
+                miss_pieces.append(np.asarray(dl, dtype=np.int64)[where])
+        return copies, _by_cell(miss_cells, miss_pieces)
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
@@ -202,9 +213,9 @@ class Planner:
                 holders[c].append(g)
         ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
         load, info = self.load, grid.info
+        spread: dict[tuple[int, ...], int] = {}  # receivers -> how many GPUs they are on
         transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for c in sorted(missing):
-            recv = tuple(missing[c])
+        for c, recv in zip(*missing):
             gs = holders.get(c)
             if not gs:
                 model_name, state, family = key
@@ -218,9 +229,15 @@ class Planner:
                 if r is None:
                     order = sorted((i for g in gs for i in members[g]),
                                    key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
-                    r = ranked[gs] = (order, np.array([srcs[i].gpu for i in order], dtype=np.int64))
-                best = r[0][int(np.argmin(load[r[1]]))]
-            gpus = 1 if len(recv) == 1 else len({dsts[j].gpu for j in recv})
+                    r = ranked[gs] = (order, [srcs[i].gpu for i in order])
+                loads = [load[g] for g in r[1]]
+                best = r[0][loads.index(min(loads))]  # the first least loaded
+            if len(recv) == 1:
+                gpus = 1
+            else:
+                gpus = spread.get(recv)
+                if gpus is None:
+                    gpus = spread[recv] = len({dsts[j].gpu for j in recv})
             load[srcs[best].gpu] += info(c)[1] * itemsize * gpus
             t = transfers.get((best, recv))
             if t is None:
@@ -308,6 +325,20 @@ class Planner:
                         freeable[p.gpu].append(op)
         gpu_b = {p.ref: p.gpu for pieces in self.dst_all.values() for p in pieces}
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
+
+
+def _by_cell(cells: list, pieces: list) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Chunks of (cell, destination piece) pairs, in the order they were found, as the missing
+    cells ascending and, for each, the pieces needing it in that order (a stable sort by cell)."""
+    if not cells:
+        return [], []
+    c = np.concatenate([np.asarray(x, dtype=np.int64) for x in cells])
+    p = np.concatenate([np.asarray(x, dtype=np.int64) for x in pieces])
+    order = np.argsort(c, kind="stable")
+    c, p = c[order], p[order].tolist()
+    starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
+    ends = np.r_[starts[1:], len(c)].tolist()
+    return c[starts].tolist(), [tuple(p[a:b]) for a, b in zip(starts.tolist(), ends)]
 
 
 def _family(m: Module, model_name: str, state: str, family: str):
