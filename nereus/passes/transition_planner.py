@@ -16,6 +16,10 @@ from .transition_grid import Grid, Holding, Local, local
 from .transition_memory import Memory, op_number
 
 
+NO_DEPS: list = []  # shared by every operation planned without dependencies
+NO_ENDPOINTS: list = []  # shared by every free's destinations
+
+
 def _index(pieces: dict[tuple, list[Holding]]) -> dict[tuple, int]:
     """The index of each family's first piece when all pieces are numbered in key order."""
     out, n = {}, 0
@@ -51,6 +55,12 @@ class Planner:
         self.loaded: set[int] = set()  # plan A's offloaded pieces that a load brings onto their GPU
         self.load_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)  # GPU -> (load, bytes)
         self.fans: dict[tuple[int, ...], dict] = {}  # destination shards of a family -> its receivers' look-ups
+        # one endpoint list per shard, and one empty list, shared by the operations naming them:
+        # a million operations each with lists of their own are millions of objects that the
+        # cyclic collector traverses after the pass (an operation's lists are replaced, never
+        # changed in place, as for the shared receivers' lists of broadcasts)
+        self.from_a: dict[int, list] = {}  # shard of plan A (rid) -> [its reference]
+        self.to_b: dict[int, list] = {}  # shard of plan B (rid) -> [its reference]
 
     def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
         if per_layer:
@@ -59,9 +69,23 @@ class Planner:
         else:
             layers, box = None, region
         op = Op(id=f"%{len(self.ops)}", kind=kind, state=state, family=family, layers=layers, box=tuple(box), src=src,
-                dst=dst, bytes=nbytes, link=link)
+                dst=dst, bytes=nbytes, link=link, deps=NO_DEPS)
         self.ops.append(op)
         return op
+
+    def src_of(self, p: Holding) -> list:
+        """``[p.ref]`` for a piece of plan A, one list per shard."""
+        out = self.from_a.get(p.rid)
+        if out is None:
+            out = self.from_a[p.rid] = [p.ref]
+        return out
+
+    def dst_of(self, p: Holding) -> list:
+        """``[p.ref]`` for a piece of plan B, one list per shard."""
+        out = self.to_b.get(p.rid)
+        if out is None:
+            out = self.to_b[p.rid] = [p.ref]
+        return out
 
     def family(self, key: tuple[str, str, str], srcs: list[Holding], dsts: list[Holding]) -> None:
         """Keep, copy, send and broadcast the cells of one (model, state, family)."""
@@ -80,12 +104,14 @@ class Planner:
         for si, dj, cells in copies:
             s, d = srcs[si], dsts[dj]
             for region in grid.boxes(cells):
-                o = op("copy", state, family, region, [s.ref], [d.ref], _volume(region) * itemsize, "local", per_layer)
+                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), _volume(region) * itemsize, "local",
+                       per_layer)
                 reads[sbase + si].append(o.id)
                 delivers[(dbase, d.rid)].append(o.id)
                 self.copy_bytes[d.gpu] += o.bytes
                 self.copy_ops[d.gpu].append(o.id)
         per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
+        src_of, dst_of = self.src_of, self.dst_of
         recv_bytes, recv_ops = self.recv_bytes, self.recv_ops
         # receivers -> their GPUs, shards and references; shared by the families whose destination
         # pieces are the same shards in the same order (a piece's shard fixes its GPU and reference)
@@ -97,7 +123,7 @@ class Planner:
                 d = dsts[receivers[0]]
                 region, n = grid.info(cells[0])
                 nbytes = n * itemsize
-                oid = op("send", state, family, region, [s.ref], [d.ref], nbytes,
+                oid = op("send", state, family, region, src_of(s), dst_of(d), nbytes,
                          "nvlink" if d.gpu // per_node == node else "nic", per_layer).id
                 reads[sbase + si].append(oid)
                 delivers[(dbase, d.rid)].append(oid)
@@ -117,7 +143,7 @@ class Planner:
             link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
             for region in grid.boxes(cells):
                 nbytes = _volume(region) * itemsize
-                oid = op(kind, state, family, region, [s.ref], refs, nbytes, link, per_layer).id
+                oid = op(kind, state, family, region, src_of(s), refs, nbytes, link, per_layer).id
                 reads[sbase + si].append(oid)
                 for rid in to:
                     delivers[(dbase, rid)].append(oid)
@@ -291,7 +317,7 @@ class Planner:
                     continue
                 if base + j in self.kept_b and ms in plan_a.layouts and _offloaded(plan_a, ms, state):
                     continue  # already in host memory, and stays there
-                op = self.op("offload", state, family, p.region, [p.ref], [HostRef(p.gpu)], _volume(p.region) * itemsize,
+                op = self.op("offload", state, family, p.region, self.dst_of(p), [HostRef(p.gpu)], _volume(p.region) * itemsize,
                              "pcie", per_layer)
                 op.deps = list(self.delivers.get((base, p.rid), []))
 
@@ -317,7 +343,7 @@ class Planner:
                     mem_a[p.gpu] += nbytes
                 if base + i in self.kept:
                     continue
-                op = self.op("free", state, family, p.region, [p.ref], [], nbytes, "local", per_layer)
+                op = self.op("free", state, family, p.region, self.src_of(p), NO_ENDPOINTS, nbytes, "local", per_layer)
                 op.deps = list(self.reads.get(base + i, ()))  # already in creation order
                 if on_gpu or base + i in self.loaded:  # a slice that never left host memory frees no GPU memory
                     frees[p.gpu].append(op)
