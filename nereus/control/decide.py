@@ -50,7 +50,8 @@ ACTIONS = ("stay", "transition", "infeasible")
 class Decision:
     """What to do after ``step``, and why. ``numbers`` holds every figure behind it (seconds,
     bytes); ``module`` (not logged) is the job with plans A and B and the transition between them
-    when the core re-planned."""
+    when the core re-planned, until ``DecisionCore.commit`` takes it over (the decision history
+    then keeps no job alive: at 1,024 GPUs each is a plan's every slice)."""
 
     step: int
     action: str
@@ -189,6 +190,7 @@ class DecisionCore:
         for key in [k for k in m.emus if k[0] != keep]:
             del m.emus[key]
         m.transitions.clear()
+        decision.module = None  # the core's job from now on, not the history's
         self.m, self.plan = m, keep
         self.history = []  # measurements of plan A say nothing of plan B: calibration and triggers start afresh
         self.workload = m.workloads[m.plans[keep].workload]

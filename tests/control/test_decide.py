@@ -72,6 +72,7 @@ def test_gpus_announced_to_leave_force_a_move_off_them_while_they_still_send():
     assert t.bytes_moved == t.lower_bound == lower_bound(m, d.source, d.target, lost=set())  # nothing lost
     c.commit(d)
     assert c.gpus_planned == set(gpus[:8])
+    assert c.m is m and d.module is None  # the job is the core's now; the history keeps none alive
 
 
 def test_state_lost_with_gpus_that_failed_is_infeasible_without_a_checkpoint():
