@@ -212,3 +212,23 @@ def test_a_policy_that_fails_in_a_worker_ends_the_run_at_once_with_its_diagnosti
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "cannot run on the trace's first step" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_collector_collects_rarely_while_policies_run_and_as_before_after(monkeypatch):
+    """``collecting_rarely``: the policies run under ``COLLECT_EVERY``; the caller's thresholds
+    are back after the run, and after a run that failed."""
+    import gc
+
+    import nereus.sim.simulate as sim_mod
+
+    seen = []
+    step = sim_mod._step
+    monkeypatch.setattr(sim_mod, "_step", lambda *a: (seen.append(gc.get_threshold()), step(*a))[1])
+    before = gc.get_threshold()
+    steps = [TraceStep(i, length_shares(1000, 8000), frozenset(range(8, 16)), frozenset()) for i in range(2)]
+    simulate(_job(), Trace("two", "ppo_8b_16gpu", 16, steps), policies=["fixed"], progress=False)
+    assert seen and set(seen) == {sim_mod.COLLECT_EVERY} and gc.get_threshold() == before
+    monkeypatch.setattr(sim_mod, "_step", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        simulate(_job(), Trace("two", "ppo_8b_16gpu", 16, steps), policies=["fixed"], progress=False)
+    assert gc.get_threshold() == before
