@@ -26,25 +26,50 @@ from ..ir.model import state_dtype_bytes
 
 def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset()) -> int:
     """Sum over GPUs of the bytes plan ``target`` needs there that plan ``source`` does not hold
-    there; GPUs in ``lost`` hold nothing. Needs both plans' EMUs."""
-    held: dict[tuple, set[Box]] = defaultdict(set)  # (gpu, model, state, family) -> regions
-    need: dict[tuple, set[Box]] = defaultdict(set)
-    for (plan, ms, _dp), emu in m.emus.items():
-        if plan not in (source, target):
+    there; GPUs in ``lost`` hold nothing. Needs both plans' EMUs.
+
+    Where a GPU holds, for a model, every slice list plan B puts there already under plan A
+    (the same entries, compared by value; replicas share a list, so each is read once), nothing
+    is missing there and its boxes are not intersected: the GPUs a move leaves alone cost a
+    comparison, not the boxes of every tensor."""
+    lists_a = _lists_on(m, source, lost)
+    lists_b = _lists_on(m, target, frozenset())
+    content: dict[int, tuple] = {}  # id of an entry list (alive in the EMUs) -> its entries by value
+
+    def of(entries: list) -> tuple:
+        out = content.get(id(entries))
+        if out is None:
+            out = content[id(entries)] = tuple((e.state, e.family, e.region) for e in entries)
+        return out
+
+    total = 0
+    for (gpu, model), needed in lists_b.items():
+        have = lists_a.get((gpu, model), ())
+        if {of(x) for x in needed} <= {of(x) for x in have}:
+            continue  # every slice plan B needs here is held here
+        held: dict[tuple, set[Box]] = defaultdict(set)  # (state, family) -> regions
+        need: dict[tuple, set[Box]] = defaultdict(set)
+        for lists, into in ((have, held), (needed, need)):
+            for entries in lists:
+                for e in entries:
+                    into[(e.state, e.family)].add(e.region)
+        for (state, family), regions in need.items():
+            missing = _missing_volume(frozenset(regions), frozenset(held.get((state, family), ())))
+            total += missing * state_dtype_bytes(m.models[model], state)
+    return total
+
+
+def _lists_on(m: Module, plan: str, lost) -> dict[tuple[int, str], list[list]]:
+    """(GPU, model) -> the entry lists of the plan's shards on that GPU (none on ``lost`` GPUs)."""
+    out: dict[tuple[int, str], list[list]] = defaultdict(list)
+    for (p, ms, _dp), emu in m.emus.items():
+        if p != plan:
             continue
         model = ms.rpartition(".")[0]
         for s in emu.shards:
-            if plan == source and s.gpu in lost:
-                continue
-            into = held if plan == source else need
-            for e in s.entries:
-                into[(s.gpu, model, e.state, e.family)].add(e.region)
-    total = 0
-    for key, regions in need.items():
-        _, model, state, _ = key
-        missing = _missing_volume(frozenset(regions), frozenset(held.get(key, ())))
-        total += missing * state_dtype_bytes(m.models[model], state)
-    return total
+            if s.gpu not in lost:
+                out[(s.gpu, model)].append(s.entries)
+    return out
 
 
 def _volume(b: Box) -> int:
