@@ -129,34 +129,40 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
 
 
 PORT_KINDS = ("send nic", "send nvlink", "recv nic", "recv nvlink", "h2d pcie", "d2h pcie")
+SEND_NIC, SEND_NVLINK, RECV_NIC, RECV_NVLINK, H2D, D2H = range(len(PORT_KINDS))
 """A port is the integer ``gpu * len(PORT_KINDS) + kind``: a list index, where a tuple key would be
 hashed millions of times on a transition of a 1,024-GPU job."""
 
 
-def _ports(b: Bucket) -> list[int]:
+def _port(gpu: int, kind: int) -> int:
+    return gpu * len(PORT_KINDS) + kind
+
+
+def _ports(b: Bucket, recv: list[int] | None = None) -> list[int]:
     """Send and receive ports per link kind (``PORT_KINDS``); PCIe is full duplex: host-to-device
-    and back."""
+    and back. ``recv``: the receive ports of ``b.dsts``, if made (``_all_ports``)."""
     if b.direction != "net":
-        return [b.src * 6 + (4 if b.direction == "h2d" else 5)]
+        return [_port(b.src, H2D if b.direction == "h2d" else D2H)]
     nic = b.link == "nic"
-    return [b.src * 6 + (0 if nic else 1)] + [d * 6 + (2 if nic else 3) for d in b.dsts]
+    if recv is None:
+        recv = [_port(d, RECV_NIC if nic else RECV_NVLINK) for d in b.dsts]
+    return [_port(b.src, SEND_NIC if nic else SEND_NVLINK)] + recv
 
 
 def _all_ports(buckets: list[Bucket]) -> list[list[int]]:
-    """``_ports`` of every bucket; the receive ports of one receivers' tuple made once (buckets
+    """``_ports`` of every bucket, the receive ports of one receivers' tuple made once (buckets
     share the tuple of their operations' receivers, thousands of GPUs in all at 1,024 GPUs)."""
-    recv: dict[tuple, list[int]] = {}
+    made: dict[tuple, list[int]] = {}
     out = []
     for b in buckets:
-        if b.direction != "net" or len(b.dsts) < 4:
+        if b.direction != "net" or len(b.dsts) < 4:  # a few receivers: made as fast as looked up
             out.append(_ports(b))
             continue
-        nic = b.link == "nic"
-        key = (b.dsts, nic)
-        r = recv.get(key)
-        if r is None:
-            r = recv[key] = [d * 6 + (2 if nic else 3) for d in b.dsts]
-        out.append([b.src * 6 + (0 if nic else 1)] + r)
+        key = (b.dsts, b.link == "nic")
+        recv = made.get(key)
+        if recv is None:
+            recv = made[key] = [_port(d, RECV_NIC if key[1] else RECV_NVLINK) for d in b.dsts]
+        out.append(_ports(b, recv))
     return out
 
 
@@ -187,9 +193,8 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
     o_owner, o_dep = owner[outside], dep[outside]
     direct = bucket_of[o_dep] >= 0
     found = [np.stack([o_owner[direct], bucket_of[o_dep[direct]]], axis=1)]
-    paths = np.stack([o_owner[~direct], o_dep[~direct]], axis=1)  # (operation, an outside op it waits for)
-    hops = np.stack([o_owner[~direct], o_dep[~direct]], axis=1)
-    seen = set()
+    hops = np.stack([o_owner[~direct], o_dep[~direct]], axis=1)  # (operation, an outside op it waits for)
+    paths, seen = hops, set()
     while len(paths):
         # what the ends of the paths wait for directly
         found.append(_join(paths, found[0]))
@@ -199,7 +204,7 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
         fresh = np.fromiter((k not in seen for k in key.tolist()), dtype=bool, count=len(key))
         seen.update(key.tolist())
         paths = np.stack(np.divmod(key[fresh], n), axis=1)
-    waits = np.concatenate(found) if found else np.empty((0, 2), dtype=np.int64)
+    waits = np.concatenate(found)
     # the pairs: a bucket's operations' dependencies in buckets, and what outside ones wait for
     inside = ~outside
     b_owner, b_dep = bucket_of[owner[inside]], dep[inside]
