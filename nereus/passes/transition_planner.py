@@ -104,8 +104,8 @@ class Planner:
         for si, dj, cells in copies:
             s, d = srcs[si], dsts[dj]
             for region in grid.boxes(cells):
-                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), _volume(region) * itemsize, "local",
-                       per_layer)
+                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), _volume(region) * itemsize,
+                       "local", per_layer)
                 reads[sbase + si].append(o.id)
                 delivers[(dbase, d.rid)].append(o.id)
                 self.copy_bytes[d.gpu] += o.bytes
@@ -156,8 +156,8 @@ class Planner:
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
 
         Returns the copies (source, destination, cells) and the missing cells: the cells
-        ascending and, for each, the destination pieces needing it (by GPU ascending). With ``shared``, GPUs holding the same
-        slices (replicas) decide the same: once.
+        ascending and, for each, the destination pieces needing it (by GPU ascending). With
+        ``shared``, GPUs holding the same slices (replicas) decide the same: once.
         """
         sbase, dbase, kept, kept_b = self.sbase[key], self.dbase[key], self.kept, self.kept_b
         cells_of = grid.cells
@@ -216,8 +216,8 @@ class Planner:
             for i, j in res.keeps:
                 kept.add(sbase + sl[i])
                 kept_b.add(dbase + dl[j])
-            for i, j, cells_ in res.copies:
-                copies.append((sl[i], dl[j], cells_))
+            for i, j, cs in res.copies:
+                copies.append((sl[i], dl[j], cs))
             if len(cells):
                 miss_cells.append(cells)
                 miss_pieces.append(np.asarray(dl, dtype=np.int64)[where])
@@ -225,7 +225,9 @@ class Planner:
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """One sender per missing cell, the least loaded GPU holding it: (sender, receivers) -> cells.
+        """One sender per missing cell (``missing``: the cells ascending and, for each, its
+        receivers, as ``_local`` returns them), the least loaded GPU holding it: (sender,
+        receivers) -> cells.
 
         Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept in that
         order, so the first minimum of their loads is the one chosen."""
@@ -317,8 +319,8 @@ class Planner:
                     continue
                 if base + j in self.kept_b and ms in plan_a.layouts and _offloaded(plan_a, ms, state):
                     continue  # already in host memory, and stays there
-                op = self.op("offload", state, family, p.region, self.dst_of(p), [HostRef(p.gpu)], _volume(p.region) * itemsize,
-                             "pcie", per_layer)
+                op = self.op("offload", state, family, p.region, self.dst_of(p), [HostRef(p.gpu)],
+                             _volume(p.region) * itemsize, "pcie", per_layer)
                 op.deps = list(self.delivers.get((base, p.rid), []))
 
     def frees_and_memory(self) -> list[Diagnostic]:
