@@ -218,6 +218,12 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
         for op in bucket.ops:
             if op.kind == "unstage":
                 assert {_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
+    # operations share their endpoint and empty dependency lists: no pass changes one in place
+    from nereus.passes.transition_planner import NO_DEPS, NO_ENDPOINTS
+
+    nereus.run_pipeline(m, "schedule-transfers")
+    assert NO_DEPS == [] and NO_ENDPOINTS == []
+    assert all(len(op.src) == 1 for op in t.ops if op.kind in ("send", "broadcast", "copy", "free"))
 
 
 def test_a_broadcast_waits_for_the_dead_frees_of_every_gpu_it_writes():
