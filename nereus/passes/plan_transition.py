@@ -87,14 +87,13 @@ def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[
     never edit one; the lists are kept alive with the entry so that their identities stay theirs).
     """
     emus = sorted((k, e) for k, e in m.emus.items() if k[0] == plan_name)
-    lists = [s.entries for _, e in emus for s in e.shards]
     fingerprint = tuple((k, id(e), tuple((s.gpu, s.pp, s.tp, id(s.entries)) for s in e.shards)) for k, e in emus)
     for i, (fp, _, held) in enumerate(_HOLDINGS):
         if fp == fingerprint:
             _HOLDINGS.append(_HOLDINGS.pop(i))
             return dict(held)
     out = _plan_holdings(emus)
-    _HOLDINGS.append((fingerprint, lists, out))
+    _HOLDINGS.append((fingerprint, [s.entries for _, e in emus for s in e.shards], out))
     del _HOLDINGS[:-HOLDINGS_KEPT]
     return dict(out)
 
