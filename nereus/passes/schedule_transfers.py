@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from operator import itemgetter
 from collections import defaultdict
 from itertools import chain
 from dataclasses import dataclass
@@ -279,37 +280,53 @@ def greedy(buckets: list[Bucket], prec: Precedences) -> list[int]:
     ports that bound the makespan are never left idle when they could work.
 
     A heap keyed by earliest start; keys only grow as ports fill, so a popped bucket whose key
-    is stale goes back with its new key (lazy update). O(n log n) for n buckets.
+    is stale goes back with its new key (lazy update). O(n log n) for n buckets, each pop
+    reading all of a bucket's ports (a broadcast holds every receiver's): a bucket's ports and
+    predecessors are read by one ``itemgetter`` each, which also names one spare entry (a port
+    always free and with no work, a predecessor that ended at 0) so that it returns a tuple.
     """
     preds, succs, ports, left = _graph(buckets, prec)  # left: each port's work not yet placed
-    start: dict[int, int] = {}
-    free_at = [0] * len(left)
-    waiting = {i: len(preds[i]) for i in range(len(buckets))}
+    n = len(buckets)
+    duration = [b.duration for b in buckets]
+    spare = len(left)
+    left = left + [-1]  # real ports' work left is never negative: the spare never is the busiest
+    free_at = [0] * (spare + 1)
+    end = [0] * (n + 1)  # end[i]: when bucket i ends, once placed; end[n]: the spare, 0
+    on_ports = [itemgetter(*ps, spare) for ps in ports]
+    after = [itemgetter(*ps, n) if ps else None for ps in preds]
+    waiting = [len(ps) for ps in preds]
+    placed = [False] * n
 
     def key(k: int) -> tuple:
-        earliest = max([free_at[p] for p in ports[k]] + [start[j] + buckets[j].duration for j in preds[k]])
-        return (earliest, -max(left[p] for p in ports[k]), -buckets[k].duration, k)
+        on = on_ports[k]
+        earliest = max(on(free_at))
+        if after[k] is not None:
+            earliest = max(earliest, max(after[k](end)))
+        return (earliest, -max(on(left)), -duration[k], k)
 
-    heap = [key(i) for i in range(len(buckets)) if waiting[i] == 0]
+    heap = [key(i) for i in range(n) if waiting[i] == 0]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        k = heapq.heappop(heap)
+        k = pop(heap)
         i = k[3]
         fresh = key(i)
         if fresh[0] > k[0]:
-            heapq.heappush(heap, fresh)
+            push(heap, fresh)
             continue
-        start[i] = fresh[0]
+        d = duration[i]
+        end[i] = t = fresh[0] + d
+        placed[i] = True
         for p in ports[i]:
-            free_at[p] = start[i] + buckets[i].duration
-            left[p] -= buckets[i].duration
+            free_at[p] = t
+            left[p] -= d
         for j in succs[i]:
             waiting[j] -= 1
             if waiting[j] == 0:
-                heapq.heappush(heap, key(j))
-    if len(start) != len(buckets):
+                push(heap, key(j))
+    if not all(placed):
         raise ValueError("cyclic dependencies between transfer buckets")
-    return [start[i] for i in range(len(buckets))]
+    return [end[i] - duration[i] for i in range(n)]
 
 
 def _tails(buckets: list[Bucket], succs) -> list[int]:

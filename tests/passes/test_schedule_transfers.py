@@ -138,6 +138,53 @@ def test_insertion_on_merged_spans_places_every_bucket_where_per_bucket_spans_do
     assert insertion(buckets, prec, chains) == insertion_by_buckets(buckets, prec, chains)
 
 
+def greedy_by_lookups(buckets, prec):
+    """``greedy`` as first written: every key read port by port into lists built per call."""
+    preds, succs, ports, left = _graph(buckets, prec)
+    start, free_at = {}, [0] * len(left)
+    waiting = {i: len(preds[i]) for i in range(len(buckets))}
+
+    def key(k):
+        earliest = max([free_at[p] for p in ports[k]] + [start[j] + buckets[j].duration for j in preds[k]])
+        return (earliest, -max(left[p] for p in ports[k]), -buckets[k].duration, k)
+
+    heap = [key(i) for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    while heap:
+        k = heapq.heappop(heap)
+        i = k[3]
+        fresh = key(i)
+        if fresh[0] > k[0]:
+            heapq.heappush(heap, fresh)
+            continue
+        start[i] = fresh[0]
+        for p in ports[i]:
+            free_at[p] = start[i] + buckets[i].duration
+            left[p] -= buckets[i].duration
+        for j in succs[i]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, key(j))
+    return [start[i] for i in range(len(buckets))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_greedy_with_item_getters_places_every_bucket_where_lookups_do(inst):
+    """The same starts, stale keys and ties included (the spare port and predecessor that make
+    every getter return a tuple never decide a key)."""
+    buckets, prec = inst
+    assert greedy(buckets, prec) == greedy_by_lookups(buckets, prec)
+
+
+def test_greedy_on_cyclic_dependencies_is_an_error():
+    import pytest
+
+    buckets = [Bucket(0, (1,), "nic", [], duration=2), Bucket(1, (2,), "nic", [], duration=1)]
+    with pytest.raises(ValueError, match="cyclic"):
+        greedy(buckets, {(0, 1), (1, 0)})
+
+
 def test_the_one_pass_schedule_starts_what_long_chains_wait_for_first():
     """As on a 1,024-GPU move into an offloaded plan: each GPU's offload to host (PCIe, long)
     waits for the delivery to that GPU. Three longer transfers from the same sender wait for
