@@ -141,12 +141,15 @@ def group_optimizer_states(src_all: dict, dst_all: dict) -> tuple[dict, dict]:
     return src, dst
 
 
-def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None) -> Transition:
+def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None,
+                    bound: int | None = None) -> Transition:
     """Build the transition graph; see the module docstring. Needs both plans' EMUs
     (``derive-emus``; the pass declares it and the pass manager runs it).
 
     ``lost``: GPUs whose state is gone (default: those plan B's cluster marks unavailable). Pass
     an empty set for GPUs that leave with notice (a planned scale-in): they still send.
+    ``bound``: the lower bound, where the caller has it for the same plans and ``lost`` (remap's
+    ``after``: the same sum, from its reuse matrix); otherwise ``lower_bound`` computes it.
     """
     cluster = m.clusters[m.plans[target].cluster]
     # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
@@ -158,7 +161,8 @@ def plan_transition(m: Module, source: str, target: str, name: str, lost: set[in
         ops, bytes_moved = _plan(m, source, target, cluster, lost)
         # inside the pause too: with the collector back on, the sets it builds would have it
         # traverse every operation just made, again and again (8.6 of 10.5 s at 961,320 operations)
-        bound = lower_bound(m, source, target, lost)
+        if bound is None:
+            bound = lower_bound(m, source, target, lost)
     return Transition(name=name, source=source, target=target, ops=ops, bytes_moved=bytes_moved, lower_bound=bound)
 
 
