@@ -59,7 +59,7 @@ class Memory:
                 continue
             dead = self.dead.get(g, [])
             room = self.cap - self.mem_a[g] + sum(op.bytes for op in dead)
-            ops = [(oid, p.ops[op_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.recv_ops.get(g, [])
+            ops = [(oid, p.ops[op_number(oid)].bytes) for oid in p.copy_ops.get(g, [])] + p.received(g)
             direct = loads + (ops if grow <= room else self._stage(g, room - loaded, grow, ops, problems))
             self._after_dead(g, direct, dead)
         self._add_waits()

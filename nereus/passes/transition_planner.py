@@ -5,6 +5,7 @@ nothing else fits, is ``transition_memory.Memory``."""
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -45,11 +46,19 @@ class Planner:
         self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
         self.kept: set[int] = set()  # source pieces reused in place
         self.kept_b: set[int] = set()  # destination pieces kept in place
-        self.delivers: dict[tuple[int, int], list[str]] = defaultdict(list)  # (family, destination shard) -> ops writing it
+        # (family, destination shard) -> ops writing it: only for the (model, state)s plan B
+        # offloads, whose offloads wait for them (``residency``)
+        self.delivers: dict[tuple[int, int], list[str]] = defaultdict(list)
         # memory that receives take on each GPU: once per destination shard written (two
-        # model-stages on one GPU each hold their copy) and the receiving ops with their share
+        # model-stages on one GPU each hold their copy) and the receiving ops with their share.
+        # Sends are listed per GPU as they are made; a broadcast only in its fan's list (``fan``),
+        # counted onto its receivers' GPUs once planning is done (``_count_broadcasts``) and
+        # listed per GPU only where memory is tight (``received``): at 1,024 GPUs, broadcasts
+        # have millions of (operation, receiver) pairs, and most GPUs never need theirs listed
         self.recv_bytes: dict[int, int] = defaultdict(int)
         self.recv_ops: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        self.fan_records: list[tuple] = []  # every fan: (GPUs, shards per GPU, its broadcasts)
+        self.fans_on: dict[int, list[tuple]] = defaultdict(list)  # GPU -> the fan records that write it
         self.copy_bytes: dict[int, int] = defaultdict(int)  # bytes local copies write, per GPU
         self.copy_ops: dict[int, list[str]] = defaultdict(list)
         self.loaded: set[int] = set()  # plan A's offloaded pieces that a load brings onto their GPU
@@ -100,14 +109,16 @@ class Planner:
         copies, missing = self._local(key, grid, srcs, dsts, shared=2 * len(dst_regions) <= len(dsts))
         transfers = self._senders(key, grid, srcs, dsts, missing, itemsize)
         sbase, dbase = self.sbase[key], self.dbase[key]
-        reads, delivers, op = self.reads, self.delivers, self.op
+        reads, op = self.reads, self.op
+        delivers = self.delivers if _any_offloaded(self.plan_b, model_name, state) else None
         for si, dj, cells in copies:
             s, d = srcs[si], dsts[dj]
             for region in grid.boxes(cells):
                 o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), _volume(region) * itemsize,
                        "local", per_layer)
                 reads[sbase + si].append(o.id)
-                delivers[(dbase, d.rid)].append(o.id)
+                if delivers is not None:
+                    delivers[(dbase, d.rid)].append(o.id)
                 self.copy_bytes[d.gpu] += o.bytes
                 self.copy_ops[d.gpu].append(o.id)
         per_node = self.cluster.gpus_per_node  # Cluster.node_of, inline
@@ -126,7 +137,8 @@ class Planner:
                 oid = op("send", state, family, region, src_of(s), dst_of(d), nbytes,
                          "nvlink" if d.gpu // per_node == node else "nic", per_layer).id
                 reads[sbase + si].append(oid)
-                delivers[(dbase, d.rid)].append(oid)
+                if delivers is not None:
+                    delivers[(dbase, d.rid)].append(oid)
                 self.bytes_moved += nbytes
                 recv_bytes[d.gpu] += nbytes
                 recv_ops[d.gpu].append((oid, nbytes))
@@ -136,21 +148,44 @@ class Planner:
                 rgpus = sorted({dsts[j].gpu for j in receivers})
                 to = {dsts[j].rid: dsts[j].ref for j in receivers}  # one per destination shard, in order
                 shards_on = Counter(dsts[j].gpu for j in {dsts[j].rid: j for j in receivers}.values())
-                # one list for every operation to these receivers (replaced, never changed in place)
-                got = fan[receivers] = (rgpus, to, shards_on, list(to.values()))
-            rgpus, to, shards_on, refs = got
+                # one list for every operation to these receivers (replaced, never changed in place),
+                # and the broadcasts to them (``_count_broadcasts``)
+                got = fan[receivers] = (rgpus, to, shards_on, list(to.values()), [])
+                self.fan_records.append((rgpus, shards_on, got[4]))
+            rgpus, to, shards_on, refs, sent = got
             kind = "send" if len(receivers) == 1 else "broadcast"
             link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
             for region in grid.boxes(cells):
                 nbytes = _volume(region) * itemsize
-                oid = op(kind, state, family, region, src_of(s), refs, nbytes, link, per_layer).id
-                reads[sbase + si].append(oid)
-                for rid in to:
-                    delivers[(dbase, rid)].append(oid)
+                o = op(kind, state, family, region, src_of(s), refs, nbytes, link, per_layer)
+                reads[sbase + si].append(o.id)
+                if delivers is not None:
+                    for rid in to:
+                        delivers[(dbase, rid)].append(o.id)
                 self.bytes_moved += nbytes * len(rgpus)
-                for g in rgpus:
+                if len(rgpus) == 1:  # a send: listed on its GPU now
+                    g = rgpus[0]
                     recv_bytes[g] += nbytes * shards_on[g]
-                    recv_ops[g].append((oid, nbytes * shards_on[g]))
+                    recv_ops[g].append((o.id, nbytes * shards_on[g]))
+                else:
+                    sent.append(o)
+
+    def _count_broadcasts(self) -> None:
+        """Add every broadcast's bytes to its receivers' GPUs (once per shard written there), fan by fan."""
+        for rgpus, shards_on, sent in self.fan_records:
+            if not sent:
+                continue
+            total = sum([o.bytes for o in sent])
+            for g in rgpus:
+                self.recv_bytes[g] += total * shards_on[g]
+                self.fans_on[g].append((shards_on[g], sent))
+
+    def received(self, g: int) -> list[tuple[str, int]]:
+        """The sends and broadcasts writing GPU g, in the order they were made: (id, bytes on g)."""
+        lists = [self.recv_ops.get(g, [])] + [[(o.id, o.bytes * k) for o in sent] for k, sent in self.fans_on.get(g, ())]
+        if len(lists) == 1:
+            return list(lists[0])
+        return list(heapq.merge(*lists, key=lambda e: op_number(e[0])))
 
     def _local(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], shared: bool):
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
@@ -352,6 +387,7 @@ class Planner:
                     if not op.deps:
                         freeable[p.gpu].append(op)
         gpu_b = {p.ref: p.gpu for pieces in self.dst_all.values() for p in pieces}
+        self._count_broadcasts()
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
 
 

@@ -71,6 +71,46 @@ def test_random_plan_pairs_reconstruct_exactly_with_lower_bound_bytes(m):
     assert nereus.parse(text) == m
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plan_pairs())
+def test_receives_listed_per_gpu_only_when_asked_are_those_the_operations_make(m):
+    """The planner lists a broadcast in its fan only; the bytes it counts onto each receiving GPU
+    and the receives ``received(g)`` lists for a GPU (in the order operations were made) are
+    those read off the operations themselves, receiver by receiver; an offload waits for what
+    writes its shard whether or not the planner kept that list for the family (it keeps it only
+    where plan B offloads)."""
+    from collections import Counter, defaultdict
+
+    from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
+    from nereus.passes.transition_planner import Planner
+
+    for plan in ("a", "b"):
+        derive_missing_emus(m, plan)
+    src_all, dst_all = group_optimizer_states(plan_holdings(m, "a"), plan_holdings(m, "b"))
+    planner = Planner(m, "a", "b", m.clusters["c"], src_all, dst_all)
+    for key in sorted(dst_all):
+        planner.family(key, src_all.get(key, []), dst_all[key])
+    planner.residency()
+    planner._count_broadcasts()
+    gpu_b = {h.ref: h.gpu for pieces in dst_all.values() for h in pieces}
+    want_ops, want_bytes = defaultdict(list), Counter()
+    for op in planner.ops:
+        if op.kind in ("send", "broadcast"):
+            for g, k in sorted(Counter(gpu_b[r] for r in op.dst).items()):
+                want_ops[g].append((op.id, op.bytes * k))
+                want_bytes[g] += op.bytes * k
+    assert {g: planner.received(g) for g in want_ops} == dict(want_ops)
+    assert {g: n for g, n in planner.recv_bytes.items() if n} == {g: n for g, n in want_bytes.items() if n}
+    writes = defaultdict(list)
+    for op in planner.ops:
+        if op.kind in ("copy", "send", "broadcast"):
+            for r in op.dst:
+                writes[(op.state, op.family, r)].append(op.id)
+    for op in planner.ops:
+        if op.kind == "offload":
+            assert op.deps == writes[(op.state, op.family, op.src[0])]
+
+
 def test_unchanged_plan_moves_nothing():
     m = job()
     lay = {ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[0, 1, 2, 3])
