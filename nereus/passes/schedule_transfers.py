@@ -486,25 +486,31 @@ def serial(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int
     preds, succs, ports, busy = graph or _graph(buckets, prec)
     tail = tails or _tails(buckets, succs)
     start: list[int] = [0] * len(buckets)
-    free_at = [0] * len(busy)
+    spare = len(busy)  # a port always free: every bucket's getter names it, so that it returns a tuple
+    free_at = [0] * (spare + 1)
+    on_ports = [itemgetter(*ps, spare) for ps in ports]
     waiting = [len(preds[i]) for i in range(len(buckets))]
     release = [0] * len(buckets)
     heap = [(-tail[i], i) for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     placed = 0
     while heap:
-        i = heapq.heappop(heap)[-1]
-        d = buckets[i].duration
-        s = max([release[i]] + [free_at[p] for p in ports[i]])
+        i = pop(heap)[-1]
+        s = max(on_ports[i](free_at))
+        if release[i] > s:
+            s = release[i]
         start[i] = s
         placed += 1
+        e = s + buckets[i].duration
         for p in ports[i]:
-            free_at[p] = s + d
+            free_at[p] = e
         for j in succs[i]:
-            release[j] = max(release[j], s + d)
+            if release[j] < e:
+                release[j] = e
             waiting[j] -= 1
             if waiting[j] == 0:
-                heapq.heappush(heap, (-tail[j], j))
+                push(heap, (-tail[j], j))
     if placed != len(buckets):
         raise ValueError("cyclic dependencies between transfer buckets")
     return start

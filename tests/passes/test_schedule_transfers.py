@@ -177,6 +177,37 @@ def test_greedy_with_item_getters_places_every_bucket_where_lookups_do(inst):
     assert greedy(buckets, prec) == greedy_by_lookups(buckets, prec)
 
 
+def serial_by_lookups(buckets, prec):
+    """``serial`` as first written: a bucket's start read port by port into a list."""
+    preds, succs, ports, busy = _graph(buckets, prec)
+    tail = _tails(buckets, succs)
+    start, free_at = [0] * len(buckets), [0] * len(busy)
+    waiting = [len(preds[i]) for i in range(len(buckets))]
+    release = [0] * len(buckets)
+    heap = [(-tail[i], i) for i in range(len(buckets)) if waiting[i] == 0]
+    heapq.heapify(heap)
+    while heap:
+        i = heapq.heappop(heap)[-1]
+        d = buckets[i].duration
+        s = max([release[i]] + [free_at[p] for p in ports[i]])
+        start[i] = s
+        for p in ports[i]:
+            free_at[p] = s + d
+        for j in succs[i]:
+            release[j] = max(release[j], s + d)
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(heap, (-tail[j], j))
+    return start
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_serial_with_item_getters_places_every_bucket_where_lookups_do(inst):
+    buckets, prec = inst
+    assert serial(buckets, prec) == serial_by_lookups(buckets, prec)
+
+
 def test_greedy_on_cyclic_dependencies_is_an_error():
     import pytest
 
