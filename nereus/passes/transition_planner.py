@@ -275,6 +275,7 @@ class Planner:
             for c in grid.cells(region):
                 holders[c].append(g)
         ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
+        rank: list[int] = []  # each source piece's place in tie-break order, made at the first need
         load, info = self.load, grid.info
         spread: dict[tuple[int, ...], int] = {}  # receivers -> how many GPUs they are on
         transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
@@ -290,8 +291,12 @@ class Planner:
                 gs = tuple(gs)
                 r = ranked.get(gs)
                 if r is None:
-                    order = sorted((i for g in gs for i in members[g]),
-                                   key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
+                    if not rank:
+                        rank = [0] * len(srcs)
+                        by = sorted(range(len(srcs)), key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
+                        for place, i in enumerate(by):
+                            rank[i] = place
+                    order = sorted([i for g in gs for i in members[g]], key=rank.__getitem__)
                     r = ranked[gs] = (order, [srcs[i].gpu for i in order])
                 loads = [load[g] for g in r[1]]
                 best = r[0][loads.index(min(loads))]  # the first least loaded

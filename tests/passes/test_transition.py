@@ -111,6 +111,39 @@ def test_receives_listed_per_gpu_only_when_asked_are_those_the_operations_make(m
             assert op.deps == writes[(op.state, op.family, op.src[0])]
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plan_pairs())
+def test_each_missing_cell_comes_from_the_least_loaded_holder_lowest_gpu_first(m):
+    """``_senders`` against its definition: cell by cell (ascending), the holder of least load so
+    far, ties to the lowest (GPU, model-stage, piece); the load grows by the cell's bytes times
+    the GPUs receiving it."""
+    from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
+    from nereus.passes.transition_grid import Grid
+    from nereus.passes.transition_planner import Planner, _family
+
+    for plan in ("a", "b"):
+        derive_missing_emus(m, plan)
+    src_all, dst_all = group_optimizer_states(plan_holdings(m, "a"), plan_holdings(m, "b"))
+    planner = Planner(m, "a", "b", m.clusters["c"], src_all, dst_all)
+    load = list(planner.load)
+    for key in sorted(dst_all):
+        srcs, dsts = src_all.get(key, []), dst_all[key]
+        if not srcs:
+            continue
+        itemsize = _family(m, *key)[1]
+        grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
+        _, missing = planner._local(key, grid, srcs, dsts, shared=False)
+        got = planner._senders(key, grid, srcs, dsts, missing, itemsize)
+        want = {}
+        for c, recv in zip(*missing):
+            holders = [i for i, p in enumerate(srcs) if c in set(grid.cells(p.region))]
+            best = min(holders, key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
+            load[srcs[best].gpu] += grid.info(c)[1] * itemsize * len({dsts[j].gpu for j in recv})
+            want.setdefault((best, recv), []).append(c)
+        assert got == want
+    assert planner.load == load
+
+
 def test_unchanged_plan_moves_nothing():
     m = job()
     lay = {ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[0, 1, 2, 3])
