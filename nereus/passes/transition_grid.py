@@ -184,7 +184,9 @@ class Local(NamedTuple):
 
     keeps: list[tuple[int, int]]  # (source, destination): the same model-stage keeps this slice here
     copies: list[tuple[int, int, list[int]]]  # (source, destination, cells) copied on the GPU
-    missing: list[tuple[int, list[int]]]  # (cell, destinations needing it), ascending cells
+    # the missing (cell, destination) pairs as two arrays: cells ascending, and for each cell the
+    # destinations needing it ascending
+    missing: tuple[np.ndarray, np.ndarray]
 
 
 def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) -> Local:
@@ -197,15 +199,16 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
     cells = grid.cells
     if len(dsts) == 1 and len(srcs) <= 1:  # the common case, one slice needed and at most one held
         if srcs and srcs[0] == dsts[0]:
-            return Local([(0, 0)], [], [])
+            return Local([(0, 0)], [], (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         held = set(cells(srcs[0][1])) if srcs else ()
         copied, miss = [], []
         for c in cells(dsts[0][1]):
             (copied if c in held else miss).append(c)
-        return Local([], [(0, 0, copied)] if copied else [], [(c, [0]) for c in miss])
+        return Local([], [(0, 0, copied)] if copied else [], (np.asarray(miss, dtype=np.int64), np.zeros(len(miss), np.int64)))
     keeps: list[tuple[int, int]] = []
     copies: list[tuple[int, int, int, list[int]]] = []  # (first cell, destination, source, cells)
-    missing: dict[int, list[int]] = {}
+    miss_cells: list = []  # per destination, the cells it misses (arrays, ascending)
+    miss_dsts: list[int] = []
     src_spans = [grid.span(r) for _, r in srcs]
     for j, d in enumerate(dsts):
         same = next((i for i, s in enumerate(srcs) if s == d), None)
@@ -228,20 +231,24 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
                     owner = np.full([b - a for a, b in span], -1, dtype=np.int32)
                 view = owner[(*box, Ellipsis)]  # a view, also of a 0-d box
                 view[view < 0] = i
-        dcells = cells(d[1])
+        arr = np.asarray(cells(d[1]), dtype=np.int64)
         if owner is None:
-            miss = dcells
+            miss = arr
         else:
             flat = owner.ravel()
-            arr = np.asarray(dcells, dtype=np.int64)
             for i in np.unique(flat[flat >= 0]).tolist():
                 got = arr[flat == i].tolist()
                 copies.append((got[0], j, i, got))
-            miss = arr[flat < 0].tolist()
-        for c in miss:
-            if c in missing:
-                missing[c].append(j)
-            else:
-                missing[c] = [j]
+            miss = arr[flat < 0]
+        if len(miss):
+            miss_cells.append(miss)
+            miss_dsts.append(j)
     copies.sort(key=lambda x: (x[0], x[1]))  # in the order of their first cell, as a scan of the cells meets them
-    return Local(keeps, [(i, j, cs) for _, j, i, cs in copies], sorted(missing.items()))
+    if not miss_cells:
+        missing = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    else:  # by cell; a stable sort keeps each cell's destinations in the order they were met, ascending
+        c = np.concatenate(miss_cells)
+        js = np.repeat(np.asarray(miss_dsts, dtype=np.int64), [len(x) for x in miss_cells])
+        order = np.argsort(c, kind="stable")
+        missing = (c[order], js[order])
+    return Local(keeps, [(i, j, cs) for _, j, i, cs in copies], missing)

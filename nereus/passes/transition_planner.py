@@ -241,9 +241,7 @@ class Planner:
             got = memo.get(sig) if shared else None
             if got is None:
                 res = local(grid, s_items, d_items)
-                # the missing (cell, piece) pairs as arrays, pieces by their place on this GPU
-                cells = np.fromiter((c for c, js in res.missing for _ in js), dtype=np.int64)
-                where = np.fromiter((j for _, js in res.missing for j in js), dtype=np.int64)
+                cells, where = res.missing  # the missing (cell, piece) pairs, pieces by their place on this GPU
                 got = (res, cells, where)
                 if shared:
                     memo[sig] = got
