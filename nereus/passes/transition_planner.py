@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
+from operator import itemgetter
 
 import numpy as np
 
@@ -295,8 +296,9 @@ class Planner:
                         for place, i in enumerate(by):
                             rank[i] = place
                     order = sorted([i for g in gs for i in members[g]], key=rank.__getitem__)
-                    r = ranked[gs] = (order, [srcs[i].gpu for i in order])
-                loads = [load[g] for g in r[1]]
+                    # their GPUs' loads read by one getter (two pieces or more: it returns a tuple)
+                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]))
+                loads = r[1](load)
                 best = r[0][loads.index(min(loads))]  # the first least loaded
             if len(recv) == 1:
                 gpus = 1
