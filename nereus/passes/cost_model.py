@@ -118,27 +118,29 @@ class Candidates:
     @classmethod
     def of_layout(cls, cluster: Cluster, layout: Layout, resident: float = 0.0) -> "Candidates":
         """One explicit layout: its layer ranges, and links from where its mesh puts the GPUs."""
-        node = cluster.node_of
         lay = layout
+        # every GPU's node at its state coordinate (replica, pp, tp), as ``Layout.gpu`` places it;
+        # a group of GPUs spans nodes where any of its nodes differs from its first
+        world = lay.replicas * lay.pp * lay.tp
+        nodes = (np.asarray(lay.mesh[:world], dtype=np.int64) // cluster.gpus_per_node).reshape(lay.replicas, lay.pp, lay.tp)
 
-        def spans_nodes(groups) -> int:
-            return NIC if any(len({node(gpu) for gpu in grp}) > 1 for grp in groups) else NVLINK
+        def spans_nodes(differ: np.ndarray) -> int:
+            return NIC if differ.any() else NVLINK
 
-        coords = list(lay.coords())
-        tp_groups = [[lay.gpu(d, p, t) for t in range(lay.tp)] for d in range(lay.replicas) for p in range(lay.pp)]
-        pp_pairs = [[lay.gpu(d, p, t), lay.gpu(d, p + 1, t)] for d, p, t in coords if p + 1 < lay.pp]
+        tp_link = spans_nodes(nodes != nodes[:, :, :1])  # a TP group: the tp ranks of one (replica, pp)
+        pp_link = spans_nodes(nodes[:, 1:, :] != nodes[:, :-1, :])  # neighbouring pipeline stages
         # gradients reduce over every replica, DP and CP (state coordinate d x cp + c)
-        dp_groups = [[lay.gpu(d, p, t) for d in range(lay.replicas)] for p in range(lay.pp) for t in range(lay.tp)]
-        cp_groups = [[lay.gpu(d * lay.cp + c, p, t) for c in range(lay.cp)]
-                     for d in range(lay.dp) for p in range(lay.pp) for t in range(lay.tp)]
+        dp_link = spans_nodes(nodes != nodes[:1])
+        by_cp = nodes.reshape(lay.dp, lay.cp, lay.pp, lay.tp)
+        cp_link = spans_nodes(by_cp != by_cp[:, :1])
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
         return cls(tp=a(lay.tp), pp=a(lay.pp), dp=a(lay.dp), micro_batches=a(lay.micro_batches),
                    recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
-                   max_layers=a(max(sizes)), tp_link=a(spans_nodes(tp_groups)), pp_link=a(spans_nodes(pp_pairs)),
-                   dp_link=a(spans_nodes(dp_groups)), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
+                   max_layers=a(max(sizes)), tp_link=a(tp_link), pp_link=a(pp_link),
+                   dp_link=a(dp_link), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
                    grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0), fp8=a(lay.fp8), cp=a(lay.cp),
-                   cp_link=a(spans_nodes(cp_groups)))
+                   cp_link=a(cp_link))
 
 
 @dataclass
