@@ -187,7 +187,7 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
     dep = None
     if all(op.id == f"%{k}" for k, op in enumerate(ops)):  # plan-transition's numbering: "%k" is ops[k]
         # every id "%k" at once: "%3%17%4" read as the integers 3 17 4 by numpy's text parser
-        # (1.1 -> 0.4 s for 8.9 million, against int() on each)
+        # (8.9 million on the step-933 move of combined: 1.41 -> 0.76 s, against int() on each)
         dep = np.fromstring("".join(deps).replace("%", " "), dtype=np.int64, sep=" ")
         if len(dep) != total or (total and (dep.min() < 0 or dep.max() >= n)):
             dep = None  # an id that is not an operation's: looked up one by one, which names it
