@@ -10,7 +10,7 @@ last step named and, at each, pickles the module the decision core passes to `pl
 (plan-search and remap done) and the one it passes to `schedule-transfers`; it stops there. A
 plan search stops at a wall-clock limit, so on a loaded machine a dump can hold another plan B
 than a run on an idle one: time two versions on the same dump. `time` prints one JSON line per
-pass and step: seconds, operations, and a hash of every operation (kind, slices, endpoints,
+pass and step: seconds, operations, bytes moved, and a hash of every operation (kind, slices, endpoints,
 bytes, dependencies, and after scheduling start and duration) that two versions must share. To
 time another checkout's passes, run `time` with PYTHONPATH pointing at that checkout.
 """
@@ -50,11 +50,11 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
         at["step"] = step
         return replan(self, step, *args)
 
-    def plan_and_keep(m, source, target, name, lost=None):
+    def plan_and_keep(m, source, target, name, lost=None, bound=None):
         if at["step"] in steps:
             with open(out / f"plan{at['step']}.pkl", "wb") as f:
-                pickle.dump((m, source, target, name, lost), f, protocol=5)
-        return plan_transition(m, source, target, name, lost=lost)
+                pickle.dump((m, source, target, name, lost, bound), f, protocol=5)
+        return plan_transition(m, source, target, name, lost=lost, bound=bound)
 
     def schedule_and_keep(m, t, *args, **kwargs):
         if at["step"] in steps:
@@ -82,11 +82,11 @@ def time_passes(where: Path, steps: list[int]) -> None:
         sys.exit(f"no dump of these steps: {', '.join(missing)} (run `dump` for them first)")
     for step in steps:
         with open(where / f"plan{step}.pkl", "rb") as f:
-            m, source, target, name, lost = pickle.load(f)
+            m, source, target, name, lost, bound = pickle.load(f)
         t0 = time.perf_counter()
-        t = plan_transition(m, source, target, name, lost=lost)
+        t = plan_transition(m, source, target, name, lost=lost, bound=bound)
         print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
-                          "ops": len(t.ops), "hash": _hash(t, False)}), flush=True)
+                          "ops": len(t.ops), "bytes_moved": t.bytes_moved, "hash": _hash(t, False)}), flush=True)
         del m, t
         with open(where / f"schedule{step}.pkl", "rb") as f:
             m, name, args, kwargs = pickle.load(f)
