@@ -523,19 +523,32 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp
 
     The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule); ``w``
     waves need ``ceil(S / w)`` sequences at once, so others may keep at most ``budget -
-    ceil(S / w) x KV bytes per sequence``. Returns (row index per new row, rho in bytes)."""
+    ceil(S / w) x KV bytes per sequence``. Returns (row index per new row, rho in bytes).
+
+    Rows share their wave sizes (one set per number of samples a replica generates, a few per
+    job) and their geometric thinning (one per number of points): both made once per call."""
     kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
+    budgets = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - np.asarray(base.weights, dtype=float)
+    sizes: dict[float, np.ndarray] = {}  # samples -> wave sizes, descending
+    thin: dict[int, np.ndarray] = {}  # number of points -> the indices kept
     keep, rho = [], []
     for i in range(len(kv_seq)):
-        budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(base.weights[i])
-        need = sorted(_wave_sizes(samples[i]), reverse=True)
-        points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
-        if len(points) > most:  # geometric in the wave count beyond this many
-            idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})
-            points = [points[j] for j in idx]
-        keep += [i] * len(points)
-        rho += points
-    return np.array(keep, dtype=np.int64), np.array(rho, dtype=float)
+        need = sizes.get(samples[i])
+        if need is None:
+            need = sizes[samples[i]] = np.array(sorted(_wave_sizes(samples[i]), reverse=True), dtype=float)
+        points = budgets[i] - need * kv_seq[i]
+        points = points[points >= 0]
+        n = len(points)
+        if n > most:  # geometric in the wave count beyond this many
+            idx = thin.get(n)
+            if idx is None:
+                idx = thin[n] = np.array(sorted({min(n - 1, int(round(x)) - 1) for x in np.geomspace(1, n, most)}))
+            points = points[idx]
+        keep.append(np.full(len(points), i, dtype=np.int64))
+        rho.append(points)
+    if not keep:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=float)
+    return np.concatenate(keep), np.concatenate(rho)
 
 
 def _wave_sizes(samples: float) -> set[int]:

@@ -392,3 +392,45 @@ def test_candidates_made_lazily_read_the_same_as_made_options():
         assert made.keys() == rows.columns.keys()
         for k, col in rows.columns.items():
             assert np.array_equal(made[k], col), k
+
+
+def _wave_points_row_by_row(cost, workload, model, base, tp, pp, dp, most):
+    """``_wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
+    from nereus.passes.cost_model import VLLM_GPU_MEMORY_UTILIZATION
+    from nereus.passes.search_space import _per_sequence, _wave_sizes
+
+    kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
+    keep, rho = [], []
+    for i in range(len(kv_seq)):
+        budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(base.weights[i])
+        need = sorted(_wave_sizes(samples[i]), reverse=True)
+        points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
+        if len(points) > most:
+            idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})
+            points = [points[j] for j in idx]
+        keep += [i] * len(points)
+        rho += points
+    return np.array(keep, dtype=np.int64), np.array(rho, dtype=float)
+
+
+@pytest.mark.parametrize("example,response", [("ppo_70b_1024gpu.nir", None), ("ppo_70b_1024gpu.nir", 9000),
+                                              ("ppo_8b_16gpu.nir", None), ("grpo_7b_8gpu.nir", 3000)])
+def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, response):
+    """The generation candidates (rows and the state others may keep, to the bit) are those of the
+    row-by-row ``_wave_points``, on a small exhaustive space and the 1,024-GPU one, at two lengths."""
+    from nereus.passes import search_space
+
+    m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
+    (w,) = m.workloads.values()
+    (c,) = m.clusters.values()
+    if response is not None:
+        w.response_len_mean, w.response_len_max = response, max(w.response_len_max, 2 * response)
+    fast = build_problem(c, w, m.models, prune=False)
+    monkeypatch.setattr(search_space, "_wave_points", _wave_points_row_by_row)
+    slow = build_problem(c, w, m.models, prune=False)
+    generation = [ms for ms, sp in fast.spaces.items() if w.stage_of(ms).kind == "generate"]
+    assert generation and any(len(fast.spaces[ms].options) > 1 for ms in generation)
+    for ms in fast.spaces:
+        a, b = fast.spaces[ms].options, slow.spaces[ms].options
+        assert len(a) == len(b)
+        assert list(a) == list(b)
