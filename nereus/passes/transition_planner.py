@@ -14,7 +14,7 @@ import numpy as np
 from ..ir import Diagnostic, DiagnosticError, HostRef, Module, Op
 from ..ir.model import state_dtype_bytes
 from ..ir.emu import Box
-from .transition_grid import Grid, Holding, Local, local
+from .transition_grid import Grid, Holding, local
 from .transition_memory import Memory, op_number
 
 
