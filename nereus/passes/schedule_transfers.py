@@ -464,8 +464,7 @@ def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
     head = bottom_levels(duration, pairs[:, 1], pairs[:, 0]) - duration  # chains before, on the reversed graph
     port = np.fromiter(chain.from_iterable(ports), dtype=np.int64)
     bucket = np.repeat(np.arange(len(buckets), dtype=np.int64), [len(ps) for ps in ports])
-    order = np.lexsort((head[bucket], port))  # port by port, by head
-    port, h, d = port[order], head[bucket][order], duration[bucket][order]
+    port, h, d = _by_port_and_head(port, head[bucket], duration[bucket])
     # the work from each bucket to the end of its port's list: the port's total less what came before
     done_before = np.cumsum(d) - d
     first = np.flatnonzero(np.r_[True, port[1:] != port[:-1]])
@@ -473,6 +472,24 @@ def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
     start = np.repeat(done_before[first], np.diff(np.r_[first, len(d)]))
     end = np.repeat(total, np.diff(np.r_[first, len(d)]))
     return int(np.max(h + end - (done_before - start)))
+
+
+def _by_port_and_head(port: np.ndarray, head: np.ndarray, duration: np.ndarray):
+    """The (port, head, duration) entries sorted by port, then head. Where the three fit in one
+    int64, by one sort of packed keys (a lexsort and three gathers in its order took 1.4 s on the
+    7.5 million entries of the step-933 move of combined; entries of one port and head come out
+    by duration, an order ``port_bound`` does not depend on)."""
+    if not len(port):
+        return port, head, duration
+    hs, ds = int(head.max()) + 1, int(duration.max()) + 1
+    if (int(port.max()) + 1) * hs * ds < 2**62:
+        key = (port * hs + head) * ds + duration
+        key.sort()
+        rest, duration = np.divmod(key, ds)
+        port, head = np.divmod(rest, hs)
+        return port, head, duration
+    order = np.lexsort((head, port))
+    return port[order], head[order], duration[order]
 
 
 INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
