@@ -80,7 +80,7 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         at = np.minimum(np.searchsorted(cells, hc), len(cells) - 1)
         ok = cells[at] == hc
         ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
-        overlap = (ta @ tb.T).toarray()  # bytes shared by every (plan A term, plan B term)
+        overlap = (ta @ tb.T).tocsr()  # bytes shared by every (plan A term, plan B term): sparse
         sig = tuple(x.tobytes() for x in (a_gpu, a_term, b_gpu, b_term))
         if sig in groups:
             groups[sig][2] += overlap
@@ -89,7 +89,9 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
             groups[sig] = [at_a, at_b, overlap]
     reuse = np.zeros((gpus, gpus))
     for at_a, at_b, overlap in groups.values():
-        reuse += (at_b @ (at_a @ overlap).T).T  # value[i, j] = sum over i's A terms and j's B terms
+        # value[i, j] = sum over i's A terms and j's B terms, as sparse products: most pairs of
+        # terms share nothing (a ZeRO shard overlaps a few of the other plan's slices)
+        reuse += (at_a @ overlap @ at_b.T).toarray()
     return reuse, need
 
 
@@ -130,11 +132,18 @@ def _union_terms(grid: Grid, pieces) -> tuple[list[np.ndarray], np.ndarray, np.n
             if t is None:
                 t = term_of[(prefix, r)] = len(terms)
                 cells = region_cells(r)
-                terms.append(np.setdiff1d(cells, union(prefix), assume_unique=True) if prefix else cells)
+                if any(_meet(r, q) for q in prefix):  # else none of its cells is in the union
+                    cells = np.setdiff1d(cells, union(prefix), assume_unique=True)
+                terms.append(cells)
             gs.append(g)
             ts.append(t)
             prefix += (r,)
     return terms, np.asarray(gs, dtype=np.int64), np.asarray(ts, dtype=np.int64)
+
+
+def _meet(a, b) -> bool:
+    """Whether boxes ``a`` and ``b`` share an element."""
+    return all(lo < hi2 and lo2 < hi for (lo, hi), (lo2, hi2) in zip(a, b))
 
 
 def _cell_sizes(grid: Grid, cells: np.ndarray) -> np.ndarray:
