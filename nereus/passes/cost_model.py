@@ -308,6 +308,23 @@ class CostModel:
         return bw, lat, np.where(link == NVLINK, C_NVLINK, C_NIC)
 
     # ------------------------------------------------------------ per model-stage
+    def state(self, model: Model, kind: str, c: Candidates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(weights, gradients, fp32 master and Adam moments) bytes on the fullest GPU of ``c``'s
+        layouts of ``model`` running a stage of ``kind``: ``stage``'s, without its time."""
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            return self._state(kind, c, self.params_per_gpu(model, c), model.dtype_bytes)
+
+    @staticmethod
+    def _state(kind: str, c: Candidates, params: np.ndarray, b: int):
+        if kind != "train":
+            zeros = np.zeros(len(c))
+            return params * b, zeros, zeros
+        replicas = c.dp.astype(float) * c.cp.astype(float)  # ZeRO shards over every copy of the weights
+        weights = params * b / np.where(c.zero >= 3, replicas, 1.0)
+        grads = params * c.grad_bytes / np.where(c.zero >= 2, replicas, 1.0)
+        optimizer = params * 12 / np.where(c.zero >= 1, replicas, 1.0)
+        return weights, grads, optimizer
+
     def stage(self, model: Model, workload: Workload, kind: str, c: Candidates) -> StageCost:
         """Features and memory of ``c``'s layouts of ``model`` running a stage of ``kind``."""
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -363,8 +380,8 @@ class CostModel:
         ring_tp = 2 * (tp - 1) / tp
         decode = overlap = None
         zeros = np.zeros(n)
-        weights = params * b
-        grads = optimizer = activations = kv = zeros
+        weights, grads, optimizer = self._state(kind, c, params, b)
+        activations = kv = zeros
 
         q_dim, k_dim = model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
@@ -426,9 +443,6 @@ class CostModel:
                 wait("dp", np.where(replicas > 1, n_opt * 2 * (replicas - 1) * dp_lat, 0.0))
                 shard_opt = np.where(c.zero >= 1, replicas, 1.0)
                 add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
-                weights = params * b / np.where(c.zero >= 3, replicas, 1.0)
-                grads = params * c.grad_bytes / np.where(c.zero >= 2, replicas, 1.0)
-                optimizer = params * 12 / shard_opt
                 # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
                 # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)

@@ -453,13 +453,13 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
     sp = sequence_parallel(tp, kind)
-    base = cost.stage(model, workload, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
-                                                             recompute=rc, zero=zero, sp=sp, vpp=vpp))
-    state = {"weights": base.weights, "grads": base.grads, "optimizer": base.optimizer}
+    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
+                                                                        recompute=rc, zero=zero, sp=sp, vpp=vpp))
+    state = {"weights": weights, "grads": grads, "optimizer": optimizer}
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
     if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
-        keep, rho = _wave_points(cost, workload, model, base, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
+        keep, rho = _wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
         tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
         off = [off[i] for i in keep]
     gpus = tp * pp * dp
@@ -518,7 +518,7 @@ def _per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndar
     return seq * CostModel.kv_bytes_per_token(model, tp, layers), model.vocab * 4 / tp, workload.samples / dp
 
 
-def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp, dp, most: int = MAX_WAVE_POINTS):
+def _wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, most: int = MAX_WAVE_POINTS):
     """Generation rows expanded at every resident state of others where the number of waves changes.
 
     The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule); ``w``
@@ -528,7 +528,7 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, base, tp, pp
     Rows share their wave sizes (one set per number of samples a replica generates, a few per
     job) and their geometric thinning (one per number of points): both made once per call."""
     kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
-    budgets = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - np.asarray(base.weights, dtype=float)
+    budgets = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - np.asarray(weights, dtype=float)
     sizes: dict[float, np.ndarray] = {}  # samples -> wave sizes, descending
     thin: dict[int, np.ndarray] = {}  # number of points -> the indices kept
     keep, rho = [], []

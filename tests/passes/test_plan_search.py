@@ -394,7 +394,7 @@ def test_candidates_made_lazily_read_the_same_as_made_options():
             assert np.array_equal(made[k], col), k
 
 
-def _wave_points_row_by_row(cost, workload, model, base, tp, pp, dp, most):
+def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
     """``_wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
     from nereus.passes.cost_model import VLLM_GPU_MEMORY_UTILIZATION
     from nereus.passes.search_space import _per_sequence, _wave_sizes
@@ -402,7 +402,7 @@ def _wave_points_row_by_row(cost, workload, model, base, tp, pp, dp, most):
     kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
     keep, rho = [], []
     for i in range(len(kv_seq)):
-        budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(base.weights[i])
+        budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(weights[i])
         need = sorted(_wave_sizes(samples[i]), reverse=True)
         points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
         if len(points) > most:
