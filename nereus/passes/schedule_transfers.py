@@ -11,7 +11,8 @@ makespan, starting from the better of two list schedules (``greedy``: the bucket
 have the most work left, at the earliest time its ports are free; ``insertion``: buckets by
 their busiest port, each in the earliest gap that all its ports share), and past the time limit
 returns the best schedule with its gap. When a list schedule meets the port bound, no search
-is needed.
+is needed; above ``SEARCH_MAX`` buckets none is run (it found nothing better there), and above
+``LARGE`` the list schedules are of one pass.
 
 The port lower bound is the busiest port's total busy time: no schedule is shorter. Local
 copies run on HBM after their dependencies and frees after the operations that read what they
@@ -448,6 +449,7 @@ class Schedule:
     port_bound: int
     status: str
     bound: int
+    searched: bool = True  # False: a list schedule, no CP-SAT search (above ``SEARCH_MAX`` buckets)
 
 
 def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
@@ -492,8 +494,13 @@ def _by_port_and_head(port: np.ndarray, head: np.ndarray, duration: np.ndarray):
     return port[order], head[order], duration[order]
 
 
+SEARCH_MAX = 2000
+"""Buckets: above this, no CP-SAT search after the list schedules. On every transition of 2,169
+to 3,984 buckets where the search ran (the simulator's three traces and the transition bench:
+12 searches given 0.5-3 s each) it found no shorter schedule, most often no schedule at all in
+its time; on the test suite's (up to 279 buckets) it shortened 26 of 329 (docs/PERFORMANCE.md)."""
 INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
-LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy`` and CP-SAT
+LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy``
 
 
 def serial(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int] | None = None) -> list[int]:
@@ -557,7 +564,7 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
                 warm, horizon = other, span
-        return Schedule(warm, horizon, bound, "optimal" if horizon == bound else "feasible", bound)
+        return Schedule(warm, horizon, bound, "optimal" if horizon == bound else "feasible", bound, searched=False)
     warm = greedy(buckets, prec)
     horizon = max(s + b.duration for s, b in zip(warm, buckets))
     for chains in (False, True):  # then list schedules with insertion; the best of them
@@ -569,6 +576,8 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
             warm, horizon = other, span
     if horizon == bound:  # a list schedule meets the lower bound: optimal, no search needed
         return Schedule(warm, horizon, bound, "optimal", bound)
+    if len(buckets) > SEARCH_MAX:
+        return Schedule(warm, horizon, bound, "feasible", bound, searched=False)
     m = cp_model.CpModel()
     starts, ends, intervals = [], [], []
     for i, b in enumerate(buckets):
@@ -668,8 +677,10 @@ class ScheduleTransfers(ModulePass):
             sched = schedule_transition(module, t, self.time_limit, self.seed)
             if sched.status != "optimal":
                 gap = (sched.makespan - sched.bound) / sched.makespan if sched.makespan else 0.0
-                module.warnings.append(Diagnostic(t.loc, f"schedule-transfers stopped at time_limit={self.time_limit:g} s: "
-                                                         f"makespan within {gap:.2%} of the best possible", severity="warning"))
+                why = (f"stopped at time_limit={self.time_limit:g} s" if sched.searched else
+                       f"ran no search (a list schedule, above {SEARCH_MAX:,} buckets)")
+                module.warnings.append(Diagnostic(t.loc, f"schedule-transfers {why}: makespan within {gap:.2%} of the "
+                                                         "best possible", severity="warning"))
 
 
 def _printed(x: float) -> float:

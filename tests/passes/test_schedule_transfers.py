@@ -84,6 +84,28 @@ def test_insertion_fills_the_gaps_broadcasts_leave():
     assert (sched.makespan, sched.status) == (8, "optimal")
 
 
+def test_no_search_above_search_max_buckets(monkeypatch):
+    """Six buckets whose list schedules end at 12 and CP-SAT's at 11 (the bound): searched up to
+    ``SEARCH_MAX`` buckets; with the cap one bucket lower, the list schedule comes back as it is,
+    marked feasible and not searched, and CP-SAT is never called."""
+    buckets = [Bucket(1, (4, 5, 7), "nic", [], duration=2), Bucket(3, (5,), "nic", [], duration=4),
+               Bucket(1, (4, 6, 7), "nic", [], duration=1), Bucket(1, (5,), "nic", [], duration=2),
+               Bucket(3, (4, 6), "nic", [], duration=5), Bucket(0, (6,), "nic", [], duration=5)]
+    assert min(max(s + b.duration for s, b in zip(f(buckets, set()), buckets)) for f in (greedy, insertion)) == 12
+    monkeypatch.setattr(sb, "SEARCH_MAX", len(buckets))
+    sched = solve_schedule(buckets, set(), time_limit=1.0)
+    assert (sched.makespan, sched.status, sched.searched) == (11, "optimal", True)
+
+    def no_search(*args):
+        raise AssertionError("CP-SAT ran above SEARCH_MAX")
+
+    monkeypatch.setattr(sb, "SEARCH_MAX", len(buckets) - 1)
+    monkeypatch.setattr(sb.cp_model.CpSolver, "solve", no_search)
+    sched = solve_schedule(buckets, set(), time_limit=1.0)
+    assert_valid(buckets, set(), sched.starts)
+    assert (sched.makespan, sched.bound, sched.status, sched.searched) == (12, 11, "feasible", False)
+
+
 def test_a_large_transition_is_scheduled_in_one_pass_not_in_quadratic_time():
     """6,000 buckets all sent by GPU 0 (one port thousands wait for): ``greedy`` re-keys them
     all at every placement; above ``LARGE`` buckets the one-pass schedule is used, still valid
