@@ -1,17 +1,19 @@
-"""The simulator's largest moves, taken out of a run and timed alone: `plan-transition` and
-`schedule-transfers` on exactly the module the decision core built at those steps, so that two
-versions of the passes can be timed against each other, alternated, on the same input.
+"""The simulator's largest moves, taken out of a run and timed alone: `remap`, `plan-transition`
+and `schedule-transfers` on exactly the module the decision core built at those steps, so that
+two versions of the passes can be timed against each other, alternated, on the same input.
 
     python benchmarks/simulator_moves.py dump nereus/sim/traces/combined.jsonl --steps 933,934 --dir /tmp/moves
     python benchmarks/simulator_moves.py time /tmp/moves --steps 933,934
 
 `dump` runs the Nereus policy alone (`nereus simulate --policies nereus --jobs 1`) up to the
-last step named and, at each, pickles the module the decision core passes to `plan-transition`
-(plan-search and remap done) and the one it passes to `schedule-transfers`; it stops there. A
+last step named and, at each, pickles the module the decision core passes to `remap` (plan-search
+done), the one it passes to `plan-transition` (remap done) and the one it passes to
+`schedule-transfers`; it stops there. A
 plan search stops at a wall-clock limit, so on a loaded machine a dump can hold another plan B
 than a run on an idle one: time two versions on the same dump. `time` prints one JSON line per
-pass and step: seconds, operations, bytes moved, and a hash of every operation (kind, slices, endpoints,
-bytes, dependencies, and after scheduling start and duration) that two versions must share. To
+pass and step: seconds; for remap its bytes before and after and a hash of plan B's meshes; for the
+others operations, bytes moved, and a hash of every operation (kind, slices, endpoints, bytes,
+dependencies, and after scheduling start and duration) that two versions must share. To
 time another checkout's passes, run `time` with PYTHONPATH pointing at that checkout.
 """
 
@@ -42,13 +44,19 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
     from nereus.sim.trace import read_trace
 
     out.mkdir(parents=True, exist_ok=True)
-    plan_transition, schedule_transition = decide.plan_transition, decide.schedule_transition
+    remap, plan_transition, schedule_transition = decide.remap, decide.plan_transition, decide.schedule_transition
     at = {"step": None}
     replan = decide.DecisionCore._replan
 
     def replan_at(self, step, *args):
         at["step"] = step
         return replan(self, step, *args)
+
+    def remap_and_keep(m, source, target, lost=None):
+        if at["step"] in steps:
+            with open(out / f"remap{at['step']}.pkl", "wb") as f:
+                pickle.dump((m, source, target, lost), f, protocol=5)
+        return remap(m, source, target, lost=lost)
 
     def plan_and_keep(m, source, target, name, lost=None, bound=None):
         if at["step"] in steps:
@@ -66,7 +74,7 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
         return schedule_transition(m, t, *args, **kwargs)
 
     decide.DecisionCore._replan = replan_at
-    decide.plan_transition, decide.schedule_transition = plan_and_keep, schedule_and_keep
+    decide.remap, decide.plan_transition, decide.schedule_transition = remap_and_keep, plan_and_keep, schedule_and_keep
     trace = read_trace(trace_path)
     simulate(_trace_job(trace, trace_path), trace, ["nereus"], progress=False, jobs=1)
     sys.exit(f"no move at steps {sorted(steps)}: nothing dumped for the steps without one")
@@ -74,13 +82,22 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
 
 def time_passes(where: Path, steps: list[int]) -> None:
     from nereus.passes.plan_transition import plan_transition
+    from nereus.passes.remap import remap
     from nereus.passes.schedule_transfers import schedule_transition
 
-    missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("plan", "schedule")
+    missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("remap", "plan", "schedule")
                if not (where / f"{kind}{step}.pkl").exists()]
     if missing:
         sys.exit(f"no dump of these steps: {', '.join(missing)} (run `dump` for them first)")
     for step in steps:
+        with open(where / f"remap{step}.pkl", "rb") as f:
+            m, source, target, lost = pickle.load(f)
+        t0 = time.perf_counter()
+        rec = remap(m, source, target, lost=lost)
+        meshes = hashlib.sha256(repr(sorted((ms, lay.mesh) for ms, lay in m.plans[target].layouts.items())).encode())
+        print(json.dumps({"step": step, "pass": "remap", "s": round(time.perf_counter() - t0, 2), "bytes_before": rec.before,
+                          "bytes_after": rec.after, "hash": meshes.hexdigest()[:16]}), flush=True)
+        del m
         with open(where / f"plan{step}.pkl", "rb") as f:
             m, source, target, name, lost, bound = pickle.load(f)
         t0 = time.perf_counter()
@@ -105,7 +122,7 @@ def main() -> None:
     d.add_argument("trace")
     d.add_argument("--steps", required=True, help="comma-separated steps whose re-plan moves")
     d.add_argument("--dir", required=True)
-    t = sub.add_parser("time", help="time plan-transition and schedule-transfers on the dumped inputs")
+    t = sub.add_parser("time", help="time remap, plan-transition and schedule-transfers on the dumped inputs")
     t.add_argument("dir")
     t.add_argument("--steps", required=True)
     args = ap.parse_args()
