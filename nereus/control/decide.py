@@ -10,8 +10,9 @@
    from those weighed; a memory peak weighed and kept, past half the way from it to the GPU's
    memory;
 3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
-   left, the response lengths of the window): ``plan-search`` for plan B on those GPUs,
-   ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
+   left, the response lengths of the window): ``plan-search`` for plan B on those GPUs (from
+   the running plan where it is still a plan of them: as plan-search gave it, before remap
+   renamed its GPUs), ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
    announced to leave still send; GPUs that are gone hold nothing), ``schedule-transfers`` and
    ``admit`` over the remaining steps. A plan B whose saving cannot pay even the move's fixed
    costs (process groups, engine restart) is rejected right after the search;
@@ -27,10 +28,10 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..ir import DiagnosticError, Module
+from ..ir import DiagnosticError, Module, Plan
 from ..passes.admit import admission, fixed_costs
 from ..passes.calibrate import calibrate_records
 from ..passes.derive_emus import derive_missing_emus
@@ -63,6 +64,7 @@ class Decision:
     numbers: dict = field(default_factory=dict)
     message: str = ""
     module: Module | None = field(default=None, repr=False)
+    searched: Plan | None = field(default=None, repr=False)  # plan B as plan-search gave it, before remap
 
     def to_json(self) -> dict:
         return {"step": self.step, "action": self.action, "source": self.source, "target": self.target,
@@ -82,6 +84,11 @@ class DecisionCore:
         self.options = options or ControlOptions()
         self.m = copy.deepcopy(module)
         self.plan = plan
+        # the running plan as plan-search gave it, before remap renamed its GPUs (the same shapes,
+        # time and memory): the next search starts from it where its runs of GPUs are still
+        # available (``PlanSearch``'s incumbent); the remapped plan's meshes are not runs of the
+        # search's GPU order, and a search never starts from them. None: the plan the core began with
+        self.searched: Plan | None = None
         p = self.m.plans[plan]
         self.workload = self.m.workloads[p.workload]
         self.total_steps = total_steps if total_steps is not None else (self.workload.steps or 0)
@@ -192,6 +199,7 @@ class DecisionCore:
         m.transitions.clear()
         decision.module = None  # the core's job from now on, not the history's
         self.m, self.plan = m, keep
+        self.searched, decision.searched = decision.searched, None
         self.history = []  # measurements of plan A say nothing of plan B: calibration and triggers start afresh
         self.workload = m.workloads[m.plans[keep].workload]
         self.gpus_planned = set(m.clusters[m.plans[keep].cluster].available_gpus())
@@ -237,15 +245,23 @@ class DecisionCore:
         target = f"p{step}"
         while target in m.plans:  # a plan of that name exists (the starting plan may be @p0)
             target += "_next"
+        incumbent = self.plan
+        if self.searched is not None:  # the running plan before remap, under a name of its own for the search
+            incumbent = f"{target}_incumbent"
+            m.plans[incumbent] = replace(copy.deepcopy(self.searched), name=incumbent)
         try:
             PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
                        cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp, max_zero=opts.max_zero,
-                       offload=opts.offload, incumbent=f"@{self.plan}").apply(m)
+                       offload=opts.offload, incumbent=f"@{incumbent}").apply(m)
         except DiagnosticError as e:
             action = "infeasible" if forced else "stay"
             return Decision(step, action, self.plan, forced=forced, triggers=triggers, numbers=numbers,
                             message=f"plan-search found no plan: {e.diagnostics[0].message}")
+        finally:
+            if incumbent != self.plan:
+                del m.plans[incumbent]
         b = m.plans[target]
+        searched = copy.deepcopy(b)  # before remap renames its GPUs
         numbers["step_time_new"] = b.step_time
         numbers["search_status"] = b.search.status
         horizon = max(1, self.total_steps - step - 1)
@@ -295,7 +311,8 @@ class DecisionCore:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
             self._weighed(w, window, numbers)
         return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
-                        module=m if action == "transition" else None)
+                        module=m if action == "transition" else None,
+                        searched=searched if action == "transition" else None)
 
     def _copy_job(self) -> Module:
         """The job to re-plan on: a deep copy, except that the EMUs are shared (passes replace an

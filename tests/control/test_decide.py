@@ -292,3 +292,35 @@ def test_recalibrating_at_responses_too_long_for_plan_a_replans_instead_of_raisi
     d = c.decide()
     assert d.numbers["recalibrated"]
     assert d.forced and d.action in ("transition", "infeasible")
+
+
+def test_the_search_after_a_move_starts_from_the_running_plan_as_searched(monkeypatch):
+    """remap renames plan B's GPUs, so the running plan's meshes are not runs of the search's GPU
+    order and plan-search could not start from it: the core keeps plan B as plan-search gave it
+    (the same shapes, time and memory) and the next search starts from that."""
+    import nereus.passes.plan_search as ps
+
+    c = core()
+    for step in range(3):
+        c.observe(as_planned(c, step, length=3.0))
+    d = c.decide()
+    assert d.action == "transition"
+    c.commit(d)
+    running, searched = c.m.plans[c.plan], c.searched
+    assert d.searched is None and searched.name == running.name
+    assert searched.step_time == running.step_time
+    real, seen = ps.placed, []
+
+    def spy(problem, plan):
+        seen.append((plan.name, real(problem, plan), real(problem, running)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(ps, "placed", spy)
+    for step in range(3, 9):  # past the cooldown
+        c.observe(as_planned(c, step, length=0.6))  # shorter: a re-plan on the same GPUs
+    d = c.decide()
+    assert "step_time_new" in d.numbers  # it searched
+    (name, from_searched, from_running), = seen
+    assert name != c.plan and (d.module is None or name not in d.module.plans)  # searched from, not kept
+    assert from_searched is not None  # the search started from the running plan...
+    assert from_running is None  # ...which, as remap left it, no search could start from
