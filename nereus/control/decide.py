@@ -12,10 +12,11 @@
 3. otherwise re-plan on a copy of the job under the conditions measured now (the GPUs that are
    left, the response lengths of the window): ``plan-search`` for plan B on those GPUs (from
    the running plan where it is still a plan of them: as plan-search gave it, before remap
-   renamed its GPUs), ``remap`` (plan B's GPUs renamed to keep the most state in place), ``plan-transition`` (GPUs
-   announced to leave still send; GPUs that are gone hold nothing), ``schedule-transfers`` and
-   ``admit`` over the remaining steps. A plan B whose saving cannot pay even the move's fixed
-   costs (process groups, engine restart) is rejected right after the search;
+   renamed its GPUs), ``remap`` (plan B's GPUs renamed to keep the most state in place),
+   ``plan-transition`` (GPUs announced to leave still send; GPUs that are gone hold nothing),
+   ``schedule-transfers`` and ``admit`` over the remaining steps. A plan B whose saving cannot
+   pay even the move's fixed costs (process groups, engine restart) is rejected right after the
+   search;
 4. ``transition`` when admitted or forced (the current plan uses GPUs that are gone or leaving,
    or does not fit any more), else ``stay``; ``infeasible`` when a forced move finds no plan.
 
@@ -248,6 +249,8 @@ class DecisionCore:
         incumbent = self.plan
         if self.searched is not None:  # the running plan before remap, under a name of its own for the search
             incumbent = f"{target}_incumbent"
+            while incumbent in m.plans:
+                incumbent += "_"
             m.plans[incumbent] = replace(copy.deepcopy(self.searched), name=incumbent)
         try:
             PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
@@ -261,7 +264,6 @@ class DecisionCore:
             if incumbent != self.plan:
                 del m.plans[incumbent]
         b = m.plans[target]
-        searched = copy.deepcopy(b)  # before remap renames its GPUs
         numbers["step_time_new"] = b.step_time
         numbers["search_status"] = b.search.status
         horizon = max(1, self.total_steps - step - 1)
@@ -280,6 +282,7 @@ class DecisionCore:
                        f"cannot pay its fixed costs of {pg + restart:.4g} s")
                 return Decision(step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers,
                                 message=why)
+        searched = copy.deepcopy(b)  # before remap renames its GPUs
         derive_missing_emus(m, target)  # plan A's are in ``self.m`` (derived at the start or the commit)
         rec = remap(m, self.plan, target, lost=lost)
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
