@@ -87,8 +87,9 @@ class DecisionCore:
         self.plan = plan
         # the running plan as plan-search gave it, before remap renamed its GPUs (the same shapes,
         # time and memory): the next search starts from it where its runs of GPUs are still
-        # available (``PlanSearch``'s incumbent); the remapped plan's meshes are not runs of the
-        # search's GPU order, and a search never starts from them. None: the plan the core began with
+        # available (``PlanSearch``'s incumbent); where remap renamed GPUs, the running plan's
+        # meshes are not runs of the search's GPU order and no search could start from them.
+        # None: the plan the core began with
         self.searched: Plan | None = None
         p = self.m.plans[plan]
         self.workload = self.m.workloads[p.workload]
