@@ -252,7 +252,7 @@ class DecisionCore:
             incumbent = f"{target}_incumbent"
             while incumbent in m.plans:
                 incumbent += "_"
-            m.plans[incumbent] = replace(copy.deepcopy(self.searched), name=incumbent)
+            m.plans[incumbent] = replace(self.searched, name=incumbent)  # read only, and removed after the search
         try:
             PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
                        cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp, max_zero=opts.max_zero,
