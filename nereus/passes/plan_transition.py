@@ -8,9 +8,14 @@ trained models) and every tensor family:
    included), into cells;
 2. a destination GPU that already holds a cell keeps it: nothing to do when the same
    model-stage keeps the same slice on the same GPU, a local ``copy`` otherwise;
-3. every other cell a GPU needs is received once, from the least-loaded GPU that holds it (any
-   replica of any model-stage of the same model), so senders are balanced; a cell that several
-   GPUs need from one sender is one ``broadcast``;
+3. every other cell a GPU needs is received once. The GPUs that need a cell are split into parts
+   that need the same slice (the replicas of an inference layout; one ZeRO-3 slice of a training
+   layout), joined where two share a GPU; each part gets the cell from a GPU that holds it (any
+   replica of any model-stage of the same model): the one that sent the part its previous cell
+   while that GPU's load stays within the part's fair share (its slice's bytes times its GPUs)
+   of the least-loaded holder's, otherwise the least loaded, so senders are balanced and a
+   replicas' slice goes out in long runs rather than a broadcast per cell; a part of several
+   GPUs gets one ``broadcast``;
 4. cells with the same sender and receivers are merged back into boxes, and every source slice
    that plan B does not keep in place is freed after the operations that read it;
 5. where the plans differ in what they keep in host memory, plan A's offloaded slices are

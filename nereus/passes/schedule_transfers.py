@@ -416,8 +416,10 @@ def insertion(buckets: list[Bucket], prec: Precedences, chains: bool = False, gr
             moved = False
             for starts, ends in lines:
                 k = bisect.bisect_right(ends, t)  # the first span on this port ending after t
-                if k < len(starts) and starts[k] < t + d:
+                n = len(starts)
+                while k < n and starts[k] < t + d:  # past this port's spans in the way, one after another
                     t, moved = ends[k], True
+                    k += 1
         start[i] = t
         for starts, ends in lines:
             k = bisect.bisect_left(starts, t)  # spans before k end by t, spans from k start at t + d or later

@@ -192,7 +192,8 @@ class Planner:
         """Keep in place, or copy from a source piece on the same GPU; collect the rest.
 
         Returns the copies (source, destination, cells) and the missing cells: the cells
-        ascending and, for each, the destination pieces needing it (by GPU ascending). With
+        ascending and, for each, the destination pieces needing it (by GPU ascending) split into
+        parts (``_by_cell``). With
         ``shared``, GPUs holding the same slices (replicas) decide the same: once.
         """
         sbase, dbase, kept, kept_b = self.sbase[key], self.dbase[key], self.kept, self.kept_b
@@ -255,16 +256,21 @@ class Planner:
             if len(cells):
                 miss_cells.append(cells)
                 miss_pieces.append(np.asarray(dl, dtype=np.int64)[where])
-        return copies, _by_cell(miss_cells, miss_pieces)
+        return copies, _by_cell(miss_cells, miss_pieces, dsts)
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """One sender per missing cell (``missing``: the cells ascending and, for each, its
-        receivers, as ``_local`` returns them), the least loaded GPU holding it: (sender,
-        receivers) -> cells.
+        """Senders for the missing cells (``missing``: the cells ascending and, for each, its
+        receivers, as ``_local`` returns them): (sender, receivers) -> cells.
 
-        Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept in that
-        order, so the first minimum of their loads is the one chosen."""
+        A cell's receivers are split into parts that hold the same slice (``_by_cell``): the
+        replicas of an inference layout need the same long run of cells, a ZeRO-3 slice of a
+        training layout a few of them, and one broadcast to both for every cell would cut the
+        replicas' run into a broadcast per cell. Each part gets the cell from a GPU holding it:
+        the one that sent the part's last cell while that GPU's load stays within a fair share
+        of the least loaded holder's (so that a run goes out as one box), otherwise the least
+        loaded. Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept
+        in that order, so the first minimum of their loads is the one chosen."""
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             groups[p.region].append(i)
@@ -273,19 +279,26 @@ class Planner:
         for g, region in enumerate(groups):
             for c in grid.cells(region):
                 holders[c].append(g)
-        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
+        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs, the pieces as a set), in tie-break order
         rank: list[int] = []  # each source piece's place in tie-break order, made at the first need
         load, info = self.load, grid.info
-        spread: dict[tuple[int, ...], int] = {}  # receivers -> how many GPUs they are on
-        transfers: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        for c, recv in zip(*missing):
+        volume: dict[Box, int] = {}
+        ids: dict[tuple[int, ...], int] = {}  # a part -> its number: one hash of a (long) tuple per cell and part
+        parts_by_id: list[tuple[int, ...]] = []
+        gpus_of: list[int] = []  # by part number: its GPUs
+        share_of: list[int] = []  # by part number: its fair share in bytes
+        last: list[int] = []  # by part number: the piece that sent it its last cell (-1: none yet)
+        transfers: dict[tuple[int, int], list[int]] = {}  # (sender, part number) -> cells
+        for c, parts in zip(*missing):
             gs = holders.get(c)
             if not gs:
                 model_name, state, family = key
                 raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
                                                                    f"{family} of @{model_name} that plan @{self.target} needs")])
+            nbytes = info(c)[1] * itemsize
             if len(gs) == 1 and len(members[gs[0]]) == 1:
-                best = members[gs[0]][0]
+                r = None
+                only = members[gs[0]][0]
             else:
                 gs = tuple(gs)
                 r = ranked.get(gs)
@@ -297,22 +310,39 @@ class Planner:
                             rank[i] = place
                     order = sorted([i for g in gs for i in members[g]], key=rank.__getitem__)
                     # their GPUs' loads read by one getter (two pieces or more: it returns a tuple)
-                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]))
-                loads = r[1](load)
-                best = r[0][loads.index(min(loads))]  # the first least loaded
-            if len(recv) == 1:
-                gpus = 1
-            else:
-                gpus = spread.get(recv)
-                if gpus is None:
-                    gpus = spread[recv] = len({dsts[j].gpu for j in recv})
-            load[srcs[best].gpu] += info(c)[1] * itemsize * gpus
-            t = transfers.get((best, recv))
-            if t is None:
-                transfers[(best, recv)] = [c]
-            else:
-                t.append(c)
-        return transfers
+                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]), set(order))
+            for part in parts:
+                pid = ids.get(part)
+                if pid is None:
+                    pid = ids[part] = len(parts_by_id)
+                    parts_by_id.append(part)
+                    largest = 0
+                    for j in part:
+                        region = dsts[j].region
+                        n = volume.get(region)
+                        if n is None:
+                            n = volume[region] = _volume(region)
+                        largest = max(largest, n)
+                    gpus = 1 if len(part) == 1 else len({dsts[j].gpu for j in part})
+                    gpus_of.append(gpus)
+                    share_of.append(largest * itemsize * gpus)
+                    last.append(-1)
+                if r is None:
+                    best = only
+                else:
+                    loads = r[1](load)
+                    least = min(loads)
+                    best = last[pid]
+                    if best not in r[2] or load[srcs[best].gpu] > least + share_of[pid]:
+                        best = r[0][loads.index(least)]  # the first least loaded
+                last[pid] = best
+                load[srcs[best].gpu] += nbytes * gpus_of[pid]
+                t = transfers.get((best, pid))
+                if t is None:
+                    transfers[(best, pid)] = [c]
+                else:
+                    t.append(c)
+        return {(best, parts_by_id[pid]): cells for (best, pid), cells in transfers.items()}
 
     def residency(self) -> None:
         """Loads and offloads where the plans differ in what lives in host memory.
@@ -396,18 +426,56 @@ class Planner:
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
 
 
-def _by_cell(cells: list, pieces: list) -> tuple[list[int], list[tuple[int, ...]]]:
+def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int], list[tuple[tuple[int, ...], ...]]]:
     """Chunks of (cell, destination piece) pairs, in the order they were found, as the missing
-    cells ascending and, for each, the pieces needing it in that order (a stable sort by cell)."""
+    cells ascending and, for each, the pieces needing it split into parts: the pieces of one
+    slice (a region) form a part, in the order they were found (a stable sort by cell), and the
+    parts of a cell that share a GPU are one (a GPU receives a cell once, whichever of its
+    shards need it). Parts in the order of their regions' first piece in ``dsts``."""
     if not cells:
         return [], []
     c = np.concatenate([np.asarray(x, dtype=np.int64) for x in cells])
     p = np.concatenate([np.asarray(x, dtype=np.int64) for x in pieces])
-    order = np.argsort(c, kind="stable")
-    c, p = c[order], p[order].tolist()
-    starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
-    ends = np.r_[starts[1:], len(c)].tolist()
-    return c[starts].tolist(), [tuple(p[a:b]) for a, b in zip(starts.tolist(), ends)]
+    index: dict[Box, int] = {}
+    region = np.fromiter((index.setdefault(d.region, len(index)) for d in dsts), dtype=np.int64, count=len(dsts))
+    k = region[p]
+    order = np.argsort(c * len(index) + k, kind="stable")
+    c, p, k = c[order], p[order], k[order]
+    new_cell = np.r_[True, c[1:] != c[:-1]]
+    part_starts = np.flatnonzero(new_cell | np.r_[True, k[1:] != k[:-1]])
+    pl = p.tolist()
+    parts = [tuple(pl[a:b]) for a, b in zip(part_starts.tolist(), np.r_[part_starts[1:], len(c)].tolist())]
+    cell_starts = np.flatnonzero(new_cell)
+    first = np.searchsorted(part_starts, cell_starts).tolist() + [len(parts)]
+    out = [tuple(parts[a:b]) for a, b in zip(first[:-1], first[1:])]
+    if len(parts) > len(out):  # a cell of several parts: join those that share a GPU
+        gpu = np.fromiter((d.gpu for d in dsts), dtype=np.int64, count=len(dsts))[p]
+        key = c * (int(gpu.max()) + 1) + gpu
+        o = np.argsort(key, kind="stable")
+        clash = (key[o][1:] == key[o][:-1]) & (k[o][1:] != k[o][:-1])
+        if clash.any():
+            cell_list, gpus_of = c[cell_starts], {}
+            for i in np.searchsorted(cell_list, np.unique(c[o][1:][clash])).tolist():
+                out[i] = _join_sharing(out[i], dsts, gpus_of)
+    return c[cell_starts].tolist(), out
+
+
+def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_of: dict) -> tuple[tuple[int, ...], ...]:
+    """``parts`` with every two that share a GPU joined (their pieces by GPU, then index, as
+    found); ``gpus_of``: each part's GPUs, remembered across cells (a replicas' part recurs)."""
+    merged: list[tuple[list, frozenset]] = []
+    for part in parts:
+        gpus = gpus_of.get(part)
+        if gpus is None:
+            gpus = gpus_of[part] = frozenset([dsts[j].gpu for j in part])
+        js = list(part)
+        for other in [x for x in merged if not x[1].isdisjoint(gpus)]:
+            merged.remove(other)
+            js, gpus = js + other[0], gpus | other[1]
+        merged.append((js, gpus))
+    if len(merged) == len(parts):
+        return parts
+    return tuple(sorted(tuple(js) if len(js) == 1 else tuple(sorted(js, key=lambda j: (dsts[j].gpu, j))) for js, _ in merged))
 
 
 def _family(m: Module, model_name: str, state: str, family: str):

@@ -113,13 +113,23 @@ def test_receives_listed_per_gpu_only_when_asked_are_those_the_operations_make(m
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plan_pairs())
-def test_each_missing_cell_comes_from_the_least_loaded_holder_lowest_gpu_first(m):
-    """``_senders`` against its definition: cell by cell (ascending), the holder of least load so
-    far, ties to the lowest (GPU, model-stage, piece); the load grows by the cell's bytes times
-    the GPUs receiving it."""
+def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(m):
+    """``_senders`` against its definition. A cell's receivers are split into parts: pieces of
+    one region together, parts that share a GPU joined (so no GPU receives a cell twice). Cell by
+    cell (ascending), part by part, the part gets the cell from the holder that sent it the
+    part's last cell while that holder's load is at most the least loaded holder's plus the
+    part's fair share (its largest slice's bytes times its GPUs), otherwise from the least loaded,
+    ties to the lowest (GPU, model-stage, piece); the load grows by the cell's bytes times the
+    part's GPUs."""
     from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
     from nereus.passes.transition_grid import Grid
     from nereus.passes.transition_planner import Planner, _family
+
+    def volume(region):
+        n = 1
+        for lo, hi in region:
+            n *= hi - lo
+        return n
 
     for plan in ("a", "b"):
         derive_missing_emus(m, plan)
@@ -134,14 +144,73 @@ def test_each_missing_cell_comes_from_the_least_loaded_holder_lowest_gpu_first(m
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
         _, missing = planner._local(key, grid, srcs, dsts, shared=False)
         got = planner._senders(key, grid, srcs, dsts, missing, itemsize)
-        want = {}
-        for c, recv in zip(*missing):
+        want, last = {}, {}
+        for c, parts in zip(*missing):
+            # the parts, made again: by region, then joined while two share a GPU
+            receivers = sorted({j for part in parts for j in part}, key=lambda j: (dsts[j].gpu, j))
+            groups = [{j for j in receivers if dsts[j].region == r} for r in {dsts[j].region for j in receivers}]
+            joined = True
+            while joined:
+                joined = False
+                for x in range(len(groups)):
+                    for y in range(x + 1, len(groups)):
+                        if {dsts[j].gpu for j in groups[x]} & {dsts[j].gpu for j in groups[y]}:
+                            groups[x] |= groups.pop(y)
+                            joined = True
+                            break
+                    if joined:
+                        break
+            assert sorted(map(sorted, groups)) == sorted(map(sorted, parts))
+            assert all(list(part) == sorted(part, key=lambda j: (dsts[j].gpu, j)) for part in parts)
             holders = [i for i, p in enumerate(srcs) if c in set(grid.cells(p.region))]
-            best = min(holders, key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
-            load[srcs[best].gpu] += grid.info(c)[1] * itemsize * len({dsts[j].gpu for j in recv})
-            want.setdefault((best, recv), []).append(c)
+            for part in parts:
+                gpus = len({dsts[j].gpu for j in part})
+                share = max(volume(dsts[j].region) for j in part) * itemsize * gpus
+                least = min(load[srcs[i].gpu] for i in holders)
+                prev = last.get(part)
+                if prev in holders and load[srcs[prev].gpu] <= least + share:
+                    best = prev
+                else:
+                    best = min(holders, key=lambda i: (load[srcs[i].gpu], srcs[i].gpu, srcs[i].ref.model_stage, i))
+                last[part] = best
+                load[srcs[best].gpu] += grid.info(c)[1] * itemsize * gpus
+                want.setdefault((best, part), []).append(c)
         assert got == want
     assert planner.load == load
+
+
+def test_inference_replicas_take_a_slice_in_one_run_apart_from_the_zero3_slices_that_need_it_too():
+    """The actor's weights go from one GPU each of train and generate to two generation
+    replicas (offloaded) and a ZeRO-3 training layout over four GPUs. Every cell of a tensor is
+    needed by both replicas and by the one ZeRO-3 slice holding it: as one broadcast per cell,
+    each replica's tensor would arrive in four operations (one per ZeRO-3 slice) and its offload
+    would wait for all four. The replicas are one part, the slices others: each replica gets
+    each tensor in one broadcast from one holder, each offload waits for that one operation, and
+    still every missing byte arrives once (bytes moved equal the lower bound)."""
+    from collections import Counter
+
+    m = job(layers=3)
+
+    def lay(ms, dp, mesh, zero=0, offload=()):
+        return Layout(model_stage=ms, tp=1, pp=1, dp=dp, layers=[(0, 2)], mesh=mesh, zero=zero, offload=list(offload))
+
+    m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts={
+        "actor.generate": lay("actor.generate", 1, [1]), "ref.infer": lay("ref.infer", 1, [2]),
+        "actor.train": lay("actor.train", 1, [0])})
+    m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts={
+        "actor.generate": lay("actor.generate", 2, [2, 3], offload=["weights"]), "ref.infer": lay("ref.infer", 1, [2]),
+        "actor.train": lay("actor.train", 4, [4, 5, 6, 7], zero=3)})
+    nereus.run_pipeline(m, "plan-transition{to=@b}")
+    t = m.transitions["a_to_b"]
+    assert t.bytes_moved == t.lower_bound > 0
+    assert simulate(m, t).mismatches == []
+    writes = Counter((op.family, r.dp) for op in t.ops if op.spec.delivers for r in op.dst
+                     if r.model_stage == "actor.generate")
+    families = {op.family for op in t.ops if op.state == "weight"}
+    assert set(writes) == {(f, dp) for f in families for dp in (0, 1)} and set(writes.values()) == {1}
+    assert all({r.model_stage for r in op.dst} == {"actor.generate"} for op in t.ops if op.kind == "broadcast")
+    offloads = [op for op in t.ops if op.kind == "offload"]
+    assert len(offloads) == 2 * len(families) and all(len(op.deps) == 1 for op in offloads)
 
 
 def test_unchanged_plan_moves_nothing():
