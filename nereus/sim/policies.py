@@ -31,12 +31,14 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..control import ControlOptions, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module, Plan
 from ..ir.cluster import Efficiency
 from ..passes.estimate import estimate_plan
 from ..passes.plan_search import placed, solve, to_plan
-from ..passes.search_space import DEFAULT_HEADROOM, build_problem
+from ..passes.search_space import DEFAULT_HEADROOM, OptionRows, build_problem, columns
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
@@ -65,6 +67,19 @@ def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, 
     if estimate_plan(m, plan):
         raise NoPlan("the plan found does not fit")
     return plan
+
+
+def rows(options, mask: np.ndarray) -> list:
+    """The options where ``mask`` (one entry per option) holds. Made only for those: a search's
+    ``OptionRows`` makes an option when first asked for, and a 1,024-GPU problem has tens of
+    thousands per model-stage, of which a fixed layout keeps a few."""
+    return [options[i] for i in np.flatnonzero(mask).tolist()]
+
+
+def same_tp_pp(options, tp_pp: tuple[int, int]) -> list:
+    """The options with these TP and PP."""
+    c = columns(options)
+    return rows(options, (c["tp"] == tp_pp[0]) & (c["pp"] == tp_pp[1]))
 
 
 @dataclass
@@ -108,7 +123,7 @@ class Restarting(Policy):
         raise NotImplementedError
 
     def keep(self, ms, options, n) -> list:
-        return [o for o in options if (o.tp, o.pp) == self.tp_pp[ms]]
+        return same_tp_pp(options, self.tp_pp[ms])
 
     def start(self, sim: SimCluster) -> None:
         self.adopt(self.initial(sim))
@@ -168,8 +183,13 @@ class FixedDp(Fixed):
 
     def keep(self, ms, options, n):
         zero, sharded = self.zero[ms]
-        return [o for o in options if (o.tp, o.pp, o.vpp, bool(o.recompute), frozenset(o.offload)) == self.knobs[ms]
-                and (o.zero == zero or (o.dp > 1) != sharded)]
+        tp, pp, vpp, recompute, offload = self.knobs[ms]
+        c = columns(options)
+        held = options.offload if isinstance(options, OptionRows) else [o.offload for o in options]
+        same: dict[tuple, bool] = {}  # a few distinct offload tuples among the options
+        offload_kept = np.fromiter((same.setdefault(x, frozenset(x) == offload) for x in held), dtype=bool, count=len(held))
+        return rows(options, (c["tp"] == tp) & (c["pp"] == pp) & (c["vpp"] == vpp) & (c["rc"] == recompute) & offload_kept
+                    & ((c["zero"] == zero) | ((c["dp"] > 1) != sharded)))
 
     def replan(self, sim, i):
         try:
@@ -185,14 +205,14 @@ class Verl(Restarting):
     def widest(options: list) -> list:
         """The options on the most GPUs there are options for: all of them, or the most a layout
         of these shapes can use (as verl runs on the GPUs its TP/PP divide)."""
-        most = max((o.gpus for o in options), default=0)
-        return [o for o in options if o.gpus == most]
+        gpus = columns(options)["gpus"]
+        return rows(options, gpus == gpus.max()) if len(gpus) else []
 
     def initial(self, sim, i=0):
         return search(copy.deepcopy(sim.module_at(i)), lambda ms, opts, n: self.widest(opts), f"verl{i}")
 
     def keep(self, ms, options, n):
-        return self.widest([o for o in options if (o.tp, o.pp) == self.tp_pp[ms]])
+        return self.widest(same_tp_pp(options, self.tp_pp[ms]))
 
 
 class OpenRLHF(Restarting):
@@ -242,7 +262,7 @@ class OpenRLHF(Restarting):
             sw.stages = [copy.copy(st) for st in sw.stages if any(ms in pool for ms in st.model_stages())]
             for st in sw.stages:
                 st.models = [x for x in st.models if f"{x}.{st.name}" in pool]
-            keep = (lambda ms, opts, n: [o for o in opts if (o.tp, o.pp) == self.tp_pp[ms]]) if fixed else None
+            keep = (lambda ms, opts, n: same_tp_pp(opts, self.tp_pp[ms])) if fixed else None
             p = search(sub, keep, name)
             layouts.update(p.layouts)
             colocate += p.colocate
