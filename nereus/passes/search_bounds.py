@@ -77,6 +77,6 @@ def restrict(problem: SearchProblem, bounds: dict[str, np.ndarray], cap: int) ->
             under = np.flatnonzero(bounds[ms] + (total - lower[stage]) <= cap)
             complete &= len(under) == len(bounds[ms])
             options = problem.spaces[ms].options
-            keep[ms] = under[prune_options([options[i] for i in under])]
+            keep[ms] = under[prune_options(options, under)]
     spaces = {ms: replace(sp, options=[sp.options[i] for i in keep[ms]]) for ms, sp in problem.spaces.items()}
     return replace(problem, spaces=spaces), keep, complete

@@ -607,8 +607,16 @@ def prune(options: list[Option]) -> list[Option]:
     return [options[i] for i in prune_options(options)]
 
 
-def prune_options(options: list[Option]) -> np.ndarray:
-    """Indices of the options ``prune_rows`` keeps."""
+def prune_options(options: list[Option], among: np.ndarray | None = None) -> np.ndarray:
+    """Indices of the options ``prune_rows`` keeps; with ``among``, of ``options[among]``
+    (positions in ``among``). ``OptionRows`` are pruned by their arrays, without making an
+    option (a start class none of them can start at is a column of inf, which decides nothing)."""
+    if isinstance(options, OptionRows):
+        at = np.arange(len(options)) if among is None else np.asarray(among, dtype=np.int64)
+        c = options.columns
+        return prune_rows(c["gpus"][at], options.units[at], (c["peak"] - c["resident"])[at], c["resident"][at], c["rho"][at])
+    if among is not None:
+        options = [options[i] for i in among]
     if not options:
         return np.zeros(0, dtype=np.int64)
     classes = sorted({k for o in options for k in o.times})

@@ -260,8 +260,8 @@ class Planner:
 
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], missing,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-        """Senders for the missing cells (``missing``: the cells ascending and, for each, its
-        receivers, as ``_local`` returns them): (sender, receivers) -> cells.
+        """Senders for the missing cells (``missing``: the cells ascending, each cell's parts of
+        its receivers, and the parts, as ``_local`` returns them): (sender, receivers) -> cells.
 
         A cell's receivers are split into parts that hold the same slice (``_by_cell``): the
         replicas of an inference layout need the same long run of cells, a ZeRO-3 slice of a
@@ -283,13 +283,12 @@ class Planner:
         rank: list[int] = []  # each source piece's place in tie-break order, made at the first need
         load, info = self.load, grid.info
         volume: dict[Box, int] = {}
-        ids: dict[tuple[int, ...], int] = {}  # a part -> its number: one hash of a (long) tuple per cell and part
-        parts_by_id: list[tuple[int, ...]] = []
-        gpus_of: list[int] = []  # by part number: its GPUs
-        share_of: list[int] = []  # by part number: its fair share in bytes
-        last: list[int] = []  # by part number: the piece that sent it its last cell (-1: none yet)
+        missing_cells, parts_of, pieces_of = missing
+        gpus_of = [0] * len(pieces_of)  # by part number: its GPUs (0: not yet counted)
+        share_of = [0] * len(pieces_of)  # by part number: its fair share in bytes
+        last = [-1] * len(pieces_of)  # by part number: the piece that sent it its last cell (-1: none yet)
         transfers: dict[tuple[int, int], list[int]] = {}  # (sender, part number) -> cells
-        for c, parts in zip(*missing):
+        for c, parts in zip(missing_cells, parts_of):
             gs = holders.get(c)
             if not gs:
                 model_name, state, family = key
@@ -311,11 +310,9 @@ class Planner:
                     order = sorted([i for g in gs for i in members[g]], key=rank.__getitem__)
                     # their GPUs' loads read by one getter (two pieces or more: it returns a tuple)
                     r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]), set(order))
-            for part in parts:
-                pid = ids.get(part)
-                if pid is None:
-                    pid = ids[part] = len(parts_by_id)
-                    parts_by_id.append(part)
+            for pid in parts:
+                if not gpus_of[pid]:
+                    part = pieces_of[pid]
                     largest = 0
                     for j in part:
                         region = dsts[j].region
@@ -323,10 +320,8 @@ class Planner:
                         if n is None:
                             n = volume[region] = _volume(region)
                         largest = max(largest, n)
-                    gpus = 1 if len(part) == 1 else len({dsts[j].gpu for j in part})
-                    gpus_of.append(gpus)
-                    share_of.append(largest * itemsize * gpus)
-                    last.append(-1)
+                    gpus_of[pid] = gpus = 1 if len(part) == 1 else len({dsts[j].gpu for j in part})
+                    share_of[pid] = largest * itemsize * gpus
                 if r is None:
                     best = only
                 else:
@@ -342,7 +337,7 @@ class Planner:
                     transfers[(best, pid)] = [c]
                 else:
                     t.append(c)
-        return {(best, parts_by_id[pid]): cells for (best, pid), cells in transfers.items()}
+        return {(best, pieces_of[pid]): cells for (best, pid), cells in transfers.items()}
 
     def residency(self) -> None:
         """Loads and offloads where the plans differ in what lives in host memory.
@@ -426,29 +421,53 @@ class Planner:
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
 
 
-def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int], list[tuple[tuple[int, ...], ...]]]:
+def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int], list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Chunks of (cell, destination piece) pairs, in the order they were found, as the missing
     cells ascending and, for each, the pieces needing it split into parts: the pieces of one
     slice (a region) form a part, in the order they were found (a stable sort by cell), and the
     parts of a cell that share a GPU are one (a GPU receives a cell once, whichever of its
-    shards need it). Parts in the order of their regions' first piece in ``dsts``."""
+    shards need it). Returns the cells, each cell's parts as part numbers (in the order of
+    their regions' first piece in ``dsts``), and the parts by number: a part is numbered once
+    (every piece of a slice needing the cell, as the replicas of an inference layout do cell
+    after cell, is its slice's number; others by their pieces), so that cells share them."""
     if not cells:
-        return [], []
+        return [], [], []
     c = np.concatenate([np.asarray(x, dtype=np.int64) for x in cells])
     p = np.concatenate([np.asarray(x, dtype=np.int64) for x in pieces])
     index: dict[Box, int] = {}
     region = np.fromiter((index.setdefault(d.region, len(index)) for d in dsts), dtype=np.int64, count=len(dsts))
+    nk = len(index)
     k = region[p]
-    order = np.argsort(c * len(index) + k, kind="stable")
+    order = np.argsort(c * nk + k, kind="stable")
     c, p, k = c[order], p[order], k[order]
     new_cell = np.r_[True, c[1:] != c[:-1]]
     part_starts = np.flatnonzero(new_cell | np.r_[True, k[1:] != k[:-1]])
+    part_ends = np.r_[part_starts[1:], len(c)]
+    part_k = k[part_starts]
+    whole = (part_ends - part_starts) == np.bincount(region, minlength=nk)[part_k]  # every piece of its slice
+    pid = np.where(whole, part_k, -1)
     pl = p.tolist()
-    parts = [tuple(pl[a:b]) for a, b in zip(part_starts.tolist(), np.r_[part_starts[1:], len(c)].tolist())]
+    members: list = [None] * nk  # by number; a slice's number: its first whole part's pieces
+    numbers: dict[tuple[int, ...], int] = {}
+
+    def number(part: tuple[int, ...]) -> int:
+        n = numbers.get(part)
+        if n is None:
+            n = numbers[part] = len(members)
+            members.append(part)
+        return n
+
+    firsts = np.unique(part_k[whole], return_index=True)[1]
+    for i in np.flatnonzero(whole)[firsts].tolist():
+        part = members[part_k[i]] = tuple(pl[part_starts[i]:part_ends[i]])
+        numbers[part] = int(part_k[i])
+    for i, a, b in zip(np.flatnonzero(~whole).tolist(), part_starts[~whole].tolist(), part_ends[~whole].tolist()):
+        pid[i] = number(tuple(pl[a:b]))
     cell_starts = np.flatnonzero(new_cell)
-    first = np.searchsorted(part_starts, cell_starts).tolist() + [len(parts)]
-    out = [tuple(parts[a:b]) for a, b in zip(first[:-1], first[1:])]
-    if len(parts) > len(out):  # a cell of several parts: join those that share a GPU
+    ids = pid.tolist()
+    first = np.searchsorted(part_starts, cell_starts).tolist() + [len(ids)]
+    out = [tuple(ids[a:b]) for a, b in zip(first[:-1], first[1:])]
+    if len(ids) > len(out):  # a cell of several parts: join those that share a GPU
         gpu = np.fromiter((d.gpu for d in dsts), dtype=np.int64, count=len(dsts))[p]
         key = c * (int(gpu.max()) + 1) + gpu
         o = np.argsort(key, kind="stable")
@@ -456,8 +475,11 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
         if clash.any():
             cell_list, gpus_of = c[cell_starts], {}
             for i in np.searchsorted(cell_list, np.unique(c[o][1:][clash])).tolist():
-                out[i] = _join_sharing(out[i], dsts, gpus_of)
-    return c[cell_starts].tolist(), out
+                parts = tuple(members[n] for n in out[i])
+                joined = _join_sharing(parts, dsts, gpus_of)
+                if joined is not parts:
+                    out[i] = tuple(number(part) for part in joined)
+    return c[cell_starts].tolist(), out, members
 
 
 def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_of: dict) -> tuple[tuple[int, ...], ...]:

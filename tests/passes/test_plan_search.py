@@ -394,6 +394,29 @@ def test_candidates_made_lazily_read_the_same_as_made_options():
             assert np.array_equal(made[k], col), k
 
 
+@pytest.mark.parametrize("example", ["ppo_8b_16gpu.nir", "ppo_70b_1024gpu.nir"])
+@pytest.mark.parametrize("prune_first", [False, True])
+def test_candidates_pruned_by_their_arrays_keep_what_pruning_the_made_options_keeps(example, prune_first):
+    """``prune_options`` on ``OptionRows`` (any subset, as ``restrict`` passes the options under
+    a cap) reads the arrays and makes no option; it keeps exactly the options that pruning the
+    made options keeps."""
+    from nereus.passes.search_space import OptionRows, prune_options
+
+    m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
+    (w,), (c,) = m.workloads.values(), m.clusters.values()
+    problem = build_problem(c, w, m.models, prune=prune_first)
+    rng = np.random.default_rng(0)
+    for sp in problem.spaces.values():
+        rows = sp.options
+        assert isinstance(rows, OptionRows)
+        for size in (len(rows), len(rows) // 2, len(rows) // 7):
+            among = np.sort(rng.choice(len(rows), size=max(size, 1), replace=False))
+            before = len(rows._made)
+            got = prune_options(rows, among)
+            assert len(rows._made) == before  # nothing made
+            assert np.array_equal(got, prune_options([rows[i] for i in among]))
+
+
 def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
     """``_wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
     from nereus.passes.cost_model import VLLM_GPU_MEMORY_UTILIZATION

@@ -145,7 +145,8 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
         _, missing = planner._local(key, grid, srcs, dsts, shared=False)
         got = planner._senders(key, grid, srcs, dsts, missing, itemsize)
         want, last = {}, {}
-        for c, parts in zip(*missing):
+        for c, numbers in zip(missing[0], missing[1]):
+            parts = [missing[2][n] for n in numbers]
             # the parts, made again: by region, then joined while two share a GPU
             receivers = sorted({j for part in parts for j in part}, key=lambda j: (dsts[j].gpu, j))
             groups = [{j for j in receivers if dsts[j].region == r} for r in {dsts[j].region for j in receivers}]
