@@ -628,23 +628,7 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
     buckets, index = buckets_of(m, t, model)
     prec = _precedences(t, buckets, index)
     sched = solve_schedule(buckets, prec, time_limit, seed)
-    end: dict[str, float] = {}
-    printed: dict[float, float] = {}  # start times repeat across buckets (every GPU's first sends start at 0)
-    for b, s in zip(buckets, sched.starts):
-        t0 = s * TICK
-        per_byte = b.duration * TICK / max(b.bytes, 1)
-        durations: dict[int, float] = {}  # a bucket's operations often have the same size
-        for op in b.ops:  # a bucket's operations in order, back to back
-            d = op.bytes * per_byte
-            r = durations.get(op.bytes)
-            if r is None:
-                r = durations[op.bytes] = _printed(d)
-            p = printed.get(t0)
-            if p is None:
-                p = printed[t0] = _printed(t0)
-            op.start, op.duration = p, r
-            t0 += d
-            end[op.id] = t0
+    end = _times_in_buckets(buckets, sched.starts)
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
     for op in t.ops:  # copies and frees: after their dependencies, on no link port
         if op.id in end:
@@ -657,6 +641,41 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
     t.port_bound = _printed(sched.port_bound * TICK)
     t.schedule_status = sched.status
     return sched
+
+
+def _times_in_buckets(buckets: list[Bucket], starts: list[int]) -> dict[str, float]:
+    """Start and duration of every operation in a bucket (a bucket's operations back to back, in
+    order, from its start; each its share of the bucket's time by bytes), set on the operations
+    at the printed precision; returns each one's end, unrounded, by id.
+
+    With numpy over all operations at once, the same arithmetic as one operation after another:
+    a bucket's running time is summed in order, position by position across buckets (a bucket
+    holds at most a few hundred operations), and each distinct time is rounded once."""
+    ops = [op for b in buckets for op in b.ops]
+    if not ops:
+        return {}
+    sizes = np.fromiter((len(b.ops) for b in buckets), dtype=np.int64, count=len(buckets))
+    nbytes = np.fromiter((b.bytes for b in buckets), dtype=np.int64, count=len(buckets))
+    per_byte = _durations(buckets) * TICK / np.maximum(nbytes, 1)
+    offsets = np.cumsum(sizes) - sizes
+    d = np.fromiter((op.bytes for op in ops), dtype=np.int64, count=len(ops)) * np.repeat(per_byte, sizes)
+    t = np.empty(len(ops))
+    t[offsets] = np.asarray(starts, dtype=np.int64) * TICK
+    place = np.arange(len(ops)) - np.repeat(offsets, sizes)  # each operation's place in its bucket
+    order = np.argsort(place, kind="stable")
+    bounds = np.cumsum(np.bincount(place)).tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):  # the second operations of every bucket, then the third, ...
+        at = order[a:b]
+        t[at] = t[at - 1] + d[at - 1]
+    for op, start, duration in zip(ops, _rounded(t), _rounded(d)):
+        op.start, op.duration = start, duration
+    return dict(zip([op.id for op in ops], (t + d).tolist()))
+
+
+def _rounded(x: np.ndarray) -> list[float]:
+    """``_printed`` of every entry, each distinct value rounded once."""
+    values, inverse = np.unique(x, return_inverse=True)
+    return np.array([_printed(v) for v in values.tolist()])[inverse].tolist()
 
 
 @register
