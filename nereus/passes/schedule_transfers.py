@@ -411,15 +411,21 @@ def insertion(buckets: list[Bucket], prec: Precedences, chains: bool = False, gr
         d = buckets[i].duration
         t = max((start[j] + buckets[j].duration for j in preds[i]), default=0)
         lines = [placed[p] for p in ports[i]]
-        moved = True
-        while moved:  # the earliest gap of length d from t on, on every port at once
-            moved = False
-            for starts, ends in lines:
-                k = bisect.bisect_right(ends, t)  # the first span on this port ending after t
-                n = len(starts)
+        # the earliest gap of length d from t on, on every port at once: round the ports until
+        # every one of them in a row is free from t on (a port that moves t is free from there)
+        at, free, nl = 0, 0, len(lines)
+        while free < nl:
+            starts, ends = lines[at]
+            k = bisect.bisect_right(ends, t)  # the first span on this port ending after t
+            n = len(starts)
+            if k < n and starts[k] < t + d:
                 while k < n and starts[k] < t + d:  # past this port's spans in the way, one after another
-                    t, moved = ends[k], True
+                    t = ends[k]
                     k += 1
+                free = 1
+            else:
+                free += 1
+            at = at + 1 if at + 1 < nl else 0
         start[i] = t
         for starts, ends in lines:
             k = bisect.bisect_left(starts, t)  # spans before k end by t, spans from k start at t + d or later
