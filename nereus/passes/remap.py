@@ -67,7 +67,7 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         cells, col = np.unique(np.concatenate(b_cells), return_inverse=True)
         if not len(cells):  # empty slices only
             continue
-        size = _cell_sizes(grid, cells) * itemsize
+        size = grid.sizes(cells).astype(np.float64) * itemsize
         b_rows = np.repeat(np.arange(len(b_cells)), [len(c) for c in b_cells])
         tb = csr_matrix((size[col], (b_rows, col)), shape=(len(b_cells), len(cells)))  # term x cell: bytes
         at_b = csr_matrix((np.ones(len(b_gpu)), (b_gpu, b_term)), shape=(gpus, len(b_cells)))
@@ -144,16 +144,6 @@ def _union_terms(grid: Grid, pieces) -> tuple[list[np.ndarray], np.ndarray, np.n
 def _meet(a, b) -> bool:
     """Whether boxes ``a`` and ``b`` share an element."""
     return all(lo < hi2 and lo2 < hi for (lo, hi), (lo2, hi2) in zip(a, b))
-
-
-def _cell_sizes(grid: Grid, cells: np.ndarray) -> np.ndarray:
-    """Elements of each cell (``Grid.info``'s count, for an array of cells)."""
-    size = np.ones(len(cells))
-    rest = cells.copy()
-    for cuts, n in zip(reversed(grid.cuts), reversed(grid.radix)):
-        rest, i = np.divmod(rest, n)
-        size *= np.diff(np.asarray(cuts, dtype=np.float64))[i]
-    return size
 
 
 def best_permutation(value: np.ndarray, per_node: int, can_host: np.ndarray, used: np.ndarray) -> list[int] | None:

@@ -94,6 +94,15 @@ class Grid:
             out.append(i)
         return tuple(reversed(out))
 
+    def sizes(self, cells) -> np.ndarray:
+        """Elements of each cell (``info``'s count), for a sequence of cells at once."""
+        rest = np.array(cells, dtype=np.int64)
+        size = np.ones(len(rest), dtype=np.int64)
+        for cuts, n in zip(reversed(self.cuts), reversed(self.radix)):
+            rest, i = np.divmod(rest, n)
+            size *= np.diff(np.asarray(cuts, dtype=np.int64))[i]
+        return size
+
     def info(self, cell: int) -> tuple[Box, int]:
         """``cell`` as a region in elements, and its number of elements."""
         out = self._info.get(cell)

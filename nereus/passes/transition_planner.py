@@ -279,22 +279,28 @@ class Planner:
         for g, region in enumerate(groups):
             for c in grid.cells(region):
                 holders[c].append(g)
-        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs, the pieces as a set), in tie-break order
-        rank: list[int] = []  # each source piece's place in tie-break order, made at the first need
-        load, info = self.load, grid.info
+        group_of = [0] * len(srcs)  # each source piece's group
+        for g, pieces in enumerate(members):
+            for i in pieces:
+                group_of[i] = g
+        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
+        by_rank: list[int] = []  # the source pieces in tie-break order, made at the first need
+        ranks: list[list[int]] = []  # each group's pieces' places in that order, ascending
+        load = self.load
         volume: dict[Box, int] = {}
         missing_cells, parts_of, pieces_of = missing
         gpus_of = [0] * len(pieces_of)  # by part number: its GPUs (0: not yet counted)
         share_of = [0] * len(pieces_of)  # by part number: its fair share in bytes
         last = [-1] * len(pieces_of)  # by part number: the piece that sent it its last cell (-1: none yet)
         transfers: dict[tuple[int, int], list[int]] = {}  # (sender, part number) -> cells
-        for c, parts in zip(missing_cells, parts_of):
+        sizes = grid.sizes(missing_cells).tolist()
+        for c, size, parts in zip(missing_cells, sizes, parts_of):
             gs = holders.get(c)
             if not gs:
                 model_name, state, family = key
                 raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
                                                                    f"{family} of @{model_name} that plan @{self.target} needs")])
-            nbytes = info(c)[1] * itemsize
+            nbytes = size * itemsize
             if len(gs) == 1 and len(members[gs[0]]) == 1:
                 r = None
                 only = members[gs[0]][0]
@@ -302,14 +308,16 @@ class Planner:
                 gs = tuple(gs)
                 r = ranked.get(gs)
                 if r is None:
-                    if not rank:
+                    if not by_rank:
+                        by_rank = sorted(range(len(srcs)), key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
                         rank = [0] * len(srcs)
-                        by = sorted(range(len(srcs)), key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
-                        for place, i in enumerate(by):
+                        for place, i in enumerate(by_rank):
                             rank[i] = place
-                    order = sorted([i for g in gs for i in members[g]], key=rank.__getitem__)
+                        ranks = [sorted([rank[i] for i in pieces]) for pieces in members]
+                    # the groups' pieces merged in tie-break order (sorted runs of integers)
+                    order = [by_rank[x] for x in sorted([x for g in gs for x in ranks[g]])]
                     # their GPUs' loads read by one getter (two pieces or more: it returns a tuple)
-                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]), set(order))
+                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]))
             for pid in parts:
                 if not gpus_of[pid]:
                     part = pieces_of[pid]
@@ -328,7 +336,7 @@ class Planner:
                     loads = r[1](load)
                     least = min(loads)
                     best = last[pid]
-                    if best not in r[2] or load[srcs[best].gpu] > least + share_of[pid]:
+                    if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] > least + share_of[pid]:
                         best = r[0][loads.index(least)]  # the first least loaded
                 last[pid] = best
                 load[srcs[best].gpu] += nbytes * gpus_of[pid]
