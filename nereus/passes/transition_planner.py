@@ -481,12 +481,14 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
         o = np.argsort(key, kind="stable")
         clash = (key[o][1:] == key[o][:-1]) & (k[o][1:] != k[o][:-1])
         if clash.any():
-            cell_list, gpus_of = c[cell_starts], {}
+            cell_list, gpus_of, done = c[cell_starts], {}, {}
             for i in np.searchsorted(cell_list, np.unique(c[o][1:][clash])).tolist():
-                parts = tuple(members[n] for n in out[i])
-                joined = _join_sharing(parts, dsts, gpus_of)
-                if joined is not parts:
-                    out[i] = tuple(number(part) for part in joined)
+                got = done.get(out[i])  # cells whose parts are the same join the same
+                if got is None:
+                    parts = tuple(members[n] for n in out[i])
+                    joined = _join_sharing(parts, dsts, gpus_of)
+                    got = done[out[i]] = out[i] if joined is parts else tuple(number(part) for part in joined)
+                out[i] = got
     return c[cell_starts].tolist(), out, members
 
 
