@@ -267,9 +267,10 @@ class Planner:
         replicas of an inference layout need the same long run of cells, a ZeRO-3 slice of a
         training layout a few of them, and one broadcast to both for every cell would cut the
         replicas' run into a broadcast per cell. Each part gets the cell from a GPU holding it:
-        the one that sent the part's last cell while that GPU's load stays within a fair share
-        of the least loaded holder's (so that a run goes out as one box), otherwise the least
-        loaded. Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept
+        the one that sent the part's last cell while that GPU's load stays within the part's
+        fair share (its largest slice's bytes times its GPUs) of the least loaded holder's (so
+        that a run goes out as one box), otherwise the least loaded; the load grows by the
+        cell's bytes times the part's GPUs. Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept
         in that order, so the first minimum of their loads is the one chosen."""
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
