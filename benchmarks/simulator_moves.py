@@ -12,7 +12,7 @@ done), the one it passes to `plan-transition` (remap done) and the one it passes
 plan search stops at a wall-clock limit, so on a loaded machine a dump can hold another plan B
 than a run on an idle one: time two versions on the same dump. `time` prints one JSON line per
 pass and step: seconds; for remap its bytes before and after and a hash of plan B's meshes; for the
-others operations, bytes moved, and a hash of every operation (kind, slices, endpoints, bytes,
+others operations, their dependencies, bytes moved, and a hash of every operation (kind, slices, endpoints, bytes,
 dependencies, and after scheduling start and duration) that two versions must share. To
 time another checkout's passes, run `time` with PYTHONPATH pointing at that checkout.
 """
@@ -103,7 +103,8 @@ def time_passes(where: Path, steps: list[int]) -> None:
         t0 = time.perf_counter()
         t = plan_transition(m, source, target, name, lost=lost, bound=bound)
         print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
-                          "ops": len(t.ops), "bytes_moved": t.bytes_moved, "hash": _hash(t, False)}), flush=True)
+                          "ops": len(t.ops), "deps": sum(len(op.deps) for op in t.ops), "bytes_moved": t.bytes_moved,
+                          "hash": _hash(t, False)}), flush=True)
         del m, t
         with open(where / f"schedule{step}.pkl", "rb") as f:
             m, name, args, kwargs = pickle.load(f)

@@ -456,19 +456,19 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
     whole = (part_ends - part_starts) == np.bincount(region, minlength=nk)[part_k]  # every piece of its slice
     pid = np.where(whole, part_k, -1)
     pl = p.tolist()
-    members: list = [None] * nk  # by number; a slice's number: its first whole part's pieces
+    pieces_of: list = [None] * nk  # a part's pieces by its number (a slice's number: its first whole part)
     numbers: dict[tuple[int, ...], int] = {}
 
     def number(part: tuple[int, ...]) -> int:
         n = numbers.get(part)
         if n is None:
-            n = numbers[part] = len(members)
-            members.append(part)
+            n = numbers[part] = len(pieces_of)
+            pieces_of.append(part)
         return n
 
     firsts = np.unique(part_k[whole], return_index=True)[1]
     for i in np.flatnonzero(whole)[firsts].tolist():
-        part = members[part_k[i]] = tuple(pl[part_starts[i]:part_ends[i]])
+        part = pieces_of[part_k[i]] = tuple(pl[part_starts[i]:part_ends[i]])
         numbers[part] = int(part_k[i])
     for i, a, b in zip(np.flatnonzero(~whole).tolist(), part_starts[~whole].tolist(), part_ends[~whole].tolist()):
         pid[i] = number(tuple(pl[a:b]))
@@ -486,11 +486,11 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
             for i in np.searchsorted(cell_list, np.unique(c[o][1:][clash])).tolist():
                 got = done.get(out[i])  # cells whose parts are the same join the same
                 if got is None:
-                    parts = tuple(members[n] for n in out[i])
+                    parts = tuple(pieces_of[n] for n in out[i])
                     joined = _join_sharing(parts, dsts, gpus_of)
                     got = done[out[i]] = out[i] if joined is parts else tuple(number(part) for part in joined)
                 out[i] = got
-    return c[cell_starts].tolist(), out, members
+    return c[cell_starts].tolist(), out, pieces_of
 
 
 def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_of: dict) -> tuple[tuple[int, ...], ...]:
