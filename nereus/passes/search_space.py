@@ -414,6 +414,38 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
     return rows
 
 
+_GRIDS: dict[tuple, tuple | None] = {}  # _grid_columns, by what layout_grid reads
+
+
+def _grid_columns(model: Model, workload: Workload, kind: str, n: int, per_node: int, max_tp: int, max_pp: int,
+                  max_zero: int, offload: bool, full: bool) -> tuple | None:
+    """``layout_grid`` as read-only arrays (tp, pp, dp, mb, rc, zero, vpp), the offload choices
+    (a tuple per row, the distinct choices, and each row's choice's index), or None for an
+    empty grid. Remembered by what the grid depends on: the model's heads, KV heads and layers,
+    and the workload's batch sizes (a search at every step asks for the same grids again)."""
+    key = (model.heads, model.kv_heads, model.layers, workload.samples, workload.mini_batch, workload.micro_batch,
+           kind, n, per_node, max_tp, max_pp, max_zero, offload, full)
+    if key in _GRIDS:
+        return _GRIDS[key]
+    grid = layout_grid(model, workload, kind, n, per_node, max_tp, max_pp, max_zero, offload, full)
+    out = None
+    if grid:
+        cols = list(zip(*grid))
+        arrays = [np.array(cols[i], dtype=bool if i == 4 else np.int64) for i in (0, 1, 2, 3, 4, 5, 7)]
+        for a in arrays:
+            a.setflags(write=False)
+        off = list(cols[6])
+        choices = list(dict.fromkeys(off))
+        index = {o: c for c, o in enumerate(choices)}
+        code = np.array([index[o] for o in off], dtype=np.int64)
+        code.setflags(write=False)
+        out = (*arrays, tuple(off), choices, code)
+    if len(_GRIDS) >= 256:
+        _GRIDS.clear()
+    _GRIDS[key] = out
+    return out
+
+
 def sequence_parallel(tp, kind: str):
     """Whether a candidate runs with sequence parallelism: whenever it has TP and is a Megatron-
     style training or inference pass (vLLM's generation has none). It moves the same bytes as
@@ -445,41 +477,52 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
                max_pp: int = 0, max_zero: int = 3, offload: bool = True) -> Rows:
     """Every candidate of one model-stage with its time per start class, costed in vectorized calls."""
     cluster = cost.cluster
-    grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
-    if not grid:
+    g = _grid_columns(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
+    if g is None:
         e = np.zeros(0, dtype=np.int64)
         return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e, e)
-    cols = list(zip(*grid))
-    tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
-    rc, off = np.array(cols[4], dtype=bool), list(cols[6])
+    tp, pp, dp, mb, rc, zero, vpp, off, choices, code = g
+    off = list(off)
     sp = sequence_parallel(tp, kind)
     weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
                                                                         recompute=rc, zero=zero, sp=sp, vpp=vpp))
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
-    offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
+    offloaded = np.zeros(len(tp))  # each row's offloaded state, summed in its choice's order
+    for c, o in enumerate(choices):
+        if o:
+            mine = code == c
+            offloaded[mine] = sum(np.asarray(state[k], dtype=float)[mine] for k in o)
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
     if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
         keep, rho = _wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
         tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
-        off = [off[i] for i in keep]
+        off = [off[i] for i in keep.tolist()]
     gpus = tp * pp * dp
-    # every row at every start class of its size, with the links of the mesh at that start
-    by_size = {int(g): pos.classes(int(g)) for g in np.unique(gpus)}
-    classes = np.array(sorted({k for ks in by_size.values() for k in ks}), dtype=np.int64)
-    col_of = {int(k): j for j, k in enumerate(classes)}
-    counts = np.array([len(by_size[int(g)]) for g in gpus])
+    # every row at every start class of its size, with the links of the mesh at that start: the
+    # classes of each size concatenated (``flat``), a row's expansion its size's slice of them
+    sizes, size_of = np.unique(gpus, return_inverse=True)
+    by_size = [pos.classes(int(s)) for s in sizes.tolist()]
+    lens = np.array([len(ks) for ks in by_size], dtype=np.int64)
+    flat = np.array([k for ks in by_size for k in ks], dtype=np.int64)
+    classes = np.unique(flat)
+    counts = lens[size_of]
     ex_row = np.repeat(np.arange(len(tp)), counts)
-    ex_cls = np.array([k for g in gpus for k in by_size[int(g)]], dtype=np.int64)
-    links: dict[tuple, tuple[int, int, int]] = {}
-    for t, p, d, k in set(zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(), ex_cls.tolist())):
-        links[t, p, d, k] = pos.links(t, p, d, k)
-    lk = np.array([links[key] for key in zip(tp[ex_row].tolist(), pp[ex_row].tolist(), dp[ex_row].tolist(),
-                                             ex_cls.tolist())], dtype=np.int64).reshape(-1, 3)
+    first_of_size = np.cumsum(lens) - lens
+    first_of_row = np.cumsum(counts) - counts
+    ex_cls = flat[np.repeat(first_of_size[size_of] - first_of_row, counts) + np.arange(len(ex_row))]
     times = np.full((len(tp), len(classes)), np.inf)
     peak = np.zeros(len(tp))
     resident = np.zeros(len(tp))
     if len(ex_row):
         r = ex_row
+        col = np.searchsorted(classes, ex_cls)
+        # the links of each distinct (mesh, class), a mesh numbered by its (tp, pp, dp) and named by its first row
+        base = int(max(tp.max(), pp.max(), dp.max())) + 1
+        _, row_of_mesh, mesh_of = np.unique((tp * base + pp) * base + dp, return_index=True, return_inverse=True)
+        keys, key_of = np.unique(mesh_of.reshape(-1)[r] * len(classes) + col, return_inverse=True)
+        at, cls = row_of_mesh[keys // len(classes)], classes[keys % len(classes)]
+        lk = np.array([pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
+                      dtype=np.int64).reshape(-1, 3)[key_of.reshape(-1)]
         cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
                                sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
@@ -493,7 +536,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
         with np.errstate(invalid="ignore"):
             t = sc.time(cost.coeffs) + off_time
-        times[r, np.array([col_of[int(k)] for k in ex_cls])] = np.where(np.isfinite(t), t, np.inf)
+        times[r, col] = np.where(np.isfinite(t), t, np.inf)
         # memory does not depend on where the run starts: each row's first expansion
         first = np.unique(r, return_index=True)[1]
         rf = r[first]

@@ -457,3 +457,98 @@ def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, respo
         a, b = fast.spaces[ms].options, slow.spaces[ms].options
         assert len(a) == len(b)
         assert list(a) == list(b)
+
+
+def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, max_zero=3, offload=True):
+    """``candidates`` as first written: the grid made at every call, each row's offloaded state
+    summed alone, and every row expanded at its size's start classes with its links looked up one
+    expansion at a time."""
+    from nereus.passes.cost_model import C_PCIE, Candidates
+    from nereus.passes.search_space import (KIB, MAX_WAVE_POINTS, NO_RHO, Rows, _generation_peak_bound, _wave_points,
+                                            layout_grid, sequence_parallel)
+
+    cluster = cost.cluster
+    grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
+    cols = list(zip(*grid))
+    tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
+    rc, off = np.array(cols[4], dtype=bool), list(cols[6])
+    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
+                                                                        recompute=rc, zero=zero, sp=sequence_parallel(tp, kind), vpp=vpp))
+    state = {"weights": weights, "grads": grads, "optimizer": optimizer}
+    offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
+    rho = np.full(len(tp), np.inf)
+    if kind == "generate":
+        keep, rho = _wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
+        tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
+        off = [off[i] for i in keep]
+    gpus = tp * pp * dp
+    by_size = {int(g): pos.classes(int(g)) for g in np.unique(gpus)}
+    classes = np.array(sorted({k for ks in by_size.values() for k in ks}), dtype=np.int64)
+    ex_row = np.array([i for i, g in enumerate(gpus) for _ in by_size[int(g)]], dtype=np.int64)
+    ex_cls = np.array([k for g in gpus for k in by_size[int(g)]], dtype=np.int64)
+    lk = np.array([pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)],
+                  dtype=np.int64).reshape(-1, 3)
+    times, peak, resident = np.full((len(tp), len(classes)), np.inf), np.zeros(len(tp)), np.zeros(len(tp))
+    r = ex_row
+    cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
+                           sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
+    cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
+    cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
+    sc = cost.stage(model, workload, kind, cand)
+    feat, lat = cost.offload_time(offloaded[r])
+    off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
+    host_share = cluster.host_memory / cluster.gpus_per_node / len(workload.model_stages()) if cluster.host_memory else 0.0
+    off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
+    with np.errstate(invalid="ignore"):
+        t = sc.time(cost.coeffs) + off_time
+    times[r, [list(classes).index(k) for k in ex_cls]] = np.where(np.isfinite(t), t, np.inf)
+    first = np.unique(r, return_index=True)[1]
+    rf = r[first]
+    peak[rf] = sc.memory()[first]
+    resident[rf] = sc.resident_state[first] - offloaded[rf]
+    if kind == "generate":
+        most = _generation_peak_bound(cost, workload, model, sc.weights[first], tp[rf], pp[rf], dp[rf], rho[rf])
+        peak[rf] = np.where(most <= cluster.gpu_memory, most - rho[rf], np.inf)
+    with np.errstate(invalid="ignore"):
+        return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
+                    gpus, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
+                    np.ceil(resident / KIB).astype(np.int64), vpp)
+
+
+@pytest.mark.parametrize("example,down", [("ppo_8b_16gpu.nir", []), ("ppo_8b_16gpu.nir", [3, 12]),
+                                          ("ppo_70b_1024gpu.nir", []), ("ppo_70b_1024gpu.nir", [5, 17, 18, 700])])
+def test_candidates_equal_the_row_by_row_definition_and_remember_their_grids(monkeypatch, example, down):
+    """Every candidate array to the bit (times at every start class, memory, offload choices) is
+    that of ``candidates`` as first written, on the exhaustive space and the 1,024-GPU one, with
+    whole nodes and with nodes missing GPUs (start classes across segments, ``ANYWHERE``), asked
+    twice (the second from the remembered grid, which nothing can write) and again after the
+    mini-batch changes (a new grid)."""
+    from nereus.passes import search_space
+    from nereus.passes.cost_model import CostModel
+
+    m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
+    (w,), (c,) = m.workloads.values(), m.clusters.values()
+    c.unavailable = down
+    monkeypatch.setattr(search_space, "_GRIDS", {})
+    cost = CostModel(c)
+    small = len(c.available_gpus()) <= search_space.EXHAUSTIVE_GPUS and len(w.model_stages()) <= search_space.FULL_SPACE_MODEL_STAGES
+    pos = search_space.Positions.of(c, small)
+    offload = c.host_link is not None and c.host_memory is not None
+    fields = ("tp", "pp", "dp", "mb", "rc", "zero", "offload", "rho", "gpus", "classes", "times", "peak", "resident", "vpp")
+    trained = {}  # mini-batch -> the micro-batch counts of its first training model-stage
+    for mini in (w.mini_batch, w.mini_batch // 2):
+        w.mini_batch = mini
+        for st in w.stages:
+            for ms in st.model_stages():
+                model = m.models[ms.rpartition(".")[0]]
+                want = _candidates_row_by_row(cost, pos, w, model, st.kind, c.gpus_per_node, offload=offload)
+                for _ in range(2):
+                    got = search_space.candidates(cost, pos, w, model, st.kind, c.gpus_per_node, offload=offload)
+                    for f in fields:
+                        a, b = getattr(got, f), getattr(want, f)
+                        assert (a == b if f == "offload" else np.array_equal(a, b) and a.dtype == b.dtype), (ms, f)
+                if st.kind == "train":
+                    with pytest.raises(ValueError):
+                        got.tp[0] = 7
+                    trained.setdefault(mini, sorted(set(want.mb.tolist())))
+    assert len(trained) == 2 and len({tuple(v) for v in trained.values()}) == 2  # the second mini-batch has a grid of its own
