@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
+from itertools import chain
 from operator import itemgetter
 
 import numpy as np
@@ -42,7 +43,9 @@ class Planner:
         self.sbase, self.dbase = _index(src_all), _index(dst_all)
         self.ops: list[Op] = []  # op "%i" is ops[i]
         top = max((p.gpu for pieces in src_all.values() for p in pieces), default=0)
-        self.load = [0] * (top + 1)  # bytes each GPU sends
+        # bytes each GPU sends, kept as bytes x GPUs + GPU: the least of several is the least
+        # loaded GPU of lowest number (``_senders``)
+        self.load = list(range(top + 1))
         self.bytes_moved = 0
         self.reads: dict[int, list[str]] = defaultdict(list)  # source piece -> ops that read it (for frees)
         self.kept: set[int] = set()  # source pieces reused in place
@@ -71,6 +74,11 @@ class Planner:
         # changed in place, as for the shared receivers' lists of broadcasts)
         self.from_a: dict[int, list] = {}  # shard of plan A (rid) -> [its reference]
         self.to_b: dict[int, list] = {}  # shard of plan B (rid) -> [its reference]
+
+    @property
+    def sent_bytes(self) -> list[int]:
+        """Bytes each GPU sends in the operations planned so far."""
+        return [x // len(self.load) for x in self.load]
 
     def op(self, kind, state, family, region, src, dst, nbytes, link, per_layer: bool) -> Op:
         if per_layer:
@@ -270,8 +278,11 @@ class Planner:
         the one that sent the part's last cell while that GPU's load stays within the part's
         fair share (its largest slice's bytes times its GPUs) of the least loaded holder's (so
         that a run goes out as one box), otherwise the least loaded; the load grows by the
-        cell's bytes times the part's GPUs. Ties go to the lowest (GPU, model-stage, piece): the holders of a cell are kept
-        in that order, so the first minimum of their loads is the one chosen."""
+        cell's bytes times the part's GPUs. Ties go to the lowest (GPU, model-stage, piece): a
+        load is kept as bytes x GPUs + GPU, so the least of the holders' loads is the lowest
+        least loaded GPU. The least of a set of holders is read again only where the part's last
+        sender is beyond its share of the least read before (loads only grow: that is a lower
+        bound), so a run that stays with its sender reads one load per cell."""
         groups: dict[Box, list[int]] = defaultdict(list)
         for i, p in enumerate(srcs):
             groups[p.region].append(i)
@@ -284,10 +295,13 @@ class Planner:
         for g, pieces in enumerate(members):
             for i in pieces:
                 group_of[i] = g
-        ranked: dict[tuple[int, ...], tuple] = {}  # groups -> (pieces, their GPUs), in tie-break order
-        by_rank: list[int] = []  # the source pieces in tie-break order, made at the first need
-        ranks: list[list[int]] = []  # each group's pieces' places in that order, ascending
+        # groups -> [a getter of their GPUs' loads, the least of them when last read]: loads only
+        # grow, so that is at most their least now
+        ranked: dict[tuple[int, ...], list] = {}
+        gpus_in: list[list[int]] = []  # each group's GPUs, made at the first need
+        first_on: list[dict[int, int]] = []  # each group's GPU -> its piece there of lowest (model-stage, piece)
         load = self.load
+        span = len(load)
         volume: dict[Box, int] = {}
         missing_cells, parts_of, pieces_of = missing
         gpus_of = [0] * len(pieces_of)  # by part number: its GPUs (0: not yet counted)
@@ -309,16 +323,16 @@ class Planner:
                 gs = tuple(gs)
                 r = ranked.get(gs)
                 if r is None:
-                    if not by_rank:
-                        by_rank = sorted(range(len(srcs)), key=lambda i: (srcs[i].gpu, srcs[i].ref.model_stage, i))
-                        rank = [0] * len(srcs)
-                        for place, i in enumerate(by_rank):
-                            rank[i] = place
-                        ranks = [sorted([rank[i] for i in pieces]) for pieces in members]
-                    # the groups' pieces merged in tie-break order (sorted runs of integers)
-                    order = [by_rank[x] for x in sorted([x for g in gs for x in ranks[g]])]
-                    # their GPUs' loads read by one getter (two pieces or more: it returns a tuple)
-                    r = ranked[gs] = (order, itemgetter(*[srcs[i].gpu for i in order]))
+                    if not gpus_in:
+                        for pieces in members:
+                            on: dict[int, int] = {}
+                            for i in sorted(pieces, key=lambda i: (srcs[i].ref.model_stage, i), reverse=True):
+                                on[srcs[i].gpu] = i
+                            first_on.append(on)
+                            gpus_in.append(list(on))
+                    # their GPUs' loads read by one getter (of two GPUs or more: it returns a tuple)
+                    at = list(chain.from_iterable(map(gpus_in.__getitem__, gs)))
+                    r = ranked[gs] = [itemgetter(*at) if len(at) > 1 else itemgetter(at[0], at[0]), 0]
             for pid in parts:
                 if not gpus_of[pid]:
                     part = pieces_of[pid]
@@ -334,13 +348,16 @@ class Planner:
                 if r is None:
                     best = only
                 else:
-                    loads = r[1](load)
-                    least = min(loads)
                     best = last[pid]
-                    if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] > least + share_of[pid]:
-                        best = r[0][loads.index(least)]  # the first least loaded
+                    # within its share of the least's lower bound: within its share of the least
+                    if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] // span > r[1] // span + share_of[pid]:
+                        least = r[1] = min(r[0](load))  # bytes x span + GPU: the least loaded GPU of lowest number
+                        if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] // span > least // span + share_of[pid]:
+                            g = least % span  # its piece of lowest (model-stage, piece) among the groups'
+                            best = min([on[g] for on in map(first_on.__getitem__, gs) if g in on],
+                                       key=lambda i: (srcs[i].ref.model_stage, i))
                 last[pid] = best
-                load[srcs[best].gpu] += nbytes * gpus_of[pid]
+                load[srcs[best].gpu] += nbytes * gpus_of[pid] * span
                 t = transfers.get((best, pid))
                 if t is None:
                     transfers[(best, pid)] = [c]
