@@ -55,7 +55,19 @@ class FitResult:
 
 
 def _mape(obs: list[Observation], coeffs: np.ndarray) -> float:
-    return float(np.mean([abs(o.cost.time(coeffs) - o.seconds) / o.seconds for o in obs]))
+    times = _per_cost(obs, lambda cost: cost.time(coeffs))
+    return float(np.mean([abs(times[id(o.cost)] - o.seconds) / o.seconds for o in obs]))
+
+
+def _per_cost(obs: list[Observation], f) -> dict[int, object]:
+    """``f`` of each distinct cost the observations read, by identity: the steps of one plan
+    measure the same model-stages, and ``observations`` gives them one cost each (a window of
+    steps is tens of measurements of a few costs)."""
+    out: dict[int, object] = {}
+    for o in obs:
+        if id(o.cost) not in out:
+            out[id(o.cost)] = f(o.cost)
+    return out
 
 
 OVERLAP_GRID = np.linspace(0.0, 1.0, 21)
@@ -120,8 +132,9 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -
     it = 0
     for it in range(1, max_iter + 1):
         rows, rhs = [], []
+        features = _per_cost(obs, lambda cost: cost.features(x))
         for o in obs:
-            f, lat = o.cost.features(x)
+            f, lat = features[id(o.cost)]
             rows.append(f / o.seconds)
             rhs.append((o.seconds - lat) / o.seconds)
         A, b = np.array(rows), np.array(rhs)
@@ -132,10 +145,10 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -
         x = x.copy()
         x[used] = _bounded_fit(A[:, used] / scale, b_free, np.flatnonzero(used), scale, coefficient_vector(prior)[used],
                                lsq_linear)
-        new_assignment = tuple((bool(o.cost.cost.decode is not None and
-                                     o.cost.cost.decode[0][0] * x[0] >= o.cost.cost.decode[1][0] * x[1]),
-                                tuple(np.round(o.cost.cost.hidden_features(x)[0], 12)) if o.cost.cost.overlap else ())
-                               for o in obs)
+        assigned = _per_cost(obs, lambda cost: (bool(cost.cost.decode is not None and
+                                                     cost.cost.decode[0][0] * x[0] >= cost.cost.decode[1][0] * x[1]),
+                                                tuple(np.round(cost.cost.hidden_features(x)[0], 12)) if cost.cost.overlap else ()))
+        new_assignment = tuple(assigned[id(o.cost)] for o in obs)
         if new_assignment == assignment:
             break
         assignment = new_assignment

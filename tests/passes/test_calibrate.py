@@ -53,6 +53,35 @@ def test_fit_recovers_hidden_coefficients_within_2_percent(module):
     assert result.error_after < 0.01
 
 
+def test_measurements_sharing_a_cost_fit_as_measurements_with_costs_of_their_own(module, monkeypatch):
+    """``observations`` gives the steps of one plan one cost per model-stage and the fit reads
+    each cost once per round: the same fit, to the bit, as on copies of the costs, one per
+    measurement, and as reading every measurement's cost for itself."""
+    import copy
+
+    from nereus.passes import calibrate
+    from nereus.passes.calibrate import Observation
+
+    records = synthetic_profile(module, HIDDEN, noise=0.01, seed=2, steps=5)
+    obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])
+    assert len({id(o.cost) for o in obs}) < len(obs) / 4
+    alone = [Observation(o.plan, o.model_stage, o.seconds, copy.deepcopy(o.cost)) for o in obs]
+
+    def summary(r):
+        return r.efficiency, r.error_before, r.error_after, r.used, r.iterations
+
+    shared, own = summary(fit(obs, Efficiency())), summary(fit(alone, Efficiency()))
+
+    def every_measurement(measured, f):  # each measurement's cost read for itself
+        values = [(id(o.cost), f(o.cost)) for o in measured]
+        out = dict(values)
+        assert all(repr(v) == repr(out[k]) for k, v in values)  # a cost reads the same for every measurement of it
+        return out
+
+    monkeypatch.setattr(calibrate, "_per_cost", every_measurement)
+    assert shared == own == summary(fit(obs, Efficiency()))
+
+
 def test_calibrate_pass_writes_efficiency_and_report(module, tmp_path):
     profile = tmp_path / "profile.jsonl"
     records = synthetic_profile(module, HIDDEN, noise=0.0)
