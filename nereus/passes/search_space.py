@@ -510,19 +510,32 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     first_of_size = np.cumsum(lens) - lens
     first_of_row = np.cumsum(counts) - counts
     ex_cls = flat[np.repeat(first_of_size[size_of] - first_of_row, counts) + np.arange(len(ex_row))]
+    col = np.searchsorted(classes, ex_cls)
+    lk = np.zeros((0, 3), dtype=np.int64)
+    if len(ex_row):
+        # the links of each distinct (mesh, class), a mesh numbered by its (tp, pp, dp) and named by its first row
+        base = int(max(tp.max(), pp.max(), dp.max())) + 1
+        _, row_of_mesh, mesh_of = np.unique((tp * base + pp) * base + dp, return_index=True, return_inverse=True)
+        keys, key_of = np.unique(mesh_of.reshape(-1)[ex_row] * len(classes) + col, return_inverse=True)
+        at, cls = row_of_mesh[keys // len(classes)], classes[keys % len(classes)]
+        lk = np.array([pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
+                      dtype=np.int64).reshape(-1, 3)[key_of.reshape(-1)]
+    return _costed(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
+
+
+def _costed(cost: CostModel, workload: Workload, model: Model, kind: str, cols: tuple, off: list, offloaded: np.ndarray,
+            rho: np.ndarray, classes: np.ndarray, ex_row: np.ndarray, col: np.ndarray, lk: np.ndarray) -> Rows:
+    """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp: one entry per row)
+    expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
+    mesh's (tp, pp, dp) links ``lk[i]``. Each expansion is costed for its time; a row's memory is
+    its first expansion's."""
+    tp, pp, dp, mb, rc, zero, vpp = cols
+    cluster = cost.cluster
     times = np.full((len(tp), len(classes)), np.inf)
     peak = np.zeros(len(tp))
     resident = np.zeros(len(tp))
     if len(ex_row):
         r = ex_row
-        col = np.searchsorted(classes, ex_cls)
-        # the links of each distinct (mesh, class), a mesh numbered by its (tp, pp, dp) and named by its first row
-        base = int(max(tp.max(), pp.max(), dp.max())) + 1
-        _, row_of_mesh, mesh_of = np.unique((tp * base + pp) * base + dp, return_index=True, return_inverse=True)
-        keys, key_of = np.unique(mesh_of.reshape(-1)[r] * len(classes) + col, return_inverse=True)
-        at, cls = row_of_mesh[keys // len(classes)], classes[keys % len(classes)]
-        lk = np.array([pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
-                      dtype=np.int64).reshape(-1, 3)[key_of.reshape(-1)]
         cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
                                sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
@@ -549,7 +562,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
             peak[rf] = np.where(most <= cluster.gpu_memory, most - rho[rf], np.inf)
     with np.errstate(invalid="ignore"):
         return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
-                    gpus, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
+                    tp * pp * dp, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
                     np.ceil(resident / KIB).astype(np.int64), vpp)
 
 

@@ -460,19 +460,17 @@ def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, respo
 
 
 def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, max_zero=3, offload=True):
-    """``candidates`` as first written: the grid made at every call, each row's offloaded state
-    summed alone, and every row expanded at its size's start classes with its links looked up one
-    expansion at a time."""
-    from nereus.passes.cost_model import C_PCIE, Candidates
-    from nereus.passes.search_space import (KIB, MAX_WAVE_POINTS, NO_RHO, Rows, _generation_peak_bound, _wave_points,
-                                            layout_grid, sequence_parallel)
+    """``candidates`` as first written up to the costing (``_costed``, which both share): the grid
+    made at every call, each row's offloaded state summed alone, and every row expanded at its
+    size's start classes with its links looked up one expansion at a time."""
+    from nereus.passes.cost_model import Candidates
+    from nereus.passes.search_space import MAX_WAVE_POINTS, _costed, _wave_points, layout_grid, sequence_parallel
 
-    cluster = cost.cluster
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     cols = list(zip(*grid))
     tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
-    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
+    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cost.cluster, model.layers, tp, pp, dp, micro_batches=mb,
                                                                         recompute=rc, zero=zero, sp=sequence_parallel(tp, kind), vpp=vpp))
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
@@ -485,34 +483,11 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     by_size = {int(g): pos.classes(int(g)) for g in np.unique(gpus)}
     classes = np.array(sorted({k for ks in by_size.values() for k in ks}), dtype=np.int64)
     ex_row = np.array([i for i, g in enumerate(gpus) for _ in by_size[int(g)]], dtype=np.int64)
-    ex_cls = np.array([k for g in gpus for k in by_size[int(g)]], dtype=np.int64)
+    ex_cls = [k for g in gpus for k in by_size[int(g)]]
     lk = np.array([pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)],
                   dtype=np.int64).reshape(-1, 3)
-    times, peak, resident = np.full((len(tp), len(classes)), np.inf), np.zeros(len(tp)), np.zeros(len(tp))
-    r = ex_row
-    cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
-                           sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
-    cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
-    cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
-    sc = cost.stage(model, workload, kind, cand)
-    feat, lat = cost.offload_time(offloaded[r])
-    off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
-    host_share = cluster.host_memory / cluster.gpus_per_node / len(workload.model_stages()) if cluster.host_memory else 0.0
-    off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
-    with np.errstate(invalid="ignore"):
-        t = sc.time(cost.coeffs) + off_time
-    times[r, [list(classes).index(k) for k in ex_cls]] = np.where(np.isfinite(t), t, np.inf)
-    first = np.unique(r, return_index=True)[1]
-    rf = r[first]
-    peak[rf] = sc.memory()[first]
-    resident[rf] = sc.resident_state[first] - offloaded[rf]
-    if kind == "generate":
-        most = _generation_peak_bound(cost, workload, model, sc.weights[first], tp[rf], pp[rf], dp[rf], rho[rf])
-        peak[rf] = np.where(most <= cluster.gpu_memory, most - rho[rf], np.inf)
-    with np.errstate(invalid="ignore"):
-        return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
-                    gpus, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
-                    np.ceil(resident / KIB).astype(np.int64), vpp)
+    col = np.array([list(classes).index(k) for k in ex_cls], dtype=np.int64)
+    return _costed(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
 
 
 @pytest.mark.parametrize("example,down", [("ppo_8b_16gpu.nir", []), ("ppo_8b_16gpu.nir", [3, 12]),
