@@ -349,10 +349,12 @@ class Planner:
                     best = only
                 else:
                     best = last[pid]
+                    # the last sender's bytes, where it holds this cell (None: it does not, or none yet)
+                    mine = load[srcs[best].gpu] // span if best >= 0 and group_of[best] in gs else None
                     # within its share of the least's lower bound: within its share of the least
-                    if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] // span > r[1] // span + share_of[pid]:
+                    if mine is None or mine > r[1] // span + share_of[pid]:
                         least = r[1] = min(r[0](load))  # bytes x span + GPU: the least loaded GPU of lowest number
-                        if best < 0 or group_of[best] not in gs or load[srcs[best].gpu] // span > least // span + share_of[pid]:
+                        if mine is None or mine > least // span + share_of[pid]:
                             g = least % span  # its piece of lowest (model-stage, piece) among the groups'
                             best = min([on[g] for on in map(first_on.__getitem__, gs) if g in on],
                                        key=lambda i: (srcs[i].ref.model_stage, i))
