@@ -179,6 +179,7 @@ def _plan(m: Module, source: str, target: str, cluster, lost: set[int]):
     src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
     src_all, dst_all = group_optimizer_states(src_all, dst_all)
     planner = Planner(m, source, target, cluster, src_all, dst_all)
+    planner.expect({key: (src_all.get(key, []), dst_all[key]) for key in sorted(dst_all)})
     for key in sorted(dst_all):
         planner.family(key, src_all.get(key, []), dst_all[key])
     planner.residency()

@@ -49,43 +49,48 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     for p in (source, target):
         m.require_emus(p, "remap")
     src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
-    need = np.zeros(gpus)
     outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})
     if outside:
         raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
                                                                f"outside plan @{target}'s cluster of {gpus} GPUs")])
-    # families whose terms sit on the GPUs alike (tensors of one model split alike) add their
-    # overlaps up, and each such group is spread onto GPU pairs once
-    groups: dict[tuple, list] = {}
+    itemsize = {key: state_dtype_bytes(m.models[key[0]], key[1]) for key in dst_all}
+    return reuse_of(src_all, dst_all, itemsize, gpus, lost)
+
+
+def reuse_of(src_all: dict, dst_all: dict, itemsize: dict, gpus: int, lost: set[int]) -> tuple[np.ndarray, np.ndarray]:
+    """``reuse_matrix`` of the holdings of plans A and B (``plan_holdings``), each family's
+    elements of ``itemsize[key]`` bytes."""
+    need = np.zeros(gpus)
+    # families that lie alike (the same pieces on the same GPUs, cutting their grids alike: q,
+    # k, v, gate and up under one tensor-parallel split, say) share their terms and differ only
+    # in the bytes of their cells: their terms are found once and their cells' bytes added up
+    # (``Alike``); then families whose terms sit on the GPUs alike add their overlaps up, and
+    # each such group is spread onto GPU pairs once
+    alike: dict[tuple, Alike | None] = {}
     for key, dsts in dst_all.items():
         srcs = [p for p in src_all.get(key, []) if p.gpu not in lost]
-        itemsize = state_dtype_bytes(m.models[key[0]], key[1])
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        b_cells, b_gpu, b_term = _union_terms(grid, dsts)  # plan B's cells on each GPU, as shared disjoint terms
-        if not b_cells:
+        sig = (tuple(grid.radix), grid.pattern(srcs, "gpu"), grid.pattern(dsts, "gpu"))
+        if sig not in alike:
+            alike[sig] = _alike(grid, srcs, dsts)
+        a = alike[sig]
+        if a is not None:
+            a.bytes += grid.sizes(a.cells).astype(np.float64) * itemsize[key]
+    groups: dict[tuple, list] = {}
+    for a in alike.values():
+        if a is None:
             continue
-        cells, col = np.unique(np.concatenate(b_cells), return_inverse=True)
-        if not len(cells):  # empty slices only
-            continue
-        size = grid.sizes(cells).astype(np.float64) * itemsize
-        b_rows = np.repeat(np.arange(len(b_cells)), [len(c) for c in b_cells])
-        tb = csr_matrix((size[col], (b_rows, col)), shape=(len(b_cells), len(cells)))  # term x cell: bytes
-        at_b = csr_matrix((np.ones(len(b_gpu)), (b_gpu, b_term)), shape=(gpus, len(b_cells)))
+        tb = csr_matrix((a.bytes[a.col], (a.b_rows, a.col)), shape=(a.b_terms, len(a.cells)))  # term x cell: bytes
+        at_b = csr_matrix((np.ones(len(a.b_gpu)), (a.b_gpu, a.b_term)), shape=(gpus, a.b_terms))
         need += at_b @ np.asarray(tb.sum(axis=1)).ravel()
-        a_cells, a_gpu, a_term = _union_terms(grid, srcs)
-        if not a_cells:
+        if a.ta is None:
             continue
-        hc = np.concatenate(a_cells)  # plan A's cells; only those plan B needs count
-        a_rows = np.repeat(np.arange(len(a_cells)), [len(c) for c in a_cells])
-        at = np.minimum(np.searchsorted(cells, hc), len(cells) - 1)
-        ok = cells[at] == hc
-        ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
-        overlap = (ta @ tb.T).tocsr()  # bytes shared by every (plan A term, plan B term): sparse
-        sig = tuple(x.tobytes() for x in (a_gpu, a_term, b_gpu, b_term))
+        overlap = (a.ta @ tb.T).tocsr()  # bytes shared by every (plan A term, plan B term): sparse
+        sig = tuple(x.tobytes() for x in (a.a_gpu, a.a_term, a.b_gpu, a.b_term))
         if sig in groups:
             groups[sig][2] += overlap
         else:
-            at_a = csr_matrix((np.ones(len(a_gpu)), (a_gpu, a_term)), shape=(gpus, len(a_cells)))
+            at_a = csr_matrix((np.ones(len(a.a_gpu)), (a.a_gpu, a.a_term)), shape=(gpus, a.ta.shape[0]))
             groups[sig] = [at_a, at_b, overlap]
     reuse = np.zeros((gpus, gpus))
     for at_a, at_b, overlap in groups.values():
@@ -93,6 +98,42 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
         # terms share nothing (a ZeRO shard overlaps a few of the other plan's slices)
         reuse += (at_a @ overlap @ at_b.T).toarray()
     return reuse, need
+
+
+class Alike:
+    """The terms of the families that lie alike (``_alike``), and the bytes of their cells
+    added up over those families (float64: exact below 2**53 bytes, 9 PB)."""
+
+    __slots__ = ("cells", "col", "b_rows", "b_terms", "b_gpu", "b_term", "a_gpu", "a_term", "ta", "bytes")
+
+    def __init__(self, cells, col, b_rows, b_terms, b_gpu, b_term, a_gpu, a_term, ta):
+        self.cells, self.col, self.b_rows, self.b_terms = cells, col, b_rows, b_terms
+        self.b_gpu, self.b_term, self.a_gpu, self.a_term, self.ta = b_gpu, b_term, a_gpu, a_term, ta
+        self.bytes = np.zeros(len(cells))
+
+
+def _alike(grid: Grid, srcs, dsts) -> Alike | None:
+    """A family's terms, whatever its bytes: plan B's cells on each GPU as shared disjoint terms
+    (the distinct cells they hold, ``cells``; each held cell's place in them, ``col``, by term,
+    ``b_rows``), which terms make up which GPU on either side, and which of plan A's terms hold
+    which of those cells (``ta``: term x cell, None where plan A holds none). None where plan B
+    holds no cell."""
+    b_cells, b_gpu, b_term = _union_terms(grid, dsts)
+    if not b_cells:
+        return None
+    cells, col = np.unique(np.concatenate(b_cells), return_inverse=True)
+    if not len(cells):  # empty slices only
+        return None
+    b_rows = np.repeat(np.arange(len(b_cells)), [len(c) for c in b_cells])
+    a_cells, a_gpu, a_term = _union_terms(grid, srcs)
+    ta = None
+    if a_cells:
+        hc = np.concatenate(a_cells)  # plan A's cells; only those plan B needs count
+        a_rows = np.repeat(np.arange(len(a_cells)), [len(c) for c in a_cells])
+        at = np.minimum(np.searchsorted(cells, hc), len(cells) - 1)
+        ok = cells[at] == hc
+        ta = csr_matrix((np.ones(int(ok.sum())), (a_rows[ok], at[ok])), shape=(len(a_cells), len(cells)))
+    return Alike(cells, col, b_rows, len(b_cells), b_gpu, b_term, a_gpu, a_term, ta)
 
 
 def _union_terms(grid: Grid, pieces) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:

@@ -49,6 +49,18 @@ class Grid:
                                               for (lo, hi), c in zip(region, self.cuts))
         return out
 
+    def pattern(self, pieces: list[Holding], by: str) -> tuple[bytes, bytes, tuple]:
+        """How ``pieces`` lie on this grid, whatever its cuts' values: each piece's ``by``
+        (``gpu`` or ``rid``) and its slice, a slice by the index of its first piece and the
+        slices by their spans of interval indices. Two families with the same radix and pattern
+        cut their grids alike (a slice's cells are fixed by its spans), so their cells, in
+        cell numbers, lie alike; only their sizes differ."""
+        first: dict[Box, int] = {}
+        who = np.fromiter((getattr(p, by) for p in pieces), dtype=np.int64, count=len(pieces)).tobytes()
+        slices = np.fromiter((first.setdefault(p.region, len(first)) for p in pieces), dtype=np.int64,
+                             count=len(pieces)).tobytes()
+        return who, slices, tuple(map(self.span, first))
+
     def cells(self, region: Box) -> list[int]:
         """The cells inside ``region``, in ascending order."""
         out = self._cells.get(region)

@@ -162,3 +162,34 @@ def test_holdings_remembered_only_for_the_emus_they_were_read_from():
     shard.entries = shard.entries[:-1]  # another list
     assert plan_holdings(m, "b") == fresh("b")
     assert plan_holdings(m, "a") == fresh("a")
+
+
+def test_families_that_lie_alike_add_their_bytes_and_others_keep_their_own():
+    """``reuse_of`` finds the terms of families that lie alike once and adds their cells' bytes:
+    against box arithmetic per GPU pair, on three families of one shape. ``scaled`` cuts its
+    grid as ``overlapping`` does (ten times larger, 2-byte elements: it shares the terms);
+    ``gapped`` has the same GPUs, slice pattern and number of cuts but other spans (its middle
+    cell is on no GPU of plan A), so it must not share them."""
+    from nereus.ir import ShardRef
+    from nereus.passes.remap import reuse_of
+    from nereus.passes.transition_grid import Holding
+
+    def pieces(regions, ms):
+        return [Holding(ShardRef(ms, i, 0, 0), gpu, (r,), i) for i, (gpu, r) in enumerate(regions)]
+
+    families = {  # key -> (plan A's (GPU, slice)s, plan B's, element bytes)
+        ("m", "weight", "overlapping"): ([(0, (0, 3)), (1, (1, 4))], [(2, (0, 4)), (1, (0, 2))], 4),
+        ("m", "weight", "scaled"): ([(0, (0, 30)), (1, (10, 40))], [(2, (0, 40)), (1, (0, 20))], 2),
+        ("m", "weight", "gapped"): ([(0, (0, 1)), (1, (3, 4))], [(2, (0, 4)), (1, (0, 2))], 8),
+    }
+    src_all = {k: pieces(a, "m.train") for k, (a, _, _) in families.items()}
+    dst_all = {k: pieces(b, "m.generate") for k, (_, b, _) in families.items()}
+    value, need = reuse_of(src_all, dst_all, {k: f[2] for k, f in families.items()}, 3, lost=set())
+    want, want_need = np.zeros((3, 3)), np.zeros(3)
+    for a, b, size in families.values():
+        for j, (lo, hi) in b:
+            want_need[j] += (hi - lo) * size
+            for i in range(3):
+                held = {x for g, (l2, h2) in a if g == i for x in range(l2, h2)}
+                want[i, j] += len(held & set(range(lo, hi))) * size
+    assert (value == want).all() and (need == want_need).all()

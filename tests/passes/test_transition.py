@@ -123,7 +123,7 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
     part's GPUs."""
     from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
     from nereus.passes.transition_grid import Grid
-    from nereus.passes.transition_planner import Planner, _family
+    from nereus.passes.transition_planner import Planner, _decide, _family
 
     def volume(region):
         n = 1
@@ -142,8 +142,9 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
             continue
         itemsize = _family(m, *key)[1]
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        _, missing = planner._local(key, grid, srcs, dsts, shared=False)
-        got = planner._senders(key, grid, srcs, dsts, missing, itemsize)
+        st = _decide(grid, srcs, dsts, shared=False)
+        got = planner._senders(key, grid, srcs, dsts, st, itemsize)
+        missing = st.missing
         want, last = {}, {}
         for c, numbers in zip(missing[0], missing[1]):
             parts = [missing[2][n] for n in numbers]
@@ -178,6 +179,61 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
                 want.setdefault((best, part), []).append(c)
         assert got == want
     assert planner.sent_bytes == load
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(plan_pairs())
+def test_families_that_lie_alike_decide_once_and_plan_as_if_each_decided_alone(m):
+    """The planner decides a family's keeps, copies and missing cells once for the families that
+    lie alike (``Planner._structure``): the same operations as with every family deciding alone,
+    and fewer decisions where families share a structure (q, k, v, gate and up split alike)."""
+    import nereus.passes.transition_planner as tp
+
+    def ops(t):
+        return [(op.id, op.kind, op.state, op.family, op.layers, op.box, [str(r) for r in op.src],
+                 [str(r) for r in op.dst], op.bytes, op.link, op.deps) for op in t.ops]
+
+    alone, calls = copy.deepcopy(m), []
+    decide, expect = tp._decide, tp.Planner.expect
+    try:
+        tp._decide = lambda *a, **k: calls.append(1) or decide(*a, **k)
+        nereus.run_pipeline(m, "plan-transition{to=@b}")
+        shared = len(calls)
+        tp.Planner.expect = lambda self, families: None  # nothing remembered: each family decides alone
+        calls.clear()
+        nereus.run_pipeline(alone, "plan-transition{to=@b}")
+    finally:
+        tp._decide, tp.Planner.expect = decide, expect
+    assert ops(m.transitions["a_to_b"]) == ops(alone.transitions["a_to_b"])
+    assert shared < len(calls)
+
+
+def test_a_signature_tells_apart_slices_that_cut_alike_from_slices_that_do_not():
+    """``_signature`` is what the planner remembers decisions by: two families whose slices lie
+    on the same shards and cut their grids alike (one the other scaled) have one signature and
+    the same decisions in cells; slices with the same number of cuts but other spans (one
+    covering the middle cell, one not) have different signatures and different decisions."""
+    from nereus.ir import ShardRef
+    from nereus.passes.transition_grid import Grid, Holding
+    from nereus.passes.transition_planner import _decide, _signature
+
+    def family(src_regions, dst_region):
+        srcs = [Holding(ShardRef("actor.train", i, 0, 0), i, (r,), i) for i, r in enumerate(src_regions)]
+        dsts = [Holding(ShardRef("actor.generate", 0, 0, 0), 2, (dst_region,), 0)]
+        return Grid({p.region for p in srcs + dsts}), srcs, dsts
+
+    def decided(grid, srcs, dsts):
+        st = _decide(grid, srcs, dsts)
+        return st.keeps, st.copies, st.missing, st.members, st.group_of, dict(st.holders)
+
+    overlapping = family([(0, 3), (1, 4)], (0, 4))  # cuts 0 1 3 4: every cell held
+    scaled = family([(0, 30), (10, 40)], (0, 40))
+    gapped = family([(0, 1), (3, 4)], (0, 4))  # cuts 0 1 3 4 too: the middle cell held by none
+    assert overlapping[0].radix == gapped[0].radix
+    assert _signature(*overlapping) == _signature(*scaled)
+    assert decided(*overlapping) == decided(*scaled)
+    assert _signature(*overlapping) != _signature(*gapped)
+    assert decided(*overlapping) != decided(*gapped)
 
 
 def test_inference_replicas_take_a_slice_in_one_run_apart_from_the_zero3_slices_that_need_it_too():
