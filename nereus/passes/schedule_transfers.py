@@ -51,6 +51,7 @@ class Bucket:
     direction: str = "net"  # net | h2d (load) | d2h (offload)
     bytes: int = 0
     duration: int = 0  # ticks
+    index: int = -1  # its place in ``buckets_of``'s list
 
 
 def _gpu(m: Module, plan: str, ref) -> int:
@@ -79,13 +80,15 @@ def _gpus(m: Module, plan: str):
 
 
 def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket], dict[str, int]]:
-    """Group transfers into buckets; returns the buckets and op id -> bucket index."""
+    """Group transfers into buckets; returns the buckets and each operation's bucket (an array
+    in the order of ``t.ops``; -1 for an operation in none: local copies and frees)."""
     cluster = model.cluster
     eff = model.efficiency
     groups: dict[tuple, Bucket] = {}
     on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
     receivers: dict[tuple[int, str], tuple[int, ...]] = {}  # (id of a destination list, plan) -> GPUs
-    for op in t.ops:
+    where: list = [None] * len(t.ops)  # each operation's bucket, by position
+    for k, op in enumerate(t.ops):
         kind = op.spec
         staged_copy = kind.local and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
         if not (kind.transfer and not kind.local) and not kind.pcie and not staged_copy:
@@ -114,9 +117,10 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
             b = groups[key] = Bucket(src, dsts, op.link, [], direction)
         b.ops.append(op)
         b.bytes += op.bytes
+        where[k] = b
     out = [groups[k] for k in sorted(groups)]
-    index = {}
     for i, b in enumerate(out):
+        b.index = i
         if b.link == "nvlink":
             bw, lat, e = cluster.intra_node.bandwidth, cluster.intra_node.latency, eff.nvlink
         elif b.link == "pcie":
@@ -125,9 +129,8 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         else:
             bw, lat, e = cluster.inter_node.bandwidth, cluster.inter_node.latency, eff.nic
         b.duration = max(1, round((lat + b.bytes / (bw * e)) / TICK))
-        for op in b.ops:
-            index[op.id] = i
-    return out, index
+    bucket_of = np.fromiter((-1 if b is None else b.index for b in where), dtype=np.int64, count=len(where))
+    return out, bucket_of
 
 
 PORT_KINDS = ("send nic", "send nvlink", "recv nic", "recv nvlink", "h2d pcie", "d2h pcie")
@@ -168,11 +171,12 @@ def _all_ports(buckets: list[Bucket]) -> list[list[int]]:
     return out
 
 
-def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) -> np.ndarray:
+def _precedences(t: Transition, buckets: list[Bucket], bucket_of: np.ndarray) -> np.ndarray:
     """Bucket-level precedences from op dependencies, through frees and copies (transitively):
     the distinct (before, after) pairs as an array of two columns, in ascending order (millions
     at 1,024 GPUs, where one GPU's offload waits for every bucket that delivers to it; a set of
-    pairs, as the tests write them, is accepted wherever an array is).
+    pairs, as the tests write them, is accepted wherever an array is). ``bucket_of``: each
+    operation's bucket, as ``buckets_of`` gives it.
 
     With numpy on every dependency at once (8.9 million on the largest move of the combined
     trace, 8.3 million of them offloads waiting for what delivered their shard): each edge
@@ -181,7 +185,6 @@ def _precedences(t: Transition, buckets: list[Bucket], index: dict[str, int]) ->
     (frees and copies wait on one another only a few deep)."""
     ops = t.ops
     n = len(ops)
-    bucket_of = np.fromiter((index.get(op.id, -1) for op in ops), dtype=np.int64, count=n)
     lens = np.fromiter((len(op.deps) for op in ops), dtype=np.int64, count=n)
     deps = chain.from_iterable(op.deps for op in ops)
     total = int(lens.sum())
@@ -631,8 +634,8 @@ def schedule_transition(m: Module, t: Transition, time_limit: float = 5.0, seed:
 def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int) -> Schedule:
     cluster = m.clusters[m.plans[t.target].cluster]
     model = CostModel(cluster)
-    buckets, index = buckets_of(m, t, model)
-    prec = _precedences(t, buckets, index)
+    buckets, bucket_of = buckets_of(m, t, model)
+    prec = _precedences(t, buckets, bucket_of)
     sched = solve_schedule(buckets, prec, time_limit, seed)
     end = _times_in_buckets(buckets, sched.starts)
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm

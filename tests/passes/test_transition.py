@@ -392,7 +392,9 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
     m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
     nereus.run_pipeline(m, "plan-transition{to=@b}")
     t = m.transitions["a_to_b"]
-    buckets, index = buckets_of(m, t, CostModel(m.clusters["c"]))
+    buckets, bucket_of = buckets_of(m, t, CostModel(m.clusters["c"]))
+    index = {op.id: i for i, bucket in enumerate(buckets) for op in bucket.ops}
+    assert bucket_of.tolist() == [index.get(op.id, -1) for op in t.ops]
     by_id = {op.id: op for op in t.ops}
 
     def before(op_id):  # the buckets a non-bucket operation waits for, directly or through others
@@ -406,13 +408,13 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
         i = index.get(op.id)
         for d in op.deps if i is not None else ():
             want |= {(j, i) for j in ({index[d]} if d in index else before(d)) if j != i}
-    assert set(map(tuple, _precedences(t, buckets, index).tolist())) == want
+    assert set(map(tuple, _precedences(t, buckets, bucket_of).tolist())) == want
     # operations named otherwise than plan-transition's "%k" (a transition written by hand): the same
     name = {op.id: f"x{len(t.ops) - k}" for k, op in enumerate(t.ops)}
     renamed = copy.deepcopy(t)
     for op in renamed.ops:
         op.id, op.deps = name[op.id], [name[d] for d in op.deps]
-    assert set(map(tuple, _precedences(renamed, buckets, {name[k]: v for k, v in index.items()}).tolist())) == want
+    assert set(map(tuple, _precedences(renamed, buckets, bucket_of).tolist())) == want
     for bucket in buckets:
         for op in bucket.ops:
             if op.kind == "unstage":
