@@ -79,7 +79,7 @@ def _gpus(m: Module, plan: str):
     return gpu
 
 
-def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket], dict[str, int]]:
+def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket], np.ndarray]:
     """Group transfers into buckets; returns the buckets and each operation's bucket (an array
     in the order of ``t.ops``; -1 for an operation in none: local copies and frees)."""
     cluster = model.cluster
