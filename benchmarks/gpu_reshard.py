@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nereus.backend.lower import lower
 from nereus.testing.cases import CASES, case_module
-from nereus.passes.plan_transition import plan_transition
+from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.execute import execute
 from nereus.runtime.launch import init_from_env
 from nereus.runtime.state import cut, full_tensor

@@ -81,9 +81,9 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
 
 
 def time_passes(where: Path, steps: list[int]) -> None:
-    from nereus.passes.plan_transition import plan_transition
-    from nereus.passes.remap import remap
-    from nereus.passes.schedule_transfers import schedule_transition
+    from nereus.passes.transition.plan_transition import plan_transition
+    from nereus.passes.transition.remap import remap
+    from nereus.passes.schedule.schedule_transfers import schedule_transition
 
     missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("remap", "plan", "schedule")
                if not (where / f"{kind}{step}.pkl").exists()]

@@ -2,8 +2,8 @@
 
 from nereus.ir import parse
 from nereus.testing.jobs import ppo_70b
-from nereus.passes.plan_search import solve
-from nereus.passes.search_space import build_problem
+from nereus.passes.search.plan_search import solve
+from nereus.passes.search.space import build_problem
 
 M = parse(ppo_70b(1024, with_emus=False))
 W, C = next(iter(M.workloads.values())), next(iter(M.clusters.values()))

@@ -9,9 +9,9 @@ import copy
 import pytest
 
 from nereus.bench.transition_bench import cases
-from nereus.passes.plan_transition import plan_transition
-from nereus.passes.remap import remap
-from nereus.passes.schedule_transfers import schedule_transition
+from nereus.passes.transition.plan_transition import plan_transition
+from nereus.passes.transition.remap import remap
+from nereus.passes.schedule.schedule_transfers import schedule_transition
 
 CASES = {label: (m, source, target) for label, m, source, target in cases(1024)}
 TP, DP, TIGHT = list(CASES)

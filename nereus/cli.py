@@ -365,7 +365,7 @@ def cmd_export(args) -> int:
 def cmd_passes(args) -> int:
     import dataclasses
 
-    from .passes.pass_manager import option_type
+    from .passes.infra.pass_manager import option_type
     from .registry import get_all_passes
 
     for name, cls in get_all_passes().items():

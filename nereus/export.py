@@ -36,7 +36,7 @@ def export_plan(module: Module, plan_name: str, target: str) -> str:
     name = plan_name.lstrip("@")
     plan = module.plans.get(name)
     if plan is None:
-        from .passes.pass_manager import no_such
+        from .passes.infra.pass_manager import no_such
 
         raise no_such(module, "export", "plan", name)
     body = {"verl": _verl, "verl-overrides": _verl, "megatron": _megatron, "vllm": _vllm}[target](module, plan, target)
@@ -75,8 +75,8 @@ def generate_memory(m: Module, plan: Plan, model_stage: str) -> tuple[float, flo
     """``(gpu_memory_utilization, KV-cache bytes, bytes other model-stages keep)`` per GPU of a
     generating model-stage, as the cost model budgets it: vLLM's default 0.9 of the GPU's memory,
     less what other model-stages keep resident on the same GPUs (rounded down to 0.01)."""
-    from .passes.cost_model import VLLM_GPU_MEMORY_UTILIZATION
-    from .passes.estimate import layout_costs
+    from .passes.cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION
+    from .passes.cost.estimate import layout_costs
 
     lc = layout_costs(m, plan)[model_stage]
     gpu = m.clusters[plan.cluster].gpu_memory

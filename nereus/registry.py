@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .ir import Module
-from .passes.pass_manager import ModulePass, parse_pipeline as _parse, run_pipeline as _run
+from .passes.infra.pass_manager import ModulePass, parse_pipeline as _parse, run_pipeline as _run
 
 
 def get_all_passes() -> dict[str, type[ModulePass]]:

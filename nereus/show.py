@@ -36,7 +36,7 @@ def _estimated(m: Module) -> tuple[Module, dict[str, list[str]]]:
     and per plan the problems estimate found (out of memory), as text."""
     import copy
 
-    from .passes.estimate import estimate_plan
+    from .passes.cost.estimate import estimate_plan
 
     todo = [p for p in m.plans.values() if p.step_time is None or any(lay.time is None for lay in p.layouts.values())]
     if not todo:
@@ -119,7 +119,7 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
                   f"{a.break_even:g} steps" if a and a.break_even is not None else ("never" if a else ""))
         console.print(t)
         if a:
-            from .passes.admit import describe
+            from .passes.transition.admit import describe
 
             console.print(f"  admit: {a.decision}: {describe(a)}")
 

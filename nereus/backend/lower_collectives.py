@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Module
-from ..passes.pass_manager import ModulePass, Ref, Size
+from ..passes.infra.pass_manager import ModulePass, Ref, Size
 from .lower import DEFAULT_BUCKET, lower, pick_transition
 
 PASSES: dict[str, type[ModulePass]] = {}

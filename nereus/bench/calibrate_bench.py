@@ -20,7 +20,7 @@ from rich.table import Table
 
 from ..ir import parse, verify
 from ..ir.cluster import Efficiency
-from ..passes.calibrate import fit, observations, synthetic_profile
+from ..passes.cost.calibrate import fit, observations, synthetic_profile
 from ..testing.jobs import ppo_8b_16gpu
 
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6)

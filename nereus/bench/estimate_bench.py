@@ -19,7 +19,7 @@ from rich.table import Table
 from ..ir import parse
 from ..testing.jobs import ppo_70b
 from ..passes import Candidates, CostModel
-from ..passes.estimate import estimate_plan
+from ..passes.cost.estimate import estimate_plan
 
 TARGET_S = 1.0
 

@@ -26,10 +26,10 @@ from rich.table import Table
 
 from ..ir import parse
 from ..testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
-from ..passes.estimate import estimate_plan
-from ..passes.greedy_plan import greedy_plan
-from ..passes.plan_search import placed, solve, to_plan
-from ..passes.search_space import build_problem
+from ..passes.cost.estimate import estimate_plan
+from .baselines.greedy_plan import greedy_plan
+from ..passes.search.plan_search import placed, solve, to_plan
+from ..passes.search.space import build_problem
 
 TARGET_S = 2.0
 

@@ -76,7 +76,7 @@ def _written() -> int:
 def _method(method: str, prog, src, rank: int, world: int, path: str):
     """Run one method on this rank: (its plan-B state, bytes it sent, bytes written to sockets or None)."""
     from ..runtime.dcp import dcp_reshard
-    from ..testing.peers import allgather_slice, gather_broadcast, p2p_floor
+    from .baselines.peers import allgather_slice, gather_broadcast, p2p_floor
 
     if method.startswith("nereus"):
         stats = Stats()
@@ -96,7 +96,7 @@ _FLOOR_PLANS: dict = {}
 
 
 def _floor_plan(prog, rank: int, world: int):
-    from ..testing.peers import p2p_floor_plan
+    from .baselines.peers import p2p_floor_plan
 
     key = (id(prog), rank)
     if key not in _FLOOR_PLANS:
@@ -145,7 +145,7 @@ def _connect_all(rank: int, world: int, device) -> None:
 
 def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int) -> dict:
     """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
-    from ..testing.peers import ring_bandwidth
+    from .baselines.peers import ring_bandwidth
 
     device = init_from_env(timeout=600)  # gloo on CPU; NCCL with one GPU per rank (untested here)
     _connect_all(rank, world, device)

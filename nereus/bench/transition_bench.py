@@ -60,8 +60,8 @@ from ..ir import parse, verify
 from ..ir.model import state_dtype_bytes
 from ..testing.jobs import ppo_70b
 from ..passes import CostModel, parse_pipeline
-from ..passes.derive_emus import derive_missing_emus
-from ..passes.plan_transition import plan_holdings, state_bytes
+from ..passes.transition.derive_emus import derive_missing_emus
+from ..passes.transition.holdings import plan_holdings, state_bytes
 
 STORAGE_GBPS = 400.0  # aggregate shared-storage bandwidth assumed for DCP (GB/s)
 TARGET_PLAN_S = 5.0

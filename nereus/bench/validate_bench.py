@@ -22,8 +22,8 @@ from rich.table import Table
 
 from ..ir import parse
 from ..ir.cluster import Efficiency
-from ..passes.cost_model import CostModel
-from ..passes.estimate import estimate_plan
+from ..passes.cost.cost_model import CostModel
+from ..passes.cost.estimate import estimate_plan
 
 VALIDATION = Path(__file__).resolve().parents[2] / "validation"
 CONSTANT_EFFICIENCY = Efficiency().compute  # the model's prior

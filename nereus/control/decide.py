@@ -33,14 +33,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..ir import DiagnosticError, Module, Plan
-from ..passes.admit import admission, fixed_costs
-from ..passes.calibrate import calibrate_records
-from ..passes.derive_emus import derive_missing_emus
-from ..passes.estimate import estimate_plan
-from ..passes.plan_search import PlanSearch
-from ..passes.plan_transition import plan_transition
-from ..passes.remap import remap
-from ..passes.schedule_transfers import schedule_transition
+from ..passes.transition.admit import admission, fixed_costs
+from ..passes.cost.calibrate import calibrate_records
+from ..passes.transition.derive_emus import derive_missing_emus
+from ..passes.cost.estimate import estimate_plan
+from ..passes.search.plan_search import PlanSearch
+from ..passes.transition.plan_transition import plan_transition
+from ..passes.transition.remap import remap
+from ..passes.schedule.schedule_transfers import schedule_transition
 from .measurements import StepRecord
 from .options import ControlOptions
 from .triggers import Trigger, gpu_triggers, measured_triggers

@@ -33,8 +33,20 @@ def member_states(state: str) -> tuple[str, ...]:
 Box = tuple[tuple[int, int], ...]
 
 
-@dataclass(kw_only=True)
-class SliceEntry:
+class _Immutable:
+    """EMUs, their shards and their slices are values: frozen, so a pass replaces one (``dataclasses.replace``)
+    and never edits it. Analyses that read them (``Module.analyses``) stay valid while the module holds the
+    same objects, and a deep copy of a module shares them instead of copying every slice."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceEntry(_Immutable):
     """One slice: ``[state] layers.A..B.family [s0:e0, s1:e1]``; ``layers`` None for non-layer tensors."""
 
     family: str
@@ -50,8 +62,7 @@ class SliceEntry:
 
     @cached_property
     def region(self) -> Box:
-        """The slice as one box (``region_of``); computed once: entries are not changed after
-        they are built (the passes build new ones)."""
+        """The slice as one box (``region_of``); computed once (entries are frozen)."""
         return region_of(self.layers, self.box)
 
     def numel(self) -> int:
@@ -93,26 +104,37 @@ SHARD_ATTRS = [
 ]
 
 
-@dataclass(kw_only=True)
-class Shard:
+@dataclass(frozen=True, kw_only=True)
+class Shard(_Immutable):
+    """The slices one (pp, tp) coordinate of a replica holds on its GPU. ``entries`` is a tuple
+    (a list given is made one); replicas that hold the same slices share one tuple."""
+
     pp: int
     tp: int
     gpu: int
-    entries: list[SliceEntry] = field(default_factory=list)
+    entries: tuple[SliceEntry, ...] = ()
     kv_cache: int | None = None
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
-    comments: dict = field(default_factory=dict, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)  # the printer's, not the IR's
+
+    def __post_init__(self):
+        if not isinstance(self.entries, tuple):
+            object.__setattr__(self, "entries", tuple(self.entries))
 
 
-@dataclass(kw_only=True)
-class Emu:
+@dataclass(frozen=True, kw_only=True)
+class Emu(_Immutable):
     plan: str
     model_stage: str
     replica: int
-    shards: list[Shard] = field(default_factory=list)
+    shards: tuple[Shard, ...] = ()
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
     plan_loc: Loc = field(default=NOWHERE, compare=False, repr=False)
-    comments: dict = field(default_factory=dict, compare=False, repr=False)
+    comments: dict = field(default_factory=dict, compare=False, repr=False)  # the printer's, not the IR's
+
+    def __post_init__(self):
+        if not isinstance(self.shards, tuple):
+            object.__setattr__(self, "shards", tuple(self.shards))
 
     @property
     def key(self) -> tuple[str, str, int]:

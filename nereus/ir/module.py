@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .analyses import Analyses
 from .cluster import Cluster
 from .diagnostics import Diagnostic, DiagnosticError, Loc
 from .emu import Emu
@@ -32,6 +33,8 @@ class Module:
     warnings: list = field(default_factory=list, compare=False, repr=False)
     # lines passes that explain themselves leave for the user (plan-search{explain=true})
     explanations: list[str] = field(default_factory=list, compare=False, repr=False)
+    # results computed from the EMUs, valid while the module holds the same (frozen) EMU objects
+    analyses: Analyses = field(default_factory=Analyses, compare=False, repr=False)
 
     def emus_of(self, plan: str, model_stage: str) -> list[Emu]:
         return sorted((e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage),

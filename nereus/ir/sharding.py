@@ -87,11 +87,11 @@ def _dp_entries(slices: list, dp: int, dp_rank: int) -> list[SliceEntry]:
 def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",), kv_cache: int | None = None) -> list[Emu]:
     """Every EMU (one per DP replica) of ``layout``'s model-stage (``kv_cache``: bytes per shard, for generation).
 
-    Replicas whose slices are equal share one entry list, which the printer and the verifier
+    Replicas whose slices are equal share one entry tuple, which the printer and the verifier
     use to treat them once.
     """
     sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.replicas > 1
-    cache: dict[tuple[int, int, int], list[SliceEntry]] = {}
+    cache: dict[tuple[int, int, int], tuple[SliceEntry, ...]] = {}
     tp_slices: dict[tuple[int, int], list[tuple]] = {}  # replicas differ only in what ZeRO splits
     emus = []
     for d in range(layout.replicas):
@@ -102,7 +102,7 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
                 if key not in cache:
                     if (p, t) not in tp_slices:
                         tp_slices[(p, t)] = _tp_slices(model, layout, p, t, states)
-                    cache[key] = _dp_entries(tp_slices[(p, t)], layout.replicas, key[0])
+                    cache[key] = tuple(_dp_entries(tp_slices[(p, t)], layout.replicas, key[0]))
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
     return emus

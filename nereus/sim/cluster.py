@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from ..ir import Module, Plan
 from ..ir.cluster import Efficiency
-from ..passes.cost_model import Candidates, CostModel
-from ..passes.estimate import estimate_plan
+from ..passes.cost.cost_model import Candidates, CostModel
+from ..passes.cost.estimate import estimate_plan
 from .trace import Trace, TraceStep
 
 # hidden truth: below every prior (compute 0.6, HBM/links 0.7, overlap 0.9), overhead per layer pass doubled

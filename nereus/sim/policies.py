@@ -36,9 +36,9 @@ import numpy as np
 from ..control import ControlOptions, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module, Plan
 from ..ir.cluster import Efficiency
-from ..passes.estimate import estimate_plan
-from ..passes.plan_search import placed, solve, to_plan
-from ..passes.search_space import DEFAULT_HEADROOM, OptionRows, build_problem, columns
+from ..passes.cost.estimate import estimate_plan
+from ..passes.search.plan_search import placed, solve, to_plan
+from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, build_problem, columns
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0

@@ -37,7 +37,7 @@ def _layout_line(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, ext
 
 
 def _with_emus(text: str, plan: str, model_stage: str, filename: str) -> str:
-    from ..passes.derive_emus import model_stage_emus
+    from ..passes.transition.derive_emus import model_stage_emus
 
     m = parse(text, filename)
     # weights (and generation's KV budget) only: with ZeRO-sharded optimizer state the replicas

@@ -19,8 +19,8 @@ from nereus.backend.lower import contiguous, lower
 from nereus.backend.program import Message, Piece, Program, Step
 from nereus.backend.script import pyrepr, render_script
 from nereus.testing.cases import CASES, case_module
-from nereus.passes.derive_emus import derive_missing_emus
-from nereus.passes.plan_transition import plan_transition
+from nereus.passes.transition.derive_emus import derive_missing_emus
+from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.launch import free_port
 from nereus.runtime.state import ShardSpec, StateKey
 

@@ -21,7 +21,7 @@ from nereus.backend.lower import lower
 from nereus.backend.program import Program, print_program
 from nereus.backend.script import render_script
 from nereus.backend.summary import COMMIT, LINK_KINDS, format_summary, summarize
-from nereus.passes.plan_transition import plan_transition
+from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.launch import free_port
 from nereus.testing.cases import CASES, case_module
 

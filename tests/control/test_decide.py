@@ -8,7 +8,7 @@ import pytest
 
 import nereus
 from nereus.control import ControlOptions, DecisionCore, StepRecord
-from nereus.passes.lower_bound import lower_bound
+from nereus.passes.transition.lower_bound import lower_bound
 
 from ..support import EXAMPLES
 
@@ -298,7 +298,7 @@ def test_the_search_after_a_move_starts_from_the_running_plan_as_searched(monkey
     """remap renames plan B's GPUs, so the running plan's meshes are not runs of the search's GPU
     order and plan-search could not start from it: the core keeps plan B as plan-search gave it
     (the same shapes, time and memory) and the next search starts from that."""
-    import nereus.passes.plan_search as ps
+    import nereus.passes.search.plan_search as ps
 
     c = core()
     for step in range(3):

@@ -5,7 +5,7 @@ import pytest
 
 import nereus
 from nereus.ir import DiagnosticError, print_ir
-from nereus.passes.estimate import estimate_plan
+from nereus.passes.cost.estimate import estimate_plan
 
 from ..support import ROOT
 
@@ -68,7 +68,7 @@ def test_unsupported_combinations_are_diagnostics_at_the_layout(layout, message)
 def test_fp8_gemms_run_at_the_fp8_peak_and_need_it():
     """fp8 = true: the layer GEMMs at the cluster's FP8 peak (2x bf16 here), attention and the
     LM head at bf16; without the cluster's FP8 peak it is a diagnostic at the attribute."""
-    from nereus.passes.cost_model import CostModel
+    from nereus.passes.cost.cost_model import CostModel
 
     text = _plan(GOOD + ", micro_batches = 64, fp8 = true").replace("  peak_flops = 312TFLOPs\n",
                                                                   "  peak_flops = 312TFLOPs\n  peak_flops_fp8 = 624TFLOPs\n")

@@ -7,7 +7,7 @@ import pytest
 import nereus
 from nereus.ir.cluster import Efficiency
 from nereus.testing.jobs import _layout_line as _layout, ppo_8b_16gpu
-from nereus.passes.calibrate import fit, observations, read_profile, synthetic_profile
+from nereus.passes.cost.calibrate import fit, observations, read_profile, synthetic_profile
 
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6, overlap=0.7)
 
@@ -59,8 +59,8 @@ def test_measurements_sharing_a_cost_fit_as_measurements_with_costs_of_their_own
     measurement, and as reading every measurement's cost for itself."""
     import copy
 
-    from nereus.passes import calibrate
-    from nereus.passes.calibrate import Observation
+    from nereus.passes.cost import calibrate
+    from nereus.passes.cost.calibrate import Observation
 
     records = synthetic_profile(module, HIDDEN, noise=0.01, seed=2, steps=5)
     obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])

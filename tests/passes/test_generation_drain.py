@@ -9,7 +9,7 @@ import pytest
 
 import nereus
 from nereus.ir import DiagnosticError
-from nereus.passes.cost_model import decode_iterations
+from nereus.passes.cost.cost_model import decode_iterations
 
 from ..support import ROOT
 

@@ -17,8 +17,8 @@ import pytest
 
 from nereus.ir import Layout, parse
 from nereus.ir.model import even_split
-from nereus.passes.estimate import estimate_plan
-from nereus.passes.greedy_plan import greedy_plan
+from nereus.passes.cost.estimate import estimate_plan
+from nereus.bench.baselines.greedy_plan import greedy_plan
 from nereus.testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu
 
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nereus.ir import Layout
-from nereus.passes.cost_model import NIC, NVLINK, Candidates
+from nereus.passes.cost.cost_model import NIC, NVLINK, Candidates
 
 from ..support.jobs import job
 

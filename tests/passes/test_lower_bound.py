@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 import nereus
 from nereus.ir.model import state_dtype_bytes
-from nereus.passes.derive_emus import derive_missing_emus
-from nereus.passes.lower_bound import lower_bound
+from nereus.passes.transition.derive_emus import derive_missing_emus
+from nereus.passes.transition.lower_bound import lower_bound
 
 from .test_transition import plan_pairs
 
@@ -80,7 +80,7 @@ _box = st.tuples(_span, _span)
 def test_missing_volume_equals_counting_cells(need, have):
     """Every path of ``_missing_volume`` (one needed box inside a held one, apart from all, or cut
     on the grid) against marking 2-D cells one by one."""
-    from nereus.passes.lower_bound import _missing_volume
+    from nereus.passes.transition.lower_bound import _missing_volume
 
     wanted, there = np.zeros((10, 10), bool), np.zeros((10, 10), bool)
     for grid, boxes in ((wanted, need), (there, have)):

@@ -7,7 +7,7 @@ import pytest
 import nereus
 from nereus.cli import main
 from nereus.passes import PASSES, ModulePass, PipelineError, parse_pipeline, register, run_pipeline
-from nereus.passes.derive_emus import DeriveEmus
+from nereus.passes.transition.derive_emus import DeriveEmus
 
 from ..support import EXAMPLES, GOLDEN
 

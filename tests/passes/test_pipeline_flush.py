@@ -55,7 +55,7 @@ def test_plan_search_tries_the_most_micro_batches_a_flush_holds():
     the repro's hand-enumerated @enum (pp 2 x dp 2, 16 micro-batches), both costed by estimate.
     (With the model of issue 14 the optimum itself used 16 micro-batches at 675.52 ms; with
     data-parallel communication overlapped, a plan without a pipeline is faster.)"""
-    from nereus.passes.search_space import layout_grid
+    from nereus.passes.search.space import layout_grid
 
     m = nereus.parse(A.read_text())
     w = m.workloads["w"]

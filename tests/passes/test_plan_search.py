@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import nereus
 from nereus.ir import Cluster, Link, Model, Module, Stage, Workload
-from nereus.passes.plan_search import solve, to_plan
-from nereus.passes.search_space import Option, brute_force, build_problem, prune, set_partitions
+from nereus.passes.search.plan_search import solve, to_plan
+from nereus.passes.search.space import Option, brute_force, build_problem, prune, set_partitions
 
 from ..support import EXAMPLES
 
@@ -90,7 +90,7 @@ def test_solver_optimum_equals_brute_force_and_plans_fit(inst):
     m.plans["p"] = plan
     nereus.verify(m)  # a valid plan: meshes on available GPUs, colocation declared, layers covered, flushes
     # that a pipeline can run (no more micro-batches than a mini-batch holds)
-    from nereus.passes.estimate import estimate_plan
+    from nereus.passes.cost.estimate import estimate_plan
 
     assert estimate_plan(m, plan) == []  # and it fits in memory on every GPU
     # the solver's objective is estimate's step time of the placed plan, up to integer rounding
@@ -102,7 +102,7 @@ def test_solver_optimum_equals_brute_force_and_plans_fit(inst):
 def test_pruning_keeps_the_optimum(inst):
     """Brute force over every candidate and over the pruned ones finds the same optimum."""
     cluster, w, models = inst
-    from nereus.passes import search_space
+    from nereus.passes.search import space as search_space
 
     kw = dict(max_tp=2, max_pp=2, max_zero=2, offload=False)
     pruned = build_problem(cluster, w, models, **kw)
@@ -182,7 +182,7 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
     """Past the time limit CP-SAT returns its best plan and bound; the pass keeps the plan, records
     status feasible and the gap, and the command line prints a warning."""
     from nereus.cli import main
-    from nereus.passes import plan_search
+    from nereus.passes.search import plan_search
 
     real = plan_search.solve
 
@@ -201,7 +201,7 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
 
 @pytest.mark.parametrize("samples", [1, 2, 3, 7.5, 10, 100, 1023, 4096.0, 12345.6])
 def test_wave_sizes_are_every_distinct_ceiling(samples):
-    from nereus.passes.search_space import _wave_sizes
+    from nereus.passes.search.space import _wave_sizes
 
     assert _wave_sizes(samples) == {math.ceil(samples / w) for w in range(1, math.ceil(samples) + 1)}
 
@@ -213,7 +213,7 @@ def test_step_time_bounds_hold_for_every_plan(inst):
     bounds is at most the plan's step time, so ``restrict`` to a cap keeps every plan under it."""
     import itertools
 
-    from nereus.passes.search_bounds import option_bounds, restrict, stage_bounds
+    from nereus.passes.search.bounds import option_bounds, restrict, stage_bounds
 
     cluster, w, models = inst
     problem = build_problem(cluster, w, models, max_tp=2, max_pp=2, max_zero=2, offload=False)
@@ -246,7 +246,7 @@ def synthetic_problems(draw):
     """A stage of three or four model-stages side by side (where the GPU-time bound adds to the
     pairs' bounds) and a second stage of one, with drawn candidates: GPU counts, a time per start
     class, peak and resident memory tight enough to bind. Small enough to enumerate every plan."""
-    from nereus.passes.search_space import NO_RHO, Positions, SearchProblem, Space
+    from nereus.passes.search.space import NO_RHO, Positions, SearchProblem, Space
 
     nodes, per_node = draw(st.sampled_from([(1, 2), (1, 4), (2, 2)]))
     cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
@@ -290,8 +290,8 @@ def test_gpu_time_bound_holds_and_a_known_plan_gives_the_same_optimum(problem, r
     """``search_bounds`` on stages of three or four members: every option's bound plus the other
     stages' bounds is at most the step time of every plan that uses it. ``solve`` finds brute
     force's optimum both from scratch and started from any plan of the problem (``known``)."""
-    from nereus.passes.plan_search import Solution
-    from nereus.passes.search_bounds import option_bounds, stage_bounds
+    from nereus.passes.search.plan_search import Solution
+    from nereus.passes.search.bounds import option_bounds, stage_bounds
 
     bounds = option_bounds(problem)
     lower = stage_bounds(problem, bounds)
@@ -314,8 +314,8 @@ def test_gpu_time_bound_of_four_models_side_by_side():
     """Four inference model-stages that each take least GPU-time on a quarter of the GPUs: the
     pairs alone let each take three quarters of them (a stage bound of 64, the optimum is 100),
     GPU-time does not."""
-    from nereus.passes.search_bounds import option_bounds, stage_bounds
-    from nereus.passes.search_space import NO_RHO, Positions, SearchProblem, Space
+    from nereus.passes.search.bounds import option_bounds, stage_bounds
+    from nereus.passes.search.space import NO_RHO, Positions, SearchProblem, Space
 
     cluster = Cluster(name="c", nodes=2, gpus_per_node=8, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
                       intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
@@ -341,7 +341,7 @@ def test_search_started_from_the_running_plan_finds_the_same_plan_on_fewer_candi
     GPUs is no solution of the problem; an unknown incumbent is a diagnostic."""
     import copy
 
-    from nereus.passes.plan_search import placed
+    from nereus.passes.search.plan_search import placed
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == "ppo_70b_1024gpu.nir").read_text())
     (w,), (c,) = m.workloads.values(), m.clusters.values()
@@ -377,7 +377,7 @@ def test_search_started_from_the_running_plan_finds_the_same_plan_on_fewer_candi
 def test_candidates_made_lazily_read_the_same_as_made_options():
     """``OptionRows``: an index makes one ``Option`` (the same object each time, negative indices
     and slices as a list's); ``columns`` of the made options equal the arrays the bounds read."""
-    from nereus.passes.search_space import OptionRows, columns
+    from nereus.passes.search.space import OptionRows, columns
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == "ppo_8b_16gpu.nir").read_text())
     (w,), (c,) = m.workloads.values(), m.clusters.values()
@@ -400,7 +400,7 @@ def test_candidates_pruned_by_their_arrays_keep_what_pruning_the_made_options_ke
     """``prune_options`` on ``OptionRows`` (any subset, as ``restrict`` passes the options under
     a cap) reads the arrays and makes no option; it keeps exactly the options that pruning the
     made options keeps."""
-    from nereus.passes.search_space import OptionRows, prune_options
+    from nereus.passes.search.space import OptionRows, prune_options
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
     (w,), (c,) = m.workloads.values(), m.clusters.values()
@@ -419,8 +419,8 @@ def test_candidates_pruned_by_their_arrays_keep_what_pruning_the_made_options_ke
 
 def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
     """``_wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
-    from nereus.passes.cost_model import VLLM_GPU_MEMORY_UTILIZATION
-    from nereus.passes.search_space import _per_sequence, _wave_sizes
+    from nereus.passes.cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION
+    from nereus.passes.search.space import _per_sequence, _wave_sizes
 
     kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
     keep, rho = [], []
@@ -441,7 +441,7 @@ def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
 def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, response):
     """The generation candidates (rows and the state others may keep, to the bit) are those of the
     row-by-row ``_wave_points``, on a small exhaustive space and the 1,024-GPU one, at two lengths."""
-    from nereus.passes import search_space
+    from nereus.passes.search import space as search_space
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
     (w,) = m.workloads.values()
@@ -463,8 +463,8 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     """``candidates`` as first written up to the costing (``_costed``, which both share): the grid
     made at every call, each row's offloaded state summed alone, and every row expanded at its
     size's start classes with its links looked up one expansion at a time."""
-    from nereus.passes.cost_model import Candidates
-    from nereus.passes.search_space import MAX_WAVE_POINTS, _costed, _wave_points, layout_grid, sequence_parallel
+    from nereus.passes.cost.cost_model import Candidates
+    from nereus.passes.search.space import MAX_WAVE_POINTS, _costed, _wave_points, layout_grid, sequence_parallel
 
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     cols = list(zip(*grid))
@@ -498,8 +498,8 @@ def test_candidates_equal_the_row_by_row_definition_and_remember_their_grids(mon
     whole nodes and with nodes missing GPUs (start classes across segments, ``ANYWHERE``), asked
     twice (the second from the remembered grid, which nothing can write) and again after the
     mini-batch changes (a new grid)."""
-    from nereus.passes import search_space
-    from nereus.passes.cost_model import CostModel
+    from nereus.passes.search import space as search_space
+    from nereus.passes.cost.cost_model import CostModel
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
     (w,), (c,) = m.workloads.values(), m.clusters.values()

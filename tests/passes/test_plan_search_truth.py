@@ -31,8 +31,8 @@ import nereus
 from nereus.ir import Cluster, Layout, Link, Model, Module, Plan, Stage, Workload
 from nereus.ir.model import even_split
 from nereus.ir.verifier import flush_samples, replicas_share_steps
-from nereus.passes.cost_model import C_PCIE, Candidates, CostModel
-from nereus.passes.estimate import estimate_plan
+from nereus.passes.cost.cost_model import C_PCIE, Candidates, CostModel
+from nereus.passes.cost.estimate import estimate_plan
 
 GIB = 2**30
 JOBS = 208

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import nereus
 from nereus.testing.cases import case_module
-from nereus.passes.plan_transition import plan_transition
-from nereus.passes.remap import best_permutation
+from nereus.passes.transition.plan_transition import plan_transition
+from nereus.passes.transition.remap import best_permutation
 from nereus.runtime.simulate import simulate
 
 
@@ -99,9 +99,9 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
     from collections import defaultdict
 
     from nereus.ir.model import state_dtype_bytes
-    from nereus.passes.derive_emus import derive_missing_emus
-    from nereus.passes.lower_bound import _missing_volume
-    from nereus.passes.remap import reuse_matrix
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+    from nereus.passes.transition.lower_bound import _missing_volume
+    from nereus.passes.transition.remap import reuse_matrix
 
     if case == "ppo":
         from ..support import EXAMPLES
@@ -136,32 +136,46 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
 
 
 def test_holdings_remembered_only_for_the_emus_they_were_read_from():
-    """``plan_holdings`` hands back what it read for the same EMUs, and reads again once remap
-    replaced plan B's EMUs, or a shard's GPU or entry list changed in place."""
+    """``plan_holdings`` hands back what it read for the same EMUs (kept in ``m.analyses``), and
+    reads again once remap replaced plan B's EMUs, or a shard was replaced by one with another
+    GPU or entry tuple; EMUs cannot change in place; a deep copy shares what was read."""
+    import copy
+    import dataclasses
     from dataclasses import replace
 
-    from nereus.passes.derive_emus import derive_missing_emus
-    from nereus.passes.plan_transition import _plan_holdings, plan_holdings
+    import pytest
+
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+    from nereus.passes.transition.holdings import plan_holdings, read_holdings
 
     m = case_module("tp2x2-tp4", 8, hidden=64, layers=4)
     for p in ("a", "b"):
         derive_missing_emus(m, p)
 
     def fresh(plan):
-        return dict(_plan_holdings(sorted((k, e) for k, e in m.emus.items() if k[0] == plan)))
+        return dict(read_holdings(sorted((k, e) for k, e in m.emus.items() if k[0] == plan)))
 
     first = plan_holdings(m, "b")
     assert plan_holdings(m, "b") == first == fresh("b")
+    again = plan_holdings(m, "b")
+    assert all(again[k] is first[k] for k in first)  # remembered, not read again
     key = next(k for k in m.emus if k[0] == "b")
     emu = m.emus[key]
     m.emus[key] = replace(emu, shards=[replace(s, gpu=7 - s.gpu) for s in emu.shards])  # as remap rewrites
     assert plan_holdings(m, "b") == fresh("b") != first
     shard = m.emus[key].shards[0]
-    shard.gpu = 5 - shard.gpu  # in place
-    assert plan_holdings(m, "b") == fresh("b")
-    shard.entries = shard.entries[:-1]  # another list
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shard.gpu = 5 - shard.gpu  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.emus[key].shards[0].entries[0].box = ()  # type: ignore[misc]
+    emu = m.emus[key]
+    m.emus[key] = replace(emu, shards=(replace(emu.shards[0], entries=emu.shards[0].entries[:-1]), *emu.shards[1:]))
     assert plan_holdings(m, "b") == fresh("b")
     assert plan_holdings(m, "a") == fresh("a")
+    copied = copy.deepcopy(m)
+    assert copied.emus[key] is m.emus[key]  # values: shared, not copied
+    held = plan_holdings(m, "a")
+    assert all(plan_holdings(copied, "a")[k] is held[k] for k in held)
 
 
 def test_families_that_lie_alike_add_their_bytes_and_others_keep_their_own():
@@ -171,8 +185,8 @@ def test_families_that_lie_alike_add_their_bytes_and_others_keep_their_own():
     ``gapped`` has the same GPUs, slice pattern and number of cuts but other spans (its middle
     cell is on no GPU of plan A), so it must not share them."""
     from nereus.ir import ShardRef
-    from nereus.passes.remap import reuse_of
-    from nereus.passes.transition_grid import Holding
+    from nereus.passes.transition.remap import reuse_of
+    from nereus.passes.transition.grid import Holding
 
     def pieces(regions, ms):
         return [Holding(ShardRef(ms, i, 0, 0), gpu, (r,), i) for i, (gpu, r) in enumerate(regions)]

@@ -10,8 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nereus.passes.schedule_transfers as sb
-from nereus.passes.schedule_transfers import (
+import nereus.passes.schedule.schedule_transfers as sb
+from nereus.passes.schedule.schedule_transfers import (
     Bucket,
     _graph,
     _ports,
@@ -110,7 +110,7 @@ def test_a_large_transition_is_scheduled_in_one_pass_not_in_quadratic_time():
     """6,000 buckets all sent by GPU 0 (one port thousands wait for): ``greedy`` re-keys them
     all at every placement; above ``LARGE`` buckets the one-pass schedule is used, still valid
     and here at the port bound (the time it saves is measured by ``nereus simulate``, not here)."""
-    from nereus.passes.schedule_transfers import LARGE
+    from nereus.passes.schedule.schedule_transfers import LARGE
 
     buckets = [Bucket(0, (1 + i % 7,), "nic", [], duration=1 + i % 3) for i in range(LARGE + 2000)]
     prec = {(i, i + 7) for i in range(0, len(buckets) - 7, 97)}
@@ -320,7 +320,7 @@ def test_entries_by_port_and_head_are_sorted_as_by_a_lexsort(rows, huge):
     """``_by_port_and_head``: the entries sorted by port, then head, by packed keys where they fit
     in an int64 (these rows: at most 41 x 2**20 x 2**20) and by a lexsort where they do not
     (``huge`` makes them not fit); ties by duration, which ``port_bound`` does not depend on."""
-    from nereus.passes.schedule_transfers import _by_port_and_head
+    from nereus.passes.schedule.schedule_transfers import _by_port_and_head
 
     port, head, duration = (np.array(c, dtype=np.int64) for c in zip(*rows))
     if huge:

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 
 import nereus
-from nereus.passes.estimate import estimate_plan
-from nereus.passes.plan_search import solve, to_plan
-from nereus.passes.search_explain import _without, explain
-from nereus.passes.search_space import brute_force, build_problem
+from nereus.passes.cost.estimate import estimate_plan
+from nereus.passes.search.plan_search import solve, to_plan
+from nereus.passes.search.explain import _without, explain
+from nereus.passes.search.space import brute_force, build_problem
 
 from ..support import example
 from .test_plan_search import _module, small_instances

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import nereus
 from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
-from nereus.passes.derive_emus import derive_missing_emus
-from nereus.passes.plan_transition import state_bytes as _state_bytes
+from nereus.passes.transition.derive_emus import derive_missing_emus
+from nereus.passes.transition.holdings import state_bytes as _state_bytes
 from nereus.runtime.simulate import simulate
 
 from ..support.jobs import job, zero3_gather
@@ -81,8 +81,9 @@ def test_receives_listed_per_gpu_only_when_asked_are_those_the_operations_make(m
     where plan B offloads)."""
     from collections import Counter, defaultdict
 
-    from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
-    from nereus.passes.transition_planner import Planner
+    from nereus.passes.transition.holdings import plan_holdings
+    from nereus.passes.transition.plan_transition import group_optimizer_states
+    from nereus.passes.transition.planner import Planner
 
     for plan in ("a", "b"):
         derive_missing_emus(m, plan)
@@ -121,9 +122,10 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
     part's fair share (its largest slice's bytes times its GPUs), otherwise from the least loaded,
     ties to the lowest (GPU, model-stage, piece); the load grows by the cell's bytes times the
     part's GPUs."""
-    from nereus.passes.plan_transition import group_optimizer_states, plan_holdings
-    from nereus.passes.transition_grid import Grid
-    from nereus.passes.transition_planner import Planner, _decide, _family
+    from nereus.passes.transition.holdings import plan_holdings
+    from nereus.passes.transition.plan_transition import group_optimizer_states
+    from nereus.passes.transition.grid import Grid
+    from nereus.passes.transition.planner import Planner, _decide, _family
 
     def volume(region):
         n = 1
@@ -187,7 +189,7 @@ def test_families_that_lie_alike_decide_once_and_plan_as_if_each_decided_alone(m
     """The planner decides a family's keeps, copies and missing cells once for the families that
     lie alike (``Planner._structure``): the same operations as with every family deciding alone,
     and fewer decisions where families share a structure (q, k, v, gate and up split alike)."""
-    import nereus.passes.transition_planner as tp
+    import nereus.passes.transition.planner as tp
 
     def ops(t):
         return [(op.id, op.kind, op.state, op.family, op.layers, op.box, [str(r) for r in op.src],
@@ -214,8 +216,8 @@ def test_a_signature_tells_apart_slices_that_cut_alike_from_slices_that_do_not()
     the same decisions in cells; slices with the same number of cuts but other spans (one
     covering the middle cell, one not) have different signatures and different decisions."""
     from nereus.ir import ShardRef
-    from nereus.passes.transition_grid import Grid, Holding
-    from nereus.passes.transition_planner import _decide, _signature
+    from nereus.passes.transition.grid import Grid, Holding
+    from nereus.passes.transition.planner import _decide, _signature
 
     def family(src_regions, dst_region):
         srcs = [Holding(ShardRef("actor.train", i, 0, 0), i, (r,), i) for i, r in enumerate(src_regions)]
@@ -385,8 +387,8 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
     """Under tight memory (staging, waves of unstages waiting for frees): each bucket's
     precedences, gathered once per bucket, equal those derived operation by operation through
     the non-bucket operations (frees, copies); an unstage's bucket is on the GPU of its shards."""
-    from nereus.passes.cost_model import CostModel
-    from nereus.passes.schedule_transfers import _gpu, _precedences, buckets_of
+    from nereus.passes.cost.cost_model import CostModel
+    from nereus.passes.schedule.schedule_transfers import _gpu, _precedences, buckets_of
 
     a, b = state_bytes(m, "a"), state_bytes(m, "b")
     m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
@@ -420,7 +422,7 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
             if op.kind == "unstage":
                 assert {_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
     # operations share their endpoint and empty dependency lists: no pass changes one in place
-    from nereus.passes.transition_planner import NO_DEPS, NO_ENDPOINTS
+    from nereus.passes.transition.planner import NO_DEPS, NO_ENDPOINTS
 
     nereus.run_pipeline(m, "schedule-transfers")
     assert NO_DEPS == [] and NO_ENDPOINTS == []
@@ -487,7 +489,7 @@ def test_an_unstage_its_dependencies_do_not_fill_is_a_diagnostic():
 def test_merge_boxes_keeps_exactly_the_cells_it_is_given(rows, cols, data):
     """Disjoint boxes cut from a grid (a random subset of its cells): each merged box is the
     union of the boxes it names, which lie inside it, and every box is named once."""
-    from nereus.passes.transition_memory import merge_boxes
+    from nereus.passes.transition.memory import merge_boxes
 
     r_cut = [0, *itertools.accumulate(rows)]
     c_cut = [0, *itertools.accumulate(cols)]

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus.passes.transition_grid import Grid, local, merge, merge_arrays
+from nereus.passes.transition.grid import Grid, local, merge, merge_arrays
 
 
 def _scan(grid: Grid, srcs, dsts):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.testing.cases import CASES, case_module
-from nereus.testing.peers import (
+from nereus.bench.baselines.peers import (
     BUCKET_BYTES,
     _tree_sends,
     allgather_slice,

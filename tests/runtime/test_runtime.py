@@ -74,8 +74,9 @@ def random_pairs(n: int, seed: int = 0) -> list[str]:
 def staging_pairs(n: int, seed: int = 1) -> list[str]:
     """Random plan pairs on GPUs with just the memory that plan A or plan B needs on the fullest
     GPU, kept where the transition stages slices through host memory."""
-    from nereus.passes.derive_emus import derive_missing_emus
-    from nereus.passes.plan_transition import plan_transition, state_bytes
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+    from nereus.passes.transition.holdings import state_bytes
+    from nereus.passes.transition.plan_transition import plan_transition
 
     out = []
     for text in random_pairs(4 * n, seed):

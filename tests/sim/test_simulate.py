@@ -9,7 +9,7 @@ import pytest
 
 import nereus
 from nereus.ir import DiagnosticError
-from nereus.passes.estimate import estimate_plan
+from nereus.passes.cost.estimate import estimate_plan
 from nereus.sim.cluster import SimCluster
 from nereus.sim.generate import length_shares
 from nereus.sim.simulate import simulate

@@ -32,8 +32,8 @@ def zero3_gather(tight: bool = True) -> Module:
     other GPUs: every new shard is gathered from slices of several senders. With ``tight``, each
     GPU has just the memory plan A or plan B needs on the fullest GPU, so most of it is staged."""
     from nereus.ir import Layout, Plan
-    from nereus.passes.derive_emus import derive_missing_emus
-    from nereus.passes.plan_transition import state_bytes
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+    from nereus.passes.transition.holdings import state_bytes
 
     m = job(layers=3)
 

@@ -12,7 +12,7 @@ import torch
 import nereus
 from nereus.backend.lower import lower
 from nereus.testing.cases import case_module
-from nereus.passes.plan_transition import plan_transition
+from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.execute import Fault, Stats, TransitionError, execute
 from nereus.runtime.launch import init_from_env
 from nereus.runtime.state import cut, full_tensor, synthetic_state, torch_dtype

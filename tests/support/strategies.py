@@ -19,6 +19,8 @@ example parses, verifies and prints in milliseconds.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from nereus.ir import (
@@ -419,12 +421,13 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
     keep = draw(st.one_of(st.just(list(range(layout.dp))),
                           st.lists(st.sampled_from(range(layout.dp)), unique=True, min_size=1)))
     emus = [e for e in emus if e.replica in keep]
-    for emu in emus:
+    for n, emu in enumerate(emus):
         change = draw(st.sampled_from(["none", "none", "none", "reorder", "layers", "box"]))
         if change == "none":
             continue
-        shard = emu.shards[draw(st.integers(0, len(emu.shards) - 1))]
-        entries = list(shard.entries)  # derive_emus shares one list between replicas
+        which = draw(st.integers(0, len(emu.shards) - 1))
+        shard = emu.shards[which]
+        entries = list(shard.entries)  # derive_emus shares one tuple between replicas
         if change == "reorder":
             entries = draw(st.permutations(entries))
         elif entries:  # a shard may hold nothing (a GPU of the mesh with no slice of these states)
@@ -432,22 +435,23 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
             parts = _split_entry(model, entries[i], change)
             if parts is not None:
                 entries[i:i + 1] = parts
-        shard.entries = entries
+        shards = list(emu.shards)
+        shards[which] = replace(shard, entries=entries)  # EMUs are frozen: a changed one is a new one
+        emus[n] = replace(emu, shards=shards)
     if not valid:
-        for emu in emus:
+        for n, emu in enumerate(emus):
             if draw(st.booleans()):
                 gpus = draw(st.permutations([s.gpu for s in emu.shards]))
                 if draw(st.booleans()):
                     gpus = [draw(st.integers(0, 64)) for _ in gpus]
-                for s, g in zip(emu.shards, gpus):
-                    s.gpu = g
+                emus[n] = replace(emu, shards=[replace(s, gpu=g) for s, g in zip(emu.shards, gpus)])
         if draw(st.integers(0, 3)) == 0:
             extra = derive_emus(plan.name, model, layout, ("weight",))[0]
-            extra.replica = layout.dp + draw(st.integers(0, 3))
+            extra = replace(extra, replica=layout.dp + draw(st.integers(0, 3)))
             if draw(st.integers(0, 2)) == 0:
-                extra.shards = []  # an emu block with no shard at all
+                extra = replace(extra, shards=())  # an emu block with no shard at all
             elif draw(st.booleans()):
-                extra.shards[0].entries = []  # a shard with no slice
+                extra = replace(extra, shards=(replace(extra.shards[0], entries=()), *extra.shards[1:]))  # a shard with no slice
             emus.append(extra)
     return emus
 
@@ -689,8 +693,8 @@ def modules(draw, valid: bool = True, tiny_dims: bool = False) -> Module:
         if valid:
             # A valid transition leaves every destination EMU complete (a verifier rule), which
             # random operations do not: let the planner build it, with random scheduling fields.
-            from nereus.passes.derive_emus import derive_missing_emus
-            from nereus.passes.plan_transition import plan_transition
+            from nereus.passes.transition.derive_emus import derive_missing_emus
+            from nereus.passes.transition.plan_transition import plan_transition
 
             try:
                 for plan in (source.name, target.name):

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .search_space import SearchProblem, columns, prune_options
+from .space import SearchProblem, columns, prune_options
 
 
 def option_bounds(problem: SearchProblem) -> dict[str, np.ndarray]:

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir import Cluster, Layout, Model, Workload
-from ..ir.cluster import Efficiency
+from ...ir import Cluster, Layout, Model, Workload
+from ...ir.cluster import Efficiency
 
 COEFFS = ("compute", "hbm", "nvlink", "nic", "pcie", "overhead")
 C_COMPUTE, C_HBM, C_NVLINK, C_NIC, C_PCIE, C_OVERHEAD = range(6)

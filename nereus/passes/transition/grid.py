@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ir import ShardRef
-from ..ir.emu import Box
+from ...ir import ShardRef
+from ...ir.emu import Box
 
 
 class Holding(NamedTuple):

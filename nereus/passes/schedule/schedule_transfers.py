@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
-from ..ir.printer import printed_precision
-from .cost_model import CostModel
-from ..ir.gc_pause import gc_paused
-from .pass_manager import ModulePass, Ref, register
+from ...ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
+from ...ir.printer import printed_precision
+from ..cost.cost_model import CostModel
+from ...ir.gc_pause import gc_paused
+from ..infra.pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
 # (before, after) bucket pairs: ``_precedences``' array of two columns, or a set of pairs (small cases, tests)

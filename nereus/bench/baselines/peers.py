@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.state import LocalState, ShardSpec, StateKey, cut, torch_dtype
+from ...runtime.state import LocalState, ShardSpec, StateKey, cut, torch_dtype
 
 # Measured with 4 gloo ranks on 2 cores (default-size cases): 16-32 MB buckets are fastest for both
 # peers; one collective per tensor is 1.2-3x slower, 256 MB buckets up to 2x slower.

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module, Plan
-from ..ir.plan import MemoryBreakdown, TimeBreakdown
-from ..ir.printer import printed_precision
-from ..ir.units import Dim, format_quantity
+from ...ir import Diagnostic, DiagnosticError, Loc, Module, Plan
+from ...ir.plan import MemoryBreakdown, TimeBreakdown
+from ...ir.printer import printed_precision
+from ...ir.units import Dim, format_quantity
 from .cost_model import C_PCIE, Candidates, CostModel, StageCost
-from .pass_manager import ModulePass, Ref, no_such, register
+from ..infra.pass_manager import ModulePass, Ref, no_such, register
 
 
 @dataclass

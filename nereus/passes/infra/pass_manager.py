@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Callable, ClassVar, NewType
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module, print_ir, verify
-from ..ir.units import Dim, UnitError, parse_quantity
+from ...ir import Diagnostic, DiagnosticError, Loc, Module, print_ir, verify
+from ...ir.units import Dim, UnitError, parse_quantity
 
 Ref = NewType("Ref", str)
 """An option that names a plan or transition: ``@name`` (stored with its ``@``; ``""`` for none)."""
@@ -50,7 +50,7 @@ class ModulePass:
 def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticError:
     """``pass_name: no plan @x``, naming what the module has (or that ``kind=@name`` is missing),
     with a did-you-mean when a name is close."""
-    from ..ir.diagnostics import closest
+    from ...ir.diagnostics import closest
 
     table = getattr(module, kind + "s")
     have = ", ".join("@" + n for n in table) or "none"

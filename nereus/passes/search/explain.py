@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..ir import Module, Plan
-from ..ir.plan import RunnerUp
-from .estimate import _size, layout_costs, stage_groups
-from .search_space import NO_RHO, SearchProblem, Space
+from ...ir import Module, Plan
+from ...ir.plan import RunnerUp
+from ..cost.estimate import _size, layout_costs, stage_groups
+from .space import NO_RHO, SearchProblem, Space
 
 MIN_SOLVE_S = 0.5  # each re-solve gets at least this long, so the whole may pass time_limit a little
 

@@ -31,12 +31,12 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 
-from ..ir import Diagnostic, DiagnosticError, Module
-from ..ir.plan import RemapRecord
-from .pass_manager import ModulePass, Ref, register
+from ...ir import Diagnostic, DiagnosticError, Module
+from ...ir.plan import RemapRecord
+from ..infra.pass_manager import ModulePass, Ref, register
 from .derive_emus import emus_required
-from .plan_transition import plan_pair, plan_holdings
-from .transition_grid import Grid
+from .holdings import plan_holdings, plan_pair
+from .grid import Grid
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
 
@@ -44,7 +44,7 @@ NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take i
 def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int]) -> tuple[np.ndarray, np.ndarray]:
     """``value[i, j]``: bytes of plan B's state on GPU j that GPU i holds under plan A, and
     ``need[j]``: bytes of plan B's state on GPU j (each once per GPU, as the lower bound counts)."""
-    from ..ir.model import state_dtype_bytes
+    from ...ir.model import state_dtype_bytes
 
     for p in (source, target):
         m.require_emus(p, "remap")

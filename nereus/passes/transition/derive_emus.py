@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Diagnostic, DiagnosticError, Module
-from ..ir.diagnostics import did_you_mean
-from ..ir.sharding import derive_emus, states_of
-from .estimate import layout_costs
-from ..ir.gc_pause import gc_paused
-from .pass_manager import ModulePass, Ref, register
+from ...ir import Diagnostic, DiagnosticError, Module
+from ...ir.diagnostics import did_you_mean
+from ...ir.sharding import derive_emus, states_of
+from ..cost.estimate import layout_costs
+from ...ir.gc_pause import gc_paused
+from ..infra.pass_manager import ModulePass, Ref, register
 
 
 @register
@@ -80,6 +80,6 @@ def model_stage_emus(m: Module, plan_name: str, model_stage: str, weights_only: 
 
 
 def _error(module: Module, message: str, hint: str | None = None) -> DiagnosticError:
-    from ..ir import Loc
+    from ...ir import Loc
 
     return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), message, hint)])

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module
-from ..ir.cluster import Calibration, Efficiency
-from ..ir.printer import printed_precision
+from ...ir import Diagnostic, DiagnosticError, Loc, Module
+from ...ir.cluster import Calibration, Efficiency
+from ...ir.printer import printed_precision
 from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
 from .estimate import LayoutCost, layout_costs
-from .pass_manager import ModulePass, register
+from ..infra.pass_manager import ModulePass, register
 
 
 @dataclass

@@ -12,11 +12,11 @@ from operator import itemgetter
 
 import numpy as np
 
-from ..ir import Diagnostic, DiagnosticError, HostRef, Module, Op
-from ..ir.model import state_dtype_bytes
-from ..ir.emu import Box
-from .transition_grid import Grid, Holding, local
-from .transition_memory import Memory, op_number
+from ...ir import Diagnostic, DiagnosticError, HostRef, Module, Op
+from ...ir.model import state_dtype_bytes
+from ...ir.emu import Box
+from .grid import Grid, Holding, local
+from .memory import Memory, op_number
 
 
 NO_DEPS: list = []  # shared by every operation planned without dependencies

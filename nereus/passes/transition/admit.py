@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module
-from ..ir.printer import printed_precision
-from ..ir.units import Dim, format_quantity
-from ..ir.transition import Admission
-from .estimate import estimate_plan
-from .pass_manager import ModulePass, Ref, register
+from ...ir import Diagnostic, DiagnosticError, Loc, Module
+from ...ir.printer import printed_precision
+from ...ir.units import Dim, format_quantity
+from ...ir.transition import Admission
+from ..cost.estimate import estimate_plan
+from ..infra.pass_manager import ModulePass, Ref, register
 
 
 def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float, engine_restart: float) -> Admission:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import Diagnostic, HostRef, Loc, Op
+from ...ir import Diagnostic, HostRef, Loc, Op
 
 
 def op_number(op_id: str) -> int:

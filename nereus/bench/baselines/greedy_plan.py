@@ -29,11 +29,11 @@ import dataclasses
 
 import numpy as np
 
-from ..ir import Cluster, Layout, Module, Plan, Workload
-from ..ir.model import Model, even_split
-from ..ir.verifier import flush_samples, replicas_share_steps
-from .cost_model import Candidates, CostModel
-from .estimate import estimate_plan, step_time
+from ...ir import Cluster, Layout, Module, Plan, Workload
+from ...ir.model import Model, even_split
+from ...ir.verifier import flush_samples, replicas_share_steps
+from ...passes.cost.cost_model import Candidates, CostModel
+from ...passes.cost.estimate import estimate_plan, step_time
 
 
 def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) -> list[list[int]]:

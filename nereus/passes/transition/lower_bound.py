@@ -19,9 +19,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..ir import Module
-from ..ir.emu import Box
-from ..ir.model import state_dtype_bytes
+from ...ir import Module
+from ...ir.emu import Box
+from ...ir.model import state_dtype_bytes
 
 
 def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset()) -> int:

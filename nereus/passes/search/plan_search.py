@@ -33,17 +33,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
-from ..ir.model import even_split
-from ..ir.plan import SearchRecord
-from ..ir.units import Dim, format_quantity
-from ..ir.printer import printed_precision
-from .estimate import estimate_plan
-from .pass_manager import ModulePass, Ref, no_such, register
-from .cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
-from .search_bounds import option_bounds, restrict, stage_bounds
-from .search_explain import explain
-from .search_space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, columns, layout_grid,
+from ...ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
+from ...ir.model import even_split
+from ...ir.plan import SearchRecord
+from ...ir.units import Dim, format_quantity
+from ...ir.printer import printed_precision
+from ..cost.estimate import estimate_plan
+from ..infra.pass_manager import ModulePass, Ref, no_such, register
+from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
+from .bounds import option_bounds, restrict, stage_bounds
+from .explain import explain
+from .space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, columns, layout_grid,
                            sequence_parallel)
 
 

@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir import Cluster, Model, Workload
-from ..ir.verifier import flush_samples, replicas_share_steps
-from .cost_model import C_PCIE, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel, NIC, NVLINK
+from ...ir import Cluster, Model, Workload
+from ...ir.verifier import flush_samples, replicas_share_steps
+from ..cost.cost_model import C_PCIE, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel, NIC, NVLINK
 
 KIB = 1024
 NO_RHO = 1 << 50  # not a generation candidate: any resident state of others is fine

@@ -47,80 +47,17 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
-from ..ir.emu import STATE_GROUPS
-from ..ir.model import state_dtype_bytes
-from ..ir.gc_pause import gc_paused
+from ...ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
+from ...ir.emu import STATE_GROUPS
+from ...ir.model import state_dtype_bytes
+from ...ir.gc_pause import gc_paused
 from .lower_bound import lower_bound
 from .derive_emus import emus_required
-from .pass_manager import ModulePass, Ref, no_such, register
-from .transition_grid import Holding
-from .transition_planner import Planner
+from ..infra.pass_manager import ModulePass, Ref, no_such, register
+from .holdings import plan_holdings, plan_pair
+from .planner import Planner
 
-__all__ = ["Holding", "group_optimizer_states", "plan_holdings", "plan_transition", "state_bytes"]
-
-
-def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
-    """Bytes of state (weights, fp32 master, Adam moments) each GPU holds under a plan; with
-    ``offloaded=False`` only what stays on the GPU between steps. Needs the plan's EMUs."""
-    m.require_emus(plan_name, "state_bytes")
-    plan = m.plans[plan_name]
-    out: dict[int, int] = defaultdict(int)
-    for key, pieces in plan_holdings(m, plan_name).items():
-        model_name, state, _ = key
-        itemsize = state_dtype_bytes(m.models[model_name], state)
-        for p in pieces:
-            if not offloaded and ("weights" if state == "weight" else "optimizer") in plan.layouts[p.ref.model_stage].offload:
-                continue
-            n = itemsize
-            for lo, hi in p.region:
-                n *= hi - lo
-            out[p.gpu] += n
-    return dict(out)
-
-
-_HOLDINGS: list[tuple] = []  # (fingerprint, the entry lists it names, holdings): the last few made
-
-
-def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Holding]]:
-    """(model, state, family) -> pieces, from the plan's EMUs (read only: shared with later calls).
-
-    A move reads each plan's holdings in ``remap`` and again in ``plan-transition`` (0.3-0.4 s
-    each at 1,024 GPUs; where remap keeps plan B's GPUs, plan B's are the same too). They are
-    remembered for the EMUs they were read from: the same EMU objects, and in them the same
-    shards' GPUs, coordinates and entry lists (passes replace an EMU or a shard's entry list,
-    never edit one; the lists are kept alive with the entry so that their identities stay theirs).
-    """
-    emus = sorted((k, e) for k, e in m.emus.items() if k[0] == plan_name)
-    fingerprint = tuple((k, id(e), tuple((s.gpu, s.pp, s.tp, id(s.entries)) for s in e.shards)) for k, e in emus)
-    for i, (fp, _, held) in enumerate(_HOLDINGS):
-        if fp == fingerprint:
-            _HOLDINGS.append(_HOLDINGS.pop(i))
-            return dict(held)
-    out = _plan_holdings(emus)
-    _HOLDINGS.append((fingerprint, [s.entries for _, e in emus for s in e.shards], out))
-    del _HOLDINGS[:-HOLDINGS_KEPT]
-    return dict(out)
-
-
-HOLDINGS_KEPT = 2  # plans whose holdings are remembered: a move's plans A and B (after remap, plan A of the next)
-
-
-def _plan_holdings(emus) -> dict[tuple[str, str, str], list[Holding]]:
-    out: dict[tuple[str, str, str], list[Holding]] = defaultdict(list)
-    slices: dict[tuple[str, int], list[tuple]] = {}  # replicas share entry lists: read each list once
-    rid = 0
-    for (_, ms, dp), emu in emus:
-        model = ms.rpartition(".")[0]
-        for s in emu.shards:
-            ref = ShardRef(ms, dp, s.pp, s.tp)
-            held = slices.get((model, id(s.entries)))
-            if held is None:
-                held = slices[(model, id(s.entries))] = [((model, e.state, e.family), e.region) for e in s.entries]
-            for key, region in held:
-                out[key].append(Holding(ref, s.gpu, region, rid))
-            rid += 1
-    return out
+__all__ = ["group_optimizer_states", "plan_transition"]
 
 
 def group_optimizer_states(src_all: dict, dst_all: dict) -> tuple[dict, dict]:
@@ -187,26 +124,6 @@ def _plan(m: Module, source: str, target: str, cluster, lost: set[int]):
     if problems:
         raise DiagnosticError(problems)
     return planner.ops, planner.bytes_moved
-
-
-def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str, str]:
-    """(plan A, plan B) from a pass's ``source`` and ``to`` options; plan A defaults to the
-    only other plan of plan B's job."""
-    target = to.lstrip("@")
-    if target not in module.plans:
-        raise no_such(module, pass_name, "plan", target)
-    source = source.lstrip("@")
-    if source and source not in module.plans:
-        raise no_such(module, pass_name, "plan", source)
-    if not source:
-        others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
-        if len(others) != 1:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                              f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job"
-                                              + (f" ({', '.join('@' + p for p in others)})" if others else ""),
-                                              f"{pass_name}{{to=@{target},source=@{others[0]}}}" if others else None)])
-        source = others[0]
-    return source, target
 
 
 @register
