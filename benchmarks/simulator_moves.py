@@ -6,8 +6,9 @@ two versions of the passes can be timed against each other, alternated, on the s
     python benchmarks/simulator_moves.py time /tmp/moves --steps 933,934
 
 `dump` runs the Nereus policy alone (`nereus simulate --policies nereus --jobs 1`) up to the
-last step named and, at each, pickles the module the decision core passes to `remap` (plan-search
-done), the one it passes to `plan-transition` (remap done) and the one it passes to
+last step named and, at each, pickles the module and the pass the decision core's pipeline
+applies for `remap` (plan-search done), for `plan-transition` (remap done, with the lower bound
+remap left in the module's analyses, which a pickle does not carry) and for
 `schedule-transfers`; it stops there. A
 plan search stops at a wall-clock limit, so on a loaded machine a dump can hold another plan B
 than a run on an idle one: time two versions on the same dump. `time` prints one JSON line per
@@ -40,11 +41,13 @@ def _hash(t, scheduled: bool) -> str:
 def dump(trace_path: str, steps: set[int], out: Path) -> None:
     import nereus.control.decide as decide
     from nereus.cli import _trace_job
+    from nereus.passes.schedule.schedule_transfers import ScheduleTransfers
+    from nereus.passes.transition.plan_transition import PlanTransition
+    from nereus.passes.transition.remap import RemapPass
     from nereus.sim.simulate import simulate
     from nereus.sim.trace import read_trace
 
     out.mkdir(parents=True, exist_ok=True)
-    remap, plan_transition, schedule_transition = decide.remap, decide.plan_transition, decide.schedule_transition
     at = {"step": None}
     replan = decide.DecisionCore._replan
 
@@ -52,65 +55,74 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
         at["step"] = step
         return replan(self, step, *args)
 
-    def remap_and_keep(m, source, target, lost=None):
-        if at["step"] in steps:
-            with open(out / f"remap{at['step']}.pkl", "wb") as f:
-                pickle.dump((m, source, target, lost), f, protocol=5)
-        return remap(m, source, target, lost=lost)
+    def keeping(cls, kind):
+        apply = cls.apply
 
-    def plan_and_keep(m, source, target, name, lost=None, bound=None):
-        if at["step"] in steps:
-            with open(out / f"plan{at['step']}.pkl", "wb") as f:
-                pickle.dump((m, source, target, name, lost, bound), f, protocol=5)
-        return plan_transition(m, source, target, name, lost=lost, bound=bound)
+        def apply_and_keep(self, m):
+            if at["step"] in steps:
+                bound = None
+                if kind == "plan":  # remap's bytes after, which the pass finds in the module's analyses
+                    source, target = self.source.lstrip("@"), self.to.lstrip("@")
+                    bound = m.analyses.find(m, "lower-bound", (source, target), frozenset(self.lost or ()))
+                with open(out / f"{kind}{at['step']}.pkl", "wb") as f:
+                    pickle.dump((m, self, bound), f, protocol=5)
+                if kind == "schedule":
+                    t = m.transitions[self.transition.lstrip("@")]
+                    print(f"dumped step {at['step']}: {len(t.ops):,} operations", flush=True)
+                    if at["step"] == max(steps):
+                        raise SystemExit(0)
+            return apply(self, m)
 
-    def schedule_and_keep(m, t, *args, **kwargs):
-        if at["step"] in steps:
-            with open(out / f"schedule{at['step']}.pkl", "wb") as f:
-                pickle.dump((m, t.name, args, kwargs), f, protocol=5)
-            print(f"dumped step {at['step']}: {len(t.ops):,} operations", flush=True)
-            if at["step"] == max(steps):
-                raise SystemExit(0)
-        return schedule_transition(m, t, *args, **kwargs)
+        cls.apply = apply_and_keep
 
+    applies = [(cls, cls.apply) for cls in (RemapPass, PlanTransition, ScheduleTransfers)]
     decide.DecisionCore._replan = replan_at
-    decide.remap, decide.plan_transition, decide.schedule_transition = remap_and_keep, plan_and_keep, schedule_and_keep
-    trace = read_trace(trace_path)
-    simulate(_trace_job(trace, trace_path), trace, ["nereus"], progress=False, jobs=1)
+    keeping(RemapPass, "remap")
+    keeping(PlanTransition, "plan")
+    keeping(ScheduleTransfers, "schedule")
+    try:
+        trace = read_trace(trace_path)
+        simulate(_trace_job(trace, trace_path), trace, ["nereus"], progress=False, jobs=1)
+    finally:  # the passes as they were, for a `time` in the same process
+        decide.DecisionCore._replan = replan
+        for cls, apply in applies:
+            cls.apply = apply
     sys.exit(f"no move at steps {sorted(steps)}: nothing dumped for the steps without one")
 
 
 def time_passes(where: Path, steps: list[int]) -> None:
-    from nereus.passes.transition.plan_transition import plan_transition
-    from nereus.passes.transition.remap import remap
-    from nereus.passes.schedule.schedule_transfers import schedule_transition
-
+    """Each dumped pass applied to its dumped module, as the decision core's pipeline applies it."""
     missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("remap", "plan", "schedule")
                if not (where / f"{kind}{step}.pkl").exists()]
     if missing:
         sys.exit(f"no dump of these steps: {', '.join(missing)} (run `dump` for them first)")
     for step in steps:
         with open(where / f"remap{step}.pkl", "rb") as f:
-            m, source, target, lost = pickle.load(f)
+            m, p, _ = pickle.load(f)
+        target = p.to.lstrip("@")
         t0 = time.perf_counter()
-        rec = remap(m, source, target, lost=lost)
+        p.apply(m)
+        rec = m.plans[target].remap
         meshes = hashlib.sha256(repr(sorted((ms, lay.mesh) for ms, lay in m.plans[target].layouts.items())).encode())
         print(json.dumps({"step": step, "pass": "remap", "s": round(time.perf_counter() - t0, 2), "bytes_before": rec.before,
                           "bytes_after": rec.after, "hash": meshes.hexdigest()[:16]}), flush=True)
         del m
         with open(where / f"plan{step}.pkl", "rb") as f:
-            m, source, target, name, lost, bound = pickle.load(f)
+            m, p, bound = pickle.load(f)
+        if bound is not None:
+            m.analyses.put(m, "lower-bound", (p.source.lstrip("@"), p.to.lstrip("@")), frozenset(p.lost or ()), bound)
         t0 = time.perf_counter()
-        t = plan_transition(m, source, target, name, lost=lost, bound=bound)
+        p.apply(m)
+        t = m.transitions[p.into.lstrip("@")]
         print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
                           "ops": len(t.ops), "deps": sum(len(op.deps) for op in t.ops), "bytes_moved": t.bytes_moved,
                           "hash": _hash(t, False)}), flush=True)
         del m, t
         with open(where / f"schedule{step}.pkl", "rb") as f:
-            m, name, args, kwargs = pickle.load(f)
-        t = m.transitions[name]
+            m, p, _ = pickle.load(f)
+        t = m.transitions[p.transition.lstrip("@")]
         t0 = time.perf_counter()
-        schedule_transition(m, t, *args, **kwargs)
+        p.apply(m)
         print(json.dumps({"step": step, "pass": "schedule-transfers", "s": round(time.perf_counter() - t0, 2),
                           "ops": len(t.ops), "makespan_s": t.makespan, "port_bound_s": t.port_bound,
                           "hash": _hash(t, True)}), flush=True)

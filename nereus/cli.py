@@ -260,17 +260,12 @@ def cmd_bench(args) -> int:
 
 def _size(text: str) -> int:
     """A size option: ``64MiB`` or a plain number of bytes (argparse reports a bad one)."""
-    from .ir.units import Dim, UnitError, parse_quantity
+    from .ir.units import UnitError, parse_size
 
-    if text.isdigit():
-        return int(text)
     try:
-        dim, value = parse_quantity(text)
+        return parse_size(text)
     except UnitError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if dim is not Dim.SIZE or value != int(value):
-        raise argparse.ArgumentTypeError(f"'{text}' is not a size (64MiB, 1GiB or bytes)")
-    return int(value)
 
 
 def _trace_job(trace, path: str):
@@ -363,15 +358,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_passes(args) -> int:
-    import dataclasses
-
-    from .passes.infra.pass_manager import option_type
+    from .passes.infra.pass_manager import option_type, pipeline_options
     from .registry import get_all_passes
 
     for name, cls in get_all_passes().items():
         doc = " ".join((cls.__doc__ or "").split())
         print(f"{name}  ({cls.__module__})")
-        for f in dataclasses.fields(cls):
+        for f in pipeline_options(cls):
             print(f"    {f.name}: {option_type(cls, f.name)} = {f.default!r}")
         if doc:
             print(f"    -- {doc}")

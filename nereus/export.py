@@ -76,7 +76,7 @@ def generate_memory(m: Module, plan: Plan, model_stage: str) -> tuple[float, flo
     generating model-stage, as the cost model budgets it: vLLM's default 0.9 of the GPU's memory,
     less what other model-stages keep resident on the same GPUs (rounded down to 0.01)."""
     from .passes.cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION
-    from .passes.cost.estimate import layout_costs
+    from .passes.cost.layout_costs import layout_costs
 
     lc = layout_costs(m, plan)[model_stage]
     gpu = m.clusters[plan.cluster].gpu_memory

@@ -29,6 +29,8 @@ def parse_pipeline(spec: str) -> list[ModulePass]:
 
 
 def run_pipeline(module: Module, spec: str | list[ModulePass],
-                 after_each: Callable[[ModulePass, Module], None] | None = None, verify_input: bool = True) -> Module:
-    """Run a pipeline of any layer's passes on ``module`` in place (see ``passes.run_pipeline``)."""
-    return _run(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input)
+                 after_each: Callable[[ModulePass, Module], None] | None = None, verify_input: bool = True,
+                 verify: str = "each") -> Module:
+    """Run a pipeline of any layer's passes on ``module`` in place (see ``passes.run_pipeline``;
+    ``verify``: after each pass, at the end, or off)."""
+    return _run(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input, verify=verify)

@@ -10,17 +10,12 @@ from rich.table import Table
 
 from .ir import Module
 from .ir.attributes import compress_ints
-from .ir.units import Dim, format_quantity
+from .ir.units import Dim, format_bytes, format_quantity
 from .ir.model import state_dtype_bytes
 
 
 def _size(n: int | None) -> str:
-    """Bytes in the unit that fits: B and KiB exact, then MiB or GiB with two decimals."""
-    if n is None:
-        return ""
-    if n < 2**20:
-        return format_quantity(Dim.SIZE, n)
-    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+    return "" if n is None else format_bytes(n)
 
 
 def _count(n: float) -> str:

@@ -29,6 +29,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from ..ir.emu import Box
+from ..ir.units import format_bytes
 from .fold import fold_listing
 from .shards import ShardSpec, StateKey
 
@@ -143,11 +144,10 @@ def _box(box: Box) -> str:
     return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
-def _size(n: int) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.2f}{unit}"
-    return f"{n}B"
+
+
+def _compact(n: int) -> str:
+    return format_bytes(n, sep="")
 
 
 def _piece(p: Piece) -> str:
@@ -163,7 +163,7 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
     (``fold.fold_listing``; ``fold.unfold_listing`` gives the per-layer text back).
     """
     out = [(f"program @{prog.transition} (@{prog.source} -> @{prog.target}) world = {prog.world}, "
-           f"bucket = {_size(prog.bucket_bytes)} {{")]
+           f"bucket = {_compact(prog.bucket_bytes)} {{")]
     if prog.gpus != list(range(prog.world)):
         out.append(f"  gpus = [{', '.join(map(str, prog.gpus))}]")
     for g in prog.groups:
@@ -172,7 +172,7 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
         steps = prog.steps.get(r, [])
         src_box = {x.key: x.box for x in prog.src.get(r, [])}
         dst_box = {x.key: x.box for x in prog.dst.get(r, [])}
-        out.append(f"  rank {r} {{  // sends {_size(prog.sent_bytes(r))}, receives {_size(prog.received_bytes(r))}")
+        out.append(f"  rank {r} {{  // sends {_compact(prog.sent_bytes(r))}, receives {_compact(prog.received_bytes(r))}")
         for s in steps:
             if s.kind in ("alloc", "keep", "load", "offload", "release"):
                 boxes = dst_box if s.kind in ("alloc", "keep", "offload") else src_box
@@ -188,14 +188,14 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
                         peer = msg.receiver if verb == "send" else msg.sender
                         arrow = "->" if verb == "send" else "<-"
                         how = "direct" if msg.direct else f"bucket of {len(msg.pieces)}"
-                        out.append(f"      {verb} #{msg.id} {arrow} {peer}: {how}, {_size(msg.nbytes)}")
+                        out.append(f"      {verb} #{msg.id} {arrow} {peer}: {how}, {_compact(msg.nbytes)}")
                         for p in msg.pieces:
                             out.append(f"        {_piece(p)}")
                 out.append("    }")
             elif s.kind == "broadcast":
                 msg = s.message
                 out.append(f"    broadcast #{msg.id} round {s.round} root {s.group[0]} in [{', '.join(map(str, s.group))}]: "
-                           f"bucket of {len(msg.pieces)}, {_size(msg.nbytes)}")
+                           f"bucket of {len(msg.pieces)}, {_compact(msg.nbytes)}")
                 for p in msg.pieces:
                     out.append(f"      {_piece(p)}")
         out.append("  }")

@@ -19,12 +19,11 @@ A program lists every per-layer slice on every rank (hundreds of thousands of li
 from __future__ import annotations
 
 import io
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..ir.attributes import compress_ints
 from ..ir.cluster import Cluster
-from ..ir.units import Dim, format_quantity
+from ..ir.units import Dim, format_bytes, format_quantity
 from .program import Program
 
 LINK_KINDS = ("nvlink", "network", "host", "local")
@@ -206,11 +205,10 @@ def summarize(prog: Program, cluster: Cluster | None = None, makespan: float | N
                           n_steps, n_pieces, makespan)
 
 
-def _size(n: int) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n} B" if n else "-"
+
+
+def _bytes(n: int) -> str:
+    return format_bytes(n) if n else "-"
 
 
 def _count(n: int) -> str:
@@ -225,7 +223,7 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
     head = (f"program @{s.transition} (@{s.source} -> @{s.target}): {s.world} ranks, {s.steps:,} steps, "
-            f"{s.pieces:,} per-layer slices copied or sent, bucket {_size(s.bucket_bytes)}")
+            f"{s.pieces:,} per-layer slices copied or sent, bucket {_bytes(s.bucket_bytes)}")
     console.print(head, soft_wrap=True)
 
     t = Table(title="per round: messages and bytes per link (consecutive rounds that move the same share a row)",
@@ -236,9 +234,9 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
         t.add_column(f"{k} msgs" if k not in ("host", "local") else f"{k} copies", justify="right")
         t.add_column(f"{k} bytes", justify="right")
     for x in s.rounds:
-        cells = [c for k in LINK_KINDS for c in (_count(x.traffic.msgs[k]), _size(x.traffic.bytes[k]))]
+        cells = [c for k in LINK_KINDS for c in (_count(x.traffic.msgs[k]), _bytes(x.traffic.bytes[k]))]
         t.add_row("" if x.level == COMMIT else str(x.level), x.label, *cells)
-    cells = [c for k in LINK_KINDS for c in (_count(s.totals.msgs[k]), _size(s.totals.bytes[k]))]
+    cells = [c for k in LINK_KINDS for c in (_count(s.totals.msgs[k]), _bytes(s.totals.bytes[k]))]
     t.add_row("total", "", *cells, end_section=True)
     console.print(t)
 
@@ -255,14 +253,14 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
         for i, v in enumerate(vals):
             tot[i] += v * len(row.ranks)
         label = [compress_ints(list(row.ranks))] + ([compress_ints(list(row.gpus))] if gpus else [])
-        t.add_row(*label, *[(_count if i % 2 == 0 else _size)(v) for i, v in enumerate(vals)])
-    t.add_row("total", *([""] if gpus else []), *[(_count if i % 2 == 0 else _size)(v) for i, v in enumerate(tot)])
+        t.add_row(*label, *[(_count if i % 2 == 0 else _bytes)(v) for i, v in enumerate(vals)])
+    t.add_row("total", *([""] if gpus else []), *[(_count if i % 2 == 0 else _bytes)(v) for i, v in enumerate(tot)])
     console.print(t)
 
     sent = s.totals.bytes["nvlink"] + s.totals.bytes["network"]
     msgs = s.totals.msgs["nvlink"] + s.totals.msgs["network"]
-    console.print(f"moves {sent:,} bytes in {msgs:,} messages ({_size(s.totals.bytes['nvlink'])} over NVLink, "
-                  f"{_size(s.totals.bytes['network'])} over the network)", soft_wrap=True)
+    console.print(f"moves {sent:,} bytes in {msgs:,} messages ({_bytes(s.totals.bytes['nvlink'])} over NVLink, "
+                  f"{_bytes(s.totals.bytes['network'])} over the network)", soft_wrap=True)
     tail = f"copies {s.totals.bytes['local']:,} bytes locally and {s.totals.bytes['host']:,} bytes to or from host memory"
     if s.makespan is not None:
         tail += f"; estimated makespan {format_quantity(Dim.TIME, s.makespan)}"

@@ -32,15 +32,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..ir import DiagnosticError, Module, Plan
-from ..passes.transition.admit import admission, fixed_costs
-from ..passes.cost.calibrate import calibrate_records
-from ..passes.transition.derive_emus import derive_missing_emus
-from ..passes.cost.estimate import estimate_plan
+from ..ir import Diagnostic, DiagnosticError, Module, Plan
+from ..passes import ModulePass, run_pipeline
+from ..passes.cost.calibrate import Calibrate
+from ..passes.cost.estimate import Estimate
+from ..passes.schedule.schedule_transfers import ScheduleTransfers
 from ..passes.search.plan_search import PlanSearch
-from ..passes.transition.plan_transition import plan_transition
-from ..passes.transition.remap import remap
-from ..passes.schedule.schedule_transfers import schedule_transition
+from ..passes.transition.admit import Admit, fixed_costs
+from ..passes.transition.derive_emus import DeriveEmus
+from ..passes.transition.plan_transition import PlanTransition
+from ..passes.transition.remap import RemapPass
 from .measurements import StepRecord
 from .options import ControlOptions
 from .triggers import Trigger, gpu_triggers, measured_triggers
@@ -94,12 +95,12 @@ class DecisionCore:
         p = self.m.plans[plan]
         self.workload = self.m.workloads[p.workload]
         self.total_steps = total_steps if total_steps is not None else (self.workload.steps or 0)
-        self._estimate(self.m, plan)
         # the state the running plan holds, derived from its layouts once (a module may declare
         # only some of its EMUs, e.g. weights only; the live job holds all of its states)
         for key in [k for k in self.m.emus if k[0] == plan]:
             del self.m.emus[key]
-        derive_missing_emus(self.m, plan)
+        p.step_time = None
+        self._run(self.m, [Estimate(plan=f"@{plan}"), DeriveEmus(plan=f"@{plan}", only_missing=True)], verify_input=True)
         self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
@@ -220,11 +221,11 @@ class DecisionCore:
         # coefficients would absorb the difference (a plan committed for 1,733-token responses,
         # run at 2,000, learned a 13% slower cluster)
         measured_lengths(self.m.workloads[self.m.plans[self.plan].workload], window)
-        (fit,) = calibrate_records(self.m, records).values()
+        self._run(self.m, [Calibrate(records=records)])
+        fit = self.m.clusters[self.m.plans[self.plan].cluster].calibration
         # at the measured lengths plan A may no longer fit: the memory trigger and the re-plan see it
-        self._estimate(self.m, self.plan, raise_on_oom=False)
-        return {"recalibrated": True, "fit_error_before": round(fit.error_before, 4),
-                "fit_error_after": round(fit.error_after, 4)}
+        self._estimate(self.m, self.plan)
+        return {"recalibrated": True, "fit_error_before": fit.error_before, "fit_error_after": fit.error_after}
 
     def _replan(self, step: int, window: list[StepRecord], triggers: list[Trigger], numbers: dict) -> Decision:
         opts = self.options
@@ -240,7 +241,7 @@ class DecisionCore:
         cluster.unavailable = sorted(set(range(cluster.nodes * cluster.gpus_per_node)) - usable)
         m.clusters[cluster.name] = cluster
         lost = self.gpus_planned - self.gpus_now  # gone without notice: their state is lost
-        a_fits = not self._estimate(m, self.plan, raise_on_oom=False)
+        a_fits = not self._estimate(m, self.plan)
         if not a_fits:
             forced = True
         numbers["step_time_now"] = a.step_time
@@ -254,9 +255,9 @@ class DecisionCore:
                 incumbent += "_"
             m.plans[incumbent] = replace(self.searched, name=incumbent)  # read only, and removed after the search
         try:
-            PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
-                       cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp, max_zero=opts.max_zero,
-                       offload=opts.offload, incumbent=f"@{incumbent}").apply(m)
+            self._run(m, [PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
+                                     cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp,
+                                     max_zero=opts.max_zero, offload=opts.offload, incumbent=f"@{incumbent}")])
         except DiagnosticError as e:
             action = "infeasible" if forced else "stay"
             return Decision(step, action, self.plan, forced=forced, triggers=triggers, numbers=numbers,
@@ -284,25 +285,30 @@ class DecisionCore:
                 return Decision(step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers,
                                 message=why)
         searched = copy.deepcopy(b)  # before remap renames its GPUs
-        derive_missing_emus(m, target)  # plan A's are in ``self.m`` (derived at the start or the commit)
-        rec = remap(m, self.plan, target, lost=lost)
+        # plan B's EMUs (plan A's are in ``self.m``, derived at the start or the commit), then
+        # remap; plan-transition takes remap's bytes after as its lower bound (in the module's
+        # analyses: not computed a second time, 0.3-1.5 s a move at 1,024 GPUs)
+        gone = tuple(sorted(lost))
+        self._run(m, [RemapPass(to=f"@{target}", source=f"@{self.plan}", lost=gone)])
+        rec = b.remap
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
         name = f"{self.plan}_to_{target}"
         try:
-            # remap's bytes after are the transition's lower bound (its reuse matrix sums what every
-            # GPU already holds of plan B, in float64: exact for integers below 2**53 bytes, 9 PB):
-            # not computed a second time (0.3-1.5 s a move at 1,024 GPUs); the tests hold the two equal
-            t = plan_transition(m, self.plan, target, name, lost=lost, bound=rec.after)
+            self._run(m, [PlanTransition(to=f"@{target}", source=f"@{self.plan}", into=f"@{name}", lost=gone)])
         except DiagnosticError as e:
             why = e.diagnostics[0].message
             if lost:
                 why = f"state lost with GPUs {sorted(lost)} (restore it from a checkpoint): {why}"
             return Decision(step, "infeasible" if forced else "stay", self.plan, target, forced=forced, triggers=triggers,
                             numbers=numbers, message=f"plan-transition: {why}")
-        m.transitions[name] = t
-        schedule_transition(m, t, time_limit=opts.schedule_time_limit, seed=opts.seed)
+        t = m.transitions[name]
+        moves: list[ModulePass] = [ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed,
+                                                     transition=f"@{name}")]
         if a.step_time is not None:
-            t.admit = admission(m, name, horizon, opts.margin, opts.pg_init, opts.engine_restart)
+            moves.append(Admit(horizon=horizon, margin=opts.margin, pg_init=opts.pg_init,
+                               engine_restart=opts.engine_restart, transition=f"@{name}"))
+        self._run(m, moves)
+        if a.step_time is not None:
             numbers.update(cost=t.admit.cost, benefit=t.admit.benefit, saving=t.admit.saving,
                            break_even=t.admit.break_even, admitted=t.admit.decision == "accept")
         numbers.update(horizon=horizon, bytes_moved=t.bytes_moved, lower_bound=t.lower_bound, makespan=t.makespan,
@@ -319,15 +325,14 @@ class DecisionCore:
                         searched=searched if action == "transition" else None)
 
     def _copy_job(self) -> Module:
-        """The job to re-plan on: a deep copy, except that the EMUs are shared (passes replace an
-        EMU, never change one), which at 1,024 GPUs saves copying every slice of plan A."""
-        emus, self.m.emus = self.m.emus, {}
-        try:
-            m = copy.deepcopy(self.m)
-        finally:
-            self.m.emus = emus
-        m.emus = dict(emus)
-        return m
+        """The job to re-plan on: a deep copy, which shares the EMUs (frozen values) and what
+        the module's analyses read from them: at 1,024 GPUs, every slice of plan A."""
+        return copy.deepcopy(self.m)
+
+    def _run(self, m: Module, passes: list[ModulePass], verify_input: bool = False) -> None:
+        """Passes through the pass manager, verified as ``options.verify`` says (the core's own
+        modules are the output of verified pipelines: their input is not verified again)."""
+        run_pipeline(m, passes, verify_input=verify_input, verify=self.options.verify)
 
     def _weighed(self, w, window: list[StepRecord], numbers: dict) -> None:
         """A re-plan at the measured lengths of workload ``w`` and the memory peaks of ``window``
@@ -342,13 +347,13 @@ class DecisionCore:
         self.weighed_memory = {ms: int(v) for ms, v in peaks.items() if v}
         numbers["weighed_memory"] = dict(self.weighed_memory)
 
-    @staticmethod
-    def _estimate(m: Module, plan: str, raise_on_oom: bool = True) -> list:
-        p = m.plans[plan]
-        p.step_time = None
-        problems = estimate_plan(m, p)
-        if problems and raise_on_oom:
-            raise DiagnosticError(problems)
+    def _estimate(self, m: Module, plan: str) -> list[Diagnostic]:
+        """``estimate{oom=warn}`` of ``plan``: what no longer fits (its warnings, taken off the module)."""
+        m.plans[plan].step_time = None
+        before = len(m.warnings)
+        self._run(m, [Estimate(plan=f"@{plan}", oom="warn")])
+        problems = m.warnings[before:]
+        del m.warnings[before:]
         return problems
 
     def _record(self, decision: Decision) -> Decision:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..passes.infra.pass_manager import VERIFY
+
 
 @dataclass(frozen=True)
 class ControlOptions:
@@ -27,6 +29,11 @@ class ControlOptions:
       times 1 + margin over the remaining steps).
     - ``max_pp`` (0: any), ``max_zero``, ``offload``: plan-search only proposes layouts the live
       job can take (a live model without pipeline stages: ``max_pp = 1``).
+    - ``verify``: when the re-plan's pipelines verify the job (``each`` pass, at the ``end`` of
+      each pipeline, or ``off``). ``end`` by default: at 1,024 GPUs a module holds a million
+      slices and a transition a million operations, and verifying after each of the five passes
+      of a move costs more than planning it; at the end, every result is still checked before
+      the runtime runs it.
     """
 
     recalibrate_every: int = 10
@@ -44,10 +51,15 @@ class ControlOptions:
     max_pp: int = 0
     max_zero: int = 3
     offload: bool = True
+    verify: str = "end"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.type == "str":
+                if value not in VERIFY:
+                    raise ValueError(f"ControlOptions.{f.name} is one of {', '.join(VERIFY)}, got {value!r}")
+                continue
             if f.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"ControlOptions.{f.name} must be bool, got {type(value).__name__} {value!r}")

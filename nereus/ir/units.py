@@ -149,6 +149,29 @@ def format_quantity(dim: Dim, value: int | float) -> str:
         return _plain(exact) + _BASE_UNIT[dim]
 
 
+def parse_size(text: str) -> int:
+    """A size as options write it: ``64MiB`` or a plain number of bytes; UnitError otherwise
+    (the CLI's size flags and the pass manager's ``Size`` options)."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    dim, value = parse_quantity(text)
+    if dim is not Dim.SIZE or value != int(value):
+        raise UnitError(f"'{text}' is not a size (64MiB, 1GiB or bytes)")
+    return int(value)
+
+
+def format_bytes(n: float, sep: str = " ") -> str:
+    """Bytes for people (tables, messages, summaries): the largest binary unit that keeps at
+    least 1, with 2 decimals (``73.41 GiB``, ``625.25 KiB``), whole bytes below 1 KiB (``512 B``).
+    ``sep``: between the number and the unit (the lowered program's dump writes none). The IR
+    itself prints sizes with ``format_quantity``, exactly."""
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f}{sep}{unit}"
+    return f"{int(n)}{sep}B"
+
+
 def format_number(value: int | float) -> str:
     """Plain decimals, never exponent notation; ints stay ints."""
     if isinstance(value, bool):

@@ -27,6 +27,7 @@ restricted to what that kind of system can run (``search``'s ``keep``):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -35,10 +36,12 @@ import numpy as np
 
 from ..control import ControlOptions, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module, Plan
+from ..ir import verify as verify_module
 from ..ir.cluster import Efficiency
-from ..passes.cost.estimate import estimate_plan
-from ..passes.search.plan_search import placed, solve, to_plan
-from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, build_problem, columns
+from ..passes import run_pipeline
+from ..passes.cost.estimate import Estimate
+from ..passes.search.plan_search import PlanSearch
+from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, columns
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
@@ -49,24 +52,30 @@ class NoPlan(RuntimeError):
 
 
 def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, headroom: float = DEFAULT_HEADROOM,
-           incumbent: Plan | None = None) -> Plan:
+           incumbent: Plan | None = None, verify: str = "end") -> Plan:
     """The best plan of ``m``'s job on its available GPUs among the options ``keep(ms, options,
-    n)`` returns of each model-stage's (plan-search's solver, keeping plan-search's memory
+    n)`` returns of each model-stage's (``plan-search{keep=...}``, keeping plan-search's memory
     ``headroom`` free as a real system would), estimated in ``m``. ``incumbent``: the plan the
-    policy runs, where the search may start from it (``plan_search.placed``)."""
-    (w,) = m.workloads.values()
-    (c,) = m.clusters.values()
-    problem = build_problem(c, w, m.models, prune=False, headroom=headroom)
-    if keep is not None:
-        for ms, sp in problem.spaces.items():
-            sp.options = keep(ms, sp.options, problem.n)
-    sol = solve(problem, time_limit, 0, placed(problem, incumbent) if incumbent is not None else None)
-    if sol.choice is None:
-        raise NoPlan(f"no plan fits on {problem.n} GPUs")
-    plan = to_plan(problem, sol, name, w.name, c.name)
-    if estimate_plan(m, plan):
-        raise NoPlan("the plan found does not fit")
-    return plan
+    policy runs, where the search may start from it (``plan-search{incumbent=@...}``).
+
+    The module is verified once, at the end (``verify="end"``), after the incumbent left it (it
+    ran on GPUs that may be gone: it is the search's start, not a plan of ``m``): ``m`` holds
+    the job and the plans only, no EMUs, and a restarting policy searches at every change."""
+    given = ""
+    if incumbent is not None:
+        given = f"{name}_incumbent"
+        m.plans[given] = dataclasses.replace(incumbent, name=given)
+    try:
+        run_pipeline(m, [PlanSearch(time_limit=time_limit, seed=0, into=f"@{name}", headroom=headroom,
+                                    incumbent=f"@{given}" if given else "", keep=keep)],
+                     verify_input=False, verify="off")
+    except DiagnosticError as e:
+        raise NoPlan(e.diagnostics[0].message) from None
+    finally:
+        m.plans.pop(given, None)
+    if verify == "end":
+        verify_module(m)
+    return m.plans.pop(name)
 
 
 def rows(options, mask: np.ndarray) -> list:
@@ -263,14 +272,20 @@ class OpenRLHF(Restarting):
             for st in sw.stages:
                 st.models = [x for x in st.models if f"{x}.{st.name}" in pool]
             keep = (lambda ms, opts, n: same_tp_pp(opts, self.tp_pp[ms])) if fixed else None
-            p = search(sub, keep, name)
+            # a pool's part of the job is no job the verifier accepts (PPO without its critic's
+            # stages): the pool's plan is not verified alone; the pooled plan is, below
+            p = search(sub, keep, name, verify="off")
             layouts.update(p.layouts)
             colocate += p.colocate
         order = [ms for st in w.stages for ms in st.model_stages()]
-        plan = Plan(name=name, workload=w.name, cluster=c.name, colocate=colocate,
-                    layouts={ms: layouts[ms] for ms in order})
-        if estimate_plan(m, plan):
-            raise NoPlan("the pooled plan does not fit")
+        m.plans[name] = Plan(name=name, workload=w.name, cluster=c.name, colocate=colocate,
+                             layouts={ms: layouts[ms] for ms in order})
+        try:
+            run_pipeline(m, [Estimate(plan=f"@{name}")], verify_input=False, verify="end")
+        except DiagnosticError:
+            raise NoPlan("the pooled plan does not fit") from None
+        finally:
+            plan = m.plans.pop(name)
         return plan
 
     def initial(self, sim, i=0):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nereus.backend.fold import fold_listing, fold_records, fold_runs, unfold_listing, unfold_records
+from nereus.backend.fold import fold_records, fold_runs, unfold_listing, unfold_records
 from nereus.backend.lower import lower
 from nereus.backend.program import Program, print_program
 from nereus.backend.script import render_script

@@ -12,7 +12,7 @@ import pytest
 import nereus
 from nereus.cli import main
 
-from ..support import GOLDEN, ROOT, example
+from ..support import GOLDEN, example
 
 GRPO = example("grpo_7b_8gpu.nir")
 TP4_TO_TP2 = GOLDEN / "plan-transition" / "tp4_to_tp2.nir"

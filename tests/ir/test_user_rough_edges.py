@@ -22,7 +22,7 @@ import pytest
 import nereus
 from nereus import cli
 from nereus.ir import DiagnosticError
-from nereus.ir.diagnostics import MAX_SHOWN, Diagnostic, Loc, clip_line
+from nereus.ir.diagnostics import MAX_SHOWN, Diagnostic, clip_line
 from nereus.ir.units import Dim, UnitError, parse_quantity
 
 from ..support import example

@@ -9,7 +9,7 @@ import pytest
 import nereus
 from nereus.ir import Model, Workload
 from nereus.passes import Candidates, CostModel
-from nereus.passes.cost.estimate import stage_groups
+from nereus.passes.cost.layout_costs import stage_groups
 
 from ..support import EXAMPLES
 from ..support.gpt import A100, gpt, train_workload

@@ -80,7 +80,7 @@ def test_kv_cache_budget_never_exceeds_a_small_gpu():
     MiB, so a 586 KB GPU whose cost model sized a ~0.5 MiB cache got a 1 MiB reservation, which
     the verifier rejects. The budget rounds down to whole MiB."""
     from nereus.passes.transition.derive_emus import model_stage_emus
-    from nereus.passes.cost.estimate import layout_costs
+    from nereus.passes.cost.layout_costs import layout_costs
 
     text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text()
     text = text.replace("prompt_len_mean = 512", "prompt_len_mean = 333")  # a sequence's KV: not whole MiB

@@ -3,7 +3,6 @@ runner-ups equal brute force, the reasons name what the plan uses."""
 
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings

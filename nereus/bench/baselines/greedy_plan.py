@@ -33,7 +33,8 @@ from ...ir import Cluster, Layout, Module, Plan, Workload
 from ...ir.model import Model, even_split
 from ...ir.verifier import flush_samples, replicas_share_steps
 from ...passes.cost.cost_model import Candidates, CostModel
-from ...passes.cost.estimate import estimate_plan, step_time
+from ...passes.cost.estimate import estimate_plan
+from ...passes.cost.layout_costs import step_time
 
 
 def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) -> list[list[int]]:

@@ -33,8 +33,8 @@ from ...ir import Diagnostic, DiagnosticError, Loc, Module
 from ...ir.cluster import Calibration, Efficiency
 from ...ir.printer import printed_precision
 from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
-from .estimate import LayoutCost, layout_costs
-from ..infra.pass_manager import ModulePass, register
+from .layout_costs import LayoutCost, layout_costs
+from ..infra.pass_manager import ModulePass, api_option, register
 
 
 @dataclass
@@ -206,12 +206,19 @@ def observations(m: Module, records, model_for=None) -> list[Observation]:
 @register
 @dataclass(frozen=True)
 class Calibrate(ModulePass):
-    """Options: ``profile`` (path of the JSON-lines profile)."""
+    """Options: ``profile`` (path of the JSON-lines profile); from Python, ``records`` instead:
+    measured stage times as ``read_profile`` gives them (plan, model-stage, seconds, memory,
+    line), as the decision core passes the steps it observed. The fit of each cluster is
+    recorded on it (``efficiency``, ``calibration``)."""
 
     name = "calibrate"
     profile: str = ""
+    records: list | None = api_option()
 
     def apply(self, module: Module) -> None:
+        if self.records is not None:
+            calibrate_records(module, self.records)
+            return
         if not self.profile:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "calibrate needs profile=FILE")])
         calibrate_records(module, read_profile(self.profile))

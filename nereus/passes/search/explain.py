@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 
 from ...ir import Module, Plan
 from ...ir.plan import RunnerUp
-from ..cost.estimate import _size, layout_costs, stage_groups
+from ...ir.units import format_bytes
+from ..cost.layout_costs import layout_costs, stage_groups
 from .space import NO_RHO, SearchProblem, Space
 
 MIN_SOLVE_S = 0.5  # each re-solve gets at least this long, so the whole may pass time_limit a little
@@ -62,7 +63,7 @@ class Explanation:
         ms, gpu, used, allowed = self.fullest
         kept = ("generation keeps vLLM's own 10% free" if self.generation_fullest
                 else f"{self.headroom:.0%} headroom kept free")
-        out.append(f"  memory: fullest GPU {gpu} holds {_size(used)} during {ms}, of {_size(allowed)} allowed ({kept})")
+        out.append(f"  memory: fullest GPU {gpu} holds {format_bytes(used)} during {ms}, of {format_bytes(allowed)} allowed ({kept})")
         if self.unbounded is not None and self.unbounded < self.objective * (1 - 1e-6):
             out.append(f"  memory binds: if what model-stages keep on shared GPUs did not count against each "
                        f"other, the best step would be {s(self.unbounded)} ({self.change(self.unbounded)})")

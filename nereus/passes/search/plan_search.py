@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -39,7 +40,7 @@ from ...ir.plan import SearchRecord
 from ...ir.units import Dim, format_quantity
 from ...ir.printer import printed_precision
 from ..cost.estimate import estimate_plan
-from ..infra.pass_manager import ModulePass, Ref, no_such, register
+from ..infra.pass_manager import ModulePass, Ref, api_option, no_such, register
 from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from .bounds import option_bounds, restrict, stage_bounds
 from .explain import explain
@@ -414,7 +415,9 @@ class PlanSearch(ModulePass):
     runner-up per model-stage, the bottleneck, whether memory, colocation and offload matter);
     ``incumbent`` (``@name`` of a plan, the running one, say: where it is still a plan of the
     problem, on the same GPUs and fitting, the search starts from it and only proves that nothing
-    is faster, usually on far fewer candidates; the result is the same optimum)."""
+    is faster, usually on far fewer candidates; the result is the same optimum). From Python,
+    ``keep``: ``keep(model_stage, options, n)`` returns the options of each model-stage's search
+    space that a kind of system can run (the simulator's restarting policies keep their TP/PP)."""
 
     name = "plan-search"
     time_limit: float = 10.0
@@ -429,6 +432,7 @@ class PlanSearch(ModulePass):
     headroom: float = DEFAULT_HEADROOM
     explain: bool = False
     incumbent: Ref = ""
+    keep: Callable | None = api_option()
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":
@@ -442,6 +446,9 @@ class PlanSearch(ModulePass):
         c = _pick(module, "cluster", self.cluster)
         problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload,
                                 prune=False, headroom=self.headroom)  # solve prunes what each of its models holds
+        if self.keep is not None:
+            for ms, sp in problem.spaces.items():
+                sp.options = self.keep(ms, sp.options, problem.n)
         known = None
         if self.incumbent:
             if self.incumbent.lstrip("@") not in module.plans:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ...ir import Diagnostic, DiagnosticError, Module
 from ...ir.diagnostics import did_you_mean
 from ...ir.sharding import derive_emus, states_of
-from ..cost.estimate import layout_costs
+from ..cost.layout_costs import layout_costs
 from ...ir.gc_pause import gc_paused
 from ..infra.pass_manager import ModulePass, Ref, register
 

@@ -4,7 +4,8 @@
 - ``plan_holdings``: (model, state, family) -> the pieces every GPU holds, kept in the module's
   ``analyses`` while its EMUs are the same objects;
 - ``state_bytes``: bytes of state per GPU;
-- ``plan_pair``: plans A and B from a pass's ``source`` and ``to`` options.
+- ``plan_pair``: plans A and B from a pass's ``source`` and ``to`` options; ``lost_gpus``: the
+  GPUs whose state is gone, from its ``drain`` and ``lost``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ...ir.model import state_dtype_bytes
 from ..infra.pass_manager import no_such
 from .grid import Holding
 
-__all__ = ["Holding", "plan_holdings", "plan_pair", "read_holdings", "state_bytes"]
+__all__ = ["Holding", "lost_gpus", "plan_holdings", "plan_pair", "read_holdings", "state_bytes"]
 
 
 def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, int]:
@@ -87,3 +88,15 @@ def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str
                                               f"{pass_name}{{to=@{target},source=@{others[0]}}}" if others else None)])
         source = others[0]
     return source, target
+
+
+def lost_gpus(module: Module, pass_name: str, target: str, drain: bool, lost) -> set[int]:
+    """The GPUs whose state is gone for a move to ``target``: ``lost`` where given (GPUs that
+    failed without notice; the others plan B cannot use leave with notice and still send), none
+    with ``drain``, otherwise every GPU plan B's cluster marks unavailable."""
+    if drain and lost is not None:
+        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: drain and lost contradict each other",
+                                          "drain=true: no GPU's state is lost; lost=[...]: these GPUs' is")])
+    if lost is not None:
+        return set(lost)
+    return set() if drain else set(module.clusters[module.plans[target].cluster].unavailable)

@@ -44,17 +44,15 @@ the pass reports the GPU and the shortfall, and staging beyond a node's ``host_m
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
-from ...ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef, Transition
+from ...ir import DiagnosticError, Module, Transition
 from ...ir.emu import STATE_GROUPS
-from ...ir.model import state_dtype_bytes
 from ...ir.gc_pause import gc_paused
 from .lower_bound import lower_bound
 from .derive_emus import emus_required
-from ..infra.pass_manager import ModulePass, Ref, no_such, register
-from .holdings import plan_holdings, plan_pair
+from ..infra.pass_manager import Gpus, ModulePass, Ref, register
+from .holdings import lost_gpus, plan_holdings, plan_pair
 from .planner import Planner
 
 __all__ = ["group_optimizer_states", "plan_transition"]
@@ -131,13 +129,16 @@ def _plan(m: Module, source: str, target: str, cluster, lost: set[int]):
 class PlanTransition(ModulePass):
     """Options: ``to`` (``@plan_b``), ``source`` (``@plan_a``; default: the other plan of the job),
     ``into`` (name of the transition), ``drain`` (true: GPUs plan B cannot use leave with notice
-    and still send; default false: they failed and their state is lost)."""
+    and still send; default false: they failed and their state is lost), ``lost`` (``[GPUs]``:
+    exactly these failed; the others plan B cannot use still send). The lower bound is the one
+    ``remap`` left in the module's analyses for the same plans, EMUs and lost GPUs, where it ran."""
 
     name = "plan-transition"
     to: Ref = ""
     source: Ref = ""
     into: Ref = ""
     drain: bool = False
+    lost: Gpus = None
 
     def requires(self, module: Module) -> list[ModulePass]:
         return emus_required(module, *plan_pair(module, self.name, self.source, self.to))
@@ -145,4 +146,6 @@ class PlanTransition(ModulePass):
     def apply(self, module: Module) -> None:
         source, target = plan_pair(module, self.name, self.source, self.to)
         name = self.into.lstrip("@") or f"{source}_to_{target}"
-        module.transitions[name] = plan_transition(module, source, target, name, lost=set() if self.drain else None)
+        lost = lost_gpus(module, self.name, target, self.drain, self.lost)
+        bound = module.analyses.find(module, "lower-bound", (source, target), frozenset(lost))
+        module.transitions[name] = plan_transition(module, source, target, name, lost=lost, bound=bound)

@@ -33,9 +33,9 @@ from scipy.sparse import csr_matrix
 
 from ...ir import Diagnostic, DiagnosticError, Module
 from ...ir.plan import RemapRecord
-from ..infra.pass_manager import ModulePass, Ref, register
+from ..infra.pass_manager import Gpus, ModulePass, Ref, register
 from .derive_emus import emus_required
-from .holdings import plan_holdings, plan_pair
+from .holdings import lost_gpus, plan_holdings, plan_pair
 from .grid import Grid
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
@@ -243,17 +243,23 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
 @dataclass(frozen=True)
 class RemapPass(ModulePass):
     """Options: ``to`` (``@plan_b``, whose GPUs are renamed), ``source`` (``@plan_a``; default:
-    the other plan of the job), ``drain`` (as for ``plan-transition``: GPUs plan B cannot use
-    still hold their state)."""
+    the other plan of the job), ``drain`` and ``lost`` (as for ``plan-transition``: which GPUs'
+    state is gone). Plan B's bytes to receive after renaming are the transition's lower bound:
+    kept in the module's analyses, where ``plan-transition`` on the same plans and GPUs finds them."""
 
     name = "remap"
     to: Ref = ""
     source: Ref = ""
     drain: bool = False
+    lost: Gpus = None
 
     def requires(self, module: Module) -> list[ModulePass]:
         return emus_required(module, *plan_pair(module, self.name, self.source, self.to))
 
     def apply(self, module: Module) -> None:
         source, target = plan_pair(module, self.name, self.source, self.to)
-        module.plans[target].remap = remap(module, source, target, lost=set() if self.drain else None)
+        lost = lost_gpus(module, self.name, target, self.drain, self.lost)
+        rec = module.plans[target].remap = remap(module, source, target, lost=lost)
+        # the reuse matrix sums what every GPU already holds of plan B, in float64: exact for
+        # integers below 2**53 bytes (9 PB); the tests hold it equal to ``lower_bound``
+        module.analyses.put(module, "lower-bound", (source, target), frozenset(lost), rec.after)
