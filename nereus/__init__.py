@@ -1,25 +1,51 @@
-"""Nereus: adaptive parallelism for RL post-training, as a compiler toolkit."""
+"""Nereus: adaptive parallelism for RL post-training, as a compiler toolkit.
+
+The public API, one line each (README, "Python API"). ``import nereus`` loads the IR and the
+pass manager only; the names that need torch or the solvers are imported when first used.
+
+- ``parse``, ``parse_file``, ``print_ir``, ``verify``, ``Module``, ``DiagnosticError``: the IR.
+- ``run_pipeline``, ``get_all_passes``: passes, run through the pass manager.
+- ``DecisionCore``: measurements in, decisions (stay, transition) out (``nereus.control``).
+- ``Controller``: the decision core inside a live torch.distributed job (``nereus.integrations``).
+- ``lower``: a transition to its collective program (``nereus.backend``).
+- ``execute``: run a lowered program on this rank's live tensors (``nereus.runtime``).
+- ``export_plan``: a plan as verl, Megatron-LM or vLLM settings (``nereus.export``).
+- ``reshard``, ``reshard_shards``: one model's sharded state between two layouts, on every rank.
+"""
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
 
 from .ir import DiagnosticError, Module, parse, parse_file, print_ir, verify
 from .registry import get_all_passes, run_pipeline
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("nereus")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+_LAZY = {
+    "DecisionCore": "nereus.control.decide",
+    "Controller": "nereus.integrations.controller",
+    "lower": "nereus.backend.lower",
+    "execute": "nereus.runtime.execute",
+    "export_plan": "nereus.export",
+    "reshard": "nereus.integrations.move_state",
+    "reshard_shards": "nereus.integrations.move_state",
+}
 
 
-def reshard(state, model, src, dst, **kwargs):
-    """Move one model's sharded state between two layouts on every rank of the default process
-    group (``nereus.integrations.move_state``): ``reshard(state, {"layers": 32, ...}, {"tp": 4},
-    {"tp": 2, "dp": 2})`` returns this rank's shards under the second layout."""
-    from .integrations.move_state import reshard as _reshard
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'nereus' has no attribute {name!r}")
 
-    return _reshard(state, model, src, dst, **kwargs)
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
-def reshard_shards(model, layout, rank, world=None):
-    """What ``rank`` holds under ``layout``: tensor name -> ``ShardSpec`` (box in the full tensor, dtype)."""
-    from .integrations.move_state import reshard_shards as _shards
-
-    return _shards(model, layout, rank, world)
-
-__all__ = ["DiagnosticError", "Module", "parse", "parse_file", "print_ir", "get_all_passes", "reshard", "reshard_shards",
-           "run_pipeline", "verify", "__version__"]
+__all__ = ["Controller", "DecisionCore", "DiagnosticError", "Module", "execute", "export_plan", "get_all_passes", "lower",
+           "parse", "parse_file", "print_ir", "reshard", "reshard_shards", "run_pipeline", "verify", "__version__"]

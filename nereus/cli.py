@@ -114,13 +114,7 @@ def cmd_diff(args) -> int:
     if len(args.files) > 2:
         print(f"nereus diff: error: give one file with two plans or two files, not {len(args.files)}", file=sys.stderr)
         return 1
-    loaded = []
-    for path in args.files:
-        try:
-            loaded.append((path, _load(path)[0]))
-        except DiagnosticError as e:
-            _report(e)
-            return 1
+    loaded = [(path, _load(path)[0]) for path in args.files]
     (pa, ma), (pb, mb) = loaded[0], loaded[-1]
     if args.plans:
         a, b = (x.lstrip("@") for x in args.plans)
@@ -149,14 +143,9 @@ def cmd_diff(args) -> int:
 
 
 def cmd_opt(args) -> int:
-    from .passes import PipelineError
     from .registry import run_pipeline
 
-    try:
-        m, _ = _load(args.file)
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+    m, _ = _load(args.file)
 
     def dump(p, module):
         print(f"// ----- IR after {p.name}", file=sys.stderr)
@@ -176,20 +165,9 @@ def cmd_opt(args) -> int:
 
         from .registry import parse_pipeline
 
-        try:
-            passes = [replace(p, explain=True) if any(f.name == "explain" for f in fields(p)) else p
-                      for p in parse_pipeline(passes)]
-        except PipelineError as e:
-            print(f"nereus opt: error: {e}", file=sys.stderr)
-            return 1
-    try:
-        run_pipeline(m, passes, after_each=dump if args.print_ir_after_all else None, verify_input=False)  # _load verified it
-    except PipelineError as e:
-        print(f"nereus opt: error: {e}", file=sys.stderr)
-        return 1
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+        passes = [replace(p, explain=True) if any(f.name == "explain" for f in fields(p)) else p
+                  for p in parse_pipeline(passes)]
+    run_pipeline(m, passes, after_each=dump if args.print_ir_after_all else None, verify_input=False)  # _load verified it
     for w in m.warnings:
         if w.loc.file is None:
             w = Diagnostic(Loc(w.loc.line, w.loc.col, args.file), w.message, w.hint, w.severity)
@@ -219,21 +197,13 @@ def cmd_lower(args) -> int:
     from .backend.program import print_program
     from .backend.script import render_script
     from .backend.summary import format_summary, summarize
-    from .passes import PipelineError
     from .registry import run_pipeline
 
-    try:
-        m, _ = _load(args.file)
-        if args.pipeline:
-            run_pipeline(m, args.pipeline)
-        prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast,
-                     direct_bytes=args.direct)
-    except PipelineError as e:
-        print(f"nereus lower: error: {e}", file=sys.stderr)
-        return 1
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+    m, _ = _load(args.file)
+    if args.pipeline:
+        run_pipeline(m, args.pipeline)
+    prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast,
+                 direct_bytes=args.direct)
     if args.script:
         if not _write(args.script, render_script(prog)):
             return 1
@@ -247,12 +217,12 @@ def cmd_lower(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import BENCHMARKS
+    from .bench import BENCHMARKS, run
 
     if args.name not in BENCHMARKS:
         print(f"nereus bench: unknown benchmark '{args.name}'; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 1
-    result = BENCHMARKS[args.name](quick=args.quick, json_output=args.json)
+    result = run(args.name, quick=args.quick, json_output=args.json)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     return 0
@@ -290,16 +260,11 @@ def cmd_simulate(args) -> int:
 
     try:
         trace = read_trace(args.trace)
-        module = _trace_job(trace, args.trace)
-        policies = args.policies.split(",") if args.policies else list(POLICIES)
-        result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json,
-                          jobs=args.jobs)
     except FileNotFoundError:
-        _report(DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]))
-        return 1
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+        raise DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]) from None
+    module = _trace_job(trace, args.trace)
+    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json, jobs=args.jobs)
     if args.json:
         print(json.dumps(to_json(result), indent=1))
     else:
@@ -322,20 +287,16 @@ def cmd_import_hf(args) -> int:
     if (args.config is None) == (args.preset is None):
         print("nereus import-hf: error: give CONFIG.json or --preset NAME (--list-presets lists them)", file=sys.stderr)
         return 2
-    try:
-        if args.preset:
-            if args.preset not in PRESETS:
-                print(f"nereus import-hf: error: unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}", file=sys.stderr)
-                return 1
-            model = preset_model(args.preset, args.name, trained=args.trained, head=args.head)
-            notes = PRESET_NOTES.get(args.preset, [])
-        else:
-            cfg, _ = load_hf_config(args.config)
-            model = model_from_hf_config(args.config, args.name, trained=args.trained, head=args.head)
-            notes = hf_notes(cfg, model)
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+    if args.preset:
+        if args.preset not in PRESETS:
+            print(f"nereus import-hf: error: unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}", file=sys.stderr)
+            return 1
+        model = preset_model(args.preset, args.name, trained=args.trained, head=args.head)
+        notes = PRESET_NOTES.get(args.preset, [])
+    else:
+        cfg, _ = load_hf_config(args.config)
+        model = model_from_hf_config(args.config, args.name, trained=args.trained, head=args.head)
+        notes = hf_notes(cfg, model)
     for n in notes:
         print(f"nereus import-hf: note: {n}", file=sys.stderr)
     sys.stdout.write(model_block(model))
@@ -345,12 +306,8 @@ def cmd_import_hf(args) -> int:
 def cmd_export(args) -> int:
     from .export import export_plan
 
-    try:
-        m, _ = _load(args.file)
-        text = export_plan(m, args.plan, args.to)
-    except DiagnosticError as e:
-        _report(e)
-        return 1
+    m, _ = _load(args.file)
+    text = export_plan(m, args.plan, args.to)
     if args.output:
         return 0 if _write(args.output, text) else 1
     sys.stdout.write(text)
@@ -373,6 +330,8 @@ def cmd_passes(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .backend.lower import DEFAULT_BUCKET, DEFAULT_DIRECT
+    from .bench import BENCHMARKS
+    from .sim import POLICY_NAMES
 
     from . import __version__
 
@@ -423,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(func=cmd_passes)
     sm = sub.add_parser("simulate", help="run the policies side by side on a trace (nereus/sim/traces/*.jsonl)")
     sm.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, nereus/sim/trace.py)")
-    sm.add_argument("--policies", help="comma-separated: fixed, fixed-dp, verl, openrlhf, nereus, oracle (default: all)")
+    sm.add_argument("--policies", help=f"comma-separated: {', '.join(POLICY_NAMES)} (default: all)")
     sm.add_argument("--steps", type=int, help="simulate only the first N steps")
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -432,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the policies in this many processes (default: one per CPU)")
     sm.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("name", metavar="NAME", help="parse, estimate, plan-search, transition, reshard, calibrate, controller or push")
+    b.add_argument("name", metavar="NAME", help=", ".join(BENCHMARKS))
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     b.set_defaults(func=cmd_bench)
@@ -455,11 +414,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .passes import PipelineError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except DiagnosticError as e:  # pragma: no cover - commands report their own
+    except DiagnosticError as e:  # every command's diagnostics, reported here once
         _report(e)
+        return 1
+    except PipelineError as e:
+        print(f"nereus {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # pragma: no cover
         return 130

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .ir import Module
-from .passes.infra.pass_manager import ModulePass, parse_pipeline as _parse, run_pipeline as _run
+from .passes.infra import pass_manager
+from .passes.infra.pass_manager import ModulePass
 
 
 def get_all_passes() -> dict[str, type[ModulePass]]:
@@ -25,7 +26,7 @@ def get_all_passes() -> dict[str, type[ModulePass]]:
 
 def parse_pipeline(spec: str) -> list[ModulePass]:
     """A pipeline string over every layer's passes; raises ``PipelineError``."""
-    return _parse(spec, get_all_passes())
+    return pass_manager.parse_pipeline(spec, get_all_passes())
 
 
 def run_pipeline(module: Module, spec: str | list[ModulePass],
@@ -33,4 +34,4 @@ def run_pipeline(module: Module, spec: str | list[ModulePass],
                  verify: str = "each") -> Module:
     """Run a pipeline of any layer's passes on ``module`` in place (see ``passes.run_pipeline``;
     ``verify``: after each pass, at the end, or off)."""
-    return _run(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input, verify=verify)
+    return pass_manager.run_pipeline(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input, verify=verify)

@@ -1,15 +1,17 @@
-"""Benchmarks behind ``nereus bench NAME``; ``benchmarks/`` runs the same workloads under pytest-benchmark."""
+"""Benchmarks behind ``nereus bench NAME``; ``benchmarks/`` runs the same workloads under pytest-benchmark.
 
-from .calibrate_bench import run as _calibrate
-from .controller_bench import run as _controller
-from .estimate_bench import run as _estimate
-from .parse_bench import run as _parse
-from .plan_search_bench import run as _plan_search
-from .push_bench import run as _push
-from .reshard_bench import run as _reshard
-from .transition_bench import run as _transition
-from .validate_bench import run as _validate
+``BENCHMARKS``: name -> the module of this package whose ``run(quick, json_output)`` it is,
+imported when the benchmark runs (the command line lists the names without importing torch).
+Baselines the benchmarks hold Nereus against are in ``baselines/``.
+"""
 
-BENCHMARKS = {"parse": _parse, "estimate": _estimate, "plan-search": _plan_search, "transition": _transition,
-              "reshard": _reshard, "calibrate": _calibrate,
-              "controller": _controller, "push": _push, "validate": _validate}
+from importlib import import_module
+
+BENCHMARKS = {"parse": "parse_bench", "estimate": "estimate_bench", "plan-search": "plan_search_bench",
+              "transition": "transition_bench", "reshard": "reshard_bench", "calibrate": "calibrate_bench",
+              "controller": "controller_bench", "push": "push_bench", "validate": "validate_bench"}
+
+
+def run(name: str, quick: bool = False, json_output: bool = False):
+    """Run benchmark ``name`` (a key of ``BENCHMARKS``): its table, or with ``json_output`` its figures."""
+    return import_module(f".{BENCHMARKS[name]}", __name__).run(quick=quick, json_output=json_output)

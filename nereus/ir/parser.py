@@ -34,13 +34,10 @@ from .workload import STAGE_ATTRS, WORKLOAD_ATTRS, Stage, Workload
 
 
 def grammar_path() -> Path:
-    """The packaged grammar (inside a wheel) or the repository's ``grammar/nereus.lark``."""
-    packaged = resources.files("nereus") / "grammar" / "nereus.lark"
+    """The grammar, ``nereus/ir/nereus.lark``: package data, beside this module in a source tree and in a wheel."""
+    packaged = resources.files("nereus.ir") / "nereus.lark"
     if packaged.is_file():
         return Path(str(packaged))
-    repo = Path(__file__).resolve().parents[2] / "grammar" / "nereus.lark"
-    if repo.is_file():
-        return repo
     raise FileNotFoundError("nereus.lark not found: the package is installed without its grammar")
 
 

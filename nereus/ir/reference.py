@@ -14,7 +14,7 @@ INTRO = """\
 # The Nereus IR: language reference
 
 Generated from the attribute schemas by `python -m nereus.ir.reference > docs/IR.md`; the
-grammar is `grammar/nereus.lark`. A file is a sequence of declarations:
+grammar is `nereus/ir/nereus.lark`. A file is a sequence of declarations:
 
 ```
 cluster @NAME { ATTRS }

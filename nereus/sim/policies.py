@@ -42,6 +42,7 @@ from ..passes import run_pipeline
 from ..passes.cost.estimate import Estimate
 from ..passes.search.plan_search import PlanSearch
 from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, columns
+from . import POLICY_NAMES
 from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
@@ -420,3 +421,4 @@ def gantt_rows(m: Module, t) -> list[tuple[int, float, float, str]]:
 
 
 POLICIES = {"fixed": Fixed, "fixed-dp": FixedDp, "verl": Verl, "openrlhf": OpenRLHF, "nereus": Nereus, "oracle": Oracle}
+assert tuple(POLICIES) == POLICY_NAMES

@@ -78,12 +78,12 @@ _box = st.tuples(_span, _span)
 @settings(max_examples=300, deadline=None)
 @given(need=st.sets(_box, min_size=1, max_size=3), have=st.sets(_box, max_size=3))
 def test_missing_volume_equals_counting_cells(need, have):
-    """Every path of ``_missing_volume`` (one needed box inside a held one, apart from all, or cut
+    """Every path of ``missing_volume`` (one needed box inside a held one, apart from all, or cut
     on the grid) against marking 2-D cells one by one."""
-    from nereus.passes.transition.lower_bound import _missing_volume
+    from nereus.passes.transition.lower_bound import missing_volume
 
     wanted, there = np.zeros((10, 10), bool), np.zeros((10, 10), bool)
     for grid, boxes in ((wanted, need), (there, have)):
         for (a, b), (c, d) in boxes:
             grid[a:b, c:d] = True
-    assert _missing_volume(frozenset(need), frozenset(have)) == int((wanted & ~there).sum())
+    assert missing_volume(frozenset(need), frozenset(have)) == int((wanted & ~there).sum())

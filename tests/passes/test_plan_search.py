@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 import nereus
 from nereus.ir import Cluster, Link, Model, Module, Stage, Workload
 from nereus.passes.search.plan_search import solve, to_plan
-from nereus.passes.search.space import Option, brute_force, build_problem, prune, set_partitions
+from nereus.passes.search.space import Option, build_problem, prune, set_partitions
+
+from ..support.brute_force import brute_force
 
 from ..support import EXAMPLES
 
@@ -201,9 +203,9 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
 
 @pytest.mark.parametrize("samples", [1, 2, 3, 7.5, 10, 100, 1023, 4096.0, 12345.6])
 def test_wave_sizes_are_every_distinct_ceiling(samples):
-    from nereus.passes.search.space import _wave_sizes
+    from nereus.passes.search.space import wave_sizes
 
-    assert _wave_sizes(samples) == {math.ceil(samples / w) for w in range(1, math.ceil(samples) + 1)}
+    assert wave_sizes(samples) == {math.ceil(samples / w) for w in range(1, math.ceil(samples) + 1)}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -418,15 +420,15 @@ def test_candidates_pruned_by_their_arrays_keep_what_pruning_the_made_options_ke
 
 
 def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
-    """``_wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
+    """``wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
     from nereus.passes.cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION
-    from nereus.passes.search.space import _per_sequence, _wave_sizes
+    from nereus.passes.search.space import per_sequence, wave_sizes
 
-    kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
+    kv_seq, _, samples = per_sequence(workload, model, tp, pp, dp)
     keep, rho = [], []
     for i in range(len(kv_seq)):
         budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(weights[i])
-        need = sorted(_wave_sizes(samples[i]), reverse=True)
+        need = sorted(wave_sizes(samples[i]), reverse=True)
         points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
         if len(points) > most:
             idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})
@@ -440,7 +442,7 @@ def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
                                               ("ppo_8b_16gpu.nir", None), ("grpo_7b_8gpu.nir", 3000)])
 def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, response):
     """The generation candidates (rows and the state others may keep, to the bit) are those of the
-    row-by-row ``_wave_points``, on a small exhaustive space and the 1,024-GPU one, at two lengths."""
+    row-by-row ``wave_points``, on a small exhaustive space and the 1,024-GPU one, at two lengths."""
     from nereus.passes.search import space as search_space
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
@@ -449,7 +451,7 @@ def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, respo
     if response is not None:
         w.response_len_mean, w.response_len_max = response, max(w.response_len_max, 2 * response)
     fast = build_problem(c, w, m.models, prune=False)
-    monkeypatch.setattr(search_space, "_wave_points", _wave_points_row_by_row)
+    monkeypatch.setattr(search_space, "wave_points", _wave_points_row_by_row)
     slow = build_problem(c, w, m.models, prune=False)
     generation = [ms for ms, sp in fast.spaces.items() if w.stage_of(ms).kind == "generate"]
     assert generation and any(len(fast.spaces[ms].options) > 1 for ms in generation)
@@ -460,11 +462,11 @@ def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, respo
 
 
 def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, max_zero=3, offload=True):
-    """``candidates`` as first written up to the costing (``_costed``, which both share): the grid
+    """``candidates`` as first written up to the costing (``costed_rows``, which both share): the grid
     made at every call, each row's offloaded state summed alone, and every row expanded at its
     size's start classes with its links looked up one expansion at a time."""
     from nereus.passes.cost.cost_model import Candidates
-    from nereus.passes.search.space import MAX_WAVE_POINTS, _costed, _wave_points, layout_grid, sequence_parallel
+    from nereus.passes.search.space import MAX_WAVE_POINTS, costed_rows, wave_points, layout_grid, sequence_parallel
 
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     cols = list(zip(*grid))
@@ -476,7 +478,7 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
     rho = np.full(len(tp), np.inf)
     if kind == "generate":
-        keep, rho = _wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
+        keep, rho = wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
         tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
         off = [off[i] for i in keep]
     gpus = tp * pp * dp
@@ -487,7 +489,7 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     lk = np.array([pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)],
                   dtype=np.int64).reshape(-1, 3)
     col = np.array([list(classes).index(k) for k in ex_cls], dtype=np.int64)
-    return _costed(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
+    return costed_rows(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
 
 
 @pytest.mark.parametrize("example,down", [("ppo_8b_16gpu.nir", []), ("ppo_8b_16gpu.nir", [3, 12]),

@@ -100,7 +100,7 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
 
     from nereus.ir.model import state_dtype_bytes
     from nereus.passes.transition.derive_emus import derive_missing_emus
-    from nereus.passes.transition.lower_bound import _missing_volume
+    from nereus.passes.transition.lower_bound import missing_volume
     from nereus.passes.transition.remap import reuse_matrix
 
     if case == "ppo":
@@ -129,9 +129,9 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
                     continue
                 have = frozenset(boxes["a"].get((i, model, state, family), ()))
                 size = state_dtype_bytes(m.models[model], state)
-                want += (_missing_volume(frozenset(regions), frozenset()) - _missing_volume(frozenset(regions), have)) * size
+                want += (missing_volume(frozenset(regions), frozenset()) - missing_volume(frozenset(regions), have)) * size
             assert value[i, j] == want, (i, j)
-        assert need[j] == sum(_missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
+        assert need[j] == sum(missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
                               for k, r in boxes["b"].items() if k[0] == j)
 
 

@@ -317,15 +317,15 @@ def test_bottom_levels_of_a_cycle_is_an_error():
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**20), st.integers(1, 2**20)), min_size=1, max_size=60),
        st.booleans())
 def test_entries_by_port_and_head_are_sorted_as_by_a_lexsort(rows, huge):
-    """``_by_port_and_head``: the entries sorted by port, then head, by packed keys where they fit
+    """``by_port_and_head``: the entries sorted by port, then head, by packed keys where they fit
     in an int64 (these rows: at most 41 x 2**20 x 2**20) and by a lexsort where they do not
     (``huge`` makes them not fit); ties by duration, which ``port_bound`` does not depend on."""
-    from nereus.passes.schedule.schedule_transfers import _by_port_and_head
+    from nereus.passes.schedule.schedule_transfers import by_port_and_head
 
     port, head, duration = (np.array(c, dtype=np.int64) for c in zip(*rows))
     if huge:
         head[0] = 2**61
-    p, h, d = _by_port_and_head(port, head, duration)
+    p, h, d = by_port_and_head(port, head, duration)
     entries = list(zip(port.tolist(), head.tolist(), duration.tolist()))
     assert sorted(zip(p.tolist(), h.tolist(), d.tolist())) == sorted(entries)  # the same entries
     assert list(zip(p.tolist(), h.tolist())) == sorted((a, b) for a, b, _ in entries)  # by port, then head

@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, assume, given, settings
 import nereus
 from nereus.passes.cost.estimate import estimate_plan
 from nereus.passes.search.plan_search import solve, to_plan
-from nereus.passes.search.explain import _without, explain
-from nereus.passes.search.space import brute_force, build_problem
+from nereus.passes.search.explain import without, explain
+from nereus.passes.search.space import build_problem
+
+from ..support.brute_force import brute_force
 
 from ..support import example
 from .test_plan_search import _module, small_instances
@@ -137,7 +139,7 @@ def test_runner_ups_equal_brute_force(inst):
     for ms, c in sol.choice.items():
         o = problem.spaces[ms].options[c]
         sizes = (o.tp, o.pp, o.dp)
-        other = _without(problem, lambda n, x: n != ms or (x.tp, x.pp, x.dp) != sizes)
+        other = without(problem, lambda n, x: n != ms or (x.tp, x.pp, x.dp) != sizes)
         best = brute_force(other, limit=100_000)[0]
         r = why.runner_ups[ms]
         if best is None:

@@ -12,7 +12,7 @@ import nereus
 from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
 from nereus.passes.transition.derive_emus import derive_missing_emus
-from nereus.passes.transition.holdings import state_bytes as _state_bytes
+from nereus.passes.transition import holdings
 from nereus.runtime.simulate import simulate
 
 from ..support.jobs import job, zero3_gather
@@ -23,7 +23,7 @@ GIB = 2**30
 def state_bytes(m, plan: str, offloaded: bool = True) -> dict[int, int]:
     """Bytes of state per GPU under ``plan``, its EMUs derived first (derive-emus)."""
     derive_missing_emus(m, plan)
-    return _state_bytes(m, plan, offloaded)
+    return holdings.state_bytes(m, plan, offloaded)
 
 
 @st.composite
@@ -125,7 +125,7 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
     from nereus.passes.transition.holdings import plan_holdings
     from nereus.passes.transition.plan_transition import group_optimizer_states
     from nereus.passes.transition.grid import Grid
-    from nereus.passes.transition.planner import Planner, _decide, _family
+    from nereus.passes.transition.planner import Planner, decide_structure, family_spec
 
     def volume(region):
         n = 1
@@ -142,9 +142,9 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
         srcs, dsts = src_all.get(key, []), dst_all[key]
         if not srcs:
             continue
-        itemsize = _family(m, *key)[1]
+        itemsize = family_spec(m, *key)[1]
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        st = _decide(grid, srcs, dsts, shared=False)
+        st = decide_structure(grid, srcs, dsts, shared=False)
         got = planner._senders(key, grid, srcs, dsts, st, itemsize)
         missing = st.missing
         want, last = {}, {}
@@ -196,28 +196,28 @@ def test_families_that_lie_alike_decide_once_and_plan_as_if_each_decided_alone(m
                  [str(r) for r in op.dst], op.bytes, op.link, op.deps) for op in t.ops]
 
     alone, calls = copy.deepcopy(m), []
-    decide, expect = tp._decide, tp.Planner.expect
+    decide, expect = tp.decide_structure, tp.Planner.expect
     try:
-        tp._decide = lambda *a, **k: calls.append(1) or decide(*a, **k)
+        tp.decide_structure = lambda *a, **k: calls.append(1) or decide(*a, **k)
         nereus.run_pipeline(m, "plan-transition{to=@b}")
         shared = len(calls)
         tp.Planner.expect = lambda self, families: None  # nothing remembered: each family decides alone
         calls.clear()
         nereus.run_pipeline(alone, "plan-transition{to=@b}")
     finally:
-        tp._decide, tp.Planner.expect = decide, expect
+        tp.decide_structure, tp.Planner.expect = decide, expect
     assert ops(m.transitions["a_to_b"]) == ops(alone.transitions["a_to_b"])
     assert shared < len(calls)
 
 
 def test_a_signature_tells_apart_slices_that_cut_alike_from_slices_that_do_not():
-    """``_signature`` is what the planner remembers decisions by: two families whose slices lie
+    """``structure_signature`` is what the planner remembers decisions by: two families whose slices lie
     on the same shards and cut their grids alike (one the other scaled) have one signature and
     the same decisions in cells; slices with the same number of cuts but other spans (one
     covering the middle cell, one not) have different signatures and different decisions."""
     from nereus.ir import ShardRef
     from nereus.passes.transition.grid import Grid, Holding
-    from nereus.passes.transition.planner import _decide, _signature
+    from nereus.passes.transition.planner import decide_structure, structure_signature
 
     def family(src_regions, dst_region):
         srcs = [Holding(ShardRef("actor.train", i, 0, 0), i, (r,), i) for i, r in enumerate(src_regions)]
@@ -225,16 +225,16 @@ def test_a_signature_tells_apart_slices_that_cut_alike_from_slices_that_do_not()
         return Grid({p.region for p in srcs + dsts}), srcs, dsts
 
     def decided(grid, srcs, dsts):
-        st = _decide(grid, srcs, dsts)
+        st = decide_structure(grid, srcs, dsts)
         return st.keeps, st.copies, st.missing, st.members, st.group_of, dict(st.holders)
 
     overlapping = family([(0, 3), (1, 4)], (0, 4))  # cuts 0 1 3 4: every cell held
     scaled = family([(0, 30), (10, 40)], (0, 40))
     gapped = family([(0, 1), (3, 4)], (0, 4))  # cuts 0 1 3 4 too: the middle cell held by none
     assert overlapping[0].radix == gapped[0].radix
-    assert _signature(*overlapping) == _signature(*scaled)
+    assert structure_signature(*overlapping) == structure_signature(*scaled)
     assert decided(*overlapping) == decided(*scaled)
-    assert _signature(*overlapping) != _signature(*gapped)
+    assert structure_signature(*overlapping) != structure_signature(*gapped)
     assert decided(*overlapping) != decided(*gapped)
 
 
@@ -388,7 +388,7 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
     precedences, gathered once per bucket, equal those derived operation by operation through
     the non-bucket operations (frees, copies); an unstage's bucket is on the GPU of its shards."""
     from nereus.passes.cost.cost_model import CostModel
-    from nereus.passes.schedule.schedule_transfers import _gpu, _precedences, buckets_of
+    from nereus.passes.schedule.schedule_transfers import endpoint_gpu, bucket_precedences, buckets_of
 
     a, b = state_bytes(m, "a"), state_bytes(m, "b")
     m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
@@ -410,17 +410,17 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
         i = index.get(op.id)
         for d in op.deps if i is not None else ():
             want |= {(j, i) for j in ({index[d]} if d in index else before(d)) if j != i}
-    assert set(map(tuple, _precedences(t, buckets, bucket_of).tolist())) == want
+    assert set(map(tuple, bucket_precedences(t, buckets, bucket_of).tolist())) == want
     # operations named otherwise than plan-transition's "%k" (a transition written by hand): the same
     name = {op.id: f"x{len(t.ops) - k}" for k, op in enumerate(t.ops)}
     renamed = copy.deepcopy(t)
     for op in renamed.ops:
         op.id, op.deps = name[op.id], [name[d] for d in op.deps]
-    assert set(map(tuple, _precedences(renamed, buckets, bucket_of).tolist())) == want
+    assert set(map(tuple, bucket_precedences(renamed, buckets, bucket_of).tolist())) == want
     for bucket in buckets:
         for op in bucket.ops:
             if op.kind == "unstage":
-                assert {_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
+                assert {endpoint_gpu(m, "b", r) for r in op.dst} == {bucket.src} == set(bucket.dsts)
     # operations share their endpoint and empty dependency lists: no pass changes one in place
     from nereus.passes.transition.planner import NO_DEPS, NO_ENDPOINTS
 

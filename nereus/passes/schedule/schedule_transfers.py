@@ -38,7 +38,7 @@ from ...ir.gc_pause import gc_paused
 from ..infra.pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
-# (before, after) bucket pairs: ``_precedences``' array of two columns, or a set of pairs (small cases, tests)
+# (before, after) bucket pairs: ``bucket_precedences``' array of two columns, or a set of pairs (small cases, tests)
 Precedences = "np.ndarray | set[tuple[int, int]]"
 
 
@@ -54,14 +54,14 @@ class Bucket:
     index: int = -1  # its place in ``buckets_of``'s list
 
 
-def _gpu(m: Module, plan: str, ref) -> int:
+def endpoint_gpu(m: Module, plan: str, ref) -> int:
     if isinstance(ref, HostRef):
         return ref.gpu
     return m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp).gpu
 
 
 def _gpus(m: Module, plan: str):
-    """``_gpu`` under ``plan``, remembered per endpoint object (a transition names each shard
+    """``endpoint_gpu`` under ``plan``, remembered per endpoint object (a transition names each shard
     many times, and plan-transition gives every operation on a shard the same reference). By
     identity, not by value: a reference's hash is its fields' (6.5 million hashes, 4 of the 15 s
     of bucketing the largest move of the combined trace); each entry keeps its reference, so an
@@ -73,7 +73,7 @@ def _gpus(m: Module, plan: str):
             return ref.gpu
         hit = known.get(id(ref))
         if hit is None or hit[0] is not ref:
-            hit = known[id(ref)] = (ref, _gpu(m, plan, ref))
+            hit = known[id(ref)] = (ref, endpoint_gpu(m, plan, ref))
         return hit[1]
 
     return gpu
@@ -171,7 +171,7 @@ def _all_ports(buckets: list[Bucket]) -> list[list[int]]:
     return out
 
 
-def _precedences(t: Transition, buckets: list[Bucket], bucket_of: np.ndarray) -> np.ndarray:
+def bucket_precedences(t: Transition, buckets: list[Bucket], bucket_of: np.ndarray) -> np.ndarray:
     """Bucket-level precedences from op dependencies, through frees and copies (transitively):
     the distinct (before, after) pairs as an array of two columns, in ascending order (millions
     at 1,024 GPUs, where one GPU's offload waits for every bucket that delivers to it; a set of
@@ -254,7 +254,7 @@ def _join(left: np.ndarray, right: np.ndarray) -> np.ndarray:
 
 
 def _pairs(prec) -> np.ndarray:
-    """Precedences as an array of (before, after) rows: ``_precedences``' own, or a set of pairs."""
+    """Precedences as an array of (before, after) rows: ``bucket_precedences``' own, or a set of pairs."""
     if isinstance(prec, np.ndarray):
         return prec.reshape(-1, 2)
     return np.array(sorted(prec), dtype=np.int64).reshape(-1, 2)
@@ -477,7 +477,7 @@ def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
     head = bottom_levels(duration, pairs[:, 1], pairs[:, 0]) - duration  # chains before, on the reversed graph
     port = np.fromiter(chain.from_iterable(ports), dtype=np.int64)
     bucket = np.repeat(np.arange(len(buckets), dtype=np.int64), [len(ps) for ps in ports])
-    port, h, d = _by_port_and_head(port, head[bucket], duration[bucket])
+    port, h, d = by_port_and_head(port, head[bucket], duration[bucket])
     # the work from each bucket to the end of its port's list: the port's total less what came before
     done_before = np.cumsum(d) - d
     first = np.flatnonzero(np.r_[True, port[1:] != port[:-1]])
@@ -487,7 +487,7 @@ def port_bound(buckets: list[Bucket], prec, graph=None) -> int:
     return int(np.max(h + end - (done_before - start)))
 
 
-def _by_port_and_head(port: np.ndarray, head: np.ndarray, duration: np.ndarray):
+def by_port_and_head(port: np.ndarray, head: np.ndarray, duration: np.ndarray):
     """The (port, head, duration) entries sorted by port, then head. Where the three fit in one
     int64, by one sort of packed keys (a lexsort and three gathers in its order took 1.4 s on the
     7.5 million entries of the step-933 move of combined; entries of one port and head come out
@@ -635,7 +635,7 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int)
     cluster = m.clusters[m.plans[t.target].cluster]
     model = CostModel(cluster)
     buckets, bucket_of = buckets_of(m, t, model)
-    prec = _precedences(t, buckets, bucket_of)
+    prec = bucket_precedences(t, buckets, bucket_of)
     sched = solve_schedule(buckets, prec, time_limit, seed)
     end = _times_in_buckets(buckets, sched.starts)
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm

@@ -79,7 +79,7 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x >= 1 else f"{x * 1e3:.1f} ms"
 
 
-def _without(problem: SearchProblem, keep) -> SearchProblem:
+def without(problem: SearchProblem, keep) -> SearchProblem:
     """``problem`` with only the options ``keep(model_stage, option)`` accepts."""
     spaces = {ms: Space(sp.model_stage, sp.kind, [o for o in sp.options if keep(ms, o)], sp.generated)
               for ms, sp in problem.spaces.items()}
@@ -111,7 +111,7 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
     for ms, c in choice.items():
         o = problem.spaces[ms].options[c]
         sizes = (o.tp, o.pp, o.dp)
-        other = _without(problem, lambda m, x: m != ms or (x.tp, x.pp, x.dp) != sizes)
+        other = without(problem, lambda m, x: m != ms or (x.tp, x.pp, x.dp) != sizes)
         step, sol = best(other, f"{ms}'s runner-up")
         if step is None:
             runner_ups[ms] = None
@@ -136,7 +136,7 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
     c = problem.cluster
     offloaders = [ms for ms, lay in plan.layouts.items() if lay.offload]
     if offloaders:
-        step, _ = best(_without(problem, lambda m, x: not x.offload), "the step without offload")
+        step, _ = best(without(problem, lambda m, x: not x.offload), "the step without offload")
         offload = (f"{', '.join(offloaders)} offload; without offload the best step is "
                    + (f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"))
     elif c.host_link is None or c.host_memory is None:

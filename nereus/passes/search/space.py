@@ -494,7 +494,7 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
             offloaded[mine] = sum(np.asarray(state[k], dtype=float)[mine] for k in o)
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
     if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
-        keep, rho = _wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
+        keep, rho = wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
         tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
         off = [off[i] for i in keep.tolist()]
     gpus = tp * pp * dp
@@ -520,10 +520,10 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         at, cls = row_of_mesh[keys // len(classes)], classes[keys % len(classes)]
         lk = np.array([pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
                       dtype=np.int64).reshape(-1, 3)[key_of.reshape(-1)]
-    return _costed(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
+    return costed_rows(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
 
 
-def _costed(cost: CostModel, workload: Workload, model: Model, kind: str, cols: tuple, off: list, offloaded: np.ndarray,
+def costed_rows(cost: CostModel, workload: Workload, model: Model, kind: str, cols: tuple, off: list, offloaded: np.ndarray,
             rho: np.ndarray, classes: np.ndarray, ex_row: np.ndarray, col: np.ndarray, lk: np.ndarray) -> Rows:
     """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp: one entry per row)
     expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
@@ -566,7 +566,7 @@ def _costed(cost: CostModel, workload: Workload, model: Model, kind: str, cols: 
                     np.ceil(resident / KIB).astype(np.int64), vpp)
 
 
-def _per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(KV bytes, logits bytes, samples) per sequence and replica of generation rows, as the cost model counts them."""
     tp, pp, dp = (np.asarray(v, dtype=float) for v in (tp, pp, dp))
     layers = np.ceil(model.layers / pp)  # the fullest pipeline stage
@@ -574,7 +574,7 @@ def _per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndar
     return seq * CostModel.kv_bytes_per_token(model, tp, layers), model.vocab * 4 / tp, workload.samples / dp
 
 
-def _wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, most: int = MAX_WAVE_POINTS):
+def wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, most: int = MAX_WAVE_POINTS):
     """Generation rows expanded at every resident state of others where the number of waves changes.
 
     The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule); ``w``
@@ -583,7 +583,7 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp,
 
     Rows share their wave sizes (one set per number of samples a replica generates, a few per
     job) and their geometric thinning (one per number of points): both made once per call."""
-    kv_seq, _, samples = _per_sequence(workload, model, tp, pp, dp)
+    kv_seq, _, samples = per_sequence(workload, model, tp, pp, dp)
     budgets = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - np.asarray(weights, dtype=float)
     sizes: dict[float, np.ndarray] = {}  # samples -> wave sizes, descending
     thin: dict[int, np.ndarray] = {}  # number of points -> the indices kept
@@ -591,7 +591,7 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp,
     for i in range(len(kv_seq)):
         need = sizes.get(samples[i])
         if need is None:
-            need = sizes[samples[i]] = np.array(sorted(_wave_sizes(samples[i]), reverse=True), dtype=float)
+            need = sizes[samples[i]] = np.array(sorted(wave_sizes(samples[i]), reverse=True), dtype=float)
         points = budgets[i] - need * kv_seq[i]
         points = points[points >= 0]
         n = len(points)
@@ -607,7 +607,7 @@ def _wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp,
     return np.concatenate(keep), np.concatenate(rho)
 
 
-def _wave_sizes(samples: float) -> set[int]:
+def wave_sizes(samples: float) -> set[int]:
     """Every distinct ``ceil(samples / w)`` for w = 1 .. ceil(samples): those of w up to about
     sqrt(samples), and below them every integer (O(sqrt) instead of O(samples))."""
     k = math.isqrt(math.ceil(samples)) + 1
@@ -619,7 +619,7 @@ def _generation_peak_bound(cost: CostModel, workload: Workload, model: Model, we
     others may keep. Own peak(x) = weights + n(x) x (KV + logits per sequence), n(x) = min(S,
     floor((0.9 M - weights - x) / KV per sequence)); n(x) + x is piecewise linear in x without the
     floor, so its largest value is at 0, at rho or at the kink where n reaches S."""
-    kv_seq, act_seq, samples = _per_sequence(workload, model, tp, pp, dp)
+    kv_seq, act_seq, samples = per_sequence(workload, model, tp, pp, dp)
     budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - weights
 
     def f(x, floor=True):
@@ -679,26 +679,3 @@ def prune_options(options: list[Option], among: np.ndarray | None = None) -> np.
     times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(len(options), -1)
     col = columns(options)
     return prune_rows(col["gpus"], times, col["peak"] - col["resident"], col["resident"], col["rho"])
-
-
-def brute_force(problem: SearchProblem, limit: int = 2_000_000) -> tuple[int | None, dict | None, dict | None, dict | None]:
-    """The optimum by trying every option, start and grouping (small instances), through
-    ``evaluate``. Independent of the CP-SAT model. Returns (objective, choice, start, partition)."""
-    names = list(problem.spaces)
-    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
-               for s in problem.positions.starts(k, o.gpus)] for ms in names]
-    if not all(per_ms):
-        return None, None, None, None
-    parts = list(itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)))
-    if math.prod(len(p) for p in per_ms) * len(parts) > limit:
-        raise ValueError("too many combinations for brute force")
-    best = (None, None, None, None)
-    for k in parts:
-        partition = {s: ki for (s, _), ki in zip(problem.stages, k)}
-        for combo in itertools.product(*per_ms):
-            choice = {ms: c for ms, (c, _) in zip(names, combo)}
-            start = {ms: s for ms, (_, s) in zip(names, combo)}
-            v = problem.evaluate(choice, start, partition)
-            if v is not None and (best[0] is None or v < best[0]):
-                best = (v, choice, start, partition)
-    return best

@@ -111,7 +111,7 @@ class Planner:
     def family(self, key: tuple[str, str, str], srcs: list[Holding], dsts: list[Holding]) -> None:
         """Keep, copy, send and broadcast the cells of one (model, state, family)."""
         model_name, state, family = key
-        _, itemsize, per_layer = _family(self.m, model_name, state, family)
+        _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
         if not srcs:
             raise DiagnosticError([Diagnostic(self.plan_a.loc, f"plan @{self.source} holds no {state} of {family} of "
                                                                f"@{model_name}, which plan @{self.target} needs",
@@ -204,7 +204,7 @@ class Planner:
 
     def _prepare(self, srcs: list[Holding], dsts: list[Holding]) -> tuple[Grid, tuple]:
         grid = Grid({p.region for p in srcs} | {p.region for p in dsts})
-        return grid, _signature(grid, srcs, dsts)
+        return grid, structure_signature(grid, srcs, dsts)
 
     def expect(self, families: dict[tuple, tuple[list[Holding], list[Holding]]]) -> None:
         """The families to come (key -> (sources, destinations)): their grids, and how many
@@ -217,14 +217,14 @@ class Planner:
 
     def _structure(self, grid: Grid, srcs: list[Holding], dsts: list[Holding], sig: tuple) -> Structure:
         """What a family's pieces decide by where they lie alone (``Structure``), remembered for
-        the families after it that lie alike (``_signature``: the same pieces, so shards, GPUs
+        the families after it that lie alike (``structure_signature``: the same pieces, so shards, GPUs
         and model-stages, cut into the same cells of their grids). The projections a tensor-parallel
         layout splits alike (q, k, v, gate and up; o and down) are such families, and their
         optimizer states: 72 families, 36 structures, on the largest move of the combined trace.
         Remembered until the last family expected to share it (``expect``)."""
         st = self.structures.get(sig)
         if st is None:
-            st = _decide(grid, srcs, dsts)
+            st = decide_structure(grid, srcs, dsts)
         left = self.expected.get(sig, 0) - 1
         if left > 0:
             self.expected[sig] = left
@@ -237,7 +237,7 @@ class Planner:
     def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], st: Structure,
                  itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
         """Senders for the missing cells (``st.missing``: the cells ascending, each cell's parts of
-        its receivers, and the parts, as ``_decide`` finds them): (sender, receivers) -> cells.
+        its receivers, and the parts, as ``decide_structure`` finds them): (sender, receivers) -> cells.
 
         A cell's receivers are split into parts that hold the same slice (``_by_cell``): the
         replicas of an inference layout need the same long run of cells, a ZeRO-3 slice of a
@@ -338,7 +338,7 @@ class Planner:
             model_name, state, family = key
             if not _any_offloaded(plan_a, model_name, state):
                 continue
-            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
             base = self.sbase[key]
             for i, p in enumerate(pieces):
                 ms = p.ref.model_stage
@@ -361,7 +361,7 @@ class Planner:
             model_name, state, family = key
             if not _any_offloaded(plan_b, model_name, state):
                 continue
-            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
             base = self.dbase[key]
             for j, p in enumerate(pieces):
                 ms = p.ref.model_stage
@@ -382,7 +382,7 @@ class Planner:
         frees: dict[int, list[Op]] = defaultdict(list)
         for key, pieces in sorted(self.src_all.items()):
             model_name, state, family = key
-            _, itemsize, per_layer = _family(self.m, model_name, state, family)
+            _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
             base = self.sbase[key]
             volume: dict[Box, int] = {}
             offloaded = {ms: _offloaded(self.plan_a, ms, state) for ms in {p.ref.model_stage for p in pieces}}
@@ -407,14 +407,14 @@ class Planner:
 
 
 
-def _signature(grid: Grid, srcs: list[Holding], dsts: list[Holding]) -> tuple:
-    """A family's pieces as ``_decide`` reads them: the grid's radix and how the pieces lie on it
+def structure_signature(grid: Grid, srcs: list[Holding], dsts: list[Holding]) -> tuple:
+    """A family's pieces as ``decide_structure`` reads them: the grid's radix and how the pieces lie on it
     (``Grid.pattern``), each by its shard (``rid``: a shard fixes its GPU and model-stage)."""
     return tuple(grid.radix), grid.pattern(srcs, "rid"), grid.pattern(dsts, "rid")
 
 
 class Structure:
-    """What a family's pieces decide by where they lie, whatever their bytes (``_decide``): by
+    """What a family's pieces decide by where they lie, whatever their bytes (``decide_structure``): by
     position in its source and destination lists, the slices kept in place, the copies on a GPU
     (source, destination, cells) and the missing cells (``_by_cell``'s: the cells ascending,
     each one's parts, the parts' pieces); and for choosing senders, the source pieces grouped by
@@ -431,7 +431,7 @@ class Structure:
         self.first_on: list[dict[int, int]] = []
 
 
-def _decide(grid: Grid, srcs: list[Holding], dsts: list[Holding], shared: bool | None = None) -> Structure:
+def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], shared: bool | None = None) -> Structure:
     """Keep in place, or copy from a source piece on the same GPU; collect the rest (the
     missing cells ascending and, for each, the destination pieces needing it, by GPU ascending,
     split into parts: ``_by_cell``). Where there are at least twice as many destination pieces
@@ -594,7 +594,7 @@ def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_
     return tuple(sorted(tuple(js) if len(js) == 1 else tuple(sorted(js, key=lambda j: (dsts[j].gpu, j))) for js, _ in merged))
 
 
-def _family(m: Module, model_name: str, state: str, family: str):
+def family_spec(m: Module, model_name: str, state: str, family: str):
     """(model, bytes per element of the state, whether the family is per layer)."""
     model = m.models[model_name]
     return model, state_dtype_bytes(model, state), model.tensors[family].per_layer
