@@ -9,6 +9,9 @@ Two kinds (see ``tests/support/runlines.py``):
   One case keeps such a whole-file golden, estimate/grpo_7b_8gpu.nir: the example the
   ``nir_golden`` fixture and ``nereus opt --golden`` are tested on (here and in test_user_path).
 
+The folder names the pass a case is about: the first of its pipeline, or the last where the
+pass needs others before it (``plan-transition{to=@b},schedule-transfers`` in schedule-transfers/).
+
 Run ``pytest tests/cli/test_goldens.py --update-goldens`` to rewrite the whole-file golden (the
 run fails so that the diff is read before it is committed); CHECK lines are edited by hand.
 """
@@ -134,10 +137,25 @@ def test_filecheck_is_the_package_and_fails_loudly(tmp_path):
     assert subprocess.run([sys.executable, "-m", "filecheck", "--version"], capture_output=True, text=True).stdout.startswith("filecheck")
 
 
+def pipeline_passes(spec: str) -> list[str]:
+    """The pass names of ``spec``, in order (commas inside a pass's ``{...}`` options do not split)."""
+    return [p.split("{")[0] for p in re.split(r",(?![^{]*\})", spec)]
+
+
+def test_pipeline_passes():
+    assert pipeline_passes("estimate") == ["estimate"]
+    assert pipeline_passes("plan-transition{to=@b,into=@t},schedule-transfers,admit{horizon=240,margin=0}") == \
+        ["plan-transition", "schedule-transfers", "admit"]
+
+
 def test_every_pass_with_goldens_names_its_folder():
     for path in CASES:
         for run in run_lines(path):
-            named = run.argv[run.argv.index("-p") + 1].split("{")[0] if run.command == "opt" else run.command
+            if run.command == "opt":
+                passes = pipeline_passes(run.argv[run.argv.index("-p") + 1])
+                named = passes[0] if passes[0] == path.parent.name else passes[-1]
+            else:
+                named = run.command
             assert named == path.parent.name, f"{path}: RUN line runs {named}"
 
 
