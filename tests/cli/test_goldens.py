@@ -1,15 +1,18 @@
 """Golden cases: tests/golden/<pass>/NAME.nir, each starting with the RUN lines that check it.
 
-Three kinds (see ``tests/support/runlines.py``):
+Two kinds (see ``tests/support/runlines.py``):
 
-- ``// RUN: nereus opt %s -p PIPELINE``: the printed module must equal ``NAME.nir.expected``
-  (the ``nir_golden`` fixture: estimate and plan-search, whose plans are the golden);
-- ``// RUN: nereus lower %s ...``: the printed collective program must equal ``NAME.program``;
-- ``// RUN: nereus opt %s -p PIPELINE | filecheck %s``: the output must satisfy the case's
-  ``// CHECK:`` lines (FileCheck, as in LLVM and xDSL): the facts that matter, written in the
-  input where they can be read.
+- ``// RUN: nereus opt %s -p PIPELINE | filecheck %s`` (or ``nereus lower %s ... | filecheck %s``):
+  the output must satisfy the case's ``// CHECK:`` lines (FileCheck, as in LLVM and xDSL): the
+  facts that matter, written in the input where they can be read. Every case has them;
+- ``// RUN: nereus opt %s -p PIPELINE``: the printed module must equal ``NAME.nir.expected``.
+  One case keeps such a whole-file golden, estimate/grpo_7b_8gpu.nir: the example the
+  ``nir_golden`` fixture and ``nereus opt --golden`` are tested on (here and in test_user_path).
 
-Run ``pytest tests/cli/test_goldens.py --update-goldens`` to rewrite the whole-file goldens (the
+The folder names the pass a case is about: the first of its pipeline, or the last where the
+pass needs others before it (``plan-transition{to=@b},schedule-transfers`` in schedule-transfers/).
+
+Run ``pytest tests/cli/test_goldens.py --update-goldens`` to rewrite the whole-file golden (the
 run fails so that the diff is read before it is committed); CHECK lines are edited by hand.
 """
 
@@ -46,15 +49,6 @@ def test_golden(path, nir_golden):
     m = nereus.verify(nereus.parse(out))
     assert nereus.print_ir(m) == out
     assert run_nereus(next(r for r in run_lines(path) if r.filecheck is None).argv) == out  # the RUN line says the same
-
-
-@pytest.mark.parametrize("path", [p for p, run in WHOLE if run.command == "lower"], ids=IDS.get)
-def test_lower_golden(path, request):
-    [run] = [r for r in run_lines(path) if r.filecheck is None]
-    try:
-        compare(run_nereus(run.argv), expected_file(path, "lower"), request.config.getoption("--update-goldens"))
-    except GoldenMismatch as e:
-        pytest.fail(str(e), pytrace=False)
 
 
 @pytest.mark.parametrize("path", CHECKED, ids=IDS.get)
@@ -97,18 +91,19 @@ def test_every_positive_check_line_is_needed(path, tmp_path):
     runs = {}
     for run in run_lines(path):
         for prefix in check_prefixes(run):
-            runs[prefix] = (run.filecheck, run_nereus(run.argv))
+            runs[prefix] = (run.filecheck, run_nereus(run.argv), run.command)
     text = path.read_text()
     check = tmp_path / path.name
     check.write_text(text)
-    for options, out in runs.values():
+    for options, out, _ in runs.values():
         assert filecheck_quietly(check, out, options) == 0  # in this process, as in the subprocess
     tried = 0
     for prefix, line in check_lines(path):
         if re.match(rf"^//\s*{prefix}-NOT:", line.strip()):
             continue  # a negative check only gets weaker
-        options, out = runs[prefix]
-        assert line in out  # the echo of the comment, which the mutant replaces too
+        options, out, command = runs[prefix]
+        if command == "opt":  # the printed module echoes the comment, which the mutant replaces too
+            assert line in out  # (a collective program, nereus lower's output, does not)
         for mutant in _mutants(line):
             check.write_text(text.replace(line, mutant, 1))
             assert filecheck_quietly(check, out.replace(line, mutant, 1), options) != 0, \
@@ -142,18 +137,35 @@ def test_filecheck_is_the_package_and_fails_loudly(tmp_path):
     assert subprocess.run([sys.executable, "-m", "filecheck", "--version"], capture_output=True, text=True).stdout.startswith("filecheck")
 
 
+def pipeline_passes(spec: str) -> list[str]:
+    """The pass names of ``spec``, in order (commas inside a pass's ``{...}`` options do not split)."""
+    return [p.split("{")[0] for p in re.split(r",(?![^{]*\})", spec)]
+
+
+def test_pipeline_passes():
+    assert pipeline_passes("estimate") == ["estimate"]
+    assert pipeline_passes("plan-transition{to=@b,into=@t},schedule-transfers,admit{horizon=240,margin=0}") == \
+        ["plan-transition", "schedule-transfers", "admit"]
+
+
 def test_every_pass_with_goldens_names_its_folder():
     for path in CASES:
         for run in run_lines(path):
-            named = run.argv[run.argv.index("-p") + 1].split("{")[0] if run.command == "opt" else run.command
+            if run.command == "opt":
+                passes = pipeline_passes(run.argv[run.argv.index("-p") + 1])
+                named = passes[0] if passes[0] == path.parent.name else passes[-1]
+            else:
+                named = run.command
             assert named == path.parent.name, f"{path}: RUN line runs {named}"
 
 
 def test_every_golden_file_has_its_case_and_every_case_is_checked():
     for path in sorted(GOLDEN.glob("*/*")):
         if path.suffix == ".nir":
+            assert has_checks(path), f"{path}: no RUN line pipes to filecheck"
             for run in run_lines(path):
                 if run.filecheck is None:
+                    assert run.command == "opt", f"{path}: a whole-file golden of {run.command}: pipe it to filecheck"
                     assert expected_file(path, run.command).exists(), f"{path}: no {expected_file(path, run.command).name}"
             continue
         if path.name.endswith(".nir.expected"):
