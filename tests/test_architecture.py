@@ -35,7 +35,7 @@ def test_the_contracts_hold():
 @pytest.mark.slow
 @pytest.mark.parametrize("module, line, contract", [
     ("nereus/backend/lower.py", "from ..runtime.state import torch_dtype", "layers"),
-    ("nereus/passes/transition/admit.py", "from ..backend.lower import lower", "layers"),
+    ("nereus/passes/transition/admit.py", "from ...backend.lower import lower", "layers"),
     ("nereus/ir/units.py", "import torch", "no-torch-below-runtime"),
     ("nereus/cli.py", "import pytest", "no-pytest-at-runtime"),
     ("nereus/control/decide.py", "import torch.distributed", "control"),

@@ -1,7 +1,7 @@
 """lower-collectives and the rendered script: byte accounting, slices checked at lowering, a
 script that cannot be injected through a name, and that runs under torchrun. The printed programs
-are goldens: tests/golden/lower/NAME.nir runs ``nereus lower`` (its RUN line), NAME.program is
-the output (tests/cli/test_goldens.py)."""
+have goldens: tests/golden/lower/NAME.nir runs ``nereus lower`` (its RUN lines) and checks the
+per-round and per-rank totals with CHECK lines (tests/cli/test_goldens.py)."""
 
 from __future__ import annotations
 

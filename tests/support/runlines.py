@@ -12,8 +12,7 @@ runs in this process (``nereus.cli.main``), its standard output captured; a comm
 with a status other than 0 fails the case. After ``| filecheck %s`` the output is piped to the
 ``filecheck`` package (a Python clone of LLVM's FileCheck), which checks it against the case's
 ``// CHECK:`` lines (or those of ``--check-prefix``). A RUN line without a pipe is compared with
-a whole expected file beside the case (``NAME.nir.expected`` for ``opt``, ``NAME.program`` for
-``lower``).
+a whole expected file beside the case (``NAME.nir.expected``; ``opt`` only).
 
 The printer keeps ``//`` comments, so the CHECK lines come back in the output, at the top of the
 module (they lead its first declaration). A case must therefore begin its checks with a
