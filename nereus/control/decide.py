@@ -307,7 +307,7 @@ class DecisionCore:
         if a.step_time is not None:
             moves.append(Admit(horizon=horizon, margin=opts.margin, pg_init=opts.pg_init,
                                engine_restart=opts.engine_restart, transition=f"@{name}"))
-        self._run(m, moves)
+        self._run(m, moves, last=True)
         if a.step_time is not None:
             numbers.update(cost=t.admit.cost, benefit=t.admit.benefit, saving=t.admit.saving,
                            break_even=t.admit.break_even, admitted=t.admit.decision == "accept")
@@ -329,10 +329,14 @@ class DecisionCore:
         the module's analyses read from them: at 1,024 GPUs, every slice of plan A."""
         return copy.deepcopy(self.m)
 
-    def _run(self, m: Module, passes: list[ModulePass], verify_input: bool = False) -> None:
-        """Passes through the pass manager, verified as ``options.verify`` says (the core's own
-        modules are the output of verified pipelines: their input is not verified again)."""
-        run_pipeline(m, passes, verify_input=verify_input, verify=self.options.verify)
+    def _run(self, m: Module, passes: list[ModulePass], verify_input: bool = False, last: bool = False) -> None:
+        """Passes through the pass manager, verified as ``options.verify`` says: after each pass
+        (``each``), or once, after the last pipeline of a re-plan (``last``: the job with plans
+        A and B and the transition the runtime would run) for ``end``. The core's own modules
+        are the output of its pipelines: their input is not verified again."""
+        policy = self.options.verify
+        verify = "end" if policy == "end" and last else "each" if policy == "each" else "off"
+        run_pipeline(m, passes, verify_input=verify_input, verify=verify)
 
     def _weighed(self, w, window: list[StepRecord], numbers: dict) -> None:
         """A re-plan at the measured lengths of workload ``w`` and the memory peaks of ``window``

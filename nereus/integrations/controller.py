@@ -54,11 +54,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ..backend.lower import lower
 from ..control import ControlOptions, Decision, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module
 from ..runtime.execute import TransitionError, execute
 from ..runtime.state import LocalState
+from .move import plan_move
 
 
 class StateAdapter(Protocol):
@@ -201,7 +201,7 @@ class Controller:
         m = decision.module
         move = getattr(self.adapter, "move", None)
         t0 = time.perf_counter()
-        prog = None if move is not None else lower(m, decision.transition, gpus=list(range(self.world)))
+        prog = None if move is not None else plan_move(m, decision.source, decision.target, decision.transition, self.world)
         t1 = time.perf_counter()
         try:
             if move is not None:  # the adapter moves its live model itself (every rank calls it)

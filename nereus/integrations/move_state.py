@@ -26,14 +26,13 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ..backend.lower import lower
 from ..backend.program import Program
 from ..backend.shards import ShardSpec, StateKey
 from ..ir import Layout, Model
 from ..ir.model import even_split
-from ..registry import run_pipeline
 from ..runtime.execute import execute
 from .job import training_job
+from .move import plan_move
 
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "zero", "mesh")
 
@@ -79,8 +78,7 @@ def _program(model_key: tuple, src: tuple, dst: tuple, world: int) -> Program:
     layouts = {name: _layout(model, dict((k, list(v) if isinstance(v, tuple) else v) for k, v in spec), kind)
                for name, spec in (("a", src), ("b", dst))}
     m = training_job(model, layouts, world, stage=kind)
-    run_pipeline(m, "plan-transition{source=@a,to=@b,into=@t,drain=true}")
-    return lower(m, "t", gpus=list(range(world)))
+    return plan_move(m, "a", "b", "t", world)
 
 
 def program(model: Model | dict, src: dict, dst: dict, world: int) -> Program:

@@ -5,7 +5,7 @@
 1. ``check_layout`` on plan B: where the live model cannot take it, a ``DiagnosticError``
    before any state moves (and before any collective: every rank raises the same);
 2. plan (``plan-transition`` with ``drain=true``: a rank plan B does not use is alive and sends
-   what it holds; unless the module holds the transition) and lower it (rank r = GPU r);
+   what it holds; unless the module holds the transition) and lower it (``move.plan_move``);
 3. build plan B's model and optimizer (``hf_llama.build``: groups of its own, created through
    the store) and agree on AdamW's step (an all-reduce; ranks off plan A hold none);
 4. ``execute`` the program with plan A's exported shards (views of the live tensors) as input
@@ -27,11 +27,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..backend.lower import lower
 from ..ir import Module
-from ..registry import run_pipeline
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
+from .move import plan_move
 from .state import buffers, check_layout, export_state, load_state
 
 
@@ -51,10 +50,7 @@ def reshard(live: LiveLlama, module: Module, plan_a: str, plan_b: str, *, transi
     ms = live.layout.model_stage
     same_model(live, module)
     check_layout(module, plan_b, ms)
-    name = transition or f"{plan_a}_to_{plan_b}"
-    if name not in module.transitions:
-        run_pipeline(module, f"plan-transition{{source=@{plan_a},to=@{plan_b},into=@{name},drain=true}}")
-    program = lower(module, name, gpus=list(range(dist.get_world_size())))
+    program = plan_move(module, plan_a, plan_b, transition)  # before building plan B: a bad plan raises first
     target = build(live.config, module.plans[plan_b].layouts[ms], seed=seed, adamw=live.adamw, timeout=timeout)
     state, step = export_state(live, module, plan_a)
     steps = torch.tensor([step], dtype=torch.int64)

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..backend.lower import lower
 from ..backend.shards import StateKey, plan_layout
 from ..ir import Layout, Model, Module
-from ..registry import run_pipeline
 from ..runtime.execute import Stats, execute
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
+from .move import plan_move
 from .state import live_tensor
 
 
@@ -70,8 +69,8 @@ class WeightPush:
         engine = Layout(model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)],
                         mesh=list(self.engines))
         m = training_job(model, {"held": held, "engine": engine}, world, stage="generate")
-        self.module: Module = run_pipeline(m, "plan-transition{source=@held,to=@engine,into=@push,drain=true}")
-        self.program = lower(self.module, "push", gpus=list(range(world)))
+        self.module: Module = m
+        self.program = plan_move(m, "held", "engine", "push", world)
         self.held_specs = plan_layout(self.module, "held")
         self.stats = PushStats()
 

@@ -243,6 +243,7 @@ def test_decisions_are_logged_as_json_lines(tmp_path):
 @pytest.mark.parametrize("options, error", [
     (dict(window="5"), TypeError), (dict(cooldown=1.5), TypeError), (dict(margin=True), TypeError),
     (dict(slowdown=-1.0), ValueError), (dict(memory_headroom=1.0), ValueError), (dict(window=0), ValueError),
+    (dict(verify="always"), ValueError), (dict(verify=1), ValueError),
 ])
 def test_options_of_the_wrong_type_or_range_fail_at_construction(options, error):
     with pytest.raises(error, match="ControlOptions"):
@@ -324,3 +325,59 @@ def test_the_search_after_a_move_starts_from_the_running_plan_as_searched(monkey
     assert name != c.plan and (d.module is None or name not in d.module.plans)  # searched from, not kept
     assert from_searched is not None  # the search started from the running plan...
     assert from_running is None  # ...which, as remap left it, no search could start from
+
+
+def _longer_responses(verify: str):
+    c = core(verify=verify)
+    for step in range(3):
+        c.observe(as_planned(c, step, length=3.0))
+    return c.decide()
+
+
+def test_the_core_runs_its_passes_through_the_pass_manager_verified_as_its_policy_says(monkeypatch):
+    """The re-plan's passes run through ``run_pipeline``: with ``verify="each"`` after every pass,
+    with ``end`` once after the move's last pipeline, with ``off`` never (the job the core is
+    given is verified once, under every policy); the decision is the same under all three."""
+    from nereus.ir import verifier
+    from nereus.passes.infra import pass_manager
+
+    ran, verified = [], []
+    real_run, real_verify = pass_manager.run_pipeline, verifier.verify
+    monkeypatch.setattr(pass_manager, "run_pipeline",
+                        lambda m, spec, *a, **kw: (ran.append([p.name for p in spec]), real_run(m, spec, *a, **kw))[1])
+    import nereus.control.decide as decide
+    monkeypatch.setattr(decide, "run_pipeline", pass_manager.run_pipeline)
+    monkeypatch.setattr(pass_manager, "verify_module", lambda m: (verified.append(len(m.transitions)), real_verify(m))[1])
+    decisions = {}
+    for policy in ("each", "end", "off"):
+        ran.clear(), verified.clear()
+        d = decisions[policy] = _longer_responses(policy)
+        names = [n for spec in ran for n in spec]
+        assert {"plan-search", "remap", "plan-transition", "schedule-transfers", "admit"} <= set(names)
+        assert verified[0] == 0  # the input, before any pass
+        if policy == "each":
+            assert len(verified) >= len(names) and verified[-1] == 1  # the last: the job with the transition
+        elif policy == "end":
+            assert verified == [0, 1]
+        else:
+            assert verified == [0]
+    assert len({(d.action, d.target, d.numbers["bytes_moved"], d.numbers["step_time_new"]) for d in decisions.values()}) == 1
+
+
+def test_a_pass_that_leaves_invalid_ir_in_the_core_is_reported_by_the_verifier(monkeypatch):
+    """With verification on, a broken pass is caught before the runtime could run its output."""
+    from nereus.passes.transition.admit import Admit
+
+    real = Admit.apply
+
+    def breaks(self, m):
+        real(self, m)
+        import dataclasses
+
+        t = m.transitions[self.transition.lstrip("@")]
+        t.ops[-1] = dataclasses.replace(t.ops[-1], deps=[*t.ops[-1].deps, "%no_such_op"])  # after an operation that does not exist
+
+    monkeypatch.setattr(Admit, "apply", breaks)
+    with pytest.raises(nereus.DiagnosticError, match="IR is invalid after pass admit"):
+        _longer_responses("end")
+    assert _longer_responses("off").action == "transition"  # unverified, the broken IR goes through
