@@ -1,5 +1,6 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
-# make test: same set-up plus the vLLM extra, then the layer contracts (lint-imports) and the whole test suite.
+# make test: same set-up plus the vLLM extra, then the layer contracts (lint-imports), ruff (lint, import
+# order, format), mypy (nereus/ir and nereus/passes) and the whole test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -54,6 +55,9 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -62,12 +62,12 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
             if at["step"] in steps:
                 bound = None
                 if kind == "plan":  # remap's bytes after, which the pass finds in the module's analyses
-                    source, target = self.source.lstrip("@"), self.to.lstrip("@")
+                    source, target = self.source, self.to
                     bound = m.analyses.find(m, "lower-bound", (source, target), frozenset(self.lost or ()))
                 with open(out / f"{kind}{at['step']}.pkl", "wb") as f:
                     pickle.dump((m, self, bound), f, protocol=5)
                 if kind == "schedule":
-                    t = m.transitions[self.transition.lstrip("@")]
+                    t = m.transitions[self.transition]
                     print(f"dumped step {at['step']}: {len(t.ops):,} operations", flush=True)
                     if at["step"] == max(steps):
                         raise SystemExit(0)
@@ -99,7 +99,7 @@ def time_passes(where: Path, steps: list[int]) -> None:
     for step in steps:
         with open(where / f"remap{step}.pkl", "rb") as f:
             m, p, _ = pickle.load(f)
-        target = p.to.lstrip("@")
+        target = p.to
         t0 = time.perf_counter()
         p.apply(m)
         rec = m.plans[target].remap
@@ -110,17 +110,17 @@ def time_passes(where: Path, steps: list[int]) -> None:
         with open(where / f"plan{step}.pkl", "rb") as f:
             m, p, bound = pickle.load(f)
         if bound is not None:
-            m.analyses.put(m, "lower-bound", (p.source.lstrip("@"), p.to.lstrip("@")), frozenset(p.lost or ()), bound)
+            m.analyses.put(m, "lower-bound", (p.source, p.to), frozenset(p.lost or ()), bound)
         t0 = time.perf_counter()
         p.apply(m)
-        t = m.transitions[p.into.lstrip("@")]
+        t = m.transitions[p.into]
         print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
                           "ops": len(t.ops), "deps": sum(len(op.deps) for op in t.ops), "bytes_moved": t.bytes_moved,
                           "hash": _hash(t, False)}), flush=True)
         del m, t
         with open(where / f"schedule{step}.pkl", "rb") as f:
             m, p, _ = pickle.load(f)
-        t = m.transitions[p.transition.lstrip("@")]
+        t = m.transitions[p.transition]
         t0 = time.perf_counter()
         p.apply(m)
         print(json.dumps({"step": step, "pass": "schedule-transfers", "s": round(time.perf_counter() - t0, 2),

@@ -72,6 +72,14 @@ class SliceEntry(_Immutable):
         return n
 
 
+def volume(box: Box) -> int:
+    """Elements in a box of half-open spans (a slice, a region, a cell): the product of its extents."""
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
 def region_of(layers: tuple[int, int] | None, box: Box) -> Box:
     """A slice as one box of half-open spans, the layer axis first for per-layer families:
     ``layers.0..15`` + ``[0:1024, 0:4096]`` -> ``((0, 16), (0, 1024), (0, 4096))``."""

@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
-from .emu import region_of, tensor_name
+from .emu import volume, region_of, tensor_name
 from .model import state_dtype_bytes
 from .module import Module
 from .transition import HOST_READING_KINDS, HOST_WRITING_KINDS, HostRef, Op, ShardRef, Transition, unstage_feeders
@@ -112,16 +112,10 @@ def _staging(t: Transition, sink: DiagnosticSink) -> None:
                                        f"moves it onto GPU {ref.gpu}", f"add: unstage ... from [{ref}] to [SHARD] {{deps = [{op.id}]}}")
 
 
-def _volume(box) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
 
 def _tiles(boxes: list, outer) -> bool:
     """Whether ``boxes``, each inside ``outer``, fill it exactly: no two overlap and their volumes add up to it."""
-    if sum(_volume(b) for b in boxes) != _volume(outer):
+    if sum(volume(b) for b in boxes) != volume(outer):
         return False
     active: list = []  # a sweep along the first axis: boxes still open at the current start
     for b in sorted(boxes):

@@ -211,7 +211,7 @@ def test_wave_sizes_are_every_distinct_ceiling(samples):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(small_instances())
 def test_step_time_bounds_hold_for_every_plan(inst):
-    """``search_bounds``: for every plan that fits, each option's bound plus the other stages'
+    """``search.bounds``: for every plan that fits, each option's bound plus the other stages'
     bounds is at most the plan's step time, so ``restrict`` to a cap keeps every plan under it."""
     import itertools
 
@@ -289,7 +289,7 @@ def _every_plan(problem):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(synthetic_problems(), st.randoms(use_true_random=False))
 def test_gpu_time_bound_holds_and_a_known_plan_gives_the_same_optimum(problem, rnd):
-    """``search_bounds`` on stages of three or four members: every option's bound plus the other
+    """``search.bounds`` on stages of three or four members: every option's bound plus the other
     stages' bounds is at most the step time of every plan that uses it. ``solve`` finds brute
     force's optimum both from scratch and started from any plan of the problem (``known``)."""
     from nereus.passes.search.plan_search import Solution

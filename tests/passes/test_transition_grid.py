@@ -1,4 +1,4 @@
-"""``transition_grid.local`` (what one GPU keeps, copies and misses) against a scan of every cell.
+"""``transition.grid.local`` (what one GPU keeps, copies and misses) against a scan of every cell.
 
 The reference is the rule itself, cell by cell: a destination slice with a source slice of the
 same model-stage and region on the GPU is kept; any other cell of a destination slice is copied

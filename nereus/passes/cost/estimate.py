@@ -111,7 +111,7 @@ class Estimate(ModulePass):
     def apply(self, module: Module) -> None:
         if self.oom not in ("error", "warn"):
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"estimate: oom is error or warn, got '{self.oom}'")])
-        names = [self.plan.lstrip("@")] if self.plan else list(module.plans)
+        names = [self.plan] if self.plan else list(module.plans)
         if not names:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "estimate: the module has no plan to estimate",
                                               "write a plan, or find one with plan-search")])

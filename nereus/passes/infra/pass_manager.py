@@ -33,7 +33,8 @@ from ...ir import verify as verify_module
 from ...ir.units import UnitError, parse_size
 
 Ref = NewType("Ref", str)
-"""An option that names a plan or transition: ``@name`` (stored with its ``@``; ``""`` for none)."""
+"""An option that names a plan or transition: written ``@name``, stored as the bare name (the
+``@`` taken off once, when the pass is made, whether a pipeline or Python gave it; ``""``: none)."""
 Size = NewType("Size", int)
 """An option in bytes, written with a unit in pipelines (``64MiB``) or as a plain integer."""
 Gpus = NewType("Gpus", tuple)
@@ -61,12 +62,29 @@ class ModulePass:
 
     name: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        for key in _ref_options(type(self)):
+            value = getattr(self, key)
+            if isinstance(value, str) and value.startswith("@"):
+                object.__setattr__(self, key, value[1:])
+
     def apply(self, module: Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def requires(self, module: Module) -> list[ModulePass]:
         """Passes that must run on ``module`` before this one (none by default)."""
         return []
+
+
+_REFS: dict[type, tuple[str, ...]] = {}  # a pass class's Ref options, read from its annotations once
+
+
+def _ref_options(cls: type) -> tuple[str, ...]:
+    refs = _REFS.get(cls)
+    if refs is None:
+        hints = typing.get_type_hints(cls)
+        refs = _REFS[cls] = tuple(f.name for f in dataclasses.fields(cls) if hints.get(f.name) is Ref)
+    return refs
 
 
 def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticError:

@@ -698,7 +698,7 @@ class ScheduleTransfers(ModulePass):
     transition: Ref = ""
 
     def apply(self, module: Module) -> None:
-        names = [self.transition.lstrip("@")] if self.transition else list(module.transitions)
+        names = [self.transition] if self.transition else list(module.transitions)
         if not names:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "schedule-transfers: the module has no transition",
                                               "run plan-transition{to=@plan_b} first")])

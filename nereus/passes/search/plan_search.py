@@ -1,6 +1,6 @@
 """``plan-search{time_limit=S,seed=N,objective=step-time}``: a memory-feasible global plan by CP-SAT.
 
-The model (see ``search_space`` for the abstraction and the candidate space):
+The model (see ``search.space`` for the abstraction and the candidate space):
 
 - ``w[i, c, k]``: model-stage i takes candidate c starting in start class k (exactly one);
   its GPU count, time (``estimate``'s for the mesh at that start), extra peak, resident state
@@ -12,7 +12,7 @@ The model (see ``search_space`` for the abstraction and the candidate space):
   so every model-stage is checked at its own start and at every start inside its run:
   ``extra[i] + load(start) <= memory`` and, for generation, ``load(start) - resident[i] <= rho[i]``.
 
-Solved by tightening caps on the step time (``solve``, ``search_bounds``): only the candidates
+Solved by tightening caps on the step time (``solve``, ``search.bounds``): only the candidates
 a plan under the cap can use enter the model, so a 1,024-GPU job is proven optimal over a few
 percent of its candidates.
 
@@ -72,7 +72,7 @@ class Solution:
 def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known: Solution | None = None) -> Solution:
     """The optimal plan of ``problem`` (CP-SAT, deterministic for a given seed: one worker).
 
-    Solved under a cap on the step time: with ``lb`` the bound of ``search_bounds``, the model
+    Solved under a cap on the step time: with ``lb`` the bound of ``search.bounds``, the model
     holds only the options a plan at most ``cap`` can use (``restrict``), ``cap`` = ``lb`` plus
     1/64 of it at first. If the model's optimum is within the cap, it is the optimum of the whole
     problem (a better plan would use only kept options). Otherwise no plan is within the cap, and
@@ -411,7 +411,7 @@ class PlanSearch(ModulePass):
     ``max_pp`` (0: any), ``max_zero`` and ``offload`` (false: none): only layouts the job can run;
     ``headroom`` (fraction of GPU memory training and inference leave free for the CUDA context,
     NCCL buffers and fragmentation; default 0.1, see ``search_space.DEFAULT_HEADROOM``; generation
-    keeps vLLM's own 10%); ``explain`` (true: re-solve to say why, see ``search_explain``: a
+    keeps vLLM's own 10%); ``explain`` (true: re-solve to say why, see ``search.explain``: a
     runner-up per model-stage, the bottleneck, whether memory, colocation and offload matter);
     ``incumbent`` (``@name`` of a plan, the running one, say: where it is still a plan of the
     problem, on the same GPUs and fitting, the search starts from it and only proves that nothing
@@ -451,9 +451,9 @@ class PlanSearch(ModulePass):
                 sp.options = self.keep(ms, sp.options, problem.n)
         known = None
         if self.incumbent:
-            if self.incumbent.lstrip("@") not in module.plans:
-                raise no_such(module, "plan-search", "plan", self.incumbent.lstrip("@"))
-            known = placed(problem, module.plans[self.incumbent.lstrip("@")])
+            if self.incumbent not in module.plans:
+                raise no_such(module, "plan-search", "plan", self.incumbent)
+            known = placed(problem, module.plans[self.incumbent])
         sol = solve(problem, self.time_limit, self.seed, known)
         if sol.status == "unknown":
             raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "
@@ -464,7 +464,7 @@ class PlanSearch(ModulePass):
             module.warnings.append(Diagnostic(w.loc, f"plan-search stopped at time_limit={self.time_limit:g} s without proving "
                                                      f"optimality: the plan is within {sol.gap:.2%} of the best possible",
                                               "raise time_limit for a proof", severity="warning"))
-        name = self.into.lstrip("@") or f"{w.name}_searched"
+        name = self.into or f"{w.name}_searched"
         plan = to_plan(problem, sol, name, w.name, c.name)
         module.plans[name] = plan
         problems = estimate_plan(module, plan)
@@ -489,9 +489,9 @@ class PlanSearch(ModulePass):
 def _pick(module: Module, kind: str, name: str):
     table = getattr(module, kind + "s")
     if name:
-        if name.lstrip("@") not in table:
-            raise no_such(module, "plan-search", kind, name.lstrip("@"))
-        return table[name.lstrip("@")]
+        if name not in table:
+            raise no_such(module, "plan-search", kind, name)
+        return table[name]
     if len(table) != 1:
         raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
                                           f"plan-search needs {kind}=@name: the module has {len(table)} {kind}s")])

@@ -79,7 +79,7 @@ class Admit(ModulePass):
     transition: Ref = ""
 
     def apply(self, module: Module) -> None:
-        names = [self.transition.lstrip("@")] if self.transition else list(module.transitions)
+        names = [self.transition] if self.transition else list(module.transitions)
         if not names:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "admit: the module has no transition")])
         for name in names:

@@ -31,7 +31,7 @@ class DeriveEmus(ModulePass):
     only_missing: bool = False
 
     def apply(self, module: Module) -> None:
-        plan_name = self.plan.lstrip("@")
+        plan_name = self.plan
         if not plan_name:
             if len(module.plans) != 1:
                 raise _error(module, f"derive-emus needs plan=@name: the module has {len(module.plans)} plans")

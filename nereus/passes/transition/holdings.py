@@ -73,10 +73,9 @@ def read_holdings(emus) -> dict[tuple[str, str, str], list[Holding]]:
 def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str, str]:
     """(plan A, plan B) from a pass's ``source`` and ``to`` options; plan A defaults to the
     only other plan of plan B's job."""
-    target = to.lstrip("@")
+    target = to
     if target not in module.plans:
         raise no_such(module, pass_name, "plan", target)
-    source = source.lstrip("@")
     if source and source not in module.plans:
         raise no_such(module, pass_name, "plan", source)
     if not source:

@@ -5,7 +5,7 @@ every tensor, each element once however many model-stages of the model hold it t
 A does not already hold on g (any model-stage of the same model; nothing on a GPU whose state
 is lost). No transition can do with less: each such byte must arrive at g over some link.
 
-This routine shares nothing with the planner (``transition_planner`` cuts cells on a grid of
+This routine shares nothing with the planner (``transition.planner`` cuts cells on a grid of
 every slice of both plans and picks senders): it intersects, per GPU and tensor, the union of
 plan B's boxes with the union of plan A's by inclusion-exclusion-free coordinate compression
 over that GPU's boxes only. ``plan-transition`` records it as the transition's ``lower_bound``,
@@ -20,7 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from ...ir import Module
-from ...ir.emu import Box
+from ...ir.emu import Box, volume
 from ...ir.model import state_dtype_bytes
 
 
@@ -54,7 +54,7 @@ def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset(
                 for e in entries:
                     into[(e.state, e.family)].add(e.region)
         for (state, family), regions in need.items():
-            missing = missing_volume(frozenset(regions), frozenset(held.get((state, family), ())))
+            missing = missingvolume(frozenset(regions), frozenset(held.get((state, family), ())))
             total += missing * state_dtype_bytes(m.models[model], state)
     return total
 
@@ -72,12 +72,6 @@ def _lists_on(m: Module, plan: str, lost) -> dict[tuple[int, str], list[list]]:
     return out
 
 
-def _volume(b: Box) -> int:
-    n = 1
-    for lo, hi in b:
-        n *= hi - lo
-    return n
-
 
 def _inside(a: Box, b: Box) -> bool:
     return all(blo <= alo and ahi <= bhi for (alo, ahi), (blo, bhi) in zip(a, b))
@@ -88,14 +82,14 @@ def _meet(a: Box, b: Box) -> bool:
 
 
 @lru_cache(maxsize=1 << 16)
-def missing_volume(need: frozenset[Box], have: frozenset[Box]) -> int:
+def missingvolume(need: frozenset[Box], have: frozenset[Box]) -> int:
     """Volume of union(need) minus union(have), on the grid of these boxes' own boundaries."""
     if len(need) == 1:  # the common case, a GPU's one slice of a tensor: inside a held box, or apart from all
         (b,) = need
         if any(_inside(b, h) for h in have):
             return 0
         if not any(_meet(b, h) for h in have):
-            return _volume(b)
+            return volume(b)
     boxes = list(need) + list(have)
     ndim = len(boxes[0])
     cuts = [np.unique([x for b in boxes for x in b[d]]) for d in range(ndim)]

@@ -1,4 +1,4 @@
-"""The memory order of a transition (``plan-transition``, after ``transition_planner`` decided
+"""The memory order of a transition (``plan-transition``, after ``transition.planner`` decided
 what moves): copies and receives wait for frees where a GPU has no room, and where even that
 does not fit they are staged through the host memory beside the GPU and unstaged in waves."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ...ir import Diagnostic, HostRef, Loc, Op
+from ...ir.emu import volume
 
 
 def op_number(op_id: str) -> int:
@@ -233,7 +234,7 @@ def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
     # the common case, one new shard's slices from many senders: disjoint boxes whose volumes add
     # up to their bounding box's fill it, and the greedy merge ends with that box
     hull = tuple((min(b[k][0] for b in boxes), max(b[k][1] for b in boxes)) for k in range(len(boxes[0])))
-    if sum(_volume(b) for b in boxes) == _volume(hull):
+    if sum(volume(b) for b in boxes) == volume(hull):
         return [(hull, list(range(len(boxes))))]
     items = [(b, [i]) for i, b in enumerate(boxes)]
     for axis in reversed(range(len(boxes[0]))):
@@ -249,9 +250,3 @@ def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
         items = merged
     return [(b, sorted(members)) for b, members in items]
 
-
-def _volume(box) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n

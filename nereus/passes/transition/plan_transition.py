@@ -38,7 +38,7 @@ Memory: where a GPU would exceed its memory holding plan A's state plus what its
 receives write, those wait for the frees of the GPU's slices that no one reads; where that is
 not enough, the ones that do not fit are staged in the host memory beside the GPU (a copy or
 send into ``host[g]``) and moved onto it by an ``unstage`` once every plan-A slice it gives up
-is freed (``transition_planner.Memory``). That fits whenever plans A and B each fit; otherwise
+is freed (``transition.memory.Memory``). That fits whenever plans A and B each fit; otherwise
 the pass reports the GPU and the shortfall, and staging beyond a node's ``host_memory``.
 """
 
@@ -145,7 +145,7 @@ class PlanTransition(ModulePass):
 
     def apply(self, module: Module) -> None:
         source, target = plan_pair(module, self.name, self.source, self.to)
-        name = self.into.lstrip("@") or f"{source}_to_{target}"
+        name = self.into or f"{source}_to_{target}"
         lost = lost_gpus(module, self.name, target, self.drain, self.lost)
         bound = module.analyses.find(module, "lower-bound", (source, target), frozenset(lost))
         module.transitions[name] = plan_transition(module, source, target, name, lost=lost, bound=bound)

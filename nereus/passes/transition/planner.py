@@ -1,7 +1,7 @@
 """The planner behind ``plan-transition`` (see that module's docstring for the algorithm): what
 moves (the operations of one transition, family by family, then loads and offloads, and the
 frees). The order that keeps every GPU within its memory, staging through host memory where
-nothing else fits, is ``transition_memory.Memory``."""
+nothing else fits, is ``transition.memory.Memory``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from ...ir import Diagnostic, DiagnosticError, HostRef, Module, Op
 from ...ir.model import state_dtype_bytes
-from ...ir.emu import Box
+from ...ir.emu import Box, volume
 from .grid import Grid, Holding, local
 from .memory import Memory, op_number
 
@@ -129,7 +129,7 @@ class Planner:
         for si, dj, cells in copies:
             s, d = srcs[si], dsts[dj]
             for region in grid.boxes(cells):
-                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), _volume(region) * itemsize,
+                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), volume(region) * itemsize,
                        "local", per_layer)
                 reads[sbase + si].append(o.id)
                 if delivers is not None:
@@ -171,7 +171,7 @@ class Planner:
             kind = "send" if len(receivers) == 1 else "broadcast"
             link = "nic" if any(g // per_node != node for g in rgpus) else "nvlink"
             for region in grid.boxes(cells):
-                nbytes = _volume(region) * itemsize
+                nbytes = volume(region) * itemsize
                 o = op(kind, state, family, region, src_of(s), refs, nbytes, link, per_layer)
                 reads[sbase + si].append(o.id)
                 if delivers is not None:
@@ -259,7 +259,7 @@ class Planner:
         first_on = st.first_on  # each group's GPU -> its piece there of lowest (model-stage, piece)
         load = self.load
         span = len(load)
-        volume: dict[Box, int] = {}
+        volumes: dict[Box, int] = {}
         missing_cells, parts_of, pieces_of = st.missing
         gpus_of = [0] * len(pieces_of)  # by part number: its GPUs (0: not yet counted)
         share_of = [0] * len(pieces_of)  # by part number: its fair share in bytes
@@ -296,9 +296,9 @@ class Planner:
                     largest = 0
                     for j in part:
                         region = dsts[j].region
-                        n = volume.get(region)
+                        n = volumes.get(region)
                         if n is None:
-                            n = volume[region] = _volume(region)
+                            n = volumes[region] = volume(region)
                         largest = max(largest, n)
                     gpus_of[pid] = gpus = 1 if len(part) == 1 else len({dsts[j].gpu for j in part})
                     share_of[pid] = largest * itemsize * gpus
@@ -349,7 +349,7 @@ class Planner:
                 readers = reads.get(n, [])
                 if not readers and (n not in self.kept or stays_on_host):
                     continue
-                op = self.op("load", state, family, p.region, [HostRef(p.gpu)], [p.ref], _volume(p.region) * itemsize,
+                op = self.op("load", state, family, p.region, [HostRef(p.gpu)], [p.ref], volume(p.region) * itemsize,
                              "pcie", per_layer)
                 self.loaded.add(n)
                 self.load_ops[p.gpu].append((op.id, op.bytes))
@@ -370,7 +370,7 @@ class Planner:
                 if base + j in self.kept_b and ms in plan_a.layouts and _offloaded(plan_a, ms, state):
                     continue  # already in host memory, and stays there
                 op = self.op("offload", state, family, p.region, self.dst_of(p), [HostRef(p.gpu)],
-                             _volume(p.region) * itemsize, "pcie", per_layer)
+                             volume(p.region) * itemsize, "pcie", per_layer)
                 op.deps = list(self.delivers.get((base, p.rid), []))
 
     def frees_and_memory(self) -> list[Diagnostic]:
@@ -384,12 +384,12 @@ class Planner:
             model_name, state, family = key
             _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
             base = self.sbase[key]
-            volume: dict[Box, int] = {}
+            volumes: dict[Box, int] = {}
             offloaded = {ms: _offloaded(self.plan_a, ms, state) for ms in {p.ref.model_stage for p in pieces}}
             for i, p in enumerate(pieces):
-                nbytes = volume.get(p.region)
+                nbytes = volumes.get(p.region)
                 if nbytes is None:
-                    nbytes = volume[p.region] = _volume(p.region) * itemsize
+                    nbytes = volumes[p.region] = volume(p.region) * itemsize
                 on_gpu = not offloaded[p.ref.model_stage]  # at the step boundary; a load brings the others
                 if on_gpu:
                     mem_a[p.gpu] += nbytes
@@ -609,9 +609,3 @@ def _any_offloaded(plan, model_name: str, state: str) -> bool:
     """Whether the plan keeps this state of any model-stage of the model in host memory."""
     return any(ms.rpartition(".")[0] == model_name and _offloaded(plan, ms, state) for ms in plan.layouts)
 
-
-def _volume(region: Box) -> int:
-    n = 1
-    for lo, hi in region:
-        n *= hi - lo
-    return n
