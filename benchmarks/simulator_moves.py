@@ -43,7 +43,7 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
     from nereus.cli import _trace_job
     from nereus.passes.schedule.schedule_transfers import ScheduleTransfers
     from nereus.passes.transition.plan_transition import PlanTransition
-    from nereus.passes.transition.remap import RemapPass
+    from nereus.passes.transition.remap import Remap
     from nereus.sim.simulate import simulate
     from nereus.sim.trace import read_trace
 
@@ -75,9 +75,9 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
 
         cls.apply = apply_and_keep
 
-    applies = [(cls, cls.apply) for cls in (RemapPass, PlanTransition, ScheduleTransfers)]
+    applies = [(cls, cls.apply) for cls in (Remap, PlanTransition, ScheduleTransfers)]
     decide.DecisionCore._replan = replan_at
-    keeping(RemapPass, "remap")
+    keeping(Remap, "remap")
     keeping(PlanTransition, "plan")
     keeping(ScheduleTransfers, "schedule")
     try:

@@ -51,7 +51,7 @@ from nereus.integrations.controller import Controller
 from nereus.integrations.hf_llama import build, forward, ir_model, optimize
 from nereus.integrations.job import layout, training_job
 from nereus.integrations.llama_adapter import LlamaAdapter
-from nereus.integrations.state import check_layout
+from nereus.integrations.llama_state import check_layout
 from nereus.runtime.launch import init_from_env
 
 MS = "actor.train"

@@ -40,7 +40,7 @@ def test_the_contracts_hold():
     ("nereus/cli.py", "import pytest", "no-pytest-at-runtime"),
     ("nereus/control/decide.py", "import torch.distributed", "control"),
     ("nereus/control/triggers.py", "from ..backend.lower import lower", "control"),
-    ("nereus/sim/cluster.py", "import torch", "sim"),
+    ("nereus/sim/simulated_cluster.py", "import torch", "sim"),
     ("nereus/sim/policies.py", "from ..runtime.state import torch_dtype", "sim"),
     ("nereus/integrations/job.py", "from ..sim.trace import read_trace", "integrations"),
 ])

@@ -45,7 +45,7 @@ from ..integrations.controller import Controller
 from ..integrations.hf_llama import batch, build, ir_model, llama_config, train_step
 from ..integrations.job import layout, training_job
 from ..integrations.llama_adapter import LlamaAdapter
-from ..integrations.state import export_state, load_state
+from ..integrations.llama_state import export_state, load_state
 from ..ir import Model
 from ..runtime.dcp import dcp_reshard
 from ..runtime.launch import init_from_env, run_local

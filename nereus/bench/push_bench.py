@@ -39,7 +39,7 @@ from rich.table import Table
 
 from ..integrations.hf_llama import build, ir_model
 from ..integrations.job import layout, training_job
-from ..integrations.state import check_layout
+from ..integrations.llama_state import check_layout
 from ..integrations.weight_push import WeightPush, hf_name
 from ..runtime.launch import init_from_env, run_local
 

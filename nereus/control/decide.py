@@ -41,7 +41,7 @@ from ..passes.search.plan_search import PlanSearch
 from ..passes.transition.admit import Admit, fixed_costs
 from ..passes.transition.derive_emus import DeriveEmus
 from ..passes.transition.plan_transition import PlanTransition
-from ..passes.transition.remap import RemapPass
+from ..passes.transition.remap import Remap
 from .measurements import StepRecord
 from .options import ControlOptions
 from .triggers import Trigger, gpu_triggers, measured_triggers
@@ -289,7 +289,7 @@ class DecisionCore:
         # remap; plan-transition takes remap's bytes after as its lower bound (in the module's
         # analyses: not computed a second time, 0.3-1.5 s a move at 1,024 GPUs)
         gone = tuple(sorted(lost))
-        self._run(m, [RemapPass(to=f"@{target}", source=f"@{self.plan}", lost=gone)])
+        self._run(m, [Remap(to=f"@{target}", source=f"@{self.plan}", lost=gone)])
         rec = b.remap
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
         name = f"{self.plan}_to_{target}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..ir import Module
 from .hf_llama import LiveLlama
-from .reshard import reshard
+from .llama_reshard import reshard
 
 
 class LlamaAdapter:

@@ -33,7 +33,7 @@ from ..runtime.execute import Stats, execute
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
 from .move import plan_move
-from .state import live_tensor
+from .llama_state import live_tensor
 
 
 def hf_name(name: str) -> str:

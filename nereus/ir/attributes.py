@@ -3,7 +3,7 @@
 The grammar accepts any ``NAME = value``; the schema decides what a key means. One table per
 block kind drives three things so they cannot drift apart: the builder (typed values,
 unknown-key and wrong-unit diagnostics), the printer (canonical order and formatting) and the
-language reference in docs/IR.md (``nereus.ir.reference``).
+language reference in docs/IR.md (``nereus.ir.docs_reference``).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from ..passes.cost.estimate import Estimate
 from ..passes.search.plan_search import PlanSearch
 from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, columns
 from . import POLICY_NAMES
-from .cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
+from .simulated_cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from rich.progress import Progress
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
-from .cluster import ENGINE_RESTART, PG_INIT, SimCluster
+from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
 from .policies import POLICIES, NoPlan, Policy
 from .trace import Trace
 

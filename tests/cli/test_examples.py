@@ -53,6 +53,6 @@ def test_show(path, capsys):
 
 
 def test_language_reference_in_sync():
-    from nereus.ir.reference import reference
+    from nereus.ir.docs_reference import reference
 
-    assert (ROOT / "docs" / "IR.md").read_text() == reference(), "run: python -m nereus.ir.reference > docs/IR.md"
+    assert (ROOT / "docs" / "IR.md").read_text() == reference(), "run: python -m nereus.ir.docs_reference > docs/IR.md"

@@ -351,7 +351,7 @@ def test_the_core_runs_its_passes_through_the_pass_manager_verified_as_its_polic
     decisions = {}
     for policy in ("each", "end", "off"):
         ran.clear(), verified.clear()
-        d = decisions[policy] = _longer_responses(policy)
+        decisions[policy] = _longer_responses(policy)
         names = [n for spec in ran for n in spec]
         assert {"plan-search", "remap", "plan-transition", "schedule-transfers", "admit"} <= set(names)
         assert verified[0] == 0  # the input, before any pass

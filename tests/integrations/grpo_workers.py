@@ -11,7 +11,7 @@ import torch
 
 from nereus.backend.shards import plan_layout
 from nereus.integrations.llama_adapter import LlamaAdapter
-from nereus.integrations.state import export_state
+from nereus.integrations.llama_state import export_state
 from nereus.runtime.execute import Fault
 from nereus.runtime.state import cut
 

@@ -23,7 +23,7 @@ from transformers import LlamaConfig
 from nereus.backend.shards import plan_layout
 from nereus.integrations.hf_llama import ir_model, llama_config
 from nereus.integrations.job import layout, training_job
-from nereus.integrations.state import check_layout
+from nereus.integrations.llama_state import check_layout
 from nereus.ir import DiagnosticError
 from nereus.runtime.launch import run_local
 

@@ -14,8 +14,8 @@ from transformers import LlamaConfig
 from nereus.backend.shards import plan_layout
 from nereus.integrations.hf_llama import batch, build, ir_model, train_step
 from nereus.integrations.job import layout, training_job
-from nereus.integrations.reshard import reshard
-from nereus.integrations.state import check_layout, export_state, load_state
+from nereus.integrations.llama_reshard import reshard
+from nereus.integrations.llama_state import check_layout, export_state, load_state
 from nereus.ir import DiagnosticError
 from nereus.runtime.execute import Fault, TransitionError
 from nereus.runtime.launch import init_from_env

@@ -13,7 +13,7 @@ import nereus
 from nereus.testing.cases import case_module
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.passes.transition.remap import best_permutation
-from nereus.runtime.simulate import simulate
+from nereus.runtime.reference_executor import simulate
 
 
 def brute_force(value, per_node, can_host, used):

@@ -13,7 +13,7 @@ from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
 from nereus.passes.transition.derive_emus import derive_missing_emus
 from nereus.passes.transition import holdings
-from nereus.runtime.simulate import simulate
+from nereus.runtime.reference_executor import simulate
 
 from ..support.jobs import job, zero3_gather
 

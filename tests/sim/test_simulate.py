@@ -10,7 +10,7 @@ import pytest
 import nereus
 from nereus.ir import DiagnosticError
 from nereus.passes.cost.estimate import estimate_plan
-from nereus.sim.cluster import SimCluster
+from nereus.sim.simulated_cluster import SimCluster
 from nereus.sim.generate import length_shares
 from nereus.sim.simulate import simulate
 from nereus.sim.trace import Trace, TraceStep

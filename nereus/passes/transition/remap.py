@@ -241,7 +241,7 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
 
 @register
 @dataclass(frozen=True)
-class RemapPass(ModulePass):
+class Remap(ModulePass):
     """Options: ``to`` (``@plan_b``, whose GPUs are renamed), ``source`` (``@plan_a``; default:
     the other plan of the job), ``drain`` and ``lost`` (as for ``plan-transition``: which GPUs'
     state is gone). Plan B's bytes to receive after renaming are the transition's lower bound:

@@ -31,7 +31,7 @@ from ..ir import Module
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
 from .move import plan_move
-from .state import buffers, check_layout, export_state, load_state
+from .llama_state import buffers, check_layout, export_state, load_state
 
 
 def same_model(live: LiveLlama, module: Module) -> None:

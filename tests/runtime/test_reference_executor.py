@@ -1,9 +1,9 @@
-"""The numpy reference executor (``runtime/simulate.py``) refuses what it cannot check."""
+"""The numpy reference executor (``runtime/reference_executor.py``) refuses what it cannot check."""
 
 import pytest
 
 import nereus
-from nereus.runtime.simulate import simulate
+from nereus.runtime.reference_executor import simulate
 
 from ..support.jobs import job
 from nereus.ir import Layout, Plan

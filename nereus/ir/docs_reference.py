@@ -1,6 +1,6 @@
 """docs/IR.md, the language reference, generated from the attribute schemas.
 
-``python -m nereus.ir.reference > docs/IR.md``; a test keeps the file in sync.
+``python -m nereus.ir.docs_reference > docs/IR.md``; a test keeps the file in sync.
 """
 
 from .attributes import describe
@@ -13,7 +13,7 @@ from .workload import STAGE_ATTRS, WORKLOAD_ATTRS
 INTRO = """\
 # The Nereus IR: language reference
 
-Generated from the attribute schemas by `python -m nereus.ir.reference > docs/IR.md`; the
+Generated from the attribute schemas by `python -m nereus.ir.docs_reference > docs/IR.md`; the
 grammar is `nereus/ir/nereus.lark`. A file is a sequence of declarations:
 
 ```
