@@ -123,7 +123,7 @@ def convert(spec: AttrSpec, v: V) -> Any:
     if k in _DIM_KINDS:
         want = _DIM_KINDS[k]
         if v.kind != "quantity":
-            hint = f"write a {want.value} with its unit, e.g. {want.example}"
+            hint: str | None = f"write a {want.value} with its unit, e.g. {want.example}"
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value}, got {_describe(v)}", hint)
         try:
             dim, value = parse_quantity(v.value)
@@ -205,6 +205,7 @@ def convert(spec: AttrSpec, v: V) -> Any:
         return [convert(AttrSpec(spec.key, "dotteds"), g) for g in v.value]
     if k == "record":
         rec = spec.record
+        assert rec is not None  # kind "record" is made only by record(), which sets it
         if v.kind != "call" or v.value[0] != rec.name:
             raise TypeMismatch(v.loc, f"'{spec.key}' expects {rec.example()}, got {_describe(v)}")
         fields = {f.key: f for f in rec.fields}
@@ -298,6 +299,7 @@ def format_value(spec: AttrSpec, value: Any) -> str:
         return "[" + ", ".join("[" + ", ".join(g) + "]" for g in value) + "]"
     if k == "record":
         rec = spec.record
+        assert rec is not None  # kind "record" is made only by record(), which sets it
         fields = [f"{f.key} = {format_value(f, getattr(value, f.key))}" for f in rec.fields
                   if f.required or getattr(value, f.key) != f.default]
         return f"{rec.name}(" + ", ".join(fields) + ")"
@@ -333,6 +335,7 @@ def describe(title: str, specs: list[AttrSpec]) -> str:
         if s.kind == "choice":
             kind = "one of " + " \\| ".join(s.choices)
         elif s.kind == "record":
+            assert s.record is not None  # kind "record" is made only by record(), which sets it
             kind = f"{s.record.name}(" + ", ".join(f.key + ("" if f.required else "?") for f in s.record.fields) + ")"
         else:
             kind = _KIND_TEXT[s.kind]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import cast
 
 from .attributes import AttrSpec
 from .diagnostics import NOWHERE, Loc
@@ -162,7 +163,7 @@ class Model:
 
     def tp_box(self, spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
         span = self.tp_span(spec, tp, rank)
-        return tuple(span if d == spec.tp_dim else (0, n) for d, n in enumerate(spec.shape))
+        return tuple(cast("tuple[int, int]", span) if d == spec.tp_dim else (0, n) for d, n in enumerate(spec.shape))
 
     def stages_holding(self, spec: TensorSpec, pp: int) -> list[int]:
         """Pipeline stages that hold a non-layer tensor."""

@@ -13,6 +13,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -70,7 +71,7 @@ class Decl:
 
 
 def _loc(tok: Token) -> Loc:
-    return Loc(tok.line, tok.column, _tls.filename)
+    return Loc(tok.line, tok.column, _tls.filename)  # type: ignore[arg-type]  # lexed tokens have line and column
 
 
 @v_args(inline=True)
@@ -227,6 +228,7 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
     line, col = getattr(err, "line", 0) or 0, getattr(err, "column", 0) or 0
     hint = None
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
+        assert err.pos_in_stream is not None  # UnexpectedCharacters sets it to the lexer's position
         ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
         message = f"unexpected character {ch!r}"
         allowed = sorted(err.allowed) if err.allowed else []
@@ -474,8 +476,9 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
             continue
         typed = [_build_entry(state, tensor, box, sink) for _, state, tensor, box in entries]
         values, _ = build_attrs(f"shard [{pp}, {tp}]", SHARD_ATTRS, attrs, loc, sink)
-        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None], loc=loc,
-                           kv_cache=values.get("kv_cache")))
+        # a list: Shard.__post_init__ makes it a tuple
+        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None],  # type: ignore[arg-type]
+                           loc=loc, kv_cache=values.get("kv_cache")))
     for i, r in enumerate(replicas):
         key = (d.name, model_stage, r)
         if key in m.emus:
@@ -486,7 +489,9 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
         for (_, pp, tp, gpus, _e, loc, _a), s in zip(d.children, built):
             if s is not None:
                 shards.append(Shard(pp=s.pp, tp=s.tp, gpu=gpus[i], entries=s.entries, loc=s.loc, kv_cache=s.kv_cache))
-        emu = Emu(plan=d.name, model_stage=model_stage, replica=r, shards=shards, loc=ms_loc, plan_loc=plan_loc)
+        # a list: Emu.__post_init__ makes it a tuple
+        emu = Emu(plan=d.name, model_stage=model_stage, replica=r, shards=shards,  # type: ignore[arg-type]
+                  loc=ms_loc, plan_loc=plan_loc)
         m.emus[key] = emu
 
 
@@ -536,11 +541,12 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
                     if key != "tensor":
                         add(child, key, loc)
     seen = set()  # replicas parsed from one block share locations: anchor the first only
+    item: Any  # an Emu or one of its shards
     for emu in sorted(m.emus.values(), key=lambda e: e.key):
-        for node in [emu, *emu.shards]:
-            if (node.loc.line, node.loc.col) not in seen:
-                seen.add((node.loc.line, node.loc.col))
-                add(node)
+        for item in [emu, *emu.shards]:
+            if (item.loc.line, item.loc.col) not in seen:
+                seen.add((item.loc.line, item.loc.col))
+                add(item)
     anchors.sort(key=lambda a: (a[0], a[1]))
     lines = [a[0] for a in anchors]
     for line, text in comments:

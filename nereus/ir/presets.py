@@ -18,6 +18,8 @@ the IR's default bf16 (Llama-2-7B's checkpoint is fp16: ``nereus import-hf`` on 
 
 from __future__ import annotations
 
+from typing import Any
+
 from .hf_config import check_model_name
 from .model import Model
 
@@ -54,7 +56,7 @@ def preset_attrs(name: str) -> str:
 
 def preset_model(name: str, model_name: str = "actor", *, trained: bool = False, head: str = "lm") -> Model:
     """A ``Model`` of the preset's shape, named ``model_name``, with its source and notes as leading comments."""
-    shape = _get(name)
+    shape: dict[str, Any] = _get(name)
     check_model_name(model_name, f"preset {name}")
     model = Model(name=model_name, trained=trained, head=head, **shape)
     model.comments[None] = [(f"// preset {name} (nereus/ir/presets.py)", False)] + \

@@ -42,7 +42,7 @@ def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[t
     (None when empty), which every replica shares."""
     lo, hi = layout.layers[pp]
     boxes: dict[str, tuple] = {}  # the TP box of a tensor is the same for every state
-    out = []
+    out: list = []
     for state in states:
         split = dp_sharded(state, layout.zero) and layout.replicas > 1
         for spec in model.tensors.values():
@@ -104,5 +104,7 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
                         tp_slices[(p, t)] = _tp_slices(model, layout, p, t, states)
                     cache[key] = tuple(_dp_entries(tp_slices[(p, t)], layout.replicas, key[0]))
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
-        emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))
+        # a list: Emu.__post_init__ makes it a tuple
+        emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d,
+                        shards=shards))  # type: ignore[arg-type]
     return emus

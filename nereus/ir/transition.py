@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
@@ -193,7 +194,7 @@ def unstage_feeders(op: Op, by_id: dict[str, Op]) -> list[Op]:
     """The operations whose staged slices unstage ``op`` moves onto its GPU g: those of its
     dependencies that stage the same state, tensor and layers in host[g], inside its box (the
     verifier checks that they fill it once; lowering copies each one's staging buffer)."""
-    g = op.src[0].gpu
+    g = cast(HostRef, op.src[0]).gpu
     out = []
     for d in op.deps:
         f = by_id.get(d)

@@ -279,8 +279,8 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")
     if lay.offload and cluster is not None and (cluster.host_link is None or cluster.host_memory is None):
-        missing = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
-        sink.error(at(lay, "offload"), f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {missing}",
+        absent = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
+        sink.error(at(lay, "offload"), f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {absent}",
                    "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
                    "(an H100 node's PCIe 5 and DRAM), or drop offload")
 
@@ -296,6 +296,7 @@ def _divisors_near(n: int, x: int, step: int = 1) -> list[int]:
     excluded): the fixes a batch-size diagnostic suggests. None past 10**10 (a typo, not a batch)."""
     if n % step or n > 10**10:
         return []
+    divs: set[int]
     m, divs = n // step, set()
     i = 1
     while i * i <= m:

@@ -48,6 +48,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
             continue
         ctx = _Ctx(m, emu)
         if ctx.layout is None:
+            assert ctx.plan is not None  # emu.plan is in m.plans
             sink.error(emu.loc, f"plan @{emu.plan} has no layout {emu.model_stage}",
                        did_you_mean(emu.model_stage, ctx.plan.layouts))
             continue
@@ -104,6 +105,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
 
 def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: DiagnosticSink) -> None:
     model, lay = ctx.model, ctx.layout
+    assert model is not None and lay is not None  # called only for an EMU whose layout and model exist
     spec = model.tensors.get(e.family)
     if spec is None:
         sink.error(e.loc, f"model @{model.name} has no tensor {e.family}",
@@ -143,6 +145,7 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
 
 def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
     model, lay = ctx.model, ctx.layout
+    assert model is not None and lay is not None  # called only for an EMU whose layout and model exist
     groups: dict[tuple[str, str], list[tuple[Shard, SliceEntry]]] = defaultdict(list)
     for s in emu.shards:
         for e in s.entries:
@@ -188,6 +191,7 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
     for (plan, ms), emus in sorted(by_stage.items()):
         ctx = _Ctx(m, emus[0])
         lay, model = ctx.layout, ctx.model
+        assert lay is not None and model is not None  # clean EMUs have a layout and a model
         if lay.replicas < 2 or len(emus) != lay.replicas:
             continue
         states = [st for st in STATES if dp_sharded(st, lay.zero) and any(e.state == st for emu in emus for s in emu.shards for e in s.entries)]
@@ -210,7 +214,8 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
 
 
 def _covers(e: SliceEntry, layers, box) -> bool:
-    if layers is not None and not (e.layers[0] <= layers[0] and layers[1] - 1 <= e.layers[1]):
+    # a per-layer cell is checked only against entries _entry found to have layers
+    if layers is not None and not (e.layers[0] <= layers[0] and layers[1] - 1 <= e.layers[1]):  # type: ignore[index]
         return False
     return all(a <= lo and hi <= b for (a, b), (lo, hi) in zip(e.box, box))
 
@@ -218,6 +223,7 @@ def _covers(e: SliceEntry, layers, box) -> bool:
 def _expected_owner(ctx: _Ctx, emu: Emu, spec: TensorSpec, state: str, layers, box):
     """Where a missing cell should be, by the sharding rule: that shard's slice of the tensor, or the shard."""
     model, lay = ctx.model, ctx.layout
+    assert model is not None and lay is not None  # called only for an EMU whose layout and model exist
     for s in emu.shards:
         if spec.per_layer:
             lo, hi = lay.layers[s.pp]

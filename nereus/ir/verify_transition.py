@@ -189,10 +189,10 @@ def _endpoint(m: Module, plan_name: str, ref, loc: Loc, sink: DiagnosticSink):
 def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     kind = op.spec
     (smin, smax), (dmin, dmax) = kind.sources, kind.destinations
-    for what, got, lo, hi in (("source", len(op.src), smin, smax), ("destination", len(op.dst), dmin, dmax)):
+    for side, got, lo, hi in (("source", len(op.src), smin, smax), ("destination", len(op.dst), dmin, dmax)):
         if got < lo or (hi is not None and got > hi):
             want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
-            sink.error(op.loc, f"{op.id}: {op.kind} takes {want} {what}(s), got {got}")
+            sink.error(op.loc, f"{op.id}: {op.kind} takes {want} {side}(s), got {got}")
             return
     locs = op.endpoint_locs or [op.loc] * (len(op.src) + len(op.dst))
     src_host = [isinstance(e, HostRef) for e in op.src]
@@ -259,8 +259,8 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     gpus = [x[0] for x in src + dst]
     if kind.pcie or kind.local and any(dst_host):
         if (kind.delivers or kind.local) and any(g != gpus[0] for g in gpus):
-            what = "from host[g] onto GPU g" if kind.reads_host else "from GPU g into host[g]"
-            sink.error(op.loc, f"{op.id}: {op.kind} moves a slice {what}, not between GPUs {sorted(set(gpus))}")
+            direction = "from host[g] onto GPU g" if kind.reads_host else "from GPU g into host[g]"
+            sink.error(op.loc, f"{op.id}: {op.kind} moves a slice {direction}, not between GPUs {sorted(set(gpus))}")
             return
         link = "pcie"
     elif kind.frees or len(set(gpus)) == 1:

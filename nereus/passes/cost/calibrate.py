@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,11 +60,11 @@ def _mape(obs: list[Observation], coeffs: np.ndarray) -> float:
     return float(np.mean([abs(times[id(o.cost)] - o.seconds) / o.seconds for o in obs]))
 
 
-def _per_cost(obs: list[Observation], f) -> dict[int, object]:
+def _per_cost(obs: list[Observation], f) -> dict[int, Any]:
     """``f`` of each distinct cost the observations read, by identity: the steps of one plan
     measure the same model-stages, and ``observations`` gives them one cost each (a window of
     steps is tens of measurements of a few costs)."""
-    out: dict[int, object] = {}
+    out: dict[int, Any] = {}
     for o in obs:
         if id(o.cost) not in out:
             out[id(o.cost)] = f(o.cost)
@@ -84,7 +85,7 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
     with_overlap = [o for o in obs if o.cost.cost.overlap is not None and np.any(o.cost.cost.overlap[0])]
     if not with_overlap:
         return _fit_linear(obs, prior, max_iter)
-    saved = [o.cost.cost.overlap for o in with_overlap]
+    saved = [cast(tuple, o.cost.cost.overlap) for o in with_overlap]
     best = None
     try:
         for share in OVERLAP_GRID:
@@ -96,6 +97,7 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
     finally:
         for o, ov in zip(with_overlap, saved):
             o.cost.cost.overlap = ov
+    assert best is not None  # OVERLAP_GRID is not empty
     return FitResult(best.efficiency, _mape(obs, coefficient_vector(prior)), best.error_after,
                      best.used + ("overlap",), best.iterations)
 

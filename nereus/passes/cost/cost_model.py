@@ -42,6 +42,7 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -61,7 +62,8 @@ def coefficient_vector(eff: Efficiency) -> np.ndarray:
 
 def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
     inv = [1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))]
-    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap)
+    # the five positional efficiencies: mypy cannot count a starred generator
+    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap)  # type: ignore[misc]
 
 
 @dataclass
@@ -80,13 +82,13 @@ class Candidates:
     tp_link: np.ndarray  # NVLINK or NIC
     pp_link: np.ndarray
     dp_link: np.ndarray
-    resident: np.ndarray = field(default=None)  # bytes other model-stages keep on the GPU
-    sp: np.ndarray = field(default=None)  # sequence parallelism
-    vpp: np.ndarray = field(default=None)  # virtual pipeline stages per rank
-    grad_bytes: np.ndarray = field(default=None)  # bytes per gradient (2: bf16, 4: fp32 main grads)
-    fp8: np.ndarray = field(default=None)  # GEMMs in FP8
-    cp: np.ndarray = field(default=None)  # context parallelism: ranks splitting each sequence
-    cp_link: np.ndarray = field(default=None)
+    resident: np.ndarray = field(default=cast(np.ndarray, None))  # bytes other model-stages keep on the GPU
+    sp: np.ndarray = field(default=cast(np.ndarray, None))  # sequence parallelism
+    vpp: np.ndarray = field(default=cast(np.ndarray, None))  # virtual pipeline stages per rank
+    grad_bytes: np.ndarray = field(default=cast(np.ndarray, None))  # bytes per gradient (2: bf16, 4: fp32 main grads)
+    fp8: np.ndarray = field(default=cast(np.ndarray, None))  # GEMMs in FP8
+    cp: np.ndarray = field(default=cast(np.ndarray, None))  # context parallelism: ranks splitting each sequence
+    cp_link: np.ndarray = field(default=cast(np.ndarray, None))
 
     def __post_init__(self):
         n = len(self.tp)
@@ -155,7 +157,7 @@ class StageCost:
     activations: np.ndarray
     kv_cache: np.ndarray
     resident_state: np.ndarray  # what this model-stage keeps on a GPU between stages (bytes)
-    parts: dict[str, tuple[int, np.ndarray]]  # breakdown name -> (coefficient column, feature)
+    parts: dict[str, tuple[Any, np.ndarray]]  # breakdown name -> (coefficient column, or one per candidate, feature)
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature, draining share) of generation's decode
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
@@ -182,6 +184,7 @@ class StageCost:
 
     def hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
         """The features of the communication that compute hides (subtracted from ``features``)."""
+        assert self.overlap is not None  # callers check it
         comm, window, share = self.overlap
         c, w = comm @ coeffs, window @ coeffs
         share_bound = (1 - share) * c >= c - w
@@ -191,9 +194,11 @@ class StageCost:
         return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
 
     def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
-        out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]]) for name, (col, feat) in self.parts.items()}
-        for name, seconds in self.waits.items():
-            out[name] = out.get(name, 0.0) + float(seconds[i])
+        # np.isscalar narrows col to numpy's scalar types, which mypy will not take as an index
+        out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]])  # type: ignore[index]
+               for name, (col, feat) in self.parts.items()}
+        for name, waited in self.waits.items():
+            out[name] = out.get(name, 0.0) + float(waited[i])
         if self.overlap is not None:
             out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
         if self.decode is not None:
@@ -492,6 +497,6 @@ class CostModel:
         A cluster without a ``host_link`` cannot offload: any bytes cost infinite time (the
         verifier refuses such a layout; plan-search never picks one)."""
         link = self.cluster.host_link
-        if link is None:
-            return np.where(np.asarray(bytes_, dtype=float) > 0, np.inf, 0.0), 0.0
+        if link is None:  # the feature an array (0-d for a float) of inf and 0; callers take it as a float
+            return np.where(np.asarray(bytes_, dtype=float) > 0, np.inf, 0.0), 0.0  # type: ignore[return-value]
         return 2 * bytes_ / link.bandwidth, 2 * link.latency

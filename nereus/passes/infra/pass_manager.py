@@ -26,19 +26,26 @@ import re
 import typing
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Callable, ClassVar, NewType
+from typing import TYPE_CHECKING, Callable, ClassVar, NewType
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, print_ir
 from ...ir import verify as verify_module
 from ...ir.units import UnitError, parse_size
 
-Ref = NewType("Ref", str)
-"""An option that names a plan or transition: written ``@name``, stored as the bare name (the
-``@`` taken off once, when the pass is made, whether a pipeline or Python gave it; ``""``: none)."""
-Size = NewType("Size", int)
-"""An option in bytes, written with a unit in pipelines (``64MiB``) or as a plain integer."""
-Gpus = NewType("Gpus", tuple)
-"""An option that names GPUs: a sorted tuple of ints, written ``[0..3, 8]`` in pipelines."""
+if TYPE_CHECKING:
+    # At run time these are markers that ``_coerce`` finds by identity in a pass's annotations;
+    # to the type checker they are the values they hold (a ``Gpus`` option left unset is None).
+    Ref = str
+    Size = int
+    Gpus = tuple[int, ...] | None
+else:
+    Ref = NewType("Ref", str)
+    """An option that names a plan or transition: written ``@name``, stored as the bare name (the
+    ``@`` taken off once, when the pass is made, whether a pipeline or Python gave it; ``""``: none)."""
+    Size = NewType("Size", int)
+    """An option in bytes, written with a unit in pipelines (``64MiB``) or as a plain integer."""
+    Gpus = NewType("Gpus", tuple)
+    """An option that names GPUs: a sorted tuple of ints, written ``[0..3, 8]`` in pipelines."""
 
 VERIFY = ("each", "end", "off")
 """When ``run_pipeline`` verifies the module: after every pass, once after the last, or never

@@ -27,11 +27,12 @@ from operator import itemgetter
 from collections import defaultdict
 from itertools import chain
 from dataclasses import dataclass
+from typing import TypeAlias, cast
 
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ...ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Transition
+from ...ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Shard, Transition
 from ...ir.printer import printed_precision
 from ..cost.cost_model import CostModel
 from ...ir.gc_pause import gc_paused
@@ -39,7 +40,7 @@ from ..infra.pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
 # (before, after) bucket pairs: ``bucket_precedences``' array of two columns, or a set of pairs (small cases, tests)
-Precedences = "np.ndarray | set[tuple[int, int]]"
+Precedences: TypeAlias = "np.ndarray | set[tuple[int, int]]"
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Bucket:
 def endpoint_gpu(m: Module, plan: str, ref) -> int:
     if isinstance(ref, HostRef):
         return ref.gpu
-    return m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp).gpu
+    return cast(Shard, m.emus[(plan, ref.model_stage, ref.dp)].shard(ref.pp, ref.tp)).gpu
 
 
 def _gpus(m: Module, plan: str):
@@ -88,13 +89,14 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     on_a, on_b = _gpus(m, t.source), _gpus(m, t.target)
     receivers: dict[tuple[int, str], tuple[int, ...]] = {}  # (id of a destination list, plan) -> GPUs
     where: list = [None] * len(t.ops)  # each operation's bucket, by position
+    dsts: tuple[int, ...] | None
     for k, op in enumerate(t.ops):
         kind = op.spec
         staged_copy = kind.local and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
         if not (kind.transfer and not kind.local) and not kind.pcie and not staged_copy:
             continue  # local copies and frees use no port
         if kind.reads_host and kind.delivers:  # an unstage: host[g] onto GPU g (the verifier checks it)
-            src = op.src[0].gpu
+            src = cast(HostRef, op.src[0]).gpu
             dsts = (src,)
         else:
             src = (on_b if kind.source_plan == "target" else on_a)(op.src[0])
@@ -312,7 +314,7 @@ def greedy(buckets: list[Bucket], prec: Precedences) -> list[int]:
         on = on_ports[k]
         earliest = max(on(free_at))
         if after[k] is not None:
-            earliest = max(earliest, max(after[k](end)))
+            earliest = max(earliest, max(after[k](end)))  # type: ignore[misc]  # not None, just checked
         return (earliest, -max(on(left)), -duration[k], k)
 
     heap = [key(i) for i in range(n) if waiting[i] == 0]
@@ -598,7 +600,7 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
         starts.append(s)
         ends.append(e)
         m.add_hint(s, warm[i])
-    by_port: dict[tuple, list] = defaultdict(list)
+    by_port: dict[int, list] = defaultdict(list)
     for i, b in enumerate(buckets):
         for p in _ports(b):
             by_port[p].append(intervals[i])

@@ -19,6 +19,7 @@ re-solves are comparable with (``estimate`` may differ from it by ``estimate_gap
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from ...ir import Module, Plan
 from ...ir.plan import RunnerUp
@@ -133,15 +134,15 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
     else:
         colocation = "no stage runs more than one model"
 
-    c = problem.cluster
+    cluster = problem.cluster
     offloaders = [ms for ms, lay in plan.layouts.items() if lay.offload]
     if offloaders:
         step, _ = best(without(problem, lambda m, x: not x.offload), "the step without offload")
         offload = (f"{', '.join(offloaders)} offload; without offload the best step is "
                    + (f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"))
-    elif c.host_link is None or c.host_memory is None:
-        missing = " and ".join(k for k in ("host_link", "host_memory") if getattr(c, k) is None)
-        offload = f"not searched: cluster @{c.name} declares no {missing}"
+    elif cluster.host_link is None or cluster.host_memory is None:
+        missing = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
+        offload = f"not searched: cluster @{cluster.name} declares no {missing}"
     elif not any(o.offload for sp in problem.spaces.values() for o in sp.options):
         offload = "not searched (offload=false, or no layout keeps state worth offloading)"
     else:
@@ -151,10 +152,12 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
     gpu_of = {ms: max(lc.others.items(), key=lambda kv: (kv[1], -kv[0]))[0] for ms, lc in layout_costs(module, plan).items()}
     ms = max(plan.layouts, key=lambda x: plan.layouts[x].memory or 0)
     generating = problem.spaces[ms].kind == "generate"
-    allowed = c.gpu_memory if generating else c.gpu_memory * (1 - problem.headroom)
+    allowed = cluster.gpu_memory if generating else cluster.gpu_memory * (1 - problem.headroom)
+    assert plan.step_time is not None  # the plan is estimated
     return Explanation(plan=plan.name, step_time=plan.step_time, objective=objective, shares=shares,
-                       bottleneck=max(shares, key=shares.get), runner_ups=runner_ups,
-                       fullest=(ms, gpu_of[ms], float(plan.layouts[ms].memory), allowed), headroom=problem.headroom,
+                       bottleneck=max(shares, key=shares.get), runner_ups=runner_ups,  # type: ignore[arg-type]
+                       fullest=(ms, gpu_of[ms], float(cast(int, plan.layouts[ms].memory)), allowed),
+                       headroom=problem.headroom,
                        generation_fullest=generating, unbounded=unbounded, colocation=colocation, offload=offload,
                        notes=notes)
 
@@ -162,10 +165,10 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
 def _critical_shares(module: Module, plan: Plan) -> dict[str, float]:
     """Seconds each model-stage adds to the step: its time if it is in its stage's slowest group
     of GPU-sharing model-stages, else 0."""
-    out = {}
+    out: dict[str, float] = {}
     for st in module.workloads[plan.workload].stages:
         mss = [ms for ms in st.model_stages() if ms in plan.layouts]
-        slow = max(stage_groups(plan, mss), key=lambda g: sum(plan.layouts[ms].time for ms in g))
+        slow = max(stage_groups(plan, mss), key=lambda g: sum(cast(float, plan.layouts[ms].time) for ms in g))
         for ms in mss:
-            out[ms] = plan.layouts[ms].time if ms in slow else 0.0
+            out[ms] = cast(float, plan.layouts[ms].time) if ms in slow else 0.0
     return out

@@ -30,6 +30,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -66,7 +67,8 @@ class Solution:
     def gap(self) -> float:
         if self.objective is None or not self.objective:
             return 0.0
-        return (self.objective - self.bound) / self.objective
+        # a solution with an objective has a bound, but for placed()'s, which never get here
+        return (self.objective - cast(int, self.bound)) / self.objective
 
 
 def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known: Solution | None = None) -> Solution:
@@ -95,6 +97,7 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
         model, keep, complete = restrict(problem, bounds, cap)
         hint = None
         if best is not None:  # unless pruning dropped one of its options for one that dominates it
+            assert best.choice is not None  # best is a plan
             index = {ms: {int(c): i for i, c in enumerate(kept)} for ms, kept in keep.items()}
             if all(c in index[ms] for ms, c in best.choice.items()):
                 hint = replace(best, choice={ms: index[ms][c] for ms, c in best.choice.items()})
@@ -104,21 +107,24 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
             sol.choice = {ms: int(keep[ms][c]) for ms, c in sol.choice.items()}
         if sol.status == "unknown":  # out of time: the best plan so far
             return _timed_out(best, floor)
-        if sol.choice is not None and (complete or sol.objective <= cap):  # every plan at most cap fast was in the model
+        # every plan at most cap fast was in the model
+        if sol.choice is not None and (complete or cast(int, sol.objective) <= cap):
             if sol.status != "optimal":
+                assert sol.bound is not None  # a plan CP-SAT found comes with its bound
                 sol.bound = max(sol.bound, floor)
             return sol
         if complete:  # infeasible
             return sol
         if sol.status == "feasible":  # out of time, with a plan above the cap: a better one is above the model's bound or the cap
+            assert sol.bound is not None  # a plan CP-SAT found comes with its bound
             return _timed_out(sol, max(min(sol.bound, cap + 1), floor))
         floor = cap + 1  # no plan at most cap fast
-        if sol.choice is not None and (best is None or sol.objective < best.objective):
+        if sol.choice is not None and (best is None or cast(int, sol.objective) < cast(int, best.objective)):
             best = sol
         slack *= SLACK_GROWTH
         cap = lb + slack
-        if best is not None and best.objective <= cap:
-            cap = best.objective
+        if best is not None and cast(int, best.objective) <= cap:
+            cap = cast(int, best.objective)
 
 
 def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
@@ -165,6 +171,7 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
 def _timed_out(best: Solution | None, bound: int) -> Solution:
     if best is None:
         return Solution("unknown", None, None, None, None, None)
+    assert best.objective is not None  # best is a plan
     return replace(best, status="feasible", bound=min(bound, best.objective))
 
 
@@ -174,6 +181,11 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
     pos = problem.positions
     n, pn = pos.n, pos.per_node
     m = cp_model.CpModel()
+    G: dict[str, Any]
+    t: dict[str, Any]
+    a: dict[str, Any]
+    r: dict[str, Any]
+    rho: dict[str, Any]
     pick, G, t, a, r, rho, s = {}, {}, {}, {}, {}, {}, {}
     for ms, space in problem.spaces.items():
         if not space.options:
@@ -206,10 +218,10 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
                 by_segment.setdefault(k // pn, []).append(b)
             terms.append(base * b)
             ends.append(end * b)
-        for j, bs in by_segment.items():
-            a_j, e_j, f_j = pos.segments[j]
+        for seg, bs in by_segment.items():
+            a_j, e_j, f_j = pos.segments[seg]
             top = max((e_j - a_j) // f_j - 1, 0)
-            q = m.new_int_var(0, top, f"q[{ms},{j}]")
+            q = m.new_int_var(0, top, f"q[{ms},{seg}]")
             m.add(q <= top * sum(bs))
             terms.append(f_j * q)
         if anywhere:
@@ -252,6 +264,7 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
     _exact_memory(m, problem, names, s, G, a, r, rho)
     m.minimize(sum(T.values()))
     if hint is not None:
+        assert hint.choice is not None and hint.start is not None and hint.partition is not None  # a plan
         for ms, w in pick.items():
             for (c, k), b in w.items():
                 m.add_hint(b, c == hint.choice[ms] and k == pos.class_of(hint.start[ms], problem.spaces[ms].options[c].gpus))
@@ -335,6 +348,7 @@ def _exact_memory(m, problem: SearchProblem, names, s, G, a, r, rho) -> None:
 
 def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, cluster: str) -> Plan:
     """The solution as a plan: each model-stage on the GPUs of its run, colocated groups declared."""
+    assert sol.choice is not None and sol.start is not None and sol.partition is not None  # a plan
     layouts, colocate = {}, []
     for stage, _ in problem.stages:
         for g in problem.partitions[stage][sol.partition[stage]]:
@@ -470,6 +484,8 @@ class PlanSearch(ModulePass):
         problems = estimate_plan(module, plan)
         if problems:  # the model is estimate's: a plan it accepts fits
             raise DiagnosticError(problems, module.source)
+        assert sol.objective is not None and sol.bound is not None  # sol is a plan
+        assert plan.step_time is not None  # estimate_plan leaves it None only with a problem
         objective = sol.objective * problem.unit_s
         plan.search = SearchRecord(status=sol.status, objective=printed_precision(objective),
                                    bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),

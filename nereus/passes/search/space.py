@@ -47,6 +47,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -173,7 +174,7 @@ class Positions:
 
     def _links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
         if cls == ANYWHERE:
-            return tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp))
+            return cast("tuple[int, int, int]", tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp)))
         start = self.starts(cls, tp * pp * dp)[0]
         nodes = self.node[start:start + tp * pp * dp].reshape(dp, pp, tp)
         code = lambda crosses: NIC if crosses else NVLINK
@@ -313,7 +314,7 @@ class SearchProblem:
                     for b in gb:
                         if span[a][0] < span[b][1] and span[b][0] < span[a][1]:
                             return None
-            total += max(sum(time[ms] for ms in g) for g in groups)
+            total += max(sum(cast(int, time[ms]) for ms in g) for g in groups)
         load = np.zeros(pos.n, dtype=np.int64)
         for ms, o in opt.items():
             load[span[ms][0]:span[ms][1]] += o.resident
@@ -663,7 +664,7 @@ def prune(options: list[Option]) -> list[Option]:
     return [options[i] for i in prune_options(options)]
 
 
-def prune_options(options: list[Option], among: np.ndarray | None = None) -> np.ndarray:
+def prune_options(options: Sequence[Option], among: np.ndarray | None = None) -> np.ndarray:
     """Indices of the options ``prune_rows`` keeps; with ``among``, of ``options[among]``
     (positions in ``among``). ``OptionRows`` are pruned by their arrays, without making an
     option (a start class none of them can start at is a column of inf, which decides nothing)."""

@@ -14,8 +14,9 @@ IR, marked rejected, and is reported, never applied.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
-from ...ir import Diagnostic, DiagnosticError, Loc, Module
+from ...ir import Diagnostic, DiagnosticError, Loc, Module, Stage
 from ...ir.printer import printed_precision
 from ...ir.units import Dim, format_quantity
 from ...ir.transition import Admission
@@ -34,6 +35,7 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
             problems = estimate_plan(m, plan)
             if problems:
                 raise DiagnosticError(problems)
+    assert a.step_time is not None and b.step_time is not None  # estimate_plan leaves None only with a problem
     pg, restart = fixed_costs(m, a, b, pg_init, engine_restart)
     cost = t.makespan + pg + restart
     saving = a.step_time - b.step_time
@@ -53,7 +55,7 @@ def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float, placemen
     shape = _shape if placement else _shape_unplaced
     changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or shape(a.layouts[ms]) != shape(lay)]
     w = m.workloads[b.workload]
-    gen_changed = any(w.stage_of(ms).kind == "generate" for ms in changed)
+    gen_changed = any(cast(Stage, w.stage_of(ms)).kind == "generate" for ms in changed)
     return (pg_init if changed else 0.0), (engine_restart if gen_changed else 0.0)
 
 

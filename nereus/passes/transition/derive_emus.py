@@ -9,8 +9,9 @@ other model-stages keep there (``estimate``'s memory breakdown).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
-from ...ir import Diagnostic, DiagnosticError, Module
+from ...ir import Diagnostic, DiagnosticError, Module, Stage
 from ...ir.diagnostics import did_you_mean
 from ...ir.sharding import derive_emus, states_of
 from ..cost.layout_costs import layout_costs
@@ -68,7 +69,7 @@ def model_stage_emus(m: Module, plan_name: str, model_stage: str, weights_only: 
     plan = m.plans[plan_name]
     layout = plan.layouts[model_stage]
     model = m.models[layout.model]
-    kind = m.workloads[plan.workload].stage_of(model_stage).kind
+    kind = cast(Stage, m.workloads[plan.workload].stage_of(model_stage)).kind
     kv = None
     if kind == "generate":
         cost = layout_costs(m, plan)[model_stage].cost

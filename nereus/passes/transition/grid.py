@@ -12,7 +12,7 @@ set of slices on a GPU and reused for every GPU holding the same set.
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -222,10 +222,12 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
         if srcs and srcs[0] == dsts[0]:
             return Local([(0, 0)], [], (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         held = set(cells(srcs[0][1])) if srcs else ()
-        copied, miss = [], []
+        copied: list[int]
+        lack: list[int]
+        copied, lack = [], []
         for c in cells(dsts[0][1]):
-            (copied if c in held else miss).append(c)
-        return Local([], [(0, 0, copied)] if copied else [], (np.asarray(miss, dtype=np.int64), np.zeros(len(miss), np.int64)))
+            (copied if c in held else lack).append(c)
+        return Local([], [(0, 0, copied)] if copied else [], (np.asarray(lack, dtype=np.int64), np.zeros(len(lack), np.int64)))
     keeps: list[tuple[int, int]] = []
     copies: list[tuple[int, int, int, list[int]]] = []  # (first cell, destination, source, cells)
     miss_cells: list = []  # per destination, the cells it misses (arrays, ascending)
@@ -241,7 +243,7 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
         span = grid.span(d[1])
         owner = None
         for i, sspan in enumerate(src_spans):
-            box = []
+            box: list[Any] = []  # slices (numpy's stubs take no list of them with an Ellipsis)
             for (a, b), (sa, sb) in zip(span, sspan):
                 lo, hi = max(a, sa), min(b, sb)
                 if lo >= hi:

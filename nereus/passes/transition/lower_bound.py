@@ -15,6 +15,7 @@ so that ``bytes_moved == lower_bound`` is a check, not an identity.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Set
 from functools import lru_cache
 
 import numpy as np
@@ -24,7 +25,7 @@ from ...ir.emu import Box, volume
 from ...ir.model import state_dtype_bytes
 
 
-def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset()) -> int:
+def lower_bound(m: Module, source: str, target: str, lost: Set[int] = frozenset()) -> int:
     """Sum over GPUs of the bytes plan ``target`` needs there that plan ``source`` does not hold
     there; GPUs in ``lost`` hold nothing. Needs both plans' EMUs.
 
@@ -36,7 +37,7 @@ def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset(
     lists_b = _lists_on(m, target, frozenset())
     content: dict[int, tuple] = {}  # id of an entry list (alive in the EMUs) -> its entries by value
 
-    def of(entries: list) -> tuple:
+    def of(entries: tuple) -> tuple:
         out = content.get(id(entries))
         if out is None:
             out = content[id(entries)] = tuple((e.state, e.family, e.region) for e in entries)
@@ -59,9 +60,9 @@ def lower_bound(m: Module, source: str, target: str, lost: set[int] = frozenset(
     return total
 
 
-def _lists_on(m: Module, plan: str, lost) -> dict[tuple[int, str], list[list]]:
+def _lists_on(m: Module, plan: str, lost) -> dict[tuple[int, str], list[tuple]]:
     """(GPU, model) -> the entry lists of the plan's shards on that GPU (none on ``lost`` GPUs)."""
-    out: dict[tuple[int, str], list[list]] = defaultdict(list)
+    out: dict[tuple[int, str], list[tuple]] = defaultdict(list)
     for (p, ms, _dp), emu in m.emus.items():
         if p != plan:
             continue

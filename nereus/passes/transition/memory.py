@@ -51,6 +51,7 @@ class Memory:
         self.waits: dict[str, list[tuple[list[str], list[int], int]]] = defaultdict(list)
 
     def order(self) -> list[Diagnostic]:
+        problems: list[Diagnostic]
         p, problems = self.p, []
         for g in sorted(set(p.recv_bytes) | set(p.copy_bytes) | set(p.load_ops)):
             loads = p.load_ops.get(g, [])
@@ -176,11 +177,11 @@ class Memory:
                 p.ops.append(un)
                 unstaged = self.unstaged
                 for op in fed:
-                    on = unstaged.get(op.id)
-                    if on is None:
+                    by_gpu = unstaged.get(op.id)
+                    if by_gpu is None:
                         unstaged[op.id] = {g: un.id}
                     else:
-                        on[g] = un.id
+                        by_gpu[g] = un.id
                 self.staged_on_node[node] += nbytes
 
     def _add_waits(self) -> None:

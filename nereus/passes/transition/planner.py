@@ -8,7 +8,9 @@ from __future__ import annotations
 import heapq
 from collections import Counter, defaultdict
 from itertools import chain
+from collections.abc import Collection, Sequence
 from operator import itemgetter
+from typing import cast
 
 import numpy as np
 
@@ -116,7 +118,8 @@ class Planner:
             raise DiagnosticError([Diagnostic(self.plan_a.loc, f"plan @{self.source} holds no {state} of {family} of "
                                                                f"@{model_name}, which plan @{self.target} needs",
                                               "both plans must carry the same state")])
-        grid, sig = self.prepared.pop(key, None) or self._prepare(srcs, dsts)
+        # mypy takes pop's overload without a default type from the unpacking's context
+        grid, sig = self.prepared.pop(key, None) or self._prepare(srcs, dsts)  # type: ignore[arg-type]
         st = self._structure(grid, srcs, dsts, sig)
         sbase, dbase = self.sbase[key], self.dbase[key]
         for i, j in st.keeps:
@@ -454,6 +457,7 @@ def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], share
     # chunks of (cells, pieces) pairs, grouped by cell at the end (``_by_cell``)
     miss_cells: list = []
     miss_pieces: list = []
+    sl: Sequence[int] | None
     for g in sorted(dst_on):
         sl, dl = src_on.get(g), dst_on[g]
         if not shared and len(dl) == 1 and (sl is None or len(sl) == 1):
@@ -462,9 +466,10 @@ def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], share
             d = dsts[j]
             s = srcs[sl[0]] if sl else None
             if s is not None and s.region == d.region and s.ref.model_stage == d.ref.model_stage:
+                assert sl is not None  # s is one of them
                 keeps.append((sl[0], j))
                 continue
-            held = () if s is None else cells_of(s.region)
+            held: Collection[int] = () if s is None else cells_of(s.region)
             if len(held) > 8:
                 held = set(held)
             copied, miss = [], []
@@ -474,6 +479,7 @@ def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], share
                 else:
                     miss.append(c)
             if copied:
+                assert sl is not None  # copied from s, one of them
                 copies.append((sl[0], j, copied))
             if miss:
                 miss_cells.append(miss)
@@ -483,12 +489,13 @@ def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], share
         s_items = [(srcs[i].ref.model_stage, srcs[i].region) for i in sl]
         d_items = [(dsts[j].ref.model_stage, dsts[j].region) for j in dl]
         sig = (tuple(s_items), tuple(d_items)) if shared else None
-        got = memo.get(sig) if shared else None
+        got = memo.get(cast(tuple, sig)) if shared else None
         if got is None:
             res = local(grid, s_items, d_items)
             cells, where = res.missing  # the missing (cell, piece) pairs, pieces by their place on this GPU
             got = (res, cells, where)
             if shared:
+                assert sig is not None  # made when shared
                 memo[sig] = got
         res, cells, where = got
         for i, j in res.keeps:
@@ -565,6 +572,8 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
         o = np.argsort(key, kind="stable")
         clash = (key[o][1:] == key[o][:-1]) & (k[o][1:] != k[o][:-1])
         if clash.any():
+            gpus_of: dict[tuple[int, ...], frozenset[int]]
+            done: dict[tuple, tuple]
             cell_list, gpus_of, done = c[cell_starts], {}, {}
             for i in np.searchsorted(cell_list, np.unique(c[o][1:][clash])).tolist():
                 got = done.get(out[i])  # cells whose parts are the same join the same

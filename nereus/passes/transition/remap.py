@@ -231,11 +231,14 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
     gain = base if pi is None else float(sum(value[pi[j], j] for j in range(gpus)))
     if gain <= base:  # as written is as good
         return RemapRecord(before, before, 0)
+    assert pi is not None  # else gain == base
     for lay in plan_b.layouts.values():
         lay.mesh = [pi[g] for g in lay.mesh]
     for key, emu in list(m.emus.items()):
         if key[0] == target:
-            m.emus[key] = replace(emu, shards=[replace(s, gpu=pi[s.gpu]) for s in emu.shards])
+            # a list: Emu.__post_init__ makes it a tuple
+            m.emus[key] = replace(emu, shards=[replace(s, gpu=pi[s.gpu])  # type: ignore[arg-type]
+                                               for s in emu.shards])
     return RemapRecord(before, round(need.sum() - gain), sum(int(p != i) for i, p in zip(identity, pi)))
 
 
