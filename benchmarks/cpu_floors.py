@@ -45,12 +45,17 @@ def worker(rank: int, world: int, mb: int, alloc_mb: int) -> dict:
     peers = [p for p in range(world) if p != rank]
 
     def a2a():
-        ops = [dist.P2POp(dist.irecv, in_a2a[p], p) for p in peers] + [dist.P2POp(dist.isend, out_a2a, p) for p in peers]
+        ops = [dist.P2POp(dist.irecv, in_a2a[p], p) for p in peers] + [
+            dist.P2POp(dist.isend, out_a2a, p) for p in peers
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
     def ring():
-        ops = [dist.P2POp(dist.irecv, in_ring, (rank - 1) % world), dist.P2POp(dist.isend, out_ring, (rank + 1) % world)]
+        ops = [
+            dist.P2POp(dist.irecv, in_ring, (rank - 1) % world),
+            dist.P2POp(dist.isend, out_ring, (rank + 1) % world),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 

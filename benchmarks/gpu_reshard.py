@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from nereus.backend.lower import lower
-from nereus.testing.cases import CASES, case_module
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.execute import execute
 from nereus.runtime.launch import init_from_env
 from nereus.runtime.state import cut, full_tensor
+from nereus.testing.cases import CASES, case_module
 
 
 def ring_bandwidth(nbytes: int, device, repeats: int = 3) -> float:
@@ -79,8 +79,11 @@ def main() -> None:
         bound = max(prog.received_bytes(r) for r in range(world)) / bw
         sent = sum(prog.sent_bytes(r) for r in range(world))
         if rank == 0:
-            print(f"{case:10s} x{world}: {best:.4f} s, {sent / 1e9:.2f} GB sent, {best / bound:.2f} x bound, "
-                  f"{'bit-exact' if flags.item() == 0 else f'{int(flags.item())} WRONG shards'}", flush=True)
+            print(
+                f"{case:10s} x{world}: {best:.4f} s, {sent / 1e9:.2f} GB sent, {best / bound:.2f} x bound, "
+                f"{'bit-exact' if flags.item() == 0 else f'{int(flags.item())} WRONG shards'}",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -32,8 +32,19 @@ from pathlib import Path
 def _hash(t, scheduled: bool) -> str:
     h = hashlib.sha256()
     for op in t.ops:
-        row = (op.id, op.kind, op.state, op.family, op.layers, op.box, [str(r) for r in op.src],
-               [str(r) for r in op.dst], op.bytes, op.link, op.deps) + ((op.start, op.duration) if scheduled else ())
+        row = (
+            op.id,
+            op.kind,
+            op.state,
+            op.family,
+            op.layers,
+            op.box,
+            [str(r) for r in op.src],
+            [str(r) for r in op.dst],
+            op.bytes,
+            op.link,
+            op.deps,
+        ) + ((op.start, op.duration) if scheduled else ())
         h.update(repr(row).encode())
     return h.hexdigest()[:16]
 
@@ -92,8 +103,12 @@ def dump(trace_path: str, steps: set[int], out: Path) -> None:
 
 def time_passes(where: Path, steps: list[int]) -> None:
     """Each dumped pass applied to its dumped module, as the decision core's pipeline applies it."""
-    missing = [str(where / f"{kind}{step}.pkl") for step in steps for kind in ("remap", "plan", "schedule")
-               if not (where / f"{kind}{step}.pkl").exists()]
+    missing = [
+        str(where / f"{kind}{step}.pkl")
+        for step in steps
+        for kind in ("remap", "plan", "schedule")
+        if not (where / f"{kind}{step}.pkl").exists()
+    ]
     if missing:
         sys.exit(f"no dump of these steps: {', '.join(missing)} (run `dump` for them first)")
     for step in steps:
@@ -104,8 +119,19 @@ def time_passes(where: Path, steps: list[int]) -> None:
         p.apply(m)
         rec = m.plans[target].remap
         meshes = hashlib.sha256(repr(sorted((ms, lay.mesh) for ms, lay in m.plans[target].layouts.items())).encode())
-        print(json.dumps({"step": step, "pass": "remap", "s": round(time.perf_counter() - t0, 2), "bytes_before": rec.before,
-                          "bytes_after": rec.after, "hash": meshes.hexdigest()[:16]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "pass": "remap",
+                    "s": round(time.perf_counter() - t0, 2),
+                    "bytes_before": rec.before,
+                    "bytes_after": rec.after,
+                    "hash": meshes.hexdigest()[:16],
+                }
+            ),
+            flush=True,
+        )
         del m
         with open(where / f"plan{step}.pkl", "rb") as f:
             m, p, bound = pickle.load(f)
@@ -114,18 +140,40 @@ def time_passes(where: Path, steps: list[int]) -> None:
         t0 = time.perf_counter()
         p.apply(m)
         t = m.transitions[p.into]
-        print(json.dumps({"step": step, "pass": "plan-transition", "s": round(time.perf_counter() - t0, 2),
-                          "ops": len(t.ops), "deps": sum(len(op.deps) for op in t.ops), "bytes_moved": t.bytes_moved,
-                          "hash": _hash(t, False)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "pass": "plan-transition",
+                    "s": round(time.perf_counter() - t0, 2),
+                    "ops": len(t.ops),
+                    "deps": sum(len(op.deps) for op in t.ops),
+                    "bytes_moved": t.bytes_moved,
+                    "hash": _hash(t, False),
+                }
+            ),
+            flush=True,
+        )
         del m, t
         with open(where / f"schedule{step}.pkl", "rb") as f:
             m, p, _ = pickle.load(f)
         t = m.transitions[p.transition]
         t0 = time.perf_counter()
         p.apply(m)
-        print(json.dumps({"step": step, "pass": "schedule-transfers", "s": round(time.perf_counter() - t0, 2),
-                          "ops": len(t.ops), "makespan_s": t.makespan, "port_bound_s": t.port_bound,
-                          "hash": _hash(t, True)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "pass": "schedule-transfers",
+                    "s": round(time.perf_counter() - t0, 2),
+                    "ops": len(t.ops),
+                    "makespan_s": t.makespan,
+                    "port_bound_s": t.port_bound,
+                    "hash": _hash(t, True),
+                }
+            ),
+            flush=True,
+        )
 
 
 def main() -> None:

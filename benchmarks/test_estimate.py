@@ -2,9 +2,9 @@
 
 from nereus.bench.estimate_bench import candidates
 from nereus.ir import parse
-from nereus.testing.jobs import ppo_70b
 from nereus.passes import CostModel
 from nereus.passes.cost.estimate import estimate_plan
+from nereus.testing.jobs import ppo_70b
 
 M = parse(ppo_70b(1024, with_emus=False))
 PLAN = next(iter(M.plans.values()))

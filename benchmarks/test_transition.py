@@ -9,9 +9,9 @@ import copy
 import pytest
 
 from nereus.bench.transition_bench import cases
+from nereus.passes.schedule.schedule_transfers import schedule_transition
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.passes.transition.remap import remap
-from nereus.passes.schedule.schedule_transfers import schedule_transition
 
 CASES = {label: (m, source, target) for label, m, source, target in cases(1024)}
 TP, DP, TIGHT = list(CASES)
@@ -35,6 +35,10 @@ def test_schedule_transfers_1024_gpus(benchmark, label):
 
 def test_remap_dp_shrink_1024_gpus(benchmark):
     m, source, target = CASES[DP]
-    rec = benchmark.pedantic(lambda mod: remap(mod, source, target, lost=set()),
-                             setup=lambda: ((copy.deepcopy(m),), {}), rounds=2, iterations=1)  # remap renames plan B
+    rec = benchmark.pedantic(
+        lambda mod: remap(mod, source, target, lost=set()),
+        setup=lambda: ((copy.deepcopy(m),), {}),
+        rounds=2,
+        iterations=1,
+    )  # remap renames plan B
     assert rec.after < rec.before

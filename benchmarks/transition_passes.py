@@ -36,9 +36,24 @@ def main() -> None:
         t2 = time.perf_counter()
         t = m.transitions["t"]
         kinds = collections.Counter(op.kind for op in t.ops)
-        print(json.dumps({"case": i, "label": label, "gpus": args.gpus, "ops": len(t.ops), "unstages": kinds.get("unstage", 0),
-                          "plan_s": round(t1 - t0, 2), "schedule_s": round(t2 - t1, 2), "makespan_s": t.makespan,
-                          "port_bound_s": t.port_bound, "bytes_moved": t.bytes_moved, "lower_bound": t.lower_bound}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": i,
+                    "label": label,
+                    "gpus": args.gpus,
+                    "ops": len(t.ops),
+                    "unstages": kinds.get("unstage", 0),
+                    "plan_s": round(t1 - t0, 2),
+                    "schedule_s": round(t2 - t1, 2),
+                    "makespan_s": t.makespan,
+                    "port_bound_s": t.port_bound,
+                    "bytes_moved": t.bytes_moved,
+                    "lower_bound": t.lower_bound,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -61,11 +61,23 @@ SEP, EOS, BOS = 10, 11, 12  # digits are tokens 0..9
 def config(engine: str = "hf") -> LlamaConfig:
     """The tiny actor: 2 layers, hidden 64, 4 heads (4 K/V heads: TP 1, 2 or 4), vocabulary 16;
     with ``engine = "vllm"`` heads of 64 dimensions (vLLM's CPU attention needs head_dim >= 32)."""
-    return LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-                       max_position_embeddings=32, hidden_act="silu", attention_bias=False, mlp_bias=False,
-                       use_cache=False, eos_token_id=EOS, bos_token_id=BOS,
-                       **({"head_dim": 64} if engine == "vllm" else {}))
+    return LlamaConfig(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=32,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+        **({"head_dim": 64} if engine == "vllm" else {}),
+    )
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -81,16 +93,23 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (layers split evenly; 1F1B over pp micro-batches)")
-    p.add_argument("--leave-step", type=int, default=3,
-                   help="step at which --leave-rank announces it leaves (-1: never)")
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (layers split evenly; 1F1B over pp micro-batches)"
+    )
+    p.add_argument(
+        "--leave-step", type=int, default=3, help="step at which --leave-rank announces it leaves (-1: never)"
+    )
     p.add_argument("--leave-rank", type=int, default=-1, help="the leaving rank (-1: the last)")
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                   help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
-                        "Nereus after every optimizer step (vllm: needs nereus[vllm])")
+    p.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
+        "Nereus after every optimizer step (vllm: needs nereus[vllm])",
+    )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -116,8 +135,9 @@ def generate(live, prompt: torch.Tensor, first: int, group: int, new: int, step:
     gens = [torch.Generator().manual_seed((seed * 7919 + step) * 100_003 + first + i) for i in range(len(prompt))]
     for t in range(new):
         probs = torch.softmax(forward(live, seqs)[:, plen + t - 1], dim=-1)
-        seqs[:, plen + t] = torch.cat([torch.multinomial(probs[i * group:(i + 1) * group], 1, generator=g)
-                                       for i, g in enumerate(gens)]).squeeze(1)
+        seqs[:, plen + t] = torch.cat(
+            [torch.multinomial(probs[i * group : (i + 1) * group], 1, generator=g) for i, g in enumerate(gens)]
+        ).squeeze(1)
     return seqs
 
 
@@ -136,7 +156,7 @@ def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, tor
     """Rewards (fraction of the L + 1 answer positions right), the response mask (tokens up to and
     including the first EOS) and the response lengths."""
     resp = seqs[:, plen:]
-    want = torch.cat([seqs[:, 1:1 + digits], torch.full((len(seqs), 1), EOS)], dim=1)
+    want = torch.cat([seqs[:, 1 : 1 + digits], torch.full((len(seqs), 1), EOS)], dim=1)
     reward = (resp == want).float().mean(dim=1)
     eos = resp == EOS
     first = torch.where(eos.any(dim=1), eos.float().argmax(dim=1), torch.full((len(resp),), resp.shape[1] - 1))
@@ -147,7 +167,7 @@ def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, tor
 
 def logp_of(logits: torch.Tensor, seqs: torch.Tensor, plen: int) -> torch.Tensor:
     """log p(response token | prefix) for every response position: [rows, response length]."""
-    return torch.gather(F.log_softmax(logits[:, plen - 1:-1].float(), dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
+    return torch.gather(F.log_softmax(logits[:, plen - 1 : -1].float(), dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
 
 
 def token_logp(model, seqs: torch.Tensor, plen: int) -> torch.Tensor:
@@ -165,16 +185,18 @@ def grpo_loss(plen: int, beta: float, clip: float):
     """The GRPO loss of a micro-batch, ``loss(logits, target)``, target = ``pack(seqs, adv, ref, mask)``:
     the clipped policy-gradient term plus ``beta`` times the k3 estimate of KL(actor || reference),
     averaged over each response's tokens, then over responses."""
+
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         n = logits.shape[1]  # sequence length; target: n + 1 + 2 (n - plen) columns
         resp = n - plen
-        seqs, adv = target[:, :n].long(), target[:, n:n + 1]
-        ref, mask = target[:, n + 1:n + 1 + resp], target[:, n + 1 + resp:]
+        seqs, adv = target[:, :n].long(), target[:, n : n + 1]
+        ref, mask = target[:, n + 1 : n + 1 + resp], target[:, n + 1 + resp :]
         logp = logp_of(logits, seqs, plen)
         ratio = torch.exp(logp - logp.detach())  # one update per batch: the sampling policy is the current one
         pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
         kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3
         return (((pg + beta * kl) * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+
     return loss
 
 
@@ -193,8 +215,13 @@ def job(args, world: int):
     cfg = config(args.engine)
     model = ir_model(cfg, "actor")
     planned = 2 * args.planned_response  # training_job plans responses of seq // 2 tokens
-    m = training_job(model, {"a": layout(model, tp=args.tp, dp=args.dp, pp=args.pp)}, world, rows=args.prompts * args.group,
-                     seq=planned)
+    m = training_job(
+        model,
+        {"a": layout(model, tp=args.tp, dp=args.dp, pp=args.pp)},
+        world,
+        rows=args.prompts * args.group,
+        seq=planned,
+    )
     check_layout(m, "a", MS)
     return cfg, m
 
@@ -207,7 +234,7 @@ def rollout(live, step: int, args, ctl, timed, engine=None):
     if args.prompts % lay.dp:
         raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
     share = args.prompts // lay.dp
-    mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share:(d + 1) * share]
+    mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share : (d + 1) * share]
     with timed("actor.generate"):
         if engine is None:
             seqs = generate(live, mine, d * share, args.group, args.digits + 1, step, args.seed)
@@ -250,12 +277,31 @@ def controller(module, adapter, args, faults: tuple = ()):
     """The Controller around the loop (search limited to what the live model takes; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
     context for the model-stages of the IR job (a no-op for the others)."""
-    options = ControlOptions(recalibrate_every=0, slowdown=1e9, cooldown=1000, response_drift=0.25,
-                             pg_init=0.0, engine_restart=0.0, margin=0.0, search_time_limit=2.0,
-                             schedule_time_limit=1.0, max_pp=module.models["actor"].layers, max_zero=0,
-                             offload=False)
-    ctl = Controller(module, "a", adapter, options=options, total_steps=max(args.steps, 100), log=args.decision_log,
-                     timeout=args.timeout, show=not args.quiet, faults=faults)
+    options = ControlOptions(
+        recalibrate_every=0,
+        slowdown=1e9,
+        cooldown=1000,
+        response_drift=0.25,
+        pg_init=0.0,
+        engine_restart=0.0,
+        margin=0.0,
+        search_time_limit=2.0,
+        schedule_time_limit=1.0,
+        max_pp=module.models["actor"].layers,
+        max_zero=0,
+        offload=False,
+    )
+    ctl = Controller(
+        module,
+        "a",
+        adapter,
+        options=options,
+        total_steps=max(args.steps, 100),
+        log=args.decision_log,
+        timeout=args.timeout,
+        show=not args.quiet,
+        faults=faults,
+    )
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
 
@@ -279,8 +325,9 @@ class Engines:
         from nereus.integrations.weight_push import WeightPush
 
         if self.pusher is None or not self.pusher.serves(live.layout):
-            self.pusher = WeightPush(ir_model(self.cfg, "actor"), live.layout, list(range(self.world)), self.world,
-                                     timeout=self.timeout)
+            self.pusher = WeightPush(
+                ir_model(self.cfg, "actor"), live.layout, list(range(self.world)), self.world, timeout=self.timeout
+            )
         t0 = time.perf_counter()
         named = self.pusher.push(live)
         self.push_s.append(time.perf_counter() - t0)
@@ -325,24 +372,43 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         dec = ctl.last
         if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
             engines.push(adapter.live)
-        row = {"step": step, "plan": f"@{dec.source} {shape(lay)}",
-               "reward": float(mean_reward), "loss": loss, "decision": dec.action, "forced": dec.forced,
-               "target": dec.target, "seconds": round(time.perf_counter() - t0, 3)}
+        row = {
+            "step": step,
+            "plan": f"@{dec.source} {shape(lay)}",
+            "reward": float(mean_reward),
+            "loss": loss,
+            "decision": dec.action,
+            "forced": dec.forced,
+            "target": dec.target,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
         if engines is not None:
             row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
-            print(f"step {step:3d}  plan @{dec.source} ({shape(lay)})  reward {row['reward']:.3f}  "
-                  f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
-                  f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s"
-                  + (f"  push {row['push_s'] * 1e3:.1f} ms + engine load {row['load_s'] * 1e3:.1f} ms"
-                     if engines is not None else ""), flush=True)
+            print(
+                f"step {step:3d}  plan @{dec.source} ({shape(lay)})  reward {row['reward']:.3f}  "
+                f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
+                f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s"
+                + (
+                    f"  push {row['push_s'] * 1e3:.1f} ms + engine load {row['load_s'] * 1e3:.1f} ms"
+                    if engines is not None
+                    else ""
+                ),
+                flush=True,
+            )
         if not ctl.active:  # this rank handed its state over and leaves the job
             break
     if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
         engines.engine.close()
-    return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
-            "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
+    return {
+        "rank": rank,
+        "history": history,
+        "active": ctl.active,
+        "plan": ctl.plan,
+        "moves": getattr(adapter, "moves", None),
+        "checks": getattr(adapter, "checks", None),
+    }
 
 
 if __name__ == "__main__":

@@ -56,8 +56,20 @@ class Critic(torch.nn.Module):
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for a in ("--steps", "--prompts", "--group", "--digits", "--alphabet", "--seed", "--tp", "--dp", "--pp", "--leave-step",
-              "--leave-rank", "--planned-response"):
+    for a in (
+        "--steps",
+        "--prompts",
+        "--group",
+        "--digits",
+        "--alphabet",
+        "--seed",
+        "--tp",
+        "--dp",
+        "--pp",
+        "--leave-step",
+        "--leave-rank",
+        "--planned-response",
+    ):
         p.add_argument(a, type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--critic-lr", type=float, default=3e-3)
@@ -68,9 +80,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--decision-log", default=None)
     p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                   help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
-                        "Nereus after every update (vllm: needs nereus[vllm])")
+    p.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
+        "Nereus after every update (vllm: needs nereus[vllm])",
+    )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -107,14 +123,16 @@ def average_grads(params, group, dp: int) -> None:
 def actor_loss(plen: int, clip: float):
     """The clipped PPO policy loss of a micro-batch, target = ``g.pack(seqs, old, adv, mask)``: the
     mean over the micro-batch's response tokens."""
+
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         n = logits.shape[1]
         resp = n - plen
-        seqs, old = target[:, :n].long(), target[:, n:n + resp]
-        adv, mask = target[:, n + resp:n + 2 * resp], target[:, n + 2 * resp:]
+        seqs, old = target[:, :n].long(), target[:, n : n + resp]
+        adv, mask = target[:, n + resp : n + 2 * resp], target[:, n + 2 * resp :]
         ratio = torch.exp(g.logp_of(logits, seqs, plen) - old)
         pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
         return (pg * mask).sum() / mask.sum()
+
     return loss
 
 
@@ -125,7 +143,7 @@ def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args)
     with torch.no_grad():
         old = g.logp_of(g.forward(live, seqs), seqs, plen)
         ref = g.token_logp(reference, seqs, plen)
-        values = critic(seqs)[:, plen - 1:-1]
+        values = critic(seqs)[:, plen - 1 : -1]
         rewards = -args.beta * (old - ref) * mask
         last = (mask.sum(dim=1) - 1).long()
         rewards[torch.arange(len(seqs)), last] += score
@@ -139,7 +157,7 @@ def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args)
     target = g.pack(seqs, old, adv, mask)
     for _ in range(args.epochs):
         loss = g.optimize(live, seqs, target, actor_loss(plen, args.clip))
-        v = critic(seqs)[:, plen - 1:-1]
+        v = critic(seqs)[:, plen - 1 : -1]
         critic_loss = 0.5 * (((v - returns) ** 2) * mask).sum() / mask.sum()
         critic_loss.backward()
         if dp > 1:
@@ -161,8 +179,9 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     live, reference, plain = g.actor_and_reference(cfg, module, args)
     torch.manual_seed(args.seed + 1)
     critic = Critic(plain).to(torch.float32)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0,
-                                   foreach=False)
+    critic_opt = torch.optim.AdamW(
+        critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0, foreach=False
+    )
     adapter = adapter_cls(live, module, "a", seed=args.seed)
     ctl, timed = g.controller(module, adapter, args, faults)
     engines = g.start_engines(cfg, args, rank, world, live)
@@ -181,24 +200,41 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
-        row = {"step": step, "plan": f"@{dec.source} {g.shape(lay)}", "reward": float(mean_reward),
-               "loss": loss, "value_loss": vloss, "decision": dec.action, "forced": dec.forced, "target": dec.target,
-               "seconds": round(time.perf_counter() - t0, 3)}
+        row = {
+            "step": step,
+            "plan": f"@{dec.source} {g.shape(lay)}",
+            "reward": float(mean_reward),
+            "loss": loss,
+            "value_loss": vloss,
+            "decision": dec.action,
+            "forced": dec.forced,
+            "target": dec.target,
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
         if engines is not None and ctl.active:  # the updated actor (in its new layout after a move) to the engines
             engines.push(adapter.live)
             row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
-            print(f"step {step:3d}  plan @{dec.source} ({g.shape(lay)})  reward {row['reward']:.3f}  "
-                  f"loss {loss:+.4f}  value loss {vloss:.4f}  decision {dec.action}"
-                  f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
-                  f"  {row['seconds']:.2f} s", flush=True)
+            print(
+                f"step {step:3d}  plan @{dec.source} ({g.shape(lay)})  reward {row['reward']:.3f}  "
+                f"loss {loss:+.4f}  value loss {vloss:.4f}  decision {dec.action}"
+                f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
+                f"  {row['seconds']:.2f} s",
+                flush=True,
+            )
         if not ctl.active:
             break
     if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
         engines.engine.close()
-    return {"rank": rank, "history": history, "active": ctl.active, "plan": ctl.plan,
-            "moves": getattr(adapter, "moves", None), "checks": getattr(adapter, "checks", None)}
+    return {
+        "rank": rank,
+        "history": history,
+        "active": ctl.active,
+        "plan": ctl.plan,
+        "moves": getattr(adapter, "moves", None),
+        "checks": getattr(adapter, "checks", None),
+    }
 
 
 if __name__ == "__main__":

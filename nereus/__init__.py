@@ -47,5 +47,21 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["Controller", "DecisionCore", "DiagnosticError", "Module", "execute", "export_plan", "get_all_passes", "lower",
-           "parse", "parse_file", "print_ir", "reshard", "reshard_shards", "run_pipeline", "verify", "__version__"]
+__all__ = [
+    "Controller",
+    "DecisionCore",
+    "DiagnosticError",
+    "Module",
+    "execute",
+    "export_plan",
+    "get_all_passes",
+    "lower",
+    "parse",
+    "parse_file",
+    "print_ir",
+    "reshard",
+    "reshard_shards",
+    "run_pipeline",
+    "verify",
+    "__version__",
+]

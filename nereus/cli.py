@@ -120,22 +120,32 @@ def cmd_diff(args) -> int:
         a, b = (x.lstrip("@") for x in args.plans)
     elif len(loaded) == 1:
         if len(ma.plans) != 2:
-            print(f"nereus diff: error: {pa} has {len(ma.plans)} plans ({', '.join('@' + n for n in ma.plans) or 'none'}); "
-                  "name two with --plans @a @b", file=sys.stderr)
+            print(
+                f"nereus diff: error: {pa} has {len(ma.plans)} plans "
+                f"({', '.join('@' + n for n in ma.plans) or 'none'}); "
+                "name two with --plans @a @b",
+                file=sys.stderr,
+            )
             return 1
         a, b = ma.plans
     else:
         many = [(p, m) for p, m in loaded if len(m.plans) != 1]
         if many:
             p, m = many[0]
-            print(f"nereus diff: error: {p} has {len(m.plans)} plans ({', '.join('@' + n for n in m.plans) or 'none'}); "
-                  "name one of each file with --plans @a @b", file=sys.stderr)
+            print(
+                f"nereus diff: error: {p} has {len(m.plans)} plans ({', '.join('@' + n for n in m.plans) or 'none'}); "
+                "name one of each file with --plans @a @b",
+                file=sys.stderr,
+            )
             return 1
         a, b = next(iter(ma.plans)), next(iter(mb.plans))
     for path, m, name in ((pa, ma, a), (pb, mb, b)):
         if name not in m.plans:
-            print(f"nereus diff: error: {path} has no plan @{name}; its plans: "
-                  + (", ".join("@" + n for n in m.plans) or "none"), file=sys.stderr)
+            print(
+                f"nereus diff: error: {path} has no plan @{name}; its plans: "
+                + (", ".join("@" + n for n in m.plans) or "none"),
+                file=sys.stderr,
+            )
             return 1
     where = pa if len(loaded) == 1 else f"{pa} vs {pb}"
     diff(ma, a, mb, b, f"{where}: @{a} -> @{b}")
@@ -165,9 +175,13 @@ def cmd_opt(args) -> int:
 
         from .registry import parse_pipeline
 
-        passes = [replace(p, explain=True) if any(f.name == "explain" for f in fields(p)) else p
-                  for p in parse_pipeline(passes)]
-    run_pipeline(m, passes, after_each=dump if args.print_ir_after_all else None, verify_input=False)  # _load verified it
+        passes = [
+            replace(p, explain=True) if any(f.name == "explain" for f in fields(p)) else p
+            for p in parse_pipeline(passes)
+        ]
+    run_pipeline(
+        m, passes, after_each=dump if args.print_ir_after_all else None, verify_input=False
+    )  # _load verified it
     for w in m.warnings:
         if w.loc.file is None:
             w = Diagnostic(Loc(w.loc.line, w.loc.col, args.file), w.message, w.hint, w.severity)
@@ -202,8 +216,13 @@ def cmd_lower(args) -> int:
     m, _ = _load(args.file)
     if args.pipeline:
         run_pipeline(m, args.pipeline)
-    prog = lower(m, pick_transition(m, args.transition or ""), bucket_bytes=args.bucket, broadcast=args.broadcast,
-                 direct_bytes=args.direct)
+    prog = lower(
+        m,
+        pick_transition(m, args.transition or ""),
+        bucket_bytes=args.bucket,
+        broadcast=args.broadcast,
+        direct_bytes=args.direct,
+    )
     if args.script:
         if not _write(args.script, render_script(prog)):
             return 1
@@ -248,8 +267,15 @@ def _trace_job(trace, path: str):
         return _load(str(beside))[0]
     if name in EXAMPLES:
         return verify(parse(EXAMPLES[name](), name))
-    raise DiagnosticError([Diagnostic(Loc(1, 1, path), f"the trace's job '{trace.job}' is neither an example nor a file "
-                                                       f"beside the trace", "examples: " + ", ".join(EXAMPLES))])
+    raise DiagnosticError(
+        [
+            Diagnostic(
+                Loc(1, 1, path),
+                f"the trace's job '{trace.job}' is neither an example nor a file beside the trace",
+                "examples: " + ", ".join(EXAMPLES),
+            )
+        ]
+    )
 
 
 def cmd_simulate(args) -> int:
@@ -289,7 +315,10 @@ def cmd_import_hf(args) -> int:
         return 2
     if args.preset:
         if args.preset not in PRESETS:
-            print(f"nereus import-hf: error: unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}", file=sys.stderr)
+            print(
+                f"nereus import-hf: error: unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}",
+                file=sys.stderr,
+            )
             return 1
         model = preset_model(args.preset, args.name, trained=args.trained, head=args.head)
         notes = PRESET_NOTES.get(args.preset, [])
@@ -329,11 +358,10 @@ def cmd_passes(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .backend.lower import DEFAULT_BUCKET, DEFAULT_DIRECT
     from .bench import BENCHMARKS
     from .sim import POLICY_NAMES
-
-    from . import __version__
 
     p = argparse.ArgumentParser(prog="nereus", description="Adaptive parallelism for RL post-training: IR tools.")
     p.add_argument("--version", action="version", version=f"nereus {__version__}")
@@ -349,34 +377,66 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summarise a module: GPUs, model-stages, layouts, memory")
     s.add_argument("files", nargs="+", metavar="FILE")
     s.set_defaults(func=cmd_show)
-    d = sub.add_parser("diff", help="two plans side by side: layouts, times and memory, with the change (estimated if needed)")
+    d = sub.add_parser(
+        "diff", help="two plans side by side: layouts, times and memory, with the change (estimated if needed)"
+    )
     d.add_argument("files", nargs="+", metavar="FILE", help="one file with two plans, or two files")
     d.add_argument("--plans", nargs=2, metavar=("@A", "@B"), help="which plans (of the first file, and of the second)")
     d.set_defaults(func=cmd_diff)
     o = sub.add_parser("opt", help="run a pipeline of passes and print the resulting IR")
     o.add_argument("file", metavar="FILE")
-    o.add_argument("-p", "--pipeline", help="e.g. derive-emus{model_stage=actor.train} (default: the file's // RUN: line)")
-    o.add_argument("--explain", action="store_true",
-                   help="passes that can explain their choices do (plan-search: runner-ups, bottleneck, memory, colocation, offload; to stderr)")
+    o.add_argument(
+        "-p", "--pipeline", help="e.g. derive-emus{model_stage=actor.train} (default: the file's // RUN: line)"
+    )
+    o.add_argument(
+        "--explain",
+        action="store_true",
+        help="passes that can explain their choices do (plan-search: runner-ups, bottleneck, memory, colocation, "
+        "offload; to stderr)",
+    )
     o.add_argument("-o", "--output", metavar="OUT", help="write the IR here instead of stdout")
     o.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass (to stderr)")
-    o.add_argument("--golden", metavar="FILE.expected", help="compare the result with a golden file (exit 1 and a diff if it differs)")
-    o.add_argument("--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)")
+    o.add_argument(
+        "--golden",
+        metavar="FILE.expected",
+        help="compare the result with a golden file (exit 1 and a diff if it differs)",
+    )
+    o.add_argument(
+        "--update-goldens", action="store_true", help="with --golden: rewrite the golden file (still exit 1)"
+    )
     o.set_defaults(func=cmd_opt)
-    lo = sub.add_parser("lower", help="lower a transition to a collective program; summarise or print it, or render a script")
+    lo = sub.add_parser(
+        "lower", help="lower a transition to a collective program; summarise or print it, or render a script"
+    )
     lo.add_argument("file", metavar="FILE")
     lo.add_argument("-p", "--pipeline", help="passes to run first, e.g. plan-transition{to=@b},schedule-transfers")
     lo.add_argument("--transition", metavar="@NAME", help="which transition (default: the only one)")
     lo.add_argument("--script", metavar="OUT.py", help="write a standalone Python script that runs under torchrun")
-    lo.add_argument("--full", action="store_true",
-                    help="print the whole program (per-layer repetition folded into layers.A..B ranges) instead of its summary")
-    lo.add_argument("--bucket", type=_size, default=DEFAULT_BUCKET, metavar="SIZE",
-                    help="bucket size for packed slices, with a unit (64MiB) or in bytes")
-    lo.add_argument("--direct", type=_size, default=DEFAULT_DIRECT, metavar="SIZE",
-                    help="a slice at least this large that is contiguous on one side travels as its own message "
-                         "(default 64KiB)")
-    lo.add_argument("--broadcast", choices=("auto", "p2p", "chain", "collective"), default="auto",
-                    help="send one slice to many as point-to-point messages or as a subgroup broadcast")
+    lo.add_argument(
+        "--full",
+        action="store_true",
+        help="print the whole program (per-layer repetition folded into layers.A..B ranges) instead of its summary",
+    )
+    lo.add_argument(
+        "--bucket",
+        type=_size,
+        default=DEFAULT_BUCKET,
+        metavar="SIZE",
+        help="bucket size for packed slices, with a unit (64MiB) or in bytes",
+    )
+    lo.add_argument(
+        "--direct",
+        type=_size,
+        default=DEFAULT_DIRECT,
+        metavar="SIZE",
+        help="a slice at least this large that is contiguous on one side travels as its own message (default 64KiB)",
+    )
+    lo.add_argument(
+        "--broadcast",
+        choices=("auto", "p2p", "chain", "collective"),
+        default="auto",
+        help="send one slice to many as point-to-point messages or as a subgroup broadcast",
+    )
     lo.set_defaults(func=cmd_lower)
     ps = sub.add_parser("passes", help="list every pass with its options, their types and defaults")
     ps.set_defaults(func=cmd_passes)
@@ -387,8 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
     sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")
-    sm.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                    help="run the policies in this many processes (default: one per CPU)")
+    sm.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="run the policies in this many processes (default: one per CPU)",
+    )
     sm.set_defaults(func=cmd_simulate)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help=", ".join(BENCHMARKS))
@@ -406,8 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a plan as verl config, Megatron-LM arguments or vLLM engine arguments")
     ex.add_argument("file", metavar="FILE")
     ex.add_argument("--plan", required=True, metavar="@NAME", help="the plan to export")
-    ex.add_argument("--to", required=True, choices=("verl", "verl-overrides", "megatron", "vllm"),
-                    help="verl YAML, verl Hydra overrides (key=value), Megatron-LM arguments, vLLM engine arguments")
+    ex.add_argument(
+        "--to",
+        required=True,
+        choices=("verl", "verl-overrides", "megatron", "vllm"),
+        help="verl YAML, verl Hydra overrides (key=value), Megatron-LM arguments, vLLM engine arguments",
+    )
     ex.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
     ex.set_defaults(func=cmd_export)
     return p

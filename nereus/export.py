@@ -45,8 +45,10 @@ def export_plan(module: Module, plan_name: str, target: str) -> str:
 
 # ------------------------------------------------------------------- shared
 def _header(m: Module, plan: Plan, framework: str, what: str) -> list[str]:
-    lines = [f"# Nereus plan @{plan.name} from {m.filename or '<input>'}, exported for {framework}: {what}",
-             "# each value's comment names the Nereus layout (or workload / cluster attribute) it came from"]
+    lines = [
+        f"# Nereus plan @{plan.name} from {m.filename or '<input>'}, exported for {framework}: {what}",
+        "# each value's comment names the Nereus layout (or workload / cluster attribute) it came from",
+    ]
     return lines + [f"# layout {ms}: {_desc(lay)}" for ms, lay in plan.layouts.items()]
 
 
@@ -66,9 +68,11 @@ def _flushes(m: Module, plan: Plan, lay: Layout, dp: int, framework: str) -> lis
     n = (w.mini_batch or w.samples) // (dp * w.micro_batch)
     if lay.pp == 1 or n == lay.micro_batches:
         return []
-    return [f"not expressible in {framework}: {lay.model_stage} micro_batches = {lay.micro_batches} per pipeline flush; "
-            f"{framework} flushes once per optimizer step: mini_batch {w.mini_batch or w.samples} / (dp {dp} x micro_batch "
-            f"{w.micro_batch}) = {n} micro-batches"]
+    return [
+        f"not expressible in {framework}: {lay.model_stage} micro_batches = {lay.micro_batches} per pipeline flush; "
+        f"{framework} flushes once per optimizer step: mini_batch {w.mini_batch or w.samples} / (dp {dp} x micro_batch "
+        f"{w.micro_batch}) = {n} micro-batches"
+    ]
 
 
 def generate_memory(m: Module, plan: Plan, model_stage: str) -> tuple[float, float, float]:
@@ -95,8 +99,15 @@ def _roles(m: Module, plan: Plan) -> tuple[dict[str, str], list[str]]:
     rest = []
     for name in w.roles:
         md = m.models[name]
-        role = ("actor" if name in gen or (md.trained and md.head == "lm") else "critic" if md.trained
-                else "ref" if md.head == "lm" else "reward")
+        role = (
+            "actor"
+            if name in gen or (md.trained and md.head == "lm")
+            else "critic"
+            if md.trained
+            else "ref"
+            if md.head == "lm"
+            else "reward"
+        )
         if role in roles:
             rest.append(name)
         else:
@@ -127,7 +138,10 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
     if w.algorithm == "sft":
         notes.append("not expressible in verl: algorithm = sft (verl's SFT trainer is another entry point)")
     if len(gpus) != c.num_gpus:
-        notes.append(f"not expressible in verl: unavailable GPUs {compress_ints(c.unavailable)} (verl uses every GPU of its nodes)")
+        notes.append(
+            f"not expressible in verl: unavailable GPUs {compress_ints(c.unavailable)} (verl uses every GPU of its "
+            "nodes)"
+        )
 
     def engine(prefix: str, fsdp: dict[str, str], ms: str, trained: bool):
         """The parallel sizes, ZeRO, recomputation and offload of one role's worker."""
@@ -153,44 +167,70 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
                     put(f"{t}.recompute_method", "uniform", f"{src} recompute")
                     put(f"{t}.recompute_num_layers", 1, f"{src} recompute")
                 if lay.zero >= 2:
-                    notes.append(f"not expressible in verl: {ms} zero = {lay.zero}; verl's Megatron workers shard "
-                                 "only optimizer state over DP (use_distributed_optimizer, ZeRO-1)")
+                    notes.append(
+                        f"not expressible in verl: {ms} zero = {lay.zero}; verl's Megatron workers shard "
+                        "only optimizer state over DP (use_distributed_optimizer, ZeRO-1)"
+                    )
                 notes.extend(_flushes(m, plan, lay, len(gpus) // (lay.tp * lay.pp * lay.cp), "verl"))
             sizes = [b - a + 1 for a, b in lay.layers]
             if len(set(sizes)) > 1:
-                notes.append(f"not expressible in verl: {ms} uneven pipeline stages {sizes} layers (verl splits evenly)")
+                notes.append(
+                    f"not expressible in verl: {ms} uneven pipeline stages {sizes} layers (verl splits evenly)"
+                )
         else:
             put(fsdp["param_offload"], "weights" in off, f"{src} offload")
             if trained:
                 put(fsdp["optimizer_offload"], "optimizer" in off, f"{src} offload")
                 put(fsdp["recompute"], lay.recompute, f"{src} recompute")
                 if lay.zero != 3:
-                    notes.append(f"not expressible in verl: {ms} zero = {lay.zero}; verl's FSDP workers shard weights, "
-                                 "grads and optimizer state (ZeRO-3)")
+                    notes.append(
+                        f"not expressible in verl: {ms} zero = {lay.zero}; verl's FSDP workers shard weights, "
+                        "grads and optimizer state (ZeRO-3)"
+                    )
                 if "grads" in off:
-                    notes.append(f"not expressible in verl: {ms} offload of grads (FSDP workers offload weights and optimizer)")
+                    notes.append(
+                        f"not expressible in verl: {ms} offload of grads (FSDP workers offload weights and optimizer)"
+                    )
             if "ulysses" in fsdp:
                 put(fsdp["ulysses"], lay.cp, f"{src} cp (verl: Ulysses sequence parallelism, not ring attention)")
             elif lay.cp > 1:
-                notes.append(f"not expressible in verl: {ms} cp = {lay.cp} (this role follows the actor's Ulysses size)")
+                notes.append(
+                    f"not expressible in verl: {ms} cp = {lay.cp} (this role follows the actor's Ulysses size)"
+                )
             if lay.tp > 1 or lay.pp > 1:
-                notes.append(f"not expressible in verl: {ms} tp = {lay.tp}, pp = {lay.pp}; with no trained layout using "
-                             "TP or PP this export picks verl's FSDP workers, which have neither")
+                notes.append(
+                    f"not expressible in verl: {ms} tp = {lay.tp}, pp = {lay.pp}; with no trained layout using "
+                    "TP or PP this export picks verl's FSDP workers, which have neither"
+                )
         if lay.fp8 or lay.grad_dtype != "bf16":
-            notes.append(f"not expressible in verl: {ms} fp8 = {str(lay.fp8).lower()}, grad_dtype = {lay.grad_dtype} "
-                         "(no verl key; Megatron's own options through override_transformer_config)")
+            notes.append(
+                f"not expressible in verl: {ms} fp8 = {str(lay.fp8).lower()}, grad_dtype = {lay.grad_dtype} "
+                "(no verl key; Megatron's own options through override_transformer_config)"
+            )
         n = len(gpus) // (lay.tp * lay.pp * lay.cp)
         if sorted(lay.mesh) != gpus:
-            notes.append(f"not expressible in verl: {ms} runs on GPUs {compress_ints(sorted(lay.mesh))} (dp = {lay.dp}); "
-                         f"verl runs every role on all {len(gpus)} GPUs, so these sizes give DP {n} there")
+            notes.append(
+                f"not expressible in verl: {ms} runs on GPUs {compress_ints(sorted(lay.mesh))} (dp = {lay.dp}); "
+                f"verl runs every role on all {len(gpus)} GPUs, so these sizes give DP {n} there"
+            )
         elif n != lay.dp:
             notes.append(f"not expressible in verl: {ms} dp = {lay.dp}; verl derives DP {n} from the GPUs")
 
     def same_as_train(ms_infer: str, ms_train: str):
         a, b = lays[ms_infer], lays[ms_train]
-        if (a.tp, a.pp, a.cp, a.dp, a.vpp, a.sp, sorted(a.mesh)) != (b.tp, b.pp, b.cp, b.dp, b.vpp, b.sp, sorted(b.mesh)):
-            notes.append(f"not expressible in verl: {ms_infer} ({_desc(a)}) differs from {ms_train} ({_desc(b)}); "
-                         f"verl runs a trained model's forward passes with its training layout")
+        if (a.tp, a.pp, a.cp, a.dp, a.vpp, a.sp, sorted(a.mesh)) != (
+            b.tp,
+            b.pp,
+            b.cp,
+            b.dp,
+            b.vpp,
+            b.sp,
+            sorted(b.mesh),
+        ):
+            notes.append(
+                f"not expressible in verl: {ms_infer} ({_desc(a)}) differs from {ms_train} ({_desc(b)}); "
+                f"verl runs a trained model's forward passes with its training layout"
+            )
 
     actor = roles.get("actor")
     if actor:
@@ -207,25 +247,43 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
             put(f"{r}.log_prob_micro_batch_size_per_gpu", w.micro_batch, f"workload @{w.name} micro_batch")
             n = len(gpus) // (lay.tp * lay.pp)
             if sorted(lay.mesh) != gpus or n != lay.dp:
-                notes.append(f"not expressible in verl: {ms} {_desc(lay)}; verl's rollout runs on all {len(gpus)} GPUs, "
-                             f"{n} engines of TP {lay.tp} x PP {lay.pp}")
+                notes.append(
+                    f"not expressible in verl: {ms} {_desc(lay)}; verl's rollout runs on all {len(gpus)} GPUs, "
+                    f"{n} engines of TP {lay.tp} x PP {lay.pp}"
+                )
             for what, bad in (("cp", lay.cp > 1), ("sp", lay.sp), ("offload", lay.offload), ("fp8", lay.fp8)):
                 if bad:
-                    notes.append(f"not expressible in verl: {ms} {what} = {getattr(lay, what)} (verl's vLLM rollout has no such setting)")
+                    notes.append(
+                        f"not expressible in verl: {ms} {what} = {getattr(lay, what)} (verl's vLLM rollout has no "
+                        "such setting)"
+                    )
         ms = of.get((actor, "train"))
         if ms:
             a = "actor_rollout_ref.actor"
             put(f"{a}.strategy", strategy, "layouts of the trained model-stages (TP/PP: megatron)")
-            put(f"{a}.ppo_mini_batch_size", (w.mini_batch or w.samples) // w.group_size,
-                f"workload @{w.name} mini_batch / group_size (prompts)")
+            put(
+                f"{a}.ppo_mini_batch_size",
+                (w.mini_batch or w.samples) // w.group_size,
+                f"workload @{w.name} mini_batch / group_size (prompts)",
+            )
             if (w.mini_batch or w.samples) % w.group_size:
-                notes.append(f"not expressible in verl: mini_batch = {w.mini_batch} is not a multiple of group_size = "
-                             f"{w.group_size} (verl's mini-batches hold whole groups)")
+                notes.append(
+                    f"not expressible in verl: mini_batch = {w.mini_batch} is not a multiple of group_size = "
+                    f"{w.group_size} (verl's mini-batches hold whole groups)"
+                )
             put(f"{a}.ppo_micro_batch_size_per_gpu", w.micro_batch, f"workload @{w.name} micro_batch")
             put(f"{a}.ppo_epochs", w.ppo_epochs, f"workload @{w.name} ppo_epochs")
-            engine(a, {"param_offload": f"{a}.fsdp_config.param_offload", "optimizer_offload": f"{a}.fsdp_config.optimizer_offload",
-                       "recompute": "actor_rollout_ref.model.enable_gradient_checkpointing",
-                       "ulysses": f"{a}.ulysses_sequence_parallel_size"}, ms, True)
+            engine(
+                a,
+                {
+                    "param_offload": f"{a}.fsdp_config.param_offload",
+                    "optimizer_offload": f"{a}.fsdp_config.optimizer_offload",
+                    "recompute": "actor_rollout_ref.model.enable_gradient_checkpointing",
+                    "ulysses": f"{a}.ulysses_sequence_parallel_size",
+                },
+                ms,
+                True,
+            )
             if (actor, "infer") in of:
                 same_as_train(of[(actor, "infer")], ms)
     ref = roles.get("ref")
@@ -238,10 +296,17 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
         ms = of[(critic, "train")]
         put("critic.strategy", strategy, "layouts of the trained model-stages (TP/PP: megatron)")
         put("critic.ppo_micro_batch_size_per_gpu", w.micro_batch, f"workload @{w.name} micro_batch")
-        engine("critic", {"param_offload": "critic.model.fsdp_config.param_offload",
-                          "optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
-                          "recompute": "critic.model.enable_gradient_checkpointing",
-                          "ulysses": "critic.ulysses_sequence_parallel_size"}, ms, True)
+        engine(
+            "critic",
+            {
+                "param_offload": "critic.model.fsdp_config.param_offload",
+                "optimizer_offload": "critic.model.fsdp_config.optimizer_offload",
+                "recompute": "critic.model.enable_gradient_checkpointing",
+                "ulysses": "critic.ulysses_sequence_parallel_size",
+            },
+            ms,
+            True,
+        )
         if (critic, "infer") in of:
             same_as_train(of[(critic, "infer")], ms)
     reward = roles.get("reward")
@@ -249,8 +314,15 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
         put("reward_model.enable", True, f"model @{reward} (frozen, value head)")
         put("reward_model.strategy", strategy, "layouts of the trained model-stages (TP/PP: megatron)")
         put("reward_model.micro_batch_size_per_gpu", w.micro_batch, f"workload @{w.name} micro_batch")
-        engine("reward_model", {"param_offload": "reward_model.model.fsdp_config.param_offload",
-                                "ulysses": "reward_model.ulysses_sequence_parallel_size"}, of[(reward, "infer")], False)
+        engine(
+            "reward_model",
+            {
+                "param_offload": "reward_model.model.fsdp_config.param_offload",
+                "ulysses": "reward_model.ulysses_sequence_parallel_size",
+            },
+            of[(reward, "infer")],
+            False,
+        )
     for name in rest:
         notes.append(f"not expressible in verl: model @{name} (verl has one actor, critic, ref and reward model)")
     for ms in sorted(set(kinds) - set(of.values())):
@@ -259,8 +331,10 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
         mss = st.model_stages()
         apart = [a for a in mss if any(not set(lays[a].mesh) & set(lays[b].mesh) for b in mss if b != a)]
         if apart:
-            notes.append(f"not expressible in verl: stage {st.name} runs {', '.join(apart)} side by side on disjoint "
-                         "GPUs; verl runs them one after another on all GPUs")
+            notes.append(
+                f"not expressible in verl: stage {st.name} runs {', '.join(apart)} side by side on disjoint "
+                "GPUs; verl runs them one after another on all GPUs"
+            )
 
     config = f"--config-name {'ppo_megatron_trainer' if megatron else 'ppo_trainer'}"
     form = "Hydra overrides" if target == "verl-overrides" else "YAML"
@@ -315,16 +389,19 @@ def _megatron(m: Module, plan: Plan, target: str) -> list[str]:
     lines = _header(m, plan, "Megatron-LM", "pretrain_gpt.py arguments, one bash array per trained model-stage")
     skipped = [ms for ms, k in kinds.items() if k != "train"]
     if skipped:
-        lines.append(f"# not exported: {', '.join(skipped)} (Megatron-LM arguments describe training; "
-                     "generation: --to vllm)")
+        lines.append(
+            f"# not exported: {', '.join(skipped)} (Megatron-LM arguments describe training; generation: --to vllm)"
+        )
     for ms, k in kinds.items():
         if k != "train":
             continue
         lay, md = plan.layouts[ms], m.models[plan.layouts[ms].model]
         src, mdl, wl = f"layout {ms}", f"model @{md.name}", f"workload @{w.name}"
         args: list[tuple[str, object, str]] = [
-            ("--tensor-model-parallel-size", lay.tp, src), ("--pipeline-model-parallel-size", lay.pp, src),
-            ("--context-parallel-size", lay.cp, src)]
+            ("--tensor-model-parallel-size", lay.tp, src),
+            ("--pipeline-model-parallel-size", lay.pp, src),
+            ("--context-parallel-size", lay.cp, src),
+        ]
         notes = []
         sizes = [b - a + 1 for a, b in lay.layers]
         if lay.vpp > 1:
@@ -334,8 +411,10 @@ def _megatron(m: Module, plan: Plan, target: str) -> list[str]:
                 notes.append(f"vpp = {lay.vpp} over uneven stages {sizes} layers")
         elif len(set(sizes)) > 1:
             if len(set(sizes[1:-1])) <= 1:  # the middle stages split the rest evenly
-                args += [("--decoder-first-pipeline-num-layers", sizes[0], f"{src} layers"),
-                         ("--decoder-last-pipeline-num-layers", sizes[-1], f"{src} layers")]
+                args += [
+                    ("--decoder-first-pipeline-num-layers", sizes[0], f"{src} layers"),
+                    ("--decoder-last-pipeline-num-layers", sizes[-1], f"{src} layers"),
+                ]
             else:
                 notes.append(f"uneven pipeline stages {sizes} layers (Megatron-LM sets only the first and last)")
         if lay.sp:
@@ -343,20 +422,28 @@ def _megatron(m: Module, plan: Plan, target: str) -> list[str]:
         if lay.zero >= 1:
             args.append(("--use-distributed-optimizer", None, f"{src} zero = {lay.zero}"))
         if lay.zero >= 2:
-            notes.append(f"zero = {lay.zero}: the distributed optimizer shards optimizer state (ZeRO-1); "
-                         "Megatron-LM keeps every rank's full gradient buffer and weights")
+            notes.append(
+                f"zero = {lay.zero}: the distributed optimizer shards optimizer state (ZeRO-1); "
+                "Megatron-LM keeps every rank's full gradient buffer and weights"
+            )
         if lay.recompute:
-            args += [("--recompute-granularity", "full", f"{src} recompute"),
-                     ("--recompute-method", "uniform", f"{src} recompute"), ("--recompute-num-layers", 1, f"{src} recompute")]
+            args += [
+                ("--recompute-granularity", "full", f"{src} recompute"),
+                ("--recompute-method", "uniform", f"{src} recompute"),
+                ("--recompute-num-layers", 1, f"{src} recompute"),
+            ]
         if lay.fp8:
             args.append(("--fp8-format", "hybrid", f"{src} fp8"))
         if lay.grad_dtype == "fp32":
             args.append(("--accumulate-allreduce-grads-in-fp32", None, f"{src} grad_dtype"))
-        args += [("--micro-batch-size", w.micro_batch, f"{wl} micro_batch"),
-                 ("--global-batch-size", w.mini_batch or w.samples, f"{wl} mini_batch (samples per optimizer step)"),
-                 ("--seq-length", w.prompt_len_max + w.response_len_max, f"{wl} prompt_len_max + response_len_max"),
-                 ("--num-layers", md.layers, mdl), ("--hidden-size", md.hidden, mdl),
-                 ("--num-attention-heads", md.heads, mdl)]
+        args += [
+            ("--micro-batch-size", w.micro_batch, f"{wl} micro_batch"),
+            ("--global-batch-size", w.mini_batch or w.samples, f"{wl} mini_batch (samples per optimizer step)"),
+            ("--seq-length", w.prompt_len_max + w.response_len_max, f"{wl} prompt_len_max + response_len_max"),
+            ("--num-layers", md.layers, mdl),
+            ("--hidden-size", md.hidden, mdl),
+            ("--num-attention-heads", md.heads, mdl),
+        ]
         if md.kv_heads != md.heads:
             args += [("--group-query-attention", None, mdl), ("--num-query-groups", md.kv_heads, f"{mdl} kv_heads")]
         if md.head_dim is not None:
@@ -366,8 +453,11 @@ def _megatron(m: Module, plan: Plan, target: str) -> list[str]:
             args.append(("--swiglu", None, f"{mdl} mlp = gated"))
         if not md.tied_embeddings:
             args.append(("--untie-embeddings-and-output-weights", None, f"{mdl} tied_embeddings = false"))
-        args += [("--normalization", "RMSNorm", f"{mdl} (Llama-style)"), ("--position-embedding-type", "rope", f"{mdl} (Llama-style)"),
-                 ("--disable-bias-linear", None, f"{mdl} (no biases in the IR)")]
+        args += [
+            ("--normalization", "RMSNorm", f"{mdl} (Llama-style)"),
+            ("--position-embedding-type", "rope", f"{mdl} (Llama-style)"),
+            ("--disable-bias-linear", None, f"{mdl} (no biases in the IR)"),
+        ]
         if md.dtype in ("bf16", "fp16"):
             args.append((f"--{md.dtype}", None, f"{mdl} dtype"))
         elif md.dtype == "fp8":
@@ -375,14 +465,21 @@ def _megatron(m: Module, plan: Plan, target: str) -> list[str]:
         if md.head == "value":
             notes.append(f"{mdl} head = value (Megatron-LM's GPT model has an LM head only)")
         if lay.offload:
-            notes.append(f"offload = [{', '.join(lay.offload)}] (moving state to host memory between RL stages "
-                         "is the RL framework's job, not a Megatron-LM argument)")
-        notes = [f"not expressible in Megatron-LM: {ms} {n}" for n in notes] + _flushes(m, plan, lay, lay.dp, "Megatron-LM")
+            notes.append(
+                f"offload = [{', '.join(lay.offload)}] (moving state to host memory between RL stages "
+                "is the RL framework's job, not a Megatron-LM argument)"
+            )
+        notes = [f"not expressible in Megatron-LM: {ms} {n}" for n in notes] + _flushes(
+            m, plan, lay, lay.dp, "Megatron-LM"
+        )
         nodes = sorted({c.node_of(g) for g in lay.mesh})
         var = ms.upper().replace(".", "_") + "_ARGS"
-        lines += ["", f"# {ms}: {_desc(lay)}; Megatron-LM derives DP {lay.dp} from the world size",
-                  f"# launch: torchrun --nnodes {len(nodes)} --nproc-per-node {lay.world // len(nodes)} pretrain_gpt.py "
-                  f"\"${{{var}[@]}}\" (plus data, tokenizer: vocab {md.vocab}, and optimizer arguments)"]
+        lines += [
+            "",
+            f"# {ms}: {_desc(lay)}; Megatron-LM derives DP {lay.dp} from the world size",
+            f"# launch: torchrun --nnodes {len(nodes)} --nproc-per-node {lay.world // len(nodes)} pretrain_gpt.py "
+            f'"${{{var}[@]}}" (plus data, tokenizer: vocab {md.vocab}, and optimizer arguments)',
+        ]
         lines += [f"# {n}" for n in notes]
         lines.append(f"{var}=(")
         lines += [f"  {flag}{'' if v is None else f' {v}'}  # {s}" for flag, v, s in args]
@@ -395,9 +492,12 @@ def vllm_engine_args(m: Module, plan: Plan, model_stage: str) -> dict:
     """``vllm.EngineArgs`` keyword arguments of one engine of a generating model-stage (no ``model``)."""
     lay, w = plan.layouts[model_stage], m.workloads[plan.workload]
     md = m.models[lay.model]
-    kw = {"tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp,
-          "max_model_len": w.prompt_len_max + w.response_len_max,
-          "gpu_memory_utilization": generate_memory(m, plan, model_stage)[0]}
+    kw = {
+        "tensor_parallel_size": lay.tp,
+        "pipeline_parallel_size": lay.pp,
+        "max_model_len": w.prompt_len_max + w.response_len_max,
+        "gpu_memory_utilization": generate_memory(m, plan, model_stage)[0],
+    }
     if md.dtype in _DTYPE:
         kw["dtype"] = _DTYPE[md.dtype]
     if lay.fp8 or md.dtype == "fp8":
@@ -407,8 +507,13 @@ def vllm_engine_args(m: Module, plan: Plan, model_stage: str) -> dict:
 
 def _vllm(m: Module, plan: Plan, target: str) -> list[str]:
     w, c = m.workloads[plan.workload], m.clusters[plan.cluster]
-    lines = _header(m, plan, "vLLM", "keyword arguments of vllm.LLM(model=..., **ENGINE_ARGS[model_stage]) "
-                                     "and vllm.EngineArgs, one engine per DP replica")
+    lines = _header(
+        m,
+        plan,
+        "vLLM",
+        "keyword arguments of vllm.LLM(model=..., **ENGINE_ARGS[model_stage]) "
+        "and vllm.EngineArgs, one engine per DP replica",
+    )
     engines = {}
     for ms, k in _kinds(m, plan).items():
         if k != "generate":
@@ -417,28 +522,39 @@ def _vllm(m: Module, plan: Plan, target: str) -> list[str]:
         kw = engines[ms] = vllm_engine_args(m, plan, ms)
         util, kv, others = generate_memory(m, plan, ms)
         per = lay.tp * lay.pp * lay.cp
-        groups = [lay.mesh[i * per:(i + 1) * per] for i in range(lay.dp)]
+        groups = [lay.mesh[i * per : (i + 1) * per] for i in range(lay.dp)]
         shown = " ".join(str(g) for g in groups[:8]) + (f" ... ({lay.dp} in all)" if lay.dp > 8 else "")
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
-        lines += ["", f"# {ms}: {_desc(lay)}, model @{lay.model}",
-                  f"#   tensor_parallel_size, pipeline_parallel_size: layout {ms}; engine instances: its dp = {lay.dp}, "
-                  f"on global GPUs {shown}",
-                  f"#   max_model_len: workload @{w.name} prompt_len_max + response_len_max",
-                  f"#   gpu_memory_utilization: layout {ms}, the cost model's budget: 0.9 of {c.gpu_memory / 2**30:.0f} GiB "
-                  f"less {others / 2**30:.1f} GiB other model-stages keep on these GPUs; KV cache {kv / 2**30:.1f} GiB per GPU",
-                  f"#   per instance: CUDA_VISIBLE_DEVICES={','.join(str(g % c.gpus_per_node) for g in groups[0])} "
-                  f"vllm serve MODEL {flags}",
-                  f"#   or one server for all: vllm serve MODEL {flags} --data-parallel-size {lay.dp}"]
+        lines += [
+            "",
+            f"# {ms}: {_desc(lay)}, model @{lay.model}",
+            f"#   tensor_parallel_size, pipeline_parallel_size: layout {ms}; engine instances: its dp = {lay.dp}, "
+            f"on global GPUs {shown}",
+            f"#   max_model_len: workload @{w.name} prompt_len_max + response_len_max",
+            f"#   gpu_memory_utilization: layout {ms}, the cost model's budget: 0.9 of {c.gpu_memory / 2**30:.0f} GiB "
+            f"less {others / 2**30:.1f} GiB other model-stages keep on these GPUs; KV cache {kv / 2**30:.1f} GiB per "
+            "GPU",
+            f"#   per instance: CUDA_VISIBLE_DEVICES={','.join(str(g % c.gpus_per_node) for g in groups[0])} "
+            f"vllm serve MODEL {flags}",
+            f"#   or one server for all: vllm serve MODEL {flags} --data-parallel-size {lay.dp}",
+        ]
         if any(len({c.node_of(g) for g in grp}) > 1 for grp in groups):
             lines.append("#   an engine spans nodes: vLLM runs it with --distributed-executor-backend ray")
-        for what, bad, why in (("cp", lay.cp > 1, "vLLM does not split a prompt's context over GPUs this way"),
-                               ("sp", lay.sp, "vLLM has no sequence parallelism"),
-                               ("offload", lay.offload, "freeing the engine's memory between steps is the RL "
-                                                        "framework's job (vLLM's sleep mode)")):
+        for what, bad, why in (
+            ("cp", lay.cp > 1, "vLLM does not split a prompt's context over GPUs this way"),
+            ("sp", lay.sp, "vLLM has no sequence parallelism"),
+            (
+                "offload",
+                lay.offload,
+                "freeing the engine's memory between steps is the RL framework's job (vLLM's sleep mode)",
+            ),
+        ):
             if bad:
                 lines.append(f"# not expressible in vLLM: {ms} {what} = {getattr(lay, what)} ({why})")
         if m.models[lay.model].dtype == "fp8":
-            lines.append(f"# not expressible in vLLM: model @{lay.model} dtype = fp8 weights (exported as quantization = fp8)")
+            lines.append(
+                f"# not expressible in vLLM: model @{lay.model} dtype = fp8 weights (exported as quantization = fp8)"
+            )
     if not engines:
         lines.append("# not exported: the plan has no generating model-stage")
     return lines + ["ENGINE_ARGS = " + json.dumps(engines, indent=4)]  # str, int and float only: valid Python

@@ -29,9 +29,15 @@ def parse_pipeline(spec: str) -> list[ModulePass]:
     return pass_manager.parse_pipeline(spec, get_all_passes())
 
 
-def run_pipeline(module: Module, spec: str | list[ModulePass],
-                 after_each: Callable[[ModulePass, Module], None] | None = None, verify_input: bool = True,
-                 verify: str = "each") -> Module:
+def run_pipeline(
+    module: Module,
+    spec: str | list[ModulePass],
+    after_each: Callable[[ModulePass, Module], None] | None = None,
+    verify_input: bool = True,
+    verify: str = "each",
+) -> Module:
     """Run a pipeline of any layer's passes on ``module`` in place (see ``passes.run_pipeline``;
     ``verify``: after each pass, at the end, or off)."""
-    return pass_manager.run_pipeline(module, spec, after_each, registry=get_all_passes(), verify_input=verify_input, verify=verify)
+    return pass_manager.run_pipeline(
+        module, spec, after_each, registry=get_all_passes(), verify_input=verify_input, verify=verify
+    )

@@ -15,8 +15,9 @@ LINT = Path(sys.executable).with_name("lint-imports")
 def lint(where: Path, contract: str | None = None) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(where), "PATH": "/usr/bin:/bin", "NO_COLOR": "1"}
     only = ["--contract", contract] if contract else []
-    return subprocess.run([str(LINT), "--no-cache", *only], cwd=where, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [str(LINT), "--no-cache", *only], cwd=where, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def copy_package(tmp_path: Path) -> Path:
@@ -33,17 +34,20 @@ def test_the_contracts_hold():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, line, contract", [
-    ("nereus/backend/lower.py", "from ..runtime.state import torch_dtype", "layers"),
-    ("nereus/passes/transition/admit.py", "from ...backend.lower import lower", "layers"),
-    ("nereus/ir/units.py", "import torch", "no-torch-below-runtime"),
-    ("nereus/cli.py", "import pytest", "no-pytest-at-runtime"),
-    ("nereus/control/decide.py", "import torch.distributed", "control"),
-    ("nereus/control/triggers.py", "from ..backend.lower import lower", "control"),
-    ("nereus/sim/simulated_cluster.py", "import torch", "sim"),
-    ("nereus/sim/policies.py", "from ..runtime.state import torch_dtype", "sim"),
-    ("nereus/integrations/job.py", "from ..sim.trace import read_trace", "integrations"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        ("nereus/backend/lower.py", "from ..runtime.state import torch_dtype", "layers"),
+        ("nereus/passes/transition/admit.py", "from ...backend.lower import lower", "layers"),
+        ("nereus/ir/units.py", "import torch", "no-torch-below-runtime"),
+        ("nereus/cli.py", "import pytest", "no-pytest-at-runtime"),
+        ("nereus/control/decide.py", "import torch.distributed", "control"),
+        ("nereus/control/triggers.py", "from ..backend.lower import lower", "control"),
+        ("nereus/sim/simulated_cluster.py", "import torch", "sim"),
+        ("nereus/sim/policies.py", "from ..runtime.state import torch_dtype", "sim"),
+        ("nereus/integrations/job.py", "from ..sim.trace import read_trace", "integrations"),
+    ],
+)
 def test_a_wrong_way_import_breaks_a_contract(tmp_path, module, line, contract):
     where = copy_package(tmp_path)
     path = where / module
@@ -56,7 +60,9 @@ def test_a_wrong_way_import_breaks_a_contract(tmp_path, module, line, contract):
 
 
 def test_importing_the_command_line_imports_neither_pytest_nor_torch():
-    code = "import nereus.cli, nereus.registry, nereus.backend.lower, sys; " \
-           "print('pytest' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import nereus.cli, nereus.registry, nereus.backend.lower, sys; "
+        "print('pytest' in sys.modules, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -12,16 +12,19 @@ def _error(msg: str) -> DiagnosticError:
     return DiagnosticError([Diagnostic(Loc(0, 0, None), msg)])
 
 
-def check_coverage(dst: dict[int, list[ShardSpec]], kept: set[tuple[int, StateKey]],
-                   written: dict[tuple[int, StateKey], int]) -> None:
+def check_coverage(
+    dst: dict[int, list[ShardSpec]], kept: set[tuple[int, StateKey]], written: dict[tuple[int, StateKey], int]
+) -> None:
     """Every destination shard that does not stay in place is written exactly once (by volume)."""
     for r, specs in dst.items():
         for spec in specs:
             if (r, spec.key) in kept:
                 continue
             if written[(r, spec.key)] != spec.nbytes:
-                raise _error(f"lower-collectives: rank {r} receives {written[(r, spec.key)]:,} of the {spec.nbytes:,} "
-                             f"bytes of {spec.key} {list(spec.box)}: the transition does not deliver it exactly once")
+                raise _error(
+                    f"lower-collectives: rank {r} receives {written[(r, spec.key)]:,} of the {spec.nbytes:,} "
+                    f"bytes of {spec.key} {list(spec.box)}: the transition does not deliver it exactly once"
+                )
 
 
 def _inside(box, outer) -> bool:
@@ -37,7 +40,9 @@ def check_slices(prog: Program) -> None:
         staged: set[tuple] = set()
         for step in steps:
             if step.kind == "unstage" and (step.piece.src, step.piece.box) not in staged:
-                raise _error(f"lower-collectives: rank {r} unstages {step.piece.src} {list(step.piece.box)} before it is staged")
+                raise _error(
+                    f"lower-collectives: rank {r} unstages {step.piece.src} {list(step.piece.box)} before it is staged"
+                )
             reads = [step.piece] if step.kind == "copy" else [p for m in step.sends for p in m.pieces]
             writes = [step.piece] if step.kind in ("copy", "unstage") else [p for m in step.recvs for p in m.pieces]
             if step.kind == "broadcast":
@@ -51,5 +56,3 @@ def check_slices(prog: Program) -> None:
                     staged.add((p.dst, p.box))
                 if p.dst not in dst or not _inside(p.box, dst[p.dst]):
                     raise _error(f"lower-collectives: rank {r} writes {p.dst} {list(p.box)} outside its shard")
-
-

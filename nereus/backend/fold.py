@@ -37,7 +37,9 @@ _OPENS = re.compile(r"\{(\s+//.*)?$")
 Record = tuple[str, ...]
 
 
-def fold_runs(items: Sequence[T], signature: Callable[[T], tuple[Hashable, tuple[int, ...]] | None]) -> list[tuple[T, int]]:
+def fold_runs(
+    items: Sequence[T], signature: Callable[[T], tuple[Hashable, tuple[int, ...]] | None]
+) -> list[tuple[T, int]]:
     """Runs of consecutive items that differ only in counters that each step by one.
 
     ``signature(item)`` is ``(shape, counters)`` or None for an item that never folds; items
@@ -58,8 +60,12 @@ def fold_runs(items: Sequence[T], signature: Callable[[T], tuple[Hashable, tuple
             continue
         shape, counters = sig
         n = len(counters)
-        if (n and n == len(prev) and shape == prev_shape
-                and (counters[0] == prev[0] + 1 if n == 1 else all(c == p + 1 for c, p in zip(counters, prev)))):
+        if (
+            n
+            and n == len(prev)
+            and shape == prev_shape
+            and (counters[0] == prev[0] + 1 if n == 1 else all(c == p + 1 for c, p in zip(counters, prev)))
+        ):
             counts[-1] += 1
         else:
             firsts.append(item)
@@ -74,7 +80,7 @@ def _signature(rec: Record) -> tuple[Hashable, tuple[int, ...]] | None:
     layer = None
     ids: list[int] = []
     for i in range(1, len(parts), 5):
-        lo, lrange, ident, irange = parts[i:i + 4]
+        lo, lrange, ident, irange = parts[i : i + 4]
         if lrange is not None or irange is not None:
             return None  # already a range: never folded, so that unfolding is exact
         if lo is not None:
@@ -128,8 +134,12 @@ def unfold_records(records: Sequence[Record]) -> list[Record]:
             raise ValueError(f"a folded record names no layer range or several: {rec[0]!r}")
         lo, hi = spans.pop()
         for i in range(hi - lo + 1):
-            out.append(tuple(_ID_RANGE.sub(lambda m: f"#{int(m.group(1)) + i}",
-                                           _LAYER_RANGE.sub(f"layers.{lo + i}.", line)) for line in rec))
+            out.append(
+                tuple(
+                    _ID_RANGE.sub(lambda m: f"#{int(m.group(1)) + i}", _LAYER_RANGE.sub(f"layers.{lo + i}.", line))
+                    for line in rec
+                )
+            )
     return out
 
 
@@ -137,8 +147,9 @@ def _opens(line: str) -> bool:
     return line.endswith("{") or ("{ " in line and _OPENS.search(line) is not None)
 
 
-def _walk(lines: Sequence[str], i: int, end_indent: int | None, fn: Callable[[Sequence[Record]], list[Record]],
-          out: list[str]) -> int:
+def _walk(
+    lines: Sequence[str], i: int, end_indent: int | None, fn: Callable[[Sequence[Record]], list[Record]], out: list[str]
+) -> int:
     """Records from ``lines[i:]`` up to the ``}`` at ``end_indent`` (or the end); blocks recursed into.
     Appends the transformed lines to ``out``; returns the index after the closing line."""
     pending: list[Record] = []

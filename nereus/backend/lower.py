@@ -60,11 +60,18 @@ def contiguous(outer: tuple, inner: tuple) -> bool:
     k = 0
     while k < len(dims) and dims[k][1] - dims[k][0] == 1:
         k += 1  # leading dimensions of extent 1
-    return all(lo == 0 and hi == n for lo, hi, n in dims[k + 1:])
+    return all(lo == 0 and hi == n for lo, hi, n in dims[k + 1 :])
 
 
-def lower(m: Module, transition: str, bucket_bytes: int = DEFAULT_BUCKET, direct_bytes: int = DEFAULT_DIRECT,
-          broadcast: str = "auto", gpus: list[int] | None = None, chunk_bytes: int = DEFAULT_CHUNK) -> Program:
+def lower(
+    m: Module,
+    transition: str,
+    bucket_bytes: int = DEFAULT_BUCKET,
+    direct_bytes: int = DEFAULT_DIRECT,
+    broadcast: str = "auto",
+    gpus: list[int] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK,
+) -> Program:
     """The collective program of ``transition``; see the module docstring.
 
     ``gpus``: the GPUs of the process group, rank r on ``gpus[r]`` (default: every GPU that holds
@@ -131,8 +138,16 @@ def _error(msg: str, hint: str | None = None, file: str | None = None) -> Diagno
 class _Lowering:
     """The state of one lowering, built stage by stage (see the module docstring)."""
 
-    def __init__(self, m: Module, transition: str, gpus: list[int] | None, bucket_bytes: int, direct_bytes: int,
-                 broadcast: str, chunk_bytes: int):
+    def __init__(
+        self,
+        m: Module,
+        transition: str,
+        gpus: list[int] | None,
+        bucket_bytes: int,
+        direct_bytes: int,
+        broadcast: str,
+        chunk_bytes: int,
+    ):
         t = self.t = m.transitions[transition]
         self.name, self.bucket_bytes, self.direct_bytes = transition, bucket_bytes, direct_bytes
         self.broadcast, self.chunk_bytes = broadcast, chunk_bytes
@@ -158,16 +173,26 @@ class _Lowering:
         self.dst: dict[int, list[ShardSpec]] = {self.rank_of[g]: dst_by_gpu.get(g, []) for g in self.gpus}
         self.src_spec = {(r, s.key): s for r, specs in self.src.items() for s in specs}
         self.dst_spec = {(r, s.key): s for r, specs in self.dst.items() for s in specs}
-        self.kept = {(r, s.key) for r, specs in self.dst.items() for s in specs
-                     if (r, s.key) in self.src_spec and self.src_spec[(r, s.key)].box == s.box}
+        self.kept = {
+            (r, s.key)
+            for r, specs in self.dst.items()
+            for s in specs
+            if (r, s.key) in self.src_spec and self.src_spec[(r, s.key)].box == s.box
+        }
         # 2. levels: the operations of one level run together
         self.level = _levels(t.ops)
         self.n_levels = 1 + max(self.level.values(), default=-1)
         self.before: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> loads, copies, unstages
         self.after: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> copies from what arrived
-        self.pending: dict[tuple[int, int, int, int], list[Piece]] = defaultdict(list)  # (level, sub-round, sender, receiver)
-        self.chains: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(list)  # (level, root, ring)
-        self.bcasts: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(list)  # receiver -> piece
+        self.pending: dict[tuple[int, int, int, int], list[Piece]] = defaultdict(
+            list
+        )  # (level, sub-round, sender, receiver)
+        self.chains: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(
+            list
+        )  # (level, root, ring)
+        self.bcasts: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(
+            list
+        )  # receiver -> piece
         self.releases: dict[int, list[StateKey]] = defaultdict(list)
         self.offloads: dict[int, list[StateKey]] = defaultdict(list)
         self.written: dict[tuple[int, StateKey], int] = defaultdict(int)
@@ -278,7 +303,9 @@ class _Lowering:
             if isinstance(ref, HostRef):
                 refs = self.staged_for.get((op.id, ref.gpu))
                 if refs is None:
-                    raise _error(f"lower-collectives: {op.id} ({op.kind}) stages a slice in {ref} that no unstage takes")
+                    raise _error(
+                        f"lower-collectives: {op.id} ({op.kind}) stages a slice in {ref} that no unstage takes"
+                    )
                 by_gpu[ref.gpu] += refs[:1]  # staged once; the unstage fills every shard
                 staged.add(ref.gpu)
             else:
@@ -307,7 +334,9 @@ class _Lowering:
                     self.written[(r, first)] += nb
                     for extra in refs[1:]:  # a second model-stage on the same GPU copies what arrived
                         ek = self.key(extra, state, name)
-                        self.after[(r, lv)].append(Step("copy", piece=Piece(first, ek, box, nb, arrived=True), round=lv))
+                        self.after[(r, lv)].append(
+                            Step("copy", piece=Piece(first, ek, box, nb, arrived=True), round=lv)
+                        )
                         self.written[(r, ek)] += nb
                 if group_pieces and self.broadcast == "collective":
                     self.bcasts[(lv, s, tuple(remote))].append(group_pieces)
@@ -331,7 +360,8 @@ class _Lowering:
                     else:
                         prev = e[ring[h - 1]]
                         self.pending[(lv, c + h, ring[h - 1], r)].append(
-                            Piece(prev.dst, e[r].dst, prev.box, prev.nbytes, arrived=True))
+                            Piece(prev.dst, e[r].dst, prev.box, prev.nbytes, arrived=True)
+                        )
 
     # -- 3. messages, rounds and the program -----------------------------------------------------
     def _messages(self, ids) -> dict[tuple[int, int, int], tuple[list[Message], list[Message]]]:
@@ -344,8 +374,9 @@ class _Lowering:
                 held = (self.dst_spec if p.arrived else self.src_spec)[(s, p.src)].box
                 # one side contiguous is enough: the sender sends its slice as is, or the receiver
                 # receives into its slice as is; only the strided side copies
-                ok = p.nbytes >= self.direct_bytes and (contiguous(held, p.box) or p.staged
-                                                        or contiguous(self.dst_spec[(r, p.dst)].box, p.box))
+                ok = p.nbytes >= self.direct_bytes and (
+                    contiguous(held, p.box) or p.staged or contiguous(self.dst_spec[(r, p.dst)].box, p.box)
+                )
                 (direct if ok else packed).append(p)
             msgs = [Message(next(ids), s, r, (p,), True) for p in direct]
             bucket: list[Piece] = []
@@ -370,11 +401,14 @@ class _Lowering:
             mid = next(ids)
             for member in (s, *remote):  # the same boxes in the same order on every member; dst keys are its own
                 if member == s:
-                    mine = tuple(Piece(p.src, p.src, p.box, p.nbytes) for p in (next(iter(e.values())) for e in entries))
+                    mine = tuple(
+                        Piece(p.src, p.src, p.box, p.nbytes) for p in (next(iter(e.values())) for e in entries)
+                    )
                 else:
                     mine = tuple(e[member] for e in entries)
-                bsteps[(member, lv)].append(Step("broadcast", group=(s, *remote), round=lv,
-                                                 message=Message(mid, s, -1, mine, False)))
+                bsteps[(member, lv)].append(
+                    Step("broadcast", group=(s, *remote), round=lv, message=Message(mid, s, -1, mine, False))
+                )
         return bsteps
 
     def assemble(self) -> Program:
@@ -384,9 +418,17 @@ class _Lowering:
         groups: list[tuple[int, ...]] = []
         bsteps = self._broadcast_steps(ids, groups)
         t = self.t
-        prog = Program(transition=self.name, source=t.source, target=t.target, gpus=self.gpus, src=self.src,
-                       dst=self.dst, groups=groups, bucket_bytes=self.bucket_bytes,
-                       round_levels=[lv for lv, _ in sorted(round_no)])
+        prog = Program(
+            transition=self.name,
+            source=t.source,
+            target=t.target,
+            gpus=self.gpus,
+            src=self.src,
+            dst=self.dst,
+            groups=groups,
+            bucket_bytes=self.bucket_bytes,
+            round_levels=[lv for lv, _ in sorted(round_no)],
+        )
         for r in range(len(self.gpus)):
             steps: list[Step] = []
             alloc = tuple(s.key for s in self.dst[r] if (r, s.key) not in self.kept and s.key not in self.late[r])
@@ -400,8 +442,14 @@ class _Lowering:
                 for (level, sub), no in round_no.items():
                     sends, recvs = rounds.get((r, level, sub), ([], []))
                     if level == lv and (sends or recvs):
-                        steps.append(Step("round", sends=tuple(sorted(sends, key=lambda x: x.id)),
-                                          recvs=tuple(sorted(recvs, key=lambda x: x.id)), round=no))
+                        steps.append(
+                            Step(
+                                "round",
+                                sends=tuple(sorted(sends, key=lambda x: x.id)),
+                                recvs=tuple(sorted(recvs, key=lambda x: x.id)),
+                                round=no,
+                            )
+                        )
                 steps += bsteps.get((r, lv), [])
                 steps += self.after.get((r, lv), [])
             if self.releases.get(r):
@@ -416,9 +464,11 @@ def pick_transition(module: Module, name: str = "") -> str:
     name = name.lstrip("@")
     if not name:
         if len(module.transitions) != 1:
-            raise _error(f"lowering needs one transition: the module has {len(module.transitions)}",
-                         "name one (transition=@name), or plan one first: -p plan-transition{to=@b},schedule-transfers",
-                         module.filename)
+            raise _error(
+                f"lowering needs one transition: the module has {len(module.transitions)}",
+                "name one (transition=@name), or plan one first: -p plan-transition{to=@b},schedule-transfers",
+                module.filename,
+            )
         return next(iter(module.transitions))
     if name not in module.transitions:
         raise _error(f"lowering: no transition @{name}", did_you_mean(name, module.transitions), module.filename)

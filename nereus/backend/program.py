@@ -109,8 +109,17 @@ class Program:
         different programs disagree on it. Computed once; a program is not changed after lowering."""
         cached = self.__dict__.get("_digest")
         if cached is None:
-            content = (self.transition, self.source, self.target, self.gpus, self.src, self.dst, self.steps,
-                       self.groups, self.bucket_bytes)
+            content = (
+                self.transition,
+                self.source,
+                self.target,
+                self.gpus,
+                self.src,
+                self.dst,
+                self.steps,
+                self.groups,
+                self.bucket_bytes,
+            )
             # the pickler's memo would make the bytes depend on which objects are shared (a program
             # lowered here and one unpickled from another rank differ there); without it they
             # depend on the values alone
@@ -144,8 +153,6 @@ def _box(box: Box) -> str:
     return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
-
-
 def _compact(n: int) -> str:
     return format_bytes(n, sep="")
 
@@ -162,8 +169,12 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
     written once with a ``layers.A..B`` range, and their message ids as ``#I..J``
     (``fold.fold_listing``; ``fold.unfold_listing`` gives the per-layer text back).
     """
-    out = [(f"program @{prog.transition} (@{prog.source} -> @{prog.target}) world = {prog.world}, "
-           f"bucket = {_compact(prog.bucket_bytes)} {{")]
+    out = [
+        (
+            f"program @{prog.transition} (@{prog.source} -> @{prog.target}) world = {prog.world}, "
+            f"bucket = {_compact(prog.bucket_bytes)} {{"
+        )
+    ]
     if prog.gpus != list(range(prog.world)):
         out.append(f"  gpus = [{', '.join(map(str, prog.gpus))}]")
     for g in prog.groups:
@@ -172,7 +183,9 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
         steps = prog.steps.get(r, [])
         src_box = {x.key: x.box for x in prog.src.get(r, [])}
         dst_box = {x.key: x.box for x in prog.dst.get(r, [])}
-        out.append(f"  rank {r} {{  // sends {_compact(prog.sent_bytes(r))}, receives {_compact(prog.received_bytes(r))}")
+        out.append(
+            f"  rank {r} {{  // sends {_compact(prog.sent_bytes(r))}, receives {_compact(prog.received_bytes(r))}"
+        )
         for s in steps:
             if s.kind in ("alloc", "keep", "load", "offload", "release"):
                 boxes = dst_box if s.kind in ("alloc", "keep", "offload") else src_box
@@ -194,8 +207,10 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
                 out.append("    }")
             elif s.kind == "broadcast":
                 msg = s.message
-                out.append(f"    broadcast #{msg.id} round {s.round} root {s.group[0]} in [{', '.join(map(str, s.group))}]: "
-                           f"bucket of {len(msg.pieces)}, {_compact(msg.nbytes)}")
+                out.append(
+                    f"    broadcast #{msg.id} round {s.round} root {s.group[0]} in [{', '.join(map(str, s.group))}]: "
+                    f"bucket of {len(msg.pieces)}, {_compact(msg.nbytes)}"
+                )
                 for p in msg.pieces:
                     out.append(f"      {_piece(p)}")
         out.append("  }")

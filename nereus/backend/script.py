@@ -149,15 +149,23 @@ def _steps(tab: _Tables, rank: int, steps: list[Step]) -> list[list[int]]:
             flat += [((OP[s.kind],), (tab.k(k),)) for k in s.keys]
         elif s.kind == "copy":
             p = s.piece
-            flat.append(((OP["copy"], tab.box(p.box), int(p.arrived) | 2 * int(p.staged)), (tab.k(p.src), tab.k(p.dst))))
+            flat.append(
+                ((OP["copy"], tab.box(p.box), int(p.arrived) | 2 * int(p.staged)), (tab.k(p.src), tab.k(p.dst)))
+            )
         elif s.kind == "unstage":
             p = s.piece
             flat.append(((OP["unstage"], tab.box(p.box)), (tab.k(p.src), tab.k(p.dst))))
         elif s.kind == "round":
-            msgs = sorted([(m.id, 0, m.receiver, [(tab.k(p.src), tab.box(p.box), int(p.arrived)) for p in m.pieces])
-                           for m in s.sends]
-                          + [(m.id, 1, m.sender, [(tab.k(p.dst), tab.box(p.box), int(p.staged)) for p in m.pieces])
-                             for m in s.recvs])
+            msgs = sorted(
+                [
+                    (m.id, 0, m.receiver, [(tab.k(p.src), tab.box(p.box), int(p.arrived)) for p in m.pieces])
+                    for m in s.sends
+                ]
+                + [
+                    (m.id, 1, m.sender, [(tab.k(p.dst), tab.box(p.box), int(p.staged)) for p in m.pieces])
+                    for m in s.recvs
+                ]
+            )
             sigs = []
             for _, verb, peer, pieces in msgs:
                 runs = _piece_runs(pieces)
@@ -190,14 +198,25 @@ def _steps(tab: _Tables, rank: int, steps: list[Step]) -> list[list[int]]:
 
 def render_script(prog: Program) -> str:
     """The standalone torchrun script of ``prog``: its data as integer tables that a loop interprets."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-                             undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
     env.filters["pyrepr"] = pyrepr
     env.filters["ident"] = ident
     tab = _Tables(prog)
     src = [(r, _specs(tab, prog.src.get(r, []))) for r in range(prog.world)]
     dst = [(r, _specs(tab, prog.dst.get(r, []))) for r in range(prog.world)]
     steps = [(r, _steps(tab, r, prog.steps.get(r, []))) for r in range(prog.world)]
-    return env.get_template("transition_script.py.j2").render(prog=prog, key_runs=tab.key_runs, boxes=tab.boxes,
-                                                             shapes=tab.shapes, dtypes=tab.dtypes, src=src, dst=dst,
-                                                             program_steps=steps)
+    return env.get_template("transition_script.py.j2").render(
+        prog=prog,
+        key_runs=tab.key_runs,
+        boxes=tab.boxes,
+        shapes=tab.shapes,
+        dtypes=tab.dtypes,
+        src=src,
+        dst=dst,
+        program_steps=steps,
+    )

@@ -87,7 +87,9 @@ def state_dtype(m: Module, model: str, state: str) -> str:
     return m.models[model].dtype if state == "weight" else "fp32"
 
 
-def plan_layout(m: Module, plan: str, keys: dict[tuple[str, str, str], StateKey] | None = None) -> dict[int, list[ShardSpec]]:
+def plan_layout(
+    m: Module, plan: str, keys: dict[tuple[str, str, str], StateKey] | None = None
+) -> dict[int, list[ShardSpec]]:
     """GPU -> the shards it holds under ``plan`` (from the module's EMUs of that plan), in EMU order.
 
     Every key is one object however many GPUs hold it (its hash computed once); ``keys``, when
@@ -109,5 +111,7 @@ def plan_layout(m: Module, plan: str, keys: dict[tuple[str, str, str], StateKey]
                     key = keys.get(t)
                     if key is None:
                         key = keys[t] = StateKey(*t)
-                    out[s.gpu].append(ShardSpec(key, tuple(spec.shape), tuple(e.box), state_dtype(m, model.name, e.state)))
+                    out[s.gpu].append(
+                        ShardSpec(key, tuple(spec.shape), tuple(e.box), state_dtype(m, model.name, e.state))
+                    )
     return dict(out)

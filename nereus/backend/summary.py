@@ -68,7 +68,11 @@ class RoundRow:
     def label(self) -> str:
         if self.phase == "round":
             # consecutive rounds
-            return f"rounds {self.rounds[0]}..{self.rounds[-1]}, each" if len(self.rounds) > 1 else f"round {self.rounds[0]}"
+            return (
+                f"rounds {self.rounds[0]}..{self.rounds[-1]}, each"
+                if len(self.rounds) > 1
+                else f"round {self.rounds[0]}"
+            )
         if self.phase == "broadcasts":
             return f"{self.broadcasts:,} broadcast{'s' if self.broadcasts != 1 else ''}"
         return self.phase
@@ -180,7 +184,9 @@ def summarize(prog: Program, cluster: Cluster | None = None, makespan: float | N
             elif k in ("load", "offload"):
                 held = src_bytes if k == "load" else dst_bytes
                 nb = sum(held.get(key, 0) for key in s.keys)
-                (row(s.round, "copies") if k == "load" else row(COMMIT, "at commit")).traffic.add("host", nb, len(s.keys))
+                (row(s.round, "copies") if k == "load" else row(COMMIT, "at commit")).traffic.add(
+                    "host", nb, len(s.keys)
+                )
                 hm += len(s.keys)
                 hb += nb
         figures.append(RankFigures(sm, sb, rm, rb, lc, lb, hm, hb))
@@ -196,15 +202,30 @@ def summarize(prog: Program, cluster: Cluster | None = None, makespan: float | N
     for (level, _, _), x in sorted(rows.items(), key=lambda kv: (kv[0][0] == COMMIT, kv[0])):
         totals += x.traffic
         last = ordered[-1] if ordered else None
-        if (last is not None and x.phase == "round" and last.phase == "round" and last.level == level
-                and last.rounds[-1] == x.rounds[0] - 1 and last.traffic == x.traffic):
+        if (
+            last is not None
+            and x.phase == "round"
+            and last.phase == "round"
+            and last.level == level
+            and last.rounds[-1] == x.rounds[0] - 1
+            and last.traffic == x.traffic
+        ):
             last.rounds.append(x.rounds[0])  # consecutive rounds that move the same: one row
         else:
             ordered.append(x)
-    return ProgramSummary(prog.transition, prog.source, prog.target, prog.world, prog.bucket_bytes, ordered, ranks, totals,
-                          n_steps, n_pieces, makespan)
-
-
+    return ProgramSummary(
+        prog.transition,
+        prog.source,
+        prog.target,
+        prog.world,
+        prog.bucket_bytes,
+        ordered,
+        ranks,
+        totals,
+        n_steps,
+        n_pieces,
+        makespan,
+    )
 
 
 def _bytes(n: int) -> str:
@@ -222,12 +243,16 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
 
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
-    head = (f"program @{s.transition} (@{s.source} -> @{s.target}): {s.world} ranks, {s.steps:,} steps, "
-            f"{s.pieces:,} per-layer slices copied or sent, bucket {_bytes(s.bucket_bytes)}")
+    head = (
+        f"program @{s.transition} (@{s.source} -> @{s.target}): {s.world} ranks, {s.steps:,} steps, "
+        f"{s.pieces:,} per-layer slices copied or sent, bucket {_bytes(s.bucket_bytes)}"
+    )
     console.print(head, soft_wrap=True)
 
-    t = Table(title="per round: messages and bytes per link (consecutive rounds that move the same share a row)",
-              title_justify="left")
+    t = Table(
+        title="per round: messages and bytes per link (consecutive rounds that move the same share a row)",
+        title_justify="left",
+    )
     t.add_column("level", justify="right")
     t.add_column("step", justify="left")
     for k in LINK_KINDS:
@@ -242,14 +267,33 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
 
     t = Table(title="per rank (consecutive ranks with the same figures share a row)", title_justify="left")
     gpus = any(row.gpus != row.ranks for row in s.ranks)  # a GPU column where rank r is not GPU r
-    for col in ("ranks", "GPUs", "sent msgs", "sent bytes", "received msgs", "received bytes", "local copies",
-                "local bytes", "host copies", "host bytes"):
+    for col in (
+        "ranks",
+        "GPUs",
+        "sent msgs",
+        "sent bytes",
+        "received msgs",
+        "received bytes",
+        "local copies",
+        "local bytes",
+        "host copies",
+        "host bytes",
+    ):
         if col != "GPUs" or gpus:
             t.add_column(col, justify="left" if col in ("ranks", "GPUs") else "right")
     tot = [0] * 8
     for row in s.ranks:
         f = row.figures
-        vals = (f.sent_msgs, f.sent_bytes, f.recv_msgs, f.recv_bytes, f.local_copies, f.local_bytes, f.host_moves, f.host_bytes)
+        vals = (
+            f.sent_msgs,
+            f.sent_bytes,
+            f.recv_msgs,
+            f.recv_bytes,
+            f.local_copies,
+            f.local_bytes,
+            f.host_moves,
+            f.host_bytes,
+        )
         for i, v in enumerate(vals):
             tot[i] += v * len(row.ranks)
         label = [compress_ints(list(row.ranks))] + ([compress_ints(list(row.gpus))] if gpus else [])
@@ -259,12 +303,19 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
 
     sent = s.totals.bytes["nvlink"] + s.totals.bytes["network"]
     msgs = s.totals.msgs["nvlink"] + s.totals.msgs["network"]
-    console.print(f"moves {sent:,} bytes in {msgs:,} messages ({_bytes(s.totals.bytes['nvlink'])} over NVLink, "
-                  f"{_bytes(s.totals.bytes['network'])} over the network)", soft_wrap=True)
-    tail = f"copies {s.totals.bytes['local']:,} bytes locally and {s.totals.bytes['host']:,} bytes to or from host memory"
+    console.print(
+        f"moves {sent:,} bytes in {msgs:,} messages ({_bytes(s.totals.bytes['nvlink'])} over NVLink, "
+        f"{_bytes(s.totals.bytes['network'])} over the network)",
+        soft_wrap=True,
+    )
+    tail = (
+        f"copies {s.totals.bytes['local']:,} bytes locally and {s.totals.bytes['host']:,} bytes to or from host memory"
+    )
     if s.makespan is not None:
         tail += f"; estimated makespan {format_quantity(Dim.TIME, s.makespan)}"
     console.print(tail, soft_wrap=True)
-    console.print("nereus lower --full prints the whole program, per-layer repetition folded into layers.A..B ranges.",
-                  soft_wrap=True)
+    console.print(
+        "nereus lower --full prints the whole program, per-layer repetition folded into layers.A..B ranges.",
+        soft_wrap=True,
+    )
     return "".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines())

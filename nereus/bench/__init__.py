@@ -7,9 +7,17 @@ Baselines the benchmarks hold Nereus against are in ``baselines/``.
 
 from importlib import import_module
 
-BENCHMARKS = {"parse": "parse_bench", "estimate": "estimate_bench", "plan-search": "plan_search_bench",
-              "transition": "transition_bench", "reshard": "reshard_bench", "calibrate": "calibrate_bench",
-              "controller": "controller_bench", "push": "push_bench", "validate": "validate_bench"}
+BENCHMARKS = {
+    "parse": "parse_bench",
+    "estimate": "estimate_bench",
+    "plan-search": "plan_search_bench",
+    "transition": "transition_bench",
+    "reshard": "reshard_bench",
+    "calibrate": "calibrate_bench",
+    "controller": "controller_bench",
+    "push": "push_bench",
+    "validate": "validate_bench",
+}
 
 
 def run(name: str, quick: bool = False, json_output: bool = False):

@@ -59,33 +59,60 @@ def module():
     return m
 
 
-def run(quick: bool = False, json_output: bool = False, seeds: int | None = None, noise: float = 0.01,
-        steps: int = 100) -> dict:
+def run(
+    quick: bool = False, json_output: bool = False, seeds: int | None = None, noise: float = 0.01, steps: int = 100
+) -> dict:
     seeds = seeds or (3 if quick else 10)
     m = module()
     rows = []
     for seed in range(1, seeds + 1):
         t0 = time.perf_counter()
         records = synthetic_profile(m, HIDDEN, noise=noise, seed=seed, steps=steps)
-        result = fit(observations(m, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records]), Efficiency())
-        rows.append({"seed": seed, "records": len(records), "fit_s": round(time.perf_counter() - t0, 2),
-                     "error_before": result.error_before, "error_after": result.error_after,
-                     "used": list(result.used),
-                     "coefficient_error": {f: abs(getattr(result.efficiency, f) / getattr(HIDDEN, f) - 1) for f in FIELDS}})
+        result = fit(
+            observations(m, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records]), Efficiency()
+        )
+        rows.append(
+            {
+                "seed": seed,
+                "records": len(records),
+                "fit_s": round(time.perf_counter() - t0, 2),
+                "error_before": result.error_before,
+                "error_after": result.error_after,
+                "used": list(result.used),
+                "coefficient_error": {f: abs(getattr(result.efficiency, f) / getattr(HIDDEN, f) - 1) for f in FIELDS},
+            }
+        )
     worst = {f: max(r["coefficient_error"][f] for r in rows) for f in FIELDS}
-    out = {"benchmark": "calibrate", "seeds": seeds, "noise": noise, "steps": steps, "plans": len(m.plans),
-           "hidden": {f: getattr(HIDDEN, f) for f in FIELDS}, "rows": rows, "worst_coefficient_error": worst,
-           "error_before_mean": sum(r["error_before"] for r in rows) / len(rows),
-           "error_after_mean": sum(r["error_after"] for r in rows) / len(rows),
-           "error_after_worst": max(r["error_after"] for r in rows)}
+    out = {
+        "benchmark": "calibrate",
+        "seeds": seeds,
+        "noise": noise,
+        "steps": steps,
+        "plans": len(m.plans),
+        "hidden": {f: getattr(HIDDEN, f) for f in FIELDS},
+        "rows": rows,
+        "worst_coefficient_error": worst,
+        "error_before_mean": sum(r["error_before"] for r in rows) / len(rows),
+        "error_after_mean": sum(r["error_after"] for r in rows) / len(rows),
+        "error_after_worst": max(r["error_after"] for r in rows),
+    }
     if not json_output:
-        t = Table(title=f"calibrate on a synthetic profile from the same cost model (self-consistency): {len(m.plans)} plans x "
-                        f"{steps} steps, {noise:.0%} noise", title_justify="left")
+        t = Table(
+            title=f"calibrate on a synthetic profile from the same cost model (self-consistency): {len(m.plans)} "
+            "plans x "
+            f"{steps} steps, {noise:.0%} noise",
+            title_justify="left",
+        )
         for col in ("seed", "records", "MAPE before", "MAPE after", *(f"{f} err" for f in FIELDS)):
             t.add_column(col, justify="right")
         for r in rows:
-            t.add_row(str(r["seed"]), str(r["records"]), f"{r['error_before']:.1%}", f"{r['error_after']:.2%}",
-                      *(f"{r['coefficient_error'][f]:.2%}" for f in FIELDS))
+            t.add_row(
+                str(r["seed"]),
+                str(r["records"]),
+                f"{r['error_before']:.1%}",
+                f"{r['error_after']:.2%}",
+                *(f"{r['coefficient_error'][f]:.2%}" for f in FIELDS),
+            )
         t.add_row("worst", "", "", f"{out['error_after_worst']:.2%}", *(f"{worst[f]:.2%}" for f in FIELDS))
         Console(width=160).print(t)
     return out

@@ -55,8 +55,17 @@ ROWS = 12  # splits over DP 4, and DP 3 after a rank left
 
 
 def _model(hidden: int, layers: int) -> Model:
-    return Model(name="actor", layers=layers, hidden=hidden, heads=8, kv_heads=4, ffn=hidden * 11 // 4, vocab=1024,
-                 dtype="fp32", trained=True)
+    return Model(
+        name="actor",
+        layers=layers,
+        hidden=hidden,
+        heads=8,
+        kv_heads=4,
+        ffn=hidden * 11 // 4,
+        vocab=1024,
+        dtype="fp32",
+        trained=True,
+    )
 
 
 def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, int], tmp: str) -> dict:
@@ -67,8 +76,16 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     module = training_job(model, {"a": layout(model, tp=2, dp=2)}, world, rows=ROWS, seq=64)
     live = build(config, module.plans["a"].layouts["actor.train"], seed=0)
     adapter = LlamaAdapter(live, module, "a")
-    options = ControlOptions(recalibrate_every=0, slowdown=1e9, response_drift=1e9, max_pp=1, max_zero=0,
-                             offload=False, search_time_limit=5.0, schedule_time_limit=1.0)
+    options = ControlOptions(
+        recalibrate_every=0,
+        slowdown=1e9,
+        response_drift=1e9,
+        max_pp=1,
+        max_zero=0,
+        offload=False,
+        search_time_limit=5.0,
+        schedule_time_limit=1.0,
+    )
     ctl = Controller(module, "a", adapter, options=options, total_steps=1000, show=False, timeout=300)
     out: dict = {}
     blocks, size = steps
@@ -95,8 +112,13 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         t2 = time.perf_counter()
         plain.append((t1 - t0) / size)
         inside.append((t2 - t1) / size)
-    out.update(step_s=statistics.median(plain), with_controller_s=statistics.median(inside), stays=stays,
-               own_s=statistics.median(own), own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))])
+    out.update(
+        step_s=statistics.median(plain),
+        with_controller_s=statistics.median(inside),
+        stays=stays,
+        own_s=statistics.median(own),
+        own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))],
+    )
     # rank 3 announces it leaves: a forced decision and the move inside the loop
     state, opt_step = export_state(adapter.live, module, "a")
     saved = ({k: v.clone() for k, v in state.items()}, opt_step)  # plan A's state, for the DCP way below
@@ -108,8 +130,12 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     d = ctl.last
     if d.action != "transition":
         raise RuntimeError(f"the leave was not applied: {d.action} ({d.message})")
-    out.update(decide_s=d.numbers.get("decide_s"), move_s=d.numbers.get("execute_s"), target=d.target,
-               bytes_moved=d.numbers.get("bytes_moved"))
+    out.update(
+        decide_s=d.numbers.get("decide_s"),
+        move_s=d.numbers.get("execute_s"),
+        target=d.target,
+        bytes_moved=d.numbers.get("bytes_moved"),
+    )
     # the DCP way, on every rank (the default group is healthy after a successful move)
     dist.barrier()
     plan_b = ctl.plan
@@ -158,29 +184,68 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="nereus-controller-") as tmp:
         per_rank = run_local(worker, WORLD, hidden, layers, steps, tmp, timeout=1800, threads=1)
     slow = lambda k: max(r[k] for r in per_rank if r.get(k) is not None)  # noqa: E731
-    result = {"benchmark": "controller", "world": WORLD, "hidden": hidden, "layers": layers, "steps": steps,
-              "params": _model(hidden, layers).num_params(), "step_s": slow("step_s"),
-              "with_controller_s": slow("with_controller_s"),
-              "controller_s": slow("with_controller_s") - slow("step_s"), "decide_s": per_rank[0]["decide_s"], "move_s": slow("move_s"),
-              "dcp_s": slow("dcp_s"), "bytes_moved": per_rank[0]["bytes_moved"], "target": per_rank[0]["target"],
-              "stays": min(r["stays"] for r in per_rank), "own_s": slow("own_s"), "own_p90_s": slow("own_p90_s")}
+    result = {
+        "benchmark": "controller",
+        "world": WORLD,
+        "hidden": hidden,
+        "layers": layers,
+        "steps": steps,
+        "params": _model(hidden, layers).num_params(),
+        "step_s": slow("step_s"),
+        "with_controller_s": slow("with_controller_s"),
+        "controller_s": slow("with_controller_s") - slow("step_s"),
+        "decide_s": per_rank[0]["decide_s"],
+        "move_s": slow("move_s"),
+        "dcp_s": slow("dcp_s"),
+        "bytes_moved": per_rank[0]["bytes_moved"],
+        "target": per_rank[0]["target"],
+        "stays": min(r["stays"] for r in per_rank),
+        "own_s": slow("own_s"),
+        "own_p90_s": slow("own_p90_s"),
+    }
     result["controller_over_step"] = result["controller_s"] / result["step_s"]
     result["own_over_step"] = result["own_s"] / result["step_s"]
-    result["end_of_step_s_by_world"] = {w: max(run_local(end_of_step, w, 50 if quick else 180, timeout=600, threads=1))
-                                        for w in (1, 2, 4)}
+    result["end_of_step_s_by_world"] = {
+        w: max(run_local(end_of_step, w, 50 if quick else 180, timeout=600, threads=1)) for w in (1, 2, 4)
+    }
     result["dcp_over_move"] = result["dcp_s"] / result["move_s"]
     if not json_output:
-        t = Table(title=f"Controller in a training loop: HF Llama ({result['params'] / 1e6:.1f} M params) on "
-                        f"{WORLD} gloo processes, TP 2 x DP 2", title_justify="left")
-        for col in ("step", "with controller (stay)", "added", "overhead", "own time (p90)", "own / step",
-                    "decision (re-plan)", "move in the loop", "DCP save + load", "DCP / move"):
+        t = Table(
+            title=f"Controller in a training loop: HF Llama ({result['params'] / 1e6:.1f} M params) on "
+            f"{WORLD} gloo processes, TP 2 x DP 2",
+            title_justify="left",
+        )
+        for col in (
+            "step",
+            "with controller (stay)",
+            "added",
+            "overhead",
+            "own time (p90)",
+            "own / step",
+            "decision (re-plan)",
+            "move in the loop",
+            "DCP save + load",
+            "DCP / move",
+        ):
             t.add_column(col, justify="right")
-        t.add_row(f"{result['step_s'] * 1e3:.1f} ms", f"{result['with_controller_s'] * 1e3:.1f} ms",
-                  f"{result['controller_s'] * 1e3:.2f} ms",
-                  f"{result['controller_over_step']:.1%}",
-                  f"{result['own_s'] * 1e3:.2f} ms ({result['own_p90_s'] * 1e3:.2f})", f"{result['own_over_step']:.2%}", f"{result['decide_s']:.2f} s", f"{result['move_s']:.3f} s",
-                  f"{result['dcp_s']:.3f} s", f"{result['dcp_over_move']:.1f}x")
+        t.add_row(
+            f"{result['step_s'] * 1e3:.1f} ms",
+            f"{result['with_controller_s'] * 1e3:.1f} ms",
+            f"{result['controller_s'] * 1e3:.2f} ms",
+            f"{result['controller_over_step']:.1%}",
+            f"{result['own_s'] * 1e3:.2f} ms ({result['own_p90_s'] * 1e3:.2f})",
+            f"{result['own_over_step']:.2%}",
+            f"{result['decide_s']:.2f} s",
+            f"{result['move_s']:.3f} s",
+            f"{result['dcp_s']:.3f} s",
+            f"{result['dcp_over_move']:.1f}x",
+        )
         Console(width=200).print(t)
-        Console(width=200).print("the Controller's end of step alone (a stay; median, slowest rank): " + ", ".join(
-            f"{w} process{'es' if w > 1 else ''} {v * 1e3:.2f} ms" for w, v in result["end_of_step_s_by_world"].items()))
+        Console(width=200).print(
+            "the Controller's end of step alone (a stay; median, slowest rank): "
+            + ", ".join(
+                f"{w} process{'es' if w > 1 else ''} {v * 1e3:.2f} ms"
+                for w, v in result["end_of_step_s_by_world"].items()
+            )
+        )
     return result

@@ -6,7 +6,8 @@ slices print as one ``emu`` block, and the expanded one with one block per repli
 tool that does not group would read). Figures are medians of repeated runs in this process,
 after one warm-up that also builds the LALR tables (timed separately). The round trip is also
 split into its parts, each timed on its own with the cyclic collector paused (interleaved; the
-fastest of the repetitions, the least disturbed by other work on a shared machine): parse (of which lark's LALR parse of the text, with
+fastest of the repetitions, the least disturbed by other work on a shared machine): parse (of which lark's LALR parse
+of the text, with
 its tree transformer; its share of parse is the median over the repetitions of the ratio of the
 two, timed one after the other), verify and print; and the whole round trip again, with the
 collector paused and running.
@@ -36,11 +37,15 @@ LARGE_MB = (1.0, 4.0)  # --quick: the first quarter of the first
 
 def model_blocks(megabytes: float) -> str:
     """A valid module of about ``megabytes`` MB: one cluster and as many model blocks as fit."""
-    head = ("cluster @c {\n  nodes = 1\n  gpus_per_node = 8\n  gpu_memory = 80GiB\n  peak_flops = 989TFLOPs\n"
-            "  hbm_bandwidth = 3.35TB/s\n  intra_node = link(bandwidth = 450GB/s, latency = 2us)\n"
-            "  inter_node = link(bandwidth = 50GB/s, latency = 5us)\n}\n\n")
-    block = ("model @m{} {{\n  layers = 28\n  hidden = 3584\n  heads = 28\n  kv_heads = 4\n  ffn = 18944\n"
-             "  vocab = 152064\n}}\n\n")
+    head = (
+        "cluster @c {\n  nodes = 1\n  gpus_per_node = 8\n  gpu_memory = 80GiB\n  peak_flops = 989TFLOPs\n"
+        "  hbm_bandwidth = 3.35TB/s\n  intra_node = link(bandwidth = 450GB/s, latency = 2us)\n"
+        "  inter_node = link(bandwidth = 50GB/s, latency = 5us)\n}\n\n"
+    )
+    block = (
+        "model @m{} {{\n  layers = 28\n  hidden = 3584\n  heads = 28\n  kv_heads = 4\n  ffn = 18944\n"
+        "  vocab = 152064\n}}\n\n"
+    )
     n = max(1, int((megabytes * 1e6 - len(head)) / len(block.format(0))))
     return head + "".join(block.format(i) for i in range(n))
 
@@ -55,8 +60,13 @@ def large_files(quick: bool) -> list[dict]:
         t0 = time.perf_counter()
         verify(parse(text))
         seconds = time.perf_counter() - t0
-        rows.append({"mb": round(len(text) / 1e6, 2), "seconds": round(seconds, 2),
-                     "s_per_mb": round(seconds / (len(text) / 1e6), 2)})
+        rows.append(
+            {
+                "mb": round(len(text) / 1e6, 2),
+                "seconds": round(seconds, 2),
+                "s_per_mb": round(seconds / (len(text) / 1e6), 2),
+            }
+        )
     text = model_blocks(rows[0]["mb"])
     tracemalloc.start()
     try:
@@ -102,9 +112,14 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             row[f"{label}_ms"] = round(ms, 2)
             row[f"{label}_us_per_gpu"] = round(ms * 1e3 / gpus, 1)
             module = parse(text)
-            parts = {"parse": lambda: parse(text), "lark": lambda: lark_parser().parse(text),
-                     "verify": lambda: verify(module), "print": lambda: print_ir(module),
-                     "roundtrip_paused": lambda: roundtrip(text), "roundtrip_collector": lambda: roundtrip(text)}
+            parts = {
+                "parse": lambda: parse(text),
+                "lark": lambda: lark_parser().parse(text),
+                "verify": lambda: verify(module),
+                "print": lambda: print_ir(module),
+                "roundtrip_paused": lambda: roundtrip(text),
+                "roundtrip_collector": lambda: roundtrip(text),
+            }
             times: dict[str, list[float]] = {k: [] for k in parts}
             for _ in range(repeats):  # interleaved, so that the parts see the same load of a shared machine
                 for k, fn in parts.items():
@@ -123,38 +138,93 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             for k, ts in times.items():  # the fastest: least disturbed by other work on the machine
                 row[f"{label}_{k}_ms"] = round(min(ts), 2)
             # lark's share of parse from each repetition's adjacent pair (both see the same load)
-            row[f"{label}_lark_share"] = round(statistics.median(l / p for l, p in zip(times["lark"], times["parse"])), 3)
+            row[f"{label}_lark_share"] = round(
+                statistics.median(l / p for l, p in zip(times["lark"], times["parse"])), 3
+            )
         rows.append(row)
     large = large_files(quick)
-    result = {"benchmark": "parse", "grammar_build_ms": round(grammar_ms, 1), "repeats": repeats,
-              "target_ms_1024": TARGET_MS, "rows": rows, "large_files": large}
+    result = {
+        "benchmark": "parse",
+        "grammar_build_ms": round(grammar_ms, 1),
+        "repeats": repeats,
+        "target_ms_1024": TARGET_MS,
+        "rows": rows,
+        "large_files": large,
+    }
     if not json_output:
-        table = Table(title="parse + verify + print, 70B PPO job, all EMUs of actor.train (median ms)", title_justify="left")
-        for col in ("GPUs", "EMUs", "shards", "lines", "canonical ms", "us/GPU", "expanded lines", "expanded ms", "us/GPU "):
+        table = Table(
+            title="parse + verify + print, 70B PPO job, all EMUs of actor.train (median ms)", title_justify="left"
+        )
+        for col in (
+            "GPUs",
+            "EMUs",
+            "shards",
+            "lines",
+            "canonical ms",
+            "us/GPU",
+            "expanded lines",
+            "expanded ms",
+            "us/GPU ",
+        ):
             table.add_column(col, justify="right")
         for r in rows:
-            table.add_row(str(r["gpus"]), str(r["emus"]), str(r["shards"]), str(r["canonical_lines"]),
-                          f"{r['canonical_ms']:.1f}", f"{r['canonical_us_per_gpu']:.0f}", str(r["expanded_lines"]),
-                          f"{r['expanded_ms']:.1f}", f"{r['expanded_us_per_gpu']:.0f}")
+            table.add_row(
+                str(r["gpus"]),
+                str(r["emus"]),
+                str(r["shards"]),
+                str(r["canonical_lines"]),
+                f"{r['canonical_ms']:.1f}",
+                f"{r['canonical_us_per_gpu']:.0f}",
+                str(r["expanded_lines"]),
+                f"{r['expanded_ms']:.1f}",
+                f"{r['expanded_us_per_gpu']:.0f}",
+            )
         console = Console(width=140)
         console.print(table)
-        split = Table(title="the round trip in parts, collector paused, and whole with the collector running (fastest of the repetitions, ms)", title_justify="left")
-        for col in ("GPUs", "text", "parse", "lark's share of parse", "verify", "print", "round trip", "with the collector"):
+        split = Table(
+            title="the round trip in parts, collector paused, and whole with the collector running (fastest of the "
+            "repetitions, ms)",
+            title_justify="left",
+        )
+        for col in (
+            "GPUs",
+            "text",
+            "parse",
+            "lark's share of parse",
+            "verify",
+            "print",
+            "round trip",
+            "with the collector",
+        ):
             split.add_column(col, justify="left" if col == "text" else "right")
         for r in rows:
             for label in ("canonical", "expanded"):
-                split.add_row(str(r["gpus"]), label, f"{r[f'{label}_parse_ms']:.1f}", f"{r[f'{label}_lark_share']:.0%}",
-                              *(f"{r[f'{label}_{k}_ms']:.1f}" for k in ("verify", "print", "roundtrip_paused", "roundtrip_collector")))
+                split.add_row(
+                    str(r["gpus"]),
+                    label,
+                    f"{r[f'{label}_parse_ms']:.1f}",
+                    f"{r[f'{label}_lark_share']:.0%}",
+                    *(
+                        f"{r[f'{label}_{k}_ms']:.1f}"
+                        for k in ("verify", "print", "roundtrip_paused", "roundtrip_collector")
+                    ),
+                )
         console.print(split)
         big = Table(title="large files: parse + verify of model blocks, once", title_justify="left")
         for col in ("MB", "s", "s/MB", "peak MB/MB"):
             big.add_column(col, justify="right")
         for r in large:
-            big.add_row(f"{r['mb']:.2f}", f"{r['seconds']:.2f}", f"{r['s_per_mb']:.2f}",
-                        f"{r['peak_mb_per_mb']:.1f}" if "peak_mb_per_mb" in r else "")
+            big.add_row(
+                f"{r['mb']:.2f}",
+                f"{r['seconds']:.2f}",
+                f"{r['s_per_mb']:.2f}",
+                f"{r['peak_mb_per_mb']:.1f}" if "peak_mb_per_mb" in r else "",
+            )
         console.print(big)
         last = rows[-1]
         verdict = "meets" if last["canonical_ms"] < TARGET_MS else "misses"
-        console.print(f"1,024 GPUs, canonical text: {last['canonical_ms']:.1f} ms ({verdict} the {TARGET_MS:.0f} ms target); "
-                      f"expanded text: {last['expanded_ms']:.1f} ms. LALR table build, once per process: {grammar_ms:.0f} ms.")
+        console.print(
+            f"1,024 GPUs, canonical text: {last['canonical_ms']:.1f} ms ({verdict} the {TARGET_MS:.0f} ms target); "
+            f"expanded text: {last['expanded_ms']:.1f} ms. LALR table build, once per process: {grammar_ms:.0f} ms."
+        )
     return result

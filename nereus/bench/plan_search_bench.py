@@ -25,11 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse
-from ..testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
 from ..passes.cost.estimate import estimate_plan
-from .baselines.greedy_plan import greedy_plan
 from ..passes.search.plan_search import placed, solve, to_plan
 from ..passes.search.space import build_problem
+from ..testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu, ppo_70b
+from .baselines.greedy_plan import greedy_plan
 
 TARGET_S = 2.0
 
@@ -37,7 +37,7 @@ TARGET_S = 2.0
 def cases(quick: bool):
     yield "GRPO 7B", 0, grpo_7b_8gpu()
     yield "PPO 8B", 0, ppo_8b_16gpu()
-    for gpus in ((128, 1024) if quick else (128, 256, 512, 1024, 4096, 16384)):
+    for gpus in (128, 1024) if quick else (128, 256, 512, 1024, 4096, 16384):
         yield "PPO 70B", 0, ppo_70b(gpus, with_emus=False)
     if not quick:
         yield "PPO 70B", 64, ppo_70b(1024, with_emus=False)
@@ -57,11 +57,19 @@ def run(quick: bool = False, json_output: bool = False, time_limit: float = 30.0
         t1 = time.perf_counter()
         sol = solve(problem, time_limit=time_limit)
         t2 = time.perf_counter()
-        row = {"job": label, "gpus": len(c.available_gpus()), "model_stages": len(w.model_stages()),
-               "candidates": sum(s.generated for s in problem.spaces.values()),
-               "fit": sum(len(s.options) for s in problem.spaces.values()), "in_model": sol.options,
-               "build_s": round(t1 - t0, 3), "solve_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3),
-               "status": sol.status, "gap": round(sol.gap, 5)}
+        row = {
+            "job": label,
+            "gpus": len(c.available_gpus()),
+            "model_stages": len(w.model_stages()),
+            "candidates": sum(s.generated for s in problem.spaces.values()),
+            "fit": sum(len(s.options) for s in problem.spaces.values()),
+            "in_model": sol.options,
+            "build_s": round(t1 - t0, 3),
+            "solve_s": round(t2 - t1, 3),
+            "total_s": round(t2 - t0, 3),
+            "status": sol.status,
+            "gap": round(sol.gap, 5),
+        }
         if sol.choice is not None:
             plan = to_plan(problem, sol, "searched", w.name, c.name)
             m.plans["searched"] = plan
@@ -80,7 +88,9 @@ def run(quick: bool = False, json_output: bool = False, time_limit: float = 30.0
             warm = solve(again, time_limit=time_limit, known=placed(again, plan))
             t6 = time.perf_counter()
             assert warm.objective == cold.objective
-            row.update(replan_cold_s=round(t5 - t4, 3), replan_warm_s=round(t6 - t5, 3), replan_warm_in_model=warm.options)
+            row.update(
+                replan_cold_s=round(t5 - t4, 3), replan_warm_s=round(t6 - t5, 3), replan_warm_in_model=warm.options
+            )
         t3 = time.perf_counter()
         greedy = greedy_plan(m, w, c)
         row["greedy_s"] = round(time.perf_counter() - t3, 2)
@@ -92,17 +102,48 @@ def run(quick: bool = False, json_output: bool = False, time_limit: float = 30.0
         rows.append(row)
     result = {"benchmark": "plan-search", "target_s": TARGET_S, "time_limit_s": time_limit, "rows": rows}
     if not json_output:
-        t = Table(title="plan-search (CP-SAT, 1 worker) vs the hand-tuned baseline (all GPUs per stage, best layout per model-stage)",
-                  title_justify="left")
-        for col in ("job", "GPUs", "candidates", "fit alone", "in model", "build s", "solve s", "status", "gap", "searched step", "objective",
-                    "agree", "baseline step", "baseline/searched", "re-plan s", "from plan s"):
+        t = Table(
+            title="plan-search (CP-SAT, 1 worker) vs the hand-tuned baseline (all GPUs per stage, best layout per "
+            "model-stage)",
+            title_justify="left",
+        )
+        for col in (
+            "job",
+            "GPUs",
+            "candidates",
+            "fit alone",
+            "in model",
+            "build s",
+            "solve s",
+            "status",
+            "gap",
+            "searched step",
+            "objective",
+            "agree",
+            "baseline step",
+            "baseline/searched",
+            "re-plan s",
+            "from plan s",
+        ):
             t.add_column(col, justify="left" if col in ("job", "status") else "right")
         for r in rows:
-            t.add_row(r["job"], str(r["gpus"]), f"{r['candidates']:,}", f"{r['fit']:,}", f"{r['in_model']:,}", f"{r['build_s']:.2f}",
-                      f"{r['solve_s']:.2f}", r["status"], f"{r['gap']:.2%}", f"{r.get('searched_step_s', float('nan')):.2f} s",
-                      f"{r.get('objective_s', float('nan')):.2f} s", f"{r.get('objective_vs_estimate', float('nan')):.3%}",
-                      f"{r['greedy_step_s']:.2f} s" if r["greedy_step_s"] else "does not fit",
-                      f"{r['greedy_over_searched']:.2f}x" if "greedy_over_searched" in r else "",
-                      f"{r['replan_cold_s']:.2f}" if "replan_cold_s" in r else "", f"{r['replan_warm_s']:.2f}" if "replan_warm_s" in r else "")
+            t.add_row(
+                r["job"],
+                str(r["gpus"]),
+                f"{r['candidates']:,}",
+                f"{r['fit']:,}",
+                f"{r['in_model']:,}",
+                f"{r['build_s']:.2f}",
+                f"{r['solve_s']:.2f}",
+                r["status"],
+                f"{r['gap']:.2%}",
+                f"{r.get('searched_step_s', float('nan')):.2f} s",
+                f"{r.get('objective_s', float('nan')):.2f} s",
+                f"{r.get('objective_vs_estimate', float('nan')):.3%}",
+                f"{r['greedy_step_s']:.2f} s" if r["greedy_step_s"] else "does not fit",
+                f"{r['greedy_over_searched']:.2f}x" if "greedy_over_searched" in r else "",
+                f"{r['replan_cold_s']:.2f}" if "replan_cold_s" in r else "",
+                f"{r['replan_warm_s']:.2f}" if "replan_warm_s" in r else "",
+            )
         Console(width=200).print(t)
     return result

@@ -50,9 +50,17 @@ LAYOUTS = {"tp2xdp2": (2, 1, 2), "pp2xtp2": (2, 2, 1), "tp4": (4, 1, 1)}  # (tp,
 def _config(hidden: int, layers: int, vocab: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                       num_attention_heads=hidden // 64, num_key_value_heads=4, head_dim=64,
-                       tie_word_embeddings=False, max_position_embeddings=128)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
 
 
 def _shard_dim(placements) -> int | None:
@@ -79,7 +87,9 @@ def verl_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
         if n not in sharded:
             full[n] = params[n].detach()
     if lay.tp > 1 and sharded:
-        local = [params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach() for n in sharded]
+        local = [
+            params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach() for n in sharded
+        ]
         buf = _pack(local)
         out = torch.empty(lay.tp * buf.numel(), dtype=buf.dtype)
         dist.all_gather_single(out, buf, group=mesh["tp"].get_group())
@@ -88,7 +98,7 @@ def verl_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
         offset = 0
         for n, t in zip(sharded, local):
             k = t.numel()
-            pieces = [parts[r, offset:offset + k].view(t.shape) for r in range(lay.tp)]
+            pieces = [parts[r, offset : offset + k].view(t.shape) for r in range(lay.tp)]
             full[n] = torch.cat(pieces, dim=_shard_dim(live.placements[n]))
             offset += k
     if lay.pp > 1:  # every stage's whole tensors to the other stages, one broadcast per stage
@@ -105,7 +115,7 @@ def verl_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
                 offset = 0
                 for n, sh in shapes:
                     k = torch.Size(sh).numel()
-                    full[n] = buf[offset:offset + k].view(sh)
+                    full[n] = buf[offset : offset + k].view(sh)
                     offset += k
     return {hf_name(n): t for n, t in full.items()}, received
 
@@ -119,8 +129,9 @@ def _stage_shapes(live, stage: int) -> list[tuple[str, tuple]]:
         if spec.placement == "layer":
             for i in range(lo, hi + 1):
                 out.append((f"layers.{i}.{name}", spec.shape))
-        elif (spec.placement in ("first", "first_and_last") and stage == 0) or \
-                (spec.placement in ("last", "first_and_last") and stage == live.layout.pp - 1):
+        elif (spec.placement in ("first", "first_and_last") and stage == 0) or (
+            spec.placement in ("last", "first_and_last") and stage == live.layout.pp - 1
+        ):
             out.append((name, spec.shape))
     return sorted(out)
 
@@ -136,8 +147,11 @@ def metadata(live) -> dict:
     dist.all_gather(every, sizes)
     boxes = [None] * world if dist.get_rank() == 0 else None
     dist.gather_object(live.boxes, boxes, dst=0)
-    return {"stage_shapes": [_stage_shapes(live, s) for s in range(live.layout.pp)],
-            "biggest": max(int(x) for x in every), "boxes": boxes}
+    return {
+        "stage_shapes": [_stage_shapes(live, s) for s in range(live.layout.pp)],
+        "biggest": max(int(x) for x in every),
+        "boxes": boxes,
+    }
 
 
 def openrlhf_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
@@ -145,11 +159,12 @@ def openrlhf_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     params = live.params()
     mine = sorted(params)
-    local = _pack([(params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach())
-                   for n in mine])
+    local = _pack(
+        [(params[n].detach().to_local() if hasattr(params[n], "to_local") else params[n].detach()) for n in mine]
+    )
     biggest = meta["biggest"]
     padded = torch.zeros(biggest, dtype=torch.float32)
-    padded[:local.numel()] = local
+    padded[: local.numel()] = local
     gathered = [torch.empty(biggest, dtype=torch.float32) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, gathered, dst=0)
     shapes = {n: sh for stage in meta["stage_shapes"] for n, sh in stage}
@@ -167,7 +182,7 @@ def openrlhf_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
                 for lo_, hi_ in box:
                     k *= hi_ - lo_
                 region = tuple(slice(lo_, hi_) for lo_, hi_ in box)
-                full[n][region] = gathered[r][offset:offset + k].view([hi_ - lo_ for lo_, hi_ in box])
+                full[n][region] = gathered[r][offset : offset + k].view([hi_ - lo_ for lo_, hi_ in box])
                 offset += k
         torch.cat([full[n].reshape(-1) for n in order], out=flat)
     dist.broadcast(flat, src=0)
@@ -175,7 +190,7 @@ def openrlhf_like(live, meta: dict) -> tuple[dict[str, torch.Tensor], int]:
     out, offset = {}, 0
     for n in order:
         k = torch.Size(shapes[n]).numel()
-        out[hf_name(n)] = flat[offset:offset + k].view(shapes[n])
+        out[hf_name(n)] = flat[offset : offset + k].view(shapes[n])
         offset += k
     return out, received
 
@@ -196,11 +211,20 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
         live = build(cfg, lay, seed=0, timeout=300)
         pusher = WeightPush(model, lay, list(range(world)), world, timeout=300)
         meta = metadata(live)
-        bound = sum((torch.Size(full).numel() - torch.Size([hi - lo for lo, hi in box]).numel()) * 4
-                    for full, box in live.boxes.values()) + sum(
-            torch.Size(sh).numel() * 4 for s in range(pp) if s != live.coordinate[1] for _, sh in meta["stage_shapes"][s])
-        ways = {"nereus": lambda: (pusher.push(live), pusher.stats.bytes_received),
-                "verl": lambda: verl_like(live, meta), "openrlhf": lambda: openrlhf_like(live, meta)}
+        bound = sum(
+            (torch.Size(full).numel() - torch.Size([hi - lo for lo, hi in box]).numel()) * 4
+            for full, box in live.boxes.values()
+        ) + sum(
+            torch.Size(sh).numel() * 4
+            for s in range(pp)
+            if s != live.coordinate[1]
+            for _, sh in meta["stage_shapes"][s]
+        )
+        ways = {
+            "nereus": lambda: (pusher.push(live), pusher.stats.bytes_received),
+            "verl": lambda: verl_like(live, meta),
+            "openrlhf": lambda: openrlhf_like(live, meta),
+        }
         times: dict[str, list[float]] = {k: [] for k in ways}
         results = {}
         for rep in range(reps + 1):  # the first round warms up (first collectives, allocations)
@@ -249,15 +273,32 @@ def run(quick: bool = False, json_output: bool = False, engines: bool | None = N
             row["end_to_end_ratio"] = (best + row["load"]) / (row["nereus"] + row["load"])
         result["layouts"][name] = row
     if not json_output:
-        t = Table(title=f"Weight push to an engine on each of {WORLD} gloo processes: HF Llama "
-                        f"({params / 1e6:.1f} M params, {params * 4 / 2**20:.0f} MiB fp32)", title_justify="left")
-        for col in ("trainer layout", "nereus", "verl-like", "OpenRLHF-like", "best peer / nereus",
-                    "nereus bytes = bound", "engine load", "end to end, best peer / nereus"):
+        t = Table(
+            title=f"Weight push to an engine on each of {WORLD} gloo processes: HF Llama "
+            f"({params / 1e6:.1f} M params, {params * 4 / 2**20:.0f} MiB fp32)",
+            title_justify="left",
+        )
+        for col in (
+            "trainer layout",
+            "nereus",
+            "verl-like",
+            "OpenRLHF-like",
+            "best peer / nereus",
+            "nereus bytes = bound",
+            "engine load",
+            "end to end, best peer / nereus",
+        ):
             t.add_column(col, justify="right")
         for name, row in result["layouts"].items():
-            t.add_row(name, f"{row['nereus'] * 1e3:.1f} ms", f"{row['verl'] * 1e3:.1f} ms", f"{row['openrlhf'] * 1e3:.1f} ms",
-                      f"{row['best_peer_over_nereus']:.2f}x", "yes" if row["bytes_at_bound"] else "NO",
-                      f"{row['load'] * 1e3:.1f} ms" if engines else "-",
-                      f"{row['end_to_end_ratio']:.2f}x" if engines else "-")
+            t.add_row(
+                name,
+                f"{row['nereus'] * 1e3:.1f} ms",
+                f"{row['verl'] * 1e3:.1f} ms",
+                f"{row['openrlhf'] * 1e3:.1f} ms",
+                f"{row['best_peer_over_nereus']:.2f}x",
+                "yes" if row["bytes_at_bound"] else "NO",
+                f"{row['load'] * 1e3:.1f} ms" if engines else "-",
+                f"{row['end_to_end_ratio']:.2f}x" if engines else "-",
+            )
         Console(width=200).print(t)
     return result

@@ -29,7 +29,8 @@ the layouts every method starts from and are not timed for anyone.
 Nereus's bytes are its counter (``Stats.sent``, the program's payload); beside it, what its
 processes wrote to their sockets during ``execute`` (``/proc/self/io`` ``wchar``): the payload
 plus 8-byte checksums, gloo's 48-byte rendezvous notices and the digest and commit collectives
-(``tests/runtime/test_nereus_socket_bytes.py`` checks that account to the byte). The lower bound on time: the bytes the busiest
+(``tests/runtime/test_nereus_socket_bytes.py`` checks that account to the byte). The lower bound on time: the bytes
+the busiest
 rank must receive (what it lacks under plan B: the planner's lower bound, per rank) over the
 bandwidth every rank gets when all send at once, measured in the same run with a ring of
 simultaneous sends (``ring_bandwidth``) before every case; the bound uses the best measurement,
@@ -61,7 +62,8 @@ PEERS = METHODS[3:]
 
 def _exact(dst_specs, new) -> bool:
     return set(new) == {s.key for s in dst_specs} and all(
-        torch.equal(new[s.key].cpu(), cut(full_tensor(s), s.box)) for s in dst_specs)
+        torch.equal(new[s.key].cpu(), cut(full_tensor(s), s.box)) for s in dst_specs
+    )
 
 
 def _written() -> int:
@@ -143,7 +145,9 @@ def _connect_all(rank: int, world: int, device) -> None:
     dist.barrier()
 
 
-def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int) -> dict:
+def worker(
+    rank: int, world: int, cases: list[str], hidden: int | None, ring_bytes: int, tmp: str, repeats: int
+) -> dict:
     """On every rank: the ring bandwidth, then each case with each method (best of ``repeats``)."""
     from .baselines.peers import ring_bandwidth
 
@@ -169,9 +173,12 @@ def worker(rank: int, world: int, cases: list[str], hidden: int | None, ring_byt
         src = {k: v.to(device) for k, v in synthetic_state(prog.src.get(rank, [])).items()}
         for p in (prog, programs["nereus+remap"]):
             _floor_plan(p, rank, world)
-        row = {"must_receive": prog.received_bytes(rank), "held": sum(s.nbytes for s in prog.src.get(rank, [])),
-               "must_receive_remap": programs["nereus+remap"].received_bytes(rank),
-               "plan_s": {"nereus": plan_s[0], "nereus+remap": plan_s[1]}}
+        row = {
+            "must_receive": prog.received_bytes(rank),
+            "held": sum(s.nbytes for s in prog.src.get(rank, [])),
+            "must_receive_remap": programs["nereus+remap"].received_bytes(rank),
+            "plan_s": {"nereus": plan_s[0], "nereus+remap": plan_s[1]},
+        }
         if case == cases[0]:
             # warm-up, untimed: every method once. A process's first large allocations are
             # slower (the allocator's thresholds adapt to the sizes it sees), and without this
@@ -207,7 +214,10 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
     hidden = 128 if quick else None
     ring_bytes = (4 if quick else 64) * 2**20
     results: dict = {"cases": {}, "ring_GBps": {}}
-    with Progress(transient=True, disable=json_output) as progress, tempfile.TemporaryDirectory(prefix="nereus-reshard-") as tmp:
+    with (
+        Progress(transient=True, disable=json_output) as progress,
+        tempfile.TemporaryDirectory(prefix="nereus-reshard-") as tmp,
+    ):
         task = progress.add_task("reshard: 4 methods x cases on gloo processes", total=len(worlds))
         for world in worlds:
             per_rank = run_local(worker, world, cases, hidden, ring_bytes, tmp, 5 if quick else 2, timeout=3600)
@@ -217,12 +227,17 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             for case in cases:
                 rows = [r[case] for r in per_rank]
                 bound = max(r["must_receive"] for r in rows) / ring
-                entry = {"state_MB": sum(r["held"] for r in rows) / 1e6, "bound_s": bound,
-                         "bound_remap_s": max(r["must_receive_remap"] for r in rows) / ring}
+                entry = {
+                    "state_MB": sum(r["held"] for r in rows) / 1e6,
+                    "bound_s": bound,
+                    "bound_remap_s": max(r["must_receive_remap"] for r in rows) / ring,
+                }
                 for method in METHODS:
-                    entry[method] = {"seconds": max(r[method]["seconds"] for r in rows),
-                                     "sent_MB": sum(r[method]["sent"] for r in rows) / 1e6,
-                                     "exact": all(r[method]["exact"] for r in rows)}
+                    entry[method] = {
+                        "seconds": max(r[method]["seconds"] for r in rows),
+                        "sent_MB": sum(r[method]["sent"] for r in rows) / 1e6,
+                        "exact": all(r[method]["exact"] for r in rows),
+                    }
                     if method.startswith("nereus"):
                         e = entry[method]
                         e["written_MB"] = sum(r[method]["written"] for r in rows) / 1e6
@@ -244,13 +259,38 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
 
 
 def _table(results: dict) -> None:
-    t = Table(title="reshard: live state between layouts, gloo on this machine (wall s, MB; all bit-exact unless marked). "
-                    "plan = plan-transition + lower (+ remap) on rank 0; total = plan + transfer; the peers plan inside "
-                    "their transfer time", title_justify="left")
-    for col in ("case x procs", "state MB", "bound s", "plan s", "nereus s", "total s", "floor s", "nereus / floor", "best peer / floor",
-                "dcp s", "allgather s", "gather+bcast s", "best peer / nereus (transfer)", "(total)", "nereus / bound", "nereus MB",
-                "socket MB", "planned MB", "+remap plan s", "+remap s", "+remap total s", "best peer / +remap (transfer)",
-                "(total) ", "+remap MB"):
+    t = Table(
+        title="reshard: live state between layouts, gloo on this machine (wall s, MB; all bit-exact unless marked). "
+        "plan = plan-transition + lower (+ remap) on rank 0; total = plan + transfer; the peers plan inside "
+        "their transfer time",
+        title_justify="left",
+    )
+    for col in (
+        "case x procs",
+        "state MB",
+        "bound s",
+        "plan s",
+        "nereus s",
+        "total s",
+        "floor s",
+        "nereus / floor",
+        "best peer / floor",
+        "dcp s",
+        "allgather s",
+        "gather+bcast s",
+        "best peer / nereus (transfer)",
+        "(total)",
+        "nereus / bound",
+        "nereus MB",
+        "socket MB",
+        "planned MB",
+        "+remap plan s",
+        "+remap s",
+        "+remap total s",
+        "best peer / +remap (transfer)",
+        "(total) ",
+        "+remap MB",
+    ):
         t.add_column(col, justify="right" if col != "case x procs" else "left")
 
     def cell(e, method):
@@ -259,12 +299,32 @@ def _table(results: dict) -> None:
 
     for name, e in results["cases"].items():
         n, r = e["nereus"], e["nereus+remap"]
-        t.add_row(name, f"{e['state_MB']:.0f}", f"{e['bound_s']:.2f}", f"{n['plan_s']:.2f}", cell(e, "nereus"),
-                  f"{n['total_s']:.2f}", cell(e, "floor"), f"{n['over_floor']:.2f}", f"{e['best_peer_over_floor']:.1f}x", cell(e, "dcp"), cell(e, "allgather"), cell(e, "gather+bcast"),
-                  f"{n['best_peer_over_transfer']:.1f}x", f"{n['best_peer_over_total']:.1f}x",
-                  f"{n['seconds'] / e['bound_s']:.2f}", f"{n['sent_MB']:.0f}", f"{n['written_MB']:.1f}",
-                  f"{e['planned_MB']:.0f}", f"{r['plan_s']:.2f}", cell(e, "nereus+remap"), f"{r['total_s']:.2f}",
-                  f"{r['best_peer_over_transfer']:.1f}x", f"{r['best_peer_over_total']:.1f}x", f"{r['sent_MB']:.0f}")
+        t.add_row(
+            name,
+            f"{e['state_MB']:.0f}",
+            f"{e['bound_s']:.2f}",
+            f"{n['plan_s']:.2f}",
+            cell(e, "nereus"),
+            f"{n['total_s']:.2f}",
+            cell(e, "floor"),
+            f"{n['over_floor']:.2f}",
+            f"{e['best_peer_over_floor']:.1f}x",
+            cell(e, "dcp"),
+            cell(e, "allgather"),
+            cell(e, "gather+bcast"),
+            f"{n['best_peer_over_transfer']:.1f}x",
+            f"{n['best_peer_over_total']:.1f}x",
+            f"{n['seconds'] / e['bound_s']:.2f}",
+            f"{n['sent_MB']:.0f}",
+            f"{n['written_MB']:.1f}",
+            f"{e['planned_MB']:.0f}",
+            f"{r['plan_s']:.2f}",
+            cell(e, "nereus+remap"),
+            f"{r['total_s']:.2f}",
+            f"{r['best_peer_over_transfer']:.1f}x",
+            f"{r['best_peer_over_total']:.1f}x",
+            f"{r['sent_MB']:.0f}",
+        )
     Console(width=max(260, Console().width)).print(t)
     rings = ", ".join(f"{w} procs {v:.2f} GB/s" for w, v in results["ring_GBps"].items())
     Console().print(f"ring bandwidth per rank, all sending at once: {rings}")

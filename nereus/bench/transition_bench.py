@@ -52,16 +52,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
-
 from rich.console import Console
 from rich.table import Table
 
 from ..ir import parse, verify
 from ..ir.model import state_dtype_bytes
-from ..testing.jobs import ppo_70b
 from ..passes import CostModel, parse_pipeline
 from ..passes.transition.derive_emus import derive_missing_emus
 from ..passes.transition.holdings import plan_holdings, state_bytes
+from ..testing.jobs import ppo_70b
 
 STORAGE_GBPS = 400.0  # aggregate shared-storage bandwidth assumed for DCP (GB/s)
 TARGET_PLAN_S = 5.0
@@ -102,7 +101,7 @@ def cases(gpus: int):
             per = lay.tp * lay.pp
             lay.dp = share // per
             first = i * share if st.kind == "infer" else 0
-            lay.mesh = alive[first:first + lay.dp * per]
+            lay.mesh = alive[first : first + lay.dp * per]
     m2.plans[c.name] = c
     yield "DP 32 -> 30: 64 GPUs reclaimed", m2, "ppo70b_p0", "dp_shrunk"
     m4 = copy.deepcopy(base)
@@ -118,14 +117,18 @@ def cases(gpus: int):
     for plan in ("ppo70b_p0", "tp4pp8"):
         derive_missing_emus(tight, plan)
     before, after_ = state_bytes(tight, "ppo70b_p0"), state_bytes(tight, "tp4pp8")
-    tight.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
+    tight.clusters[a.cluster].gpu_memory = max(
+        max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_)
+    )
     yield "TP8 PP4 -> TP4 PP8, no memory to spare", tight, "ppo70b_p0", "tp4pp8"
     back = copy.deepcopy(base)
     back.plans[z.name] = copy.deepcopy(z)
     for plan in ("zero3", "ppo70b_p0"):
         derive_missing_emus(back, plan)
     before, after_ = state_bytes(back, "zero3"), state_bytes(back, "ppo70b_p0")
-    back.clusters[a.cluster].gpu_memory = max(max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_))
+    back.clusters[a.cluster].gpu_memory = max(
+        max(before.get(g, 0), after_.get(g, 0)) for g in set(before) | set(after_)
+    )
     yield "TP4 ZeRO-3 -> TP8 PP4 ZeRO-1, no memory to spare", back, "zero3", "ppo70b_p0"
 
 
@@ -147,8 +150,10 @@ class Ports:
     latencies, microseconds, are left out)."""
 
     def __init__(self, cluster, efficiency):
-        self.rate = {"nvlink": cluster.intra_node.bandwidth * efficiency.nvlink,
-                     "nic": cluster.inter_node.bandwidth * efficiency.nic}
+        self.rate = {
+            "nvlink": cluster.intra_node.bandwidth * efficiency.nvlink,
+            "nic": cluster.inter_node.bandwidth * efficiency.nic,
+        }
         self.busy = {(d, link): np.zeros(cluster.num_gpus) for d in ("send", "recv") for link in self.rate}
         self.node_of = cluster.node_of
 
@@ -182,8 +187,10 @@ def by_model_stage(holdings) -> dict[str, dict[tuple, list]]:
 def changed_model_stages(src: dict, dst: dict) -> list[str]:
     """Model-stages whose pieces (tensor, GPU, region) differ between the plans: the only ones a
     real system reshards. A model-stage plan B drops needs nothing."""
+
     def signature(per_key):
         return {(key, p.gpu, p.region) for key, pieces in per_key.items() for p in pieces}
+
     return sorted(ms for ms in dst if signature(dst[ms]) != signature(src.get(ms, {})))
 
 
@@ -196,7 +203,9 @@ def _layer_box(model, key, region) -> tuple[int, int, tuple]:
     return 0, 1, tuple(region)
 
 
-def gather_tensors(ports: Ports, m, ms: str, key: tuple, src_pieces: list, needs: dict[int, list[tuple[int, int]]]) -> None:
+def gather_tensors(
+    ports: Ports, m, ms: str, key: tuple, src_pieces: list, needs: dict[int, list[tuple[int, int]]]
+) -> None:
     """Every GPU ``g`` of ``needs`` (GPU -> layer ranges) assembles the whole tensor of ``key``
     for each layer it needs, from the model-stage's own plan-A pieces: every distinct source box
     of those layers it does not hold itself arrives from a holder, one inside its node over
@@ -302,8 +311,10 @@ def peers(m, source: str, target: str) -> dict[str, PeerCost]:
             layers = model.layers if spec.per_layer else 1
             gather_tensors(gb, m, ms, key, src[ms].get(key, []), {root: [(0, layers)]})
             total += spec.numel() * layers * state_dtype_bytes(model, key[1])
-        receivers = sorted({p.gpu for pieces in dst[ms].values() for p in pieces} - {root},
-                           key=lambda g: (cluster.node_of(g) != cluster.node_of(root), g))
+        receivers = sorted(
+            {p.gpu for pieces in dst[ms].values() for p in pieces} - {root},
+            key=lambda g: (cluster.node_of(g) != cluster.node_of(root), g),
+        )
         for a, b in zip([root] + receivers, receivers):
             gb.move(a, b, "nvlink" if cluster.node_of(a) == cluster.node_of(b) else "nic", total)
     # DCP save + load: every distinct plan-A piece written once (replicas deduplicated, the writes
@@ -328,10 +339,14 @@ def peers(m, source: str, target: str) -> dict[str, PeerCost]:
                 read[p.gpu] += _vol(p.region) * itemsize
     storage = STORAGE_GBPS * 1e9
     w, r = sum(written.values()), sum(read.values())
-    dcp_time = max(w / storage, max(written.values(), default=0) / nic_rate) + \
-        max(r / storage, max(read.values(), default=0) / nic_rate)
-    return {"all-gather + slice": ag.cost(), "gather + broadcast": gb.cost(),
-            "DCP save + load": PeerCost(round(w + r), dcp_time)}
+    dcp_time = max(w / storage, max(written.values(), default=0) / nic_rate) + max(
+        r / storage, max(read.values(), default=0) / nic_rate
+    )
+    return {
+        "all-gather + slice": ag.cost(),
+        "gather + broadcast": gb.cost(),
+        "DCP save + load": PeerCost(round(w + r), dcp_time),
+    }
 
 
 def _vol(region) -> int:
@@ -358,29 +373,44 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
         verify(m)
         # planning time counts deriving the EMUs the pass needs (derive-emus, which it requires)
         t0 = time.perf_counter()
-        apply_passes(m, f"plan-transition{{source=@{source},to=@{target},into=@t,drain=true}}")  # reclaimed GPUs still send
+        apply_passes(
+            m, f"plan-transition{{source=@{source},to=@{target},into=@t,drain=true}}"
+        )  # reclaimed GPUs still send
         t1 = time.perf_counter()
         t = m.transitions["t"]
         apply_passes(m, f"schedule-transfers{{transition=@t,time_limit={time_limit}}}")
         t2 = time.perf_counter()
         verify(m)  # what run_pipeline would add: the verifier on the planned and scheduled module
         t_verify = time.perf_counter() - t2
-        row = {"case": label, "gpus": gpus, "ops": len(t.ops), "plan_s": round(t1 - t0, 2), "schedule_s": round(t2 - t1, 2),
-               "verify_s": round(t_verify, 2),
-               "bytes_moved": t.bytes_moved, "lower_bound": t.lower_bound,
-               "bytes_ratio": round(t.bytes_moved / t.lower_bound, 4) if t.lower_bound else 1.0,
-               "makespan_s": t.makespan, "port_bound_s": t.port_bound,
-               "makespan_ratio": round(t.makespan / t.port_bound, 3) if t.port_bound else 1.0,
-               "schedule_status": t.schedule_status,
-               "staged_bytes": sum(op.bytes for op in t.ops if op.kind == "unstage"), "peers": {}}
+        row = {
+            "case": label,
+            "gpus": gpus,
+            "ops": len(t.ops),
+            "plan_s": round(t1 - t0, 2),
+            "schedule_s": round(t2 - t1, 2),
+            "verify_s": round(t_verify, 2),
+            "bytes_moved": t.bytes_moved,
+            "lower_bound": t.lower_bound,
+            "bytes_ratio": round(t.bytes_moved / t.lower_bound, 4) if t.lower_bound else 1.0,
+            "makespan_s": t.makespan,
+            "port_bound_s": t.port_bound,
+            "makespan_ratio": round(t.makespan / t.port_bound, 3) if t.port_bound else 1.0,
+            "schedule_status": t.schedule_status,
+            "staged_bytes": sum(op.bytes for op in t.ops if op.kind == "unstage"),
+            "peers": {},
+        }
         t3 = time.perf_counter()
         costs = peers(m, source, target)
         row["peers_model_s"] = round(time.perf_counter() - t3, 2)
         for name, c in costs.items():
-            row["peers"][name] = {"bytes": c.bytes, "nvlink_bytes": c.nvlink_bytes, "nic_bytes": c.nic_bytes,
-                                  "seconds": round(c.seconds, 3),
-                                  "bytes_vs_nereus": round(c.bytes / max(t.bytes_moved, 1), 2),
-                                  "time_vs_nereus": round(c.seconds / t.makespan, 2) if t.makespan else None}
+            row["peers"][name] = {
+                "bytes": c.bytes,
+                "nvlink_bytes": c.nvlink_bytes,
+                "nic_bytes": c.nic_bytes,
+                "seconds": round(c.seconds, 3),
+                "bytes_vs_nereus": round(c.bytes / max(t.bytes_moved, 1), 2),
+                "time_vs_nereus": round(c.seconds / t.makespan, 2) if t.makespan else None,
+            }
         # what remap saves: plan B's GPUs renamed (node-preserving) before planning
         placed = copy.deepcopy(m)
         placed.transitions.clear()
@@ -396,24 +426,66 @@ def run(quick: bool = False, json_output: bool = False, gpus: int | None = None,
     if not json_output:
         console = Console(width=200)
         t = Table(title=f"transitions of the 70B PPO job on {gpus} GPUs", title_justify="left")
-        for col in ("case", "ops", "plan s", "schedule s", "verify s", "bytes moved", "vs lower bound", "staged",
-                    "makespan", "vs port bound", "status", "after remap", "remap s"):
+        for col in (
+            "case",
+            "ops",
+            "plan s",
+            "schedule s",
+            "verify s",
+            "bytes moved",
+            "vs lower bound",
+            "staged",
+            "makespan",
+            "vs port bound",
+            "status",
+            "after remap",
+            "remap s",
+        ):
             t.add_column(col, justify="left" if col == "case" else "right")
         for r in rows:
-            t.add_row(r["case"], f"{r['ops']:,}", f"{r['plan_s']:.2f}", f"{r['schedule_s']:.2f}", f"{r['verify_s']:.2f}",
-                      f"{r['bytes_moved'] / 2**30:,.1f} GiB",
-                      f"{r['bytes_ratio']:.3f}", f"{r['staged_bytes'] / 2**30:,.1f} GiB", f"{r['makespan_s']:.3f} s",
-                      f"{r['makespan_ratio']:.3f}", r["schedule_status"], f"{r['remap_bytes'] / 2**30:,.1f} GiB",
-                      f"{r['remap_s']:.2f}")
+            t.add_row(
+                r["case"],
+                f"{r['ops']:,}",
+                f"{r['plan_s']:.2f}",
+                f"{r['schedule_s']:.2f}",
+                f"{r['verify_s']:.2f}",
+                f"{r['bytes_moved'] / 2**30:,.1f} GiB",
+                f"{r['bytes_ratio']:.3f}",
+                f"{r['staged_bytes'] / 2**30:,.1f} GiB",
+                f"{r['makespan_s']:.3f} s",
+                f"{r['makespan_ratio']:.3f}",
+                r["schedule_status"],
+                f"{r['remap_bytes'] / 2**30:,.1f} GiB",
+                f"{r['remap_s']:.2f}",
+            )
         console.print(t)
-        p = Table(title="peers on the model-stages that change, same links and efficiencies (bytes; port-bound time)", title_justify="left")
+        p = Table(
+            title="peers on the model-stages that change, same links and efficiencies (bytes; port-bound time)",
+            title_justify="left",
+        )
         for col in ("case", "strategy", "bytes", "NVLink", "NIC", "x Nereus bytes", "time", "x Nereus time"):
             p.add_column(col, justify="left" if col in ("case", "strategy") else "right")
         for r in rows:
-            p.add_row(r["case"], "Nereus", f"{r['bytes_moved'] / 2**30:,.1f} GiB", "", "", "1.00", f"{r['makespan_s']:.3f} s", "1.00")
+            p.add_row(
+                r["case"],
+                "Nereus",
+                f"{r['bytes_moved'] / 2**30:,.1f} GiB",
+                "",
+                "",
+                "1.00",
+                f"{r['makespan_s']:.3f} s",
+                "1.00",
+            )
             for name, v in r["peers"].items():
                 split = [f"{v[k] / 2**30:,.1f} GiB" if v[k] else "" for k in ("nvlink_bytes", "nic_bytes")]
-                p.add_row("", name, f"{v['bytes'] / 2**30:,.1f} GiB", *split, f"{v['bytes_vs_nereus']:.2f}", f"{v['seconds']:.3f} s",
-                          f"{v['time_vs_nereus']:.2f}")
+                p.add_row(
+                    "",
+                    name,
+                    f"{v['bytes'] / 2**30:,.1f} GiB",
+                    *split,
+                    f"{v['bytes_vs_nereus']:.2f}",
+                    f"{v['seconds']:.3f} s",
+                    f"{v['time_vs_nereus']:.2f}",
+                )
         console.print(p)
     return result

@@ -59,8 +59,18 @@ def cases(directory: Path = VALIDATION) -> list[Case]:
             eff = CostModel(cluster).efficiency.compute
             ideal = sum(lay.time_breakdown.compute * eff for lay in plan.layouts.values())
             memory = max(lay.memory for lay in plan.layouts.values())
-            out.append(Case(path.stem, name, max(lay.world for lay in plan.layouts.values()), float(found.group(1)),
-                            plan.step_time, ideal, not problems, memory / 2**30))
+            out.append(
+                Case(
+                    path.stem,
+                    name,
+                    max(lay.world for lay in plan.layouts.values()),
+                    float(found.group(1)),
+                    plan.step_time,
+                    ideal,
+                    not problems,
+                    memory / 2**30,
+                )
+            )
     return out
 
 
@@ -70,36 +80,82 @@ def errors(rows: list[Case]) -> dict[str, np.ndarray]:
     # the constant in hindsight: the efficiency minimising the median relative error over this set
     grid = np.linspace(0.2, 0.9, 701)
     best = grid[np.argmin([np.median(np.abs(ideal / e - pub) / pub) for e in grid])]
-    return {"model": np.abs(np.array([c.model_s for c in rows]) - pub) / pub,
-            "constant": np.abs(ideal / CONSTANT_EFFICIENCY - pub) / pub,
-            "best_constant": np.abs(ideal / best - pub) / pub, "best_efficiency": best}
+    return {
+        "model": np.abs(np.array([c.model_s for c in rows]) - pub) / pub,
+        "constant": np.abs(ideal / CONSTANT_EFFICIENCY - pub) / pub,
+        "best_constant": np.abs(ideal / best - pub) / pub,
+        "best_efficiency": best,
+    }
 
 
 def run(quick: bool = False, json_output: bool = False) -> dict:
     rows = cases()
     err = errors(rows)
-    summary = {k: {"median": float(np.median(err[k])), "mean": float(np.mean(err[k])), "worst": float(np.max(err[k]))}
-               for k in ("model", "constant", "best_constant")}
-    result = {"benchmark": "validate", "cases": len(rows), "sources": len({c.source for c in rows}),
-              "best_constant_efficiency": float(err["best_efficiency"]), "summary": summary,
-              "rows": [{"source": c.source, "plan": c.plan, "gpus": c.gpus, "published_s": c.published_s,
-                        "model_s": round(c.model_s, 4), "constant_s": round(c.constant_s(CONSTANT_EFFICIENCY), 4),
-                        "model_error": round(float(e), 4), "constant_error": round(float(k), 4), "fits": c.fits,
-                        "memory_gib": round(c.memory_gib, 1)}
-                       for c, e, k in zip(rows, err["model"], err["constant"])]}
+    summary = {
+        k: {"median": float(np.median(err[k])), "mean": float(np.mean(err[k])), "worst": float(np.max(err[k]))}
+        for k in ("model", "constant", "best_constant")
+    }
+    result = {
+        "benchmark": "validate",
+        "cases": len(rows),
+        "sources": len({c.source for c in rows}),
+        "best_constant_efficiency": float(err["best_efficiency"]),
+        "summary": summary,
+        "rows": [
+            {
+                "source": c.source,
+                "plan": c.plan,
+                "gpus": c.gpus,
+                "published_s": c.published_s,
+                "model_s": round(c.model_s, 4),
+                "constant_s": round(c.constant_s(CONSTANT_EFFICIENCY), 4),
+                "model_error": round(float(e), 4),
+                "constant_error": round(float(k), 4),
+                "fits": c.fits,
+                "memory_gib": round(c.memory_gib, 1),
+            }
+            for c, e, k in zip(rows, err["model"], err["constant"])
+        ],
+    }
     if not json_output:
-        t = Table(title=f"estimate (prior coefficients) against {len(rows)} published figures from "
-                        f"{result['sources']} sources, beside constant efficiency", title_justify="left")
-        for col in ("source", "plan", "GPUs", "published", "model", "error", f"constant {CONSTANT_EFFICIENCY}", "error",
-                    "memory", "fits"):
+        t = Table(
+            title=f"estimate (prior coefficients) against {len(rows)} published figures from "
+            f"{result['sources']} sources, beside constant efficiency",
+            title_justify="left",
+        )
+        for col in (
+            "source",
+            "plan",
+            "GPUs",
+            "published",
+            "model",
+            "error",
+            f"constant {CONSTANT_EFFICIENCY}",
+            "error",
+            "memory",
+            "fits",
+        ):
             t.add_column(col, justify="left" if col in ("source", "plan") else "right")
         for c, e, k in zip(rows, err["model"], err["constant"]):
-            t.add_row(c.source, c.plan, str(c.gpus), f"{c.published_s:.2f} s", f"{c.model_s:.2f} s", f"{e:.1%}",
-                      f"{c.constant_s(CONSTANT_EFFICIENCY):.2f} s", f"{k:.1%}", f"{c.memory_gib:.1f} GiB", "yes" if c.fits else "NO")
+            t.add_row(
+                c.source,
+                c.plan,
+                str(c.gpus),
+                f"{c.published_s:.2f} s",
+                f"{c.model_s:.2f} s",
+                f"{e:.1%}",
+                f"{c.constant_s(CONSTANT_EFFICIENCY):.2f} s",
+                f"{k:.1%}",
+                f"{c.memory_gib:.1f} GiB",
+                "yes" if c.fits else "NO",
+            )
         console = Console(width=160)
         console.print(t)
-        for k, label in (("model", "model"), ("constant", f"constant {CONSTANT_EFFICIENCY}"),
-                         ("best_constant", f"best constant ({err['best_efficiency']:.3f}, fitted to this set)")):
+        for k, label in (
+            ("model", "model"),
+            ("constant", f"constant {CONSTANT_EFFICIENCY}"),
+            ("best_constant", f"best constant ({err['best_efficiency']:.3f}, fitted to this set)"),
+        ):
             s = summary[k]
             console.print(f"{label:>40}: median {s['median']:.1%}, mean {s['mean']:.1%}, worst {s['worst']:.1%}")
     return result

@@ -69,16 +69,30 @@ class Decision:
     searched: Plan | None = field(default=None, repr=False)  # plan B as plan-search gave it, before remap
 
     def to_json(self) -> dict:
-        return {"step": self.step, "action": self.action, "source": self.source, "target": self.target,
-                "transition": self.transition, "forced": self.forced, "triggers": [t.to_json() for t in self.triggers],
-                "numbers": self.numbers, "message": self.message}
+        return {
+            "step": self.step,
+            "action": self.action,
+            "source": self.source,
+            "target": self.target,
+            "transition": self.transition,
+            "forced": self.forced,
+            "triggers": [t.to_json() for t in self.triggers],
+            "numbers": self.numbers,
+            "message": self.message,
+        }
 
 
 class DecisionCore:
     """Measurements in, decisions out; see the module docstring."""
 
-    def __init__(self, module: Module, plan: str, options: ControlOptions | None = None,
-                 total_steps: int | None = None, log: str | Path | None = None):
+    def __init__(
+        self,
+        module: Module,
+        plan: str,
+        options: ControlOptions | None = None,
+        total_steps: int | None = None,
+        log: str | Path | None = None,
+    ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
         if plan not in module.plans:
@@ -100,14 +114,16 @@ class DecisionCore:
         for key in [k for k in self.m.emus if k[0] == plan]:
             del self.m.emus[key]
         p.step_time = None
-        self._run(self.m, [Estimate(plan=f"@{plan}"), DeriveEmus(plan=f"@{plan}", only_missing=True)], verify_input=True)
+        self._run(
+            self.m, [Estimate(plan=f"@{plan}"), DeriveEmus(plan=f"@{plan}", only_missing=True)], verify_input=True
+        )
         self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
         self.planned_response = float(self.workload.response_len_mean)
         self.weighed_memory: dict[str, int] = {}  # model-stage -> the peak a re-plan weighed and kept plan A at
         self.history: list[StepRecord] = []
-        self.last_replan = -10**9
+        self.last_replan = -(10**9)
         self.gpus_considered: tuple | None = None  # (GPUs, leaving) the last re-plan weighed
         self.log = Path(log) if log is not None else None
         self.decisions: list[Decision] = []
@@ -139,7 +155,7 @@ class DecisionCore:
             raise ValueError("decide() needs at least one observed step")
         t0 = time.perf_counter()
         opts, step = self.options, self.history[-1].step
-        window = self.history[-opts.window:]
+        window = self.history[-opts.window :]
         numbers: dict = {}
         if opts.recalibrate_every and ((step + 1) % opts.recalibrate_every == 0 or len(self.history) == 1):
             numbers.update(self._recalibrate(window))  # at the first step too: the priors are not the job
@@ -213,8 +229,12 @@ class DecisionCore:
 
     # -- steps of a decision ---------------------------------------------------------------------
     def _recalibrate(self, window: list[StepRecord]) -> dict:
-        records = [(self.plan, ms, s, r.memory.get(ms), r.step) for r in window for ms, s in r.seconds.items()
-                   if ms in self.m.plans[self.plan].layouts]
+        records = [
+            (self.plan, ms, s, r.memory.get(ms), r.step)
+            for r in window
+            for ms, s in r.seconds.items()
+            if ms in self.m.plans[self.plan].layouts
+        ]
         if not records:
             return {}
         # cost the measured steps at the lengths they generated: fitted at stale lengths, the
@@ -255,13 +275,33 @@ class DecisionCore:
                 incumbent += "_"
             m.plans[incumbent] = replace(self.searched, name=incumbent)  # read only, and removed after the search
         try:
-            self._run(m, [PlanSearch(time_limit=opts.search_time_limit, seed=opts.seed, workload=f"@{w.name}",
-                                     cluster=f"@{cluster.name}", into=f"@{target}", max_pp=opts.max_pp,
-                                     max_zero=opts.max_zero, offload=opts.offload, incumbent=f"@{incumbent}")])
+            self._run(
+                m,
+                [
+                    PlanSearch(
+                        time_limit=opts.search_time_limit,
+                        seed=opts.seed,
+                        workload=f"@{w.name}",
+                        cluster=f"@{cluster.name}",
+                        into=f"@{target}",
+                        max_pp=opts.max_pp,
+                        max_zero=opts.max_zero,
+                        offload=opts.offload,
+                        incumbent=f"@{incumbent}",
+                    )
+                ],
+            )
         except DiagnosticError as e:
             action = "infeasible" if forced else "stay"
-            return Decision(step, action, self.plan, forced=forced, triggers=triggers, numbers=numbers,
-                            message=f"plan-search found no plan: {e.diagnostics[0].message}")
+            return Decision(
+                step,
+                action,
+                self.plan,
+                forced=forced,
+                triggers=triggers,
+                numbers=numbers,
+                message=f"plan-search found no plan: {e.diagnostics[0].message}",
+            )
         finally:
             if incumbent != self.plan:
                 del m.plans[incumbent]
@@ -276,14 +316,23 @@ class DecisionCore:
             pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart, placement=False)
             saving = a.step_time - b.step_time
             if saving * horizon <= (pg + restart) * (1 + opts.margin):
-                numbers.update(saving=saving, benefit=saving * horizon, cost_lower_bound=pg + restart, horizon=horizon,
-                               admitted=False)
+                numbers.update(
+                    saving=saving,
+                    benefit=saving * horizon,
+                    cost_lower_bound=pg + restart,
+                    horizon=horizon,
+                    admitted=False,
+                )
                 self._weighed(w, window, numbers)
-                why = ("plan A is still the best plan found" if pg + restart == 0 else
-                       f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
-                       f"cannot pay its fixed costs of {pg + restart:.4g} s")
-                return Decision(step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers,
-                                message=why)
+                why = (
+                    "plan A is still the best plan found"
+                    if pg + restart == 0
+                    else f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
+                    f"cannot pay its fixed costs of {pg + restart:.4g} s"
+                )
+                return Decision(
+                    step, "stay", self.plan, target, forced=False, triggers=triggers, numbers=numbers, message=why
+                )
         searched = copy.deepcopy(b)  # before remap renames its GPUs
         # plan B's EMUs (plan A's are in ``self.m``, derived at the start or the commit), then
         # remap; plan-transition takes remap's bytes after as its lower bound (in the module's
@@ -299,20 +348,46 @@ class DecisionCore:
             why = e.diagnostics[0].message
             if lost:
                 why = f"state lost with GPUs {sorted(lost)} (restore it from a checkpoint): {why}"
-            return Decision(step, "infeasible" if forced else "stay", self.plan, target, forced=forced, triggers=triggers,
-                            numbers=numbers, message=f"plan-transition: {why}")
+            return Decision(
+                step,
+                "infeasible" if forced else "stay",
+                self.plan,
+                target,
+                forced=forced,
+                triggers=triggers,
+                numbers=numbers,
+                message=f"plan-transition: {why}",
+            )
         t = m.transitions[name]
-        moves: list[ModulePass] = [ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed,
-                                                     transition=f"@{name}")]
+        moves: list[ModulePass] = [
+            ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed, transition=f"@{name}")
+        ]
         if a.step_time is not None:
-            moves.append(Admit(horizon=horizon, margin=opts.margin, pg_init=opts.pg_init,
-                               engine_restart=opts.engine_restart, transition=f"@{name}"))
+            moves.append(
+                Admit(
+                    horizon=horizon,
+                    margin=opts.margin,
+                    pg_init=opts.pg_init,
+                    engine_restart=opts.engine_restart,
+                    transition=f"@{name}",
+                )
+            )
         self._run(m, moves, last=True)
         if a.step_time is not None:
-            numbers.update(cost=t.admit.cost, benefit=t.admit.benefit, saving=t.admit.saving,
-                           break_even=t.admit.break_even, admitted=t.admit.decision == "accept")
-        numbers.update(horizon=horizon, bytes_moved=t.bytes_moved, lower_bound=t.lower_bound, makespan=t.makespan,
-                       port_bound=t.port_bound)
+            numbers.update(
+                cost=t.admit.cost,
+                benefit=t.admit.benefit,
+                saving=t.admit.saving,
+                break_even=t.admit.break_even,
+                admitted=t.admit.decision == "accept",
+            )
+        numbers.update(
+            horizon=horizon,
+            bytes_moved=t.bytes_moved,
+            lower_bound=t.lower_bound,
+            makespan=t.makespan,
+            port_bound=t.port_bound,
+        )
         if forced:
             action, message = "transition", "forced: the current plan cannot go on"
         elif t.admit is not None and t.admit.decision == "accept":
@@ -320,9 +395,19 @@ class DecisionCore:
         else:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
             self._weighed(w, window, numbers)
-        return Decision(step, action, self.plan, target, name, forced, triggers, numbers, message,
-                        module=m if action == "transition" else None,
-                        searched=searched if action == "transition" else None)
+        return Decision(
+            step,
+            action,
+            self.plan,
+            target,
+            name,
+            forced,
+            triggers,
+            numbers,
+            message,
+            module=m if action == "transition" else None,
+            searched=searched if action == "transition" else None,
+        )
 
     def _copy_job(self) -> Module:
         """The job to re-plan on: a deep copy, which shares the EMUs (frozen values) and what
@@ -346,8 +431,11 @@ class DecisionCore:
         (``measured_triggers``). The decision carries both (``weighed_response``,
         ``weighed_memory``) for the ranks that ``follow`` it."""
         self.planned_response = numbers["weighed_response"] = float(w.response_len_mean)
-        peaks = {ms: max((r.memory.get(ms, 0) for r in window), default=0) for ms in self.m.plans[self.plan].layouts
-                 if getattr(w.stage_of(ms), "kind", None) != "generate"}  # the memory trigger skips generation
+        peaks = {
+            ms: max((r.memory.get(ms, 0) for r in window), default=0)
+            for ms in self.m.plans[self.plan].layouts
+            if getattr(w.stage_of(ms), "kind", None) != "generate"
+        }  # the memory trigger skips generation
         self.weighed_memory = {ms: int(v) for ms, v in peaks.items() if v}
         numbers["weighed_memory"] = dict(self.weighed_memory)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 SHARES = 8  # equal shares a measured length distribution is summarised by
 
 
@@ -14,7 +13,7 @@ def equal_shares(lengths, shares: int = SHARES) -> tuple[int, ...]:
     n = len(xs)
     out = []
     for i in range(shares):
-        part = xs[i * n // shares:(i + 1) * n // shares] or xs[min(i * n // shares, n - 1):][:1]
+        part = xs[i * n // shares : (i + 1) * n // shares] or xs[min(i * n // shares, n - 1) :][:1]
         out.append(max(1, round(sum(part) / len(part))))
     return tuple(out)
 
@@ -58,6 +57,12 @@ class StepRecord:
                 raise ValueError(f"seconds of {ms} must be positive, got {s}")
 
     def to_json(self) -> dict:
-        return {"step": self.step, "seconds": dict(self.seconds), "memory": dict(self.memory),
-                "responses": list(self.responses), "length_shares": list(self.length_shares),
-                "gpus": None if self.gpus is None else list(self.gpus), "leaving": list(self.leaving)}
+        return {
+            "step": self.step,
+            "seconds": dict(self.seconds),
+            "memory": dict(self.memory),
+            "responses": list(self.responses),
+            "length_shares": list(self.length_shares),
+            "gpus": None if self.gpus is None else list(self.gpus),
+            "leaving": list(self.leaving),
+        }

@@ -37,8 +37,14 @@ def gpu_triggers(plan: Plan, gpus_now: set[int], gpus_planned: set[int], leaving
     return out
 
 
-def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_response: float,
-                      opts: ControlOptions, weighed_memory: dict[str, int] | None = None) -> list[Trigger]:
+def measured_triggers(
+    m: Module,
+    plan: Plan,
+    window: list[StepRecord],
+    planned_response: float,
+    opts: ControlOptions,
+    weighed_memory: dict[str, int] | None = None,
+) -> list[Trigger]:
     """Response length drift, memory headroom and slowdown against the plan's estimates.
 
     ``weighed_memory``: per model-stage, the peak a re-plan last weighed and kept the plan at.
@@ -51,8 +57,12 @@ def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_r
         mean = sum(r.responses[1] for r in window) / count
         drift = mean / planned_response - 1
         if abs(drift) > opts.response_drift:
-            out.append(Trigger("response_length", f"mean response length {mean:.0f} tokens, planned for "
-                                                  f"{planned_response:.0f} ({drift:+.0%})"))
+            out.append(
+                Trigger(
+                    "response_length",
+                    f"mean response length {mean:.0f} tokens, planned for {planned_response:.0f} ({drift:+.0%})",
+                )
+            )
     cap = m.clusters[plan.cluster].gpu_memory
     w = m.workloads[plan.workload]
     for ms in plan.layouts:
@@ -63,8 +73,14 @@ def measured_triggers(m: Module, plan: Plan, window: list[StepRecord], planned_r
         weighed = (weighed_memory or {}).get(ms, 0)
         if peak > max(cap * (1 - opts.memory_headroom), weighed + (cap - weighed) / 2) or peak > cap:
             since = f"; a re-plan weighed {weighed / 2**30:.2f} GiB" if weighed else ""
-            out.append(Trigger("memory", f"{ms} peaked at {peak / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB "
-                                         f"(headroom under {opts.memory_headroom:.0%}{since})", forced=peak > cap))
+            out.append(
+                Trigger(
+                    "memory",
+                    f"{ms} peaked at {peak / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB "
+                    f"(headroom under {opts.memory_headroom:.0%}{since})",
+                    forced=peak > cap,
+                )
+            )
     for ms, lay in plan.layouts.items():
         times = [r.seconds[ms] for r in window if ms in r.seconds]
         if times and lay.time:

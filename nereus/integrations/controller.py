@@ -73,14 +73,25 @@ class MovingAdapter(Protocol):
     ``TransitionError`` with plan A intact on failure (a rollback) or ``DiagnosticError`` before
     anything moved (plan B is no layout the live model takes)."""
 
-    def move(self, module: Module, source: str, target: str, *, transition: str, timeout: float,
-             faults: tuple) -> None: ...
+    def move(
+        self, module: Module, source: str, target: str, *, transition: str, timeout: float, faults: tuple
+    ) -> None: ...
 
 
 class Controller:
-    def __init__(self, module: Module, plan: str, adapter: StateAdapter, *, options: ControlOptions | None = None,
-                 total_steps: int | None = None, log: str | Path | None = None, timeout: float = 120.0,
-                 show: bool = True, faults: tuple = ()):
+    def __init__(
+        self,
+        module: Module,
+        plan: str,
+        adapter: StateAdapter,
+        *,
+        options: ControlOptions | None = None,
+        total_steps: int | None = None,
+        log: str | Path | None = None,
+        timeout: float = 120.0,
+        show: bool = True,
+        faults: tuple = (),
+    ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
         if not dist.is_initialized():
@@ -151,10 +162,21 @@ class Controller:
         stages = sorted(self.module.plans[self.plan].layouts)
         unknown = sorted(set(self._seconds) - set(stages))
         if unknown:
-            raise ValueError(f"stage(s) {', '.join(unknown)} are not model-stages of plan @{self.plan}: {', '.join(stages)}")
+            raise ValueError(
+                f"stage(s) {', '.join(unknown)} are not model-stages of plan @{self.plan}: {', '.join(stages)}"
+            )
         n = self._lengths
-        mine = torch.tensor([*(self._seconds.get(ms, 0.0) for ms in stages), *(self._memory.get(ms, 0) for ms in stages),
-                             len(n), sum(n), max(n, default=0), 1.0 if self._leaving else 0.0], dtype=torch.float64)
+        mine = torch.tensor(
+            [
+                *(self._seconds.get(ms, 0.0) for ms in stages),
+                *(self._memory.get(ms, 0) for ms in stages),
+                len(n),
+                sum(n),
+                max(n, default=0),
+                1.0 if self._leaving else 0.0,
+            ],
+            dtype=torch.float64,
+        )
         every = [torch.empty_like(mine) for _ in self.members]
         dist.all_gather(every, mine, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
         record = self._record(torch.stack(every), stages)
@@ -178,8 +200,11 @@ class Controller:
             self.core.follow(decision)
         if decision.action == "transition" and (len(self.members) < self.world or self.degraded):
             decision.action = "stay"
-            decision.message = ("not applied: the default process group " + ("saw a failed transition" if self.degraded
-                                else "includes ranks that left") + "; re-create it before the next transition")
+            decision.message = (
+                "not applied: the default process group "
+                + ("saw a failed transition" if self.degraded else "includes ranks that left")
+                + "; re-create it before the next transition"
+            )
         elif decision.action == "transition":
             decision = self._apply(decision)
         self._show(decision)
@@ -194,19 +219,35 @@ class Controller:
         memory = {ms: int(top[k + i]) for i, ms in enumerate(stages) if top[k + i] > 0}
         count, total = (int(sum(r[2 * k + j] for r in rows)) for j in (0, 1))
         leaving = tuple(m for m, r in zip(self.members, rows) if r[2 * k + 3] > 0)
-        return StepRecord(self.step_no, seconds, memory, responses=(count, total, int(top[2 * k + 2])),
-                          gpus=tuple(sorted(self.core.gpus_now)), leaving=leaving)
+        return StepRecord(
+            self.step_no,
+            seconds,
+            memory,
+            responses=(count, total, int(top[2 * k + 2])),
+            gpus=tuple(sorted(self.core.gpus_now)),
+            leaving=leaving,
+        )
 
     def _apply(self, decision: Decision) -> Decision:
         m = decision.module
         move = getattr(self.adapter, "move", None)
         t0 = time.perf_counter()
-        prog = None if move is not None else plan_move(m, decision.source, decision.target, decision.transition, self.world)
+        prog = (
+            None
+            if move is not None
+            else plan_move(m, decision.source, decision.target, decision.transition, self.world)
+        )
         t1 = time.perf_counter()
         try:
             if move is not None:  # the adapter moves its live model itself (every rank calls it)
-                move(m, decision.source, decision.target, transition=decision.transition, timeout=self.timeout,
-                     faults=self.faults)
+                move(
+                    m,
+                    decision.source,
+                    decision.target,
+                    transition=decision.transition,
+                    timeout=self.timeout,
+                    faults=self.faults,
+                )
                 new = None
             else:
                 new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
@@ -248,15 +289,27 @@ class Controller:
         """The outcome of an applied decision, appended to the decision log by the leader."""
         if self.core.log is not None:
             with self.core.log.open("a") as f:
-                f.write(json.dumps({"step": decision.step, "applied": decision.action, "message": decision.message,
-                                    "numbers": decision.numbers}, sort_keys=True) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": decision.step,
+                            "applied": decision.action,
+                            "message": decision.message,
+                            "numbers": decision.numbers,
+                        },
+                        sort_keys=True,
+                    )
+                    + "\n"
+                )
 
     def _show(self, decision: Decision) -> None:
         if self._console is None or decision.action == "stay" and not decision.triggers:
             return
         n = decision.numbers
         why = ", ".join(t.kind for t in decision.triggers) or "-"
-        self._console.print(f"[bold]step {decision.step}[/bold] {decision.action} ({why}) "
-                            f"@{decision.source} -> @{decision.target or decision.source}: "
-                            f"{n.get('step_time_now', float('nan')):.3g} s -> {n.get('step_time_new', float('nan')):.3g} s "
-                            f"per step, {n.get('bytes_moved', 0) / 2**20:.1f} MiB, {decision.message}")
+        self._console.print(
+            f"[bold]step {decision.step}[/bold] {decision.action} ({why}) "
+            f"@{decision.source} -> @{decision.target or decision.source}: "
+            f"{n.get('step_time_now', float('nan')):.3g} s -> {n.get('step_time_new', float('nan')):.3g} s "
+            f"per step, {n.get('bytes_moved', 0) / 2**20:.1f} MiB, {decision.message}"
+        )

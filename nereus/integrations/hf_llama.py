@@ -70,23 +70,48 @@ def ir_model(config: LlamaConfig, name: str = "actor", trained: bool = True) -> 
     if problems:
         raise DiagnosticError([Diagnostic(NOWHERE, f"LlamaConfig: {p}") for p in problems])
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return Model(name=name, layers=config.num_hidden_layers, hidden=config.hidden_size,
-                 heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                 ffn=config.intermediate_size, vocab=config.vocab_size,
-                 head_dim=None if hd == config.hidden_size // config.num_attention_heads else hd,
-                 dtype="fp32", tied_embeddings=bool(config.tie_word_embeddings), trained=trained)
+    return Model(
+        name=name,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        ffn=config.intermediate_size,
+        vocab=config.vocab_size,
+        head_dim=None if hd == config.hidden_size // config.num_attention_heads else hd,
+        dtype="fp32",
+        tied_embeddings=bool(config.tie_word_embeddings),
+        trained=trained,
+    )
 
 
 def llama_config(model: Model, **extra) -> LlamaConfig:
     """A ``LlamaConfig`` for an IR model (``extra``: fields the IR does not hold, e.g. rope_theta)."""
     if model.mlp != "gated" or model.head != "lm":
-        raise DiagnosticError([Diagnostic(model.loc, f"model @{model.name}: mlp = {model.mlp}, head = {model.head} "
-                                                     "has no LlamaForCausalLM (needs mlp = gated, head = lm)")])
-    return LlamaConfig(vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.ffn,
-                       num_hidden_layers=model.layers, num_attention_heads=model.heads,
-                       num_key_value_heads=model.kv_heads, head_dim=model.hd, hidden_act="silu",
-                       tie_word_embeddings=model.tied_embeddings, attention_bias=False, mlp_bias=False,
-                       use_cache=False, **extra)
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    model.loc,
+                    f"model @{model.name}: mlp = {model.mlp}, head = {model.head} "
+                    "has no LlamaForCausalLM (needs mlp = gated, head = lm)",
+                )
+            ]
+        )
+    return LlamaConfig(
+        vocab_size=model.vocab,
+        hidden_size=model.hidden,
+        intermediate_size=model.ffn,
+        num_hidden_layers=model.layers,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.hd,
+        hidden_act="silu",
+        tie_word_embeddings=model.tied_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+        **extra,
+    )
 
 
 @dataclass
@@ -144,8 +169,10 @@ def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
     Every rank of the default group calls it; None on ranks off the layout.
     """
     if layout.cp > 1:
-        raise ValueError(f"{layout.model_stage}: cp = {layout.cp}, but the live Llama stages do not run ring attention; "
-                         "context-parallel layouts are costed and resharded, not trained here")
+        raise ValueError(
+            f"{layout.model_stage}: cp = {layout.cp}, but the live Llama stages do not run ring attention; "
+            "context-parallel layouts are costed and resharded, not trained here"
+        )
     ranks = torch.tensor(layout.mesh, dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
     me = dist.get_rank()
     bound = datetime.timedelta(seconds=timeout)
@@ -165,8 +192,9 @@ def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 
 
-def build(config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | None = None,
-          timeout: float = 60.0) -> LiveLlama:
+def build(
+    config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | None = None, timeout: float = 60.0
+) -> LiveLlama:
     """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
     same on every rank and stage (the whole model is initialised, then pruned to the stage);
@@ -202,16 +230,19 @@ def build(config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | N
     runner = LlamaStage(model, first, last)
     if layout.dp > 1:  # DDP on the dp sub-mesh; under TP it replaces the DTensor parameters by their shards
         stage_module = runner
-        runner = DistributedDataParallel(runner, device_mesh=mesh["dp"], forward_sync_buffers=False,
-                                         find_unused_parameters=layout.pp > 1)
+        runner = DistributedDataParallel(
+            runner, device_mesh=mesh["dp"], forward_sync_buffers=False, find_unused_parameters=layout.pp > 1
+        )
     named = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
     if layout.dp > 1 and layout.tp > 1:
         stage_module.register_forward_pre_hook(_dtensors_from(model, named, placed, boxes, mesh["tp"]))
     optimizer = torch.optim.AdamW(named.values(), foreach=False, **adamw)
     for p in named.values():
-        optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                              "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                              "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
     return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named)
 
 
@@ -238,6 +269,7 @@ def _dtensors_from(model: LlamaForCausalLM, named: dict, placed: dict, boxes: di
             if leaf in owner._parameters:
                 delattr(owner, leaf)
             setattr(owner, leaf, DTensor.from_local(p, tp, placements, run_check=False, shape=shape, stride=stride))
+
     return hook
 
 
@@ -261,10 +293,14 @@ def _schedule(live: LiveLlama, inputs: torch.Tensor, train: bool):
         n = live.layout.micro_batches
         if inputs.shape[0] % n:
             raise ValueError(f"{inputs.shape[0]} rows do not split into {n} micro-batches")
-        stage = PipelineStage(live.runner, live.coordinate[1], live.layout.pp, torch.device("cpu"),
-                              group=live.mesh["pp"].get_group())
-        live.schedules[key] = (Schedule1F1B(stage, n, loss_fn=lambda out, target: live.loss_fn(out, target))
-                               if train else ScheduleGPipe(stage, n))
+        stage = PipelineStage(
+            live.runner, live.coordinate[1], live.layout.pp, torch.device("cpu"), group=live.mesh["pp"].get_group()
+        )
+        live.schedules[key] = (
+            Schedule1F1B(stage, n, loss_fn=lambda out, target: live.loss_fn(out, target))
+            if train
+            else ScheduleGPipe(stage, n)
+        )
     return live.schedules[key]
 
 
@@ -330,5 +366,5 @@ def train_step(live: LiveLlama, tokens: torch.Tensor) -> float:
     rows = tokens.shape[0]
     if rows % dp:
         raise ValueError(f"a batch of {rows} rows does not split over DP {dp}")
-    mine = tokens[d * rows // dp:(d + 1) * rows // dp]
+    mine = tokens[d * rows // dp : (d + 1) * rows // dp]
     return optimize(live, mine, mine, lm_loss)

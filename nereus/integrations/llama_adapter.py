@@ -21,11 +21,20 @@ class LlamaAdapter:
         self.live, self.module, self.plan, self.seed = live, module, plan, seed
         self.moves = 0
 
-    def move(self, module: Module, source: str, target: str, *, transition: str | None = None,
-             timeout: float = 60.0, faults: tuple = ()) -> None:
+    def move(
+        self,
+        module: Module,
+        source: str,
+        target: str,
+        *,
+        transition: str | None = None,
+        timeout: float = 60.0,
+        faults: tuple = (),
+    ) -> None:
         """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``)
         ``self.live`` is plan A's model, untouched."""
-        self.live = reshard(self.live, module, source, target, transition=transition, timeout=timeout,
-                            faults=faults, seed=self.seed)
+        self.live = reshard(
+            self.live, module, source, target, transition=transition, timeout=timeout, faults=faults, seed=self.seed
+        )
         self.module, self.plan = module, target
         self.moves += 1

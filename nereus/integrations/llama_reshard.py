@@ -30,8 +30,8 @@ import torch.distributed as dist
 from ..ir import Module
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
-from .move import plan_move
 from .llama_state import buffers, check_layout, export_state, load_state
+from .move import plan_move
 
 
 def same_model(live: LiveLlama, module: Module) -> None:
@@ -43,8 +43,17 @@ def same_model(live: LiveLlama, module: Module) -> None:
         raise ValueError(f"model @{theirs.name} in the module is not the live model: {', '.join(diff)}")
 
 
-def reshard(live: LiveLlama, module: Module, plan_a: str, plan_b: str, *, transition: str | None = None,
-            timeout: float = 60.0, faults: tuple[Fault, ...] = (), seed: int = 0) -> LiveLlama:
+def reshard(
+    live: LiveLlama,
+    module: Module,
+    plan_a: str,
+    plan_b: str,
+    *,
+    transition: str | None = None,
+    timeout: float = 60.0,
+    faults: tuple[Fault, ...] = (),
+    seed: int = 0,
+) -> LiveLlama:
     """This rank's live model and optimizer under plan B, holding plan A's state; see the module
     docstring. ``live`` runs under plan A; ``faults`` are passed to ``execute`` (tests)."""
     ms = live.layout.model_stage

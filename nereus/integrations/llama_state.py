@@ -50,25 +50,43 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
         problems.append(Diagnostic(at(attr), f"{where}: {msg}", hint))
 
     if lay.pp > 1 and lay.micro_batches < lay.pp:
-        bad("micro_batches", f"micro_batches = {lay.micro_batches} with pp = {lay.pp}: PyTorch's Schedule1F1B "
-                             "needs at least as many micro-batches as pipeline stages",
-            f"use micro_batches >= {lay.pp}")
+        bad(
+            "micro_batches",
+            f"micro_batches = {lay.micro_batches} with pp = {lay.pp}: PyTorch's Schedule1F1B "
+            "needs at least as many micro-batches as pipeline stages",
+            f"use micro_batches >= {lay.pp}",
+        )
     if lay.zero:
         bad("zero", f"zero = {lay.zero}: the adapter keeps whole replicas over DP (DDP); ZeRO/FSDP2 is not built")
     if model.dtype != "fp32":
-        problems.append(Diagnostic(model.loc, f"model @{model.name}: dtype = {model.dtype}; the adapter trains in fp32"))
+        problems.append(
+            Diagnostic(model.loc, f"model @{model.name}: dtype = {model.dtype}; the adapter trains in fp32")
+        )
     if model.tied_embeddings or model.mlp != "gated" or model.head != "lm":
-        problems.append(Diagnostic(model.loc, f"model @{model.name}: the adapter takes untied LlamaForCausalLM "
-                                              "(tied_embeddings = false, mlp = gated, head = lm)"))
-    hint = "choose tp from " + ", ".join(str(t) for t in range(1, model.kv_heads + 1)
-                                         if model.heads % t == 0 and model.kv_heads % t == 0)
+        problems.append(
+            Diagnostic(
+                model.loc,
+                f"model @{model.name}: the adapter takes untied LlamaForCausalLM "
+                "(tied_embeddings = false, mlp = gated, head = lm)",
+            )
+        )
+    hint = "choose tp from " + ", ".join(
+        str(t) for t in range(1, model.kv_heads + 1) if model.heads % t == 0 and model.kv_heads % t == 0
+    )
     if model.heads % lay.tp:
-        bad("tp", f"tp = {lay.tp} does not divide heads = {model.heads}: HF attention under ColwiseParallel "
-                  "needs whole query heads on every TP rank", hint)
+        bad(
+            "tp",
+            f"tp = {lay.tp} does not divide heads = {model.heads}: HF attention under ColwiseParallel "
+            "needs whole query heads on every TP rank",
+            hint,
+        )
     elif model.kv_heads % lay.tp:
-        why = (f"the IR replicates each K/V head on {lay.tp // model.kv_heads} TP ranks, which is no DTensor "
-               "placement, and ColwiseParallel would cut K/V heads apart" if lay.tp > model.kv_heads
-               else "ColwiseParallel would cut K/V heads apart")
+        why = (
+            f"the IR replicates each K/V head on {lay.tp // model.kv_heads} TP ranks, which is no DTensor "
+            "placement, and ColwiseParallel would cut K/V heads apart"
+            if lay.tp > model.kv_heads
+            else "ColwiseParallel would cut K/V heads apart"
+        )
         bad("tp", f"tp = {lay.tp} does not divide kv_heads = {model.kv_heads}: {why}", hint)
     else:  # whole heads everywhere: what remains is torch.chunk against tensor_split (uneven ffn, vocab)
         seen = set()
@@ -97,8 +115,10 @@ def live_tensor(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:
     shape, box = live.boxes[spec.key.tensor]
     extent = tuple(hi - lo for lo, hi in box)
     if (shape, box) != (spec.shape, tuple(spec.box)) or tuple(t.shape) != extent or t.dtype != torch_dtype(spec.dtype):
-        raise ValueError(f"{spec.key}: the live tensor is {tuple(t.shape)} {t.dtype} holding {box} of {shape} on "
-                         f"this rank; the plan says {spec.dtype} holding {spec.box} of {spec.shape}")
+        raise ValueError(
+            f"{spec.key}: the live tensor is {tuple(t.shape)} {t.dtype} holding {box} of {shape} on "
+            f"this rank; the plan says {spec.dtype} holding {spec.box} of {spec.shape}"
+        )
     return t
 
 

@@ -23,8 +23,9 @@ from ..registry import run_pipeline
 from ..runtime.execute import execute
 
 
-def plan_move(module: Module, source: str, target: str, transition: str | None = None,
-              world: int | None = None) -> Program:
+def plan_move(
+    module: Module, source: str, target: str, transition: str | None = None, world: int | None = None
+) -> Program:
     """The lowered program of the move from plan ``source`` to ``target`` (named ``transition``,
     default ``source_to_target``), planned first where the module does not hold it."""
     name = transition or f"{source}_to_{target}"
@@ -34,8 +35,16 @@ def plan_move(module: Module, source: str, target: str, transition: str | None =
     return lower(module, name, gpus=list(range(world)))
 
 
-def move(module: Module, source: str, target: str, state: dict[StateKey, torch.Tensor], *,
-         transition: str | None = None, out: dict[StateKey, torch.Tensor] | None = None, **run) -> dict[StateKey, torch.Tensor]:
+def move(
+    module: Module,
+    source: str,
+    target: str,
+    state: dict[StateKey, torch.Tensor],
+    *,
+    transition: str | None = None,
+    out: dict[StateKey, torch.Tensor] | None = None,
+    **run,
+) -> dict[StateKey, torch.Tensor]:
     """This rank's state under plan ``target`` from its ``state`` under ``source``: ``plan_move``,
     then ``execute`` (``out``: plan B's buffers to fill in place; ``run``: ``execute``'s timeout,
     faults, device, stats)."""

@@ -54,13 +54,25 @@ def _layout(model: Model, spec: Layout | dict, kind: str) -> Layout:
     tp, pp, dp, cp = (int(spec.get(k, 1)) for k in ("tp", "pp", "dp", "cp"))
     ranges = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
     mesh = list(spec.get("mesh", range(tp * pp * dp * cp)))
-    return Layout(model_stage=f"{model.name}.{kind}", tp=tp, pp=pp, dp=dp, cp=cp, layers=ranges, mesh=mesh,
-                  zero=int(spec.get("zero", 0)), micro_batches=pp)
+    return Layout(
+        model_stage=f"{model.name}.{kind}",
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        cp=cp,
+        layers=ranges,
+        mesh=mesh,
+        zero=int(spec.get("zero", 0)),
+        micro_batches=pp,
+    )
 
 
 def _frozen(spec) -> tuple:
-    return tuple(sorted((k, tuple(v) if isinstance(v, (list, range)) else v) for k, v in spec.items())) \
-        if isinstance(spec, dict) else (id(spec),)
+    return (
+        tuple(sorted((k, tuple(v) if isinstance(v, (list, range)) else v) for k, v in spec.items()))
+        if isinstance(spec, dict)
+        else (id(spec),)
+    )
 
 
 def _name(key: StateKey) -> str:
@@ -75,8 +87,10 @@ def _model_key(model: Model) -> tuple:
 def _program(model_key: tuple, src: tuple, dst: tuple, world: int) -> Program:
     model = Model(**dict(model_key))
     kind = "train" if model.trained else "infer"
-    layouts = {name: _layout(model, dict((k, list(v) if isinstance(v, tuple) else v) for k, v in spec), kind)
-               for name, spec in (("a", src), ("b", dst))}
+    layouts = {
+        name: _layout(model, dict((k, list(v) if isinstance(v, tuple) else v) for k, v in spec), kind)
+        for name, spec in (("a", src), ("b", dst))
+    }
     m = training_job(model, layouts, world, stage=kind)
     return plan_move(m, "a", "b", "t", world)
 
@@ -95,8 +109,16 @@ def reshard_shards(model: Model | dict, layout: dict, rank: int, world: int | No
     return {_name(s.key): s for s in prog.src.get(rank, [])}
 
 
-def reshard(state: dict[str, torch.Tensor], model: Model | dict, src: dict, dst: dict, *, timeout: float = 60.0,
-            device: torch.device | str | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def reshard(
+    state: dict[str, torch.Tensor],
+    model: Model | dict,
+    src: dict,
+    dst: dict,
+    *,
+    timeout: float = 60.0,
+    device: torch.device | str | None = None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's shards under ``dst`` from its shards under ``src`` (see the module docstring).
     ``out``: existing buffers to fill in place for some destination shards."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -105,9 +127,16 @@ def reshard(state: dict[str, torch.Tensor], model: Model | dict, src: dict, dst:
     want = {_name(s.key) for s in prog.src.get(rank, [])}
     missing, extra = want - set(state), set(state) - want
     if missing or extra:
-        raise ValueError(f"rank {rank}: the state under the source layout is {len(want)} shard(s); "
-                         + (f"missing {sorted(missing)[:3]}" if missing else "")
-                         + (f" unexpected {sorted(extra)[:3]}" if extra else ""))
-    new = execute(prog, {keys[k]: t for k, t in state.items()}, device=device, timeout=timeout,
-                  out={keys[k]: t for k, t in (out or {}).items()})
+        raise ValueError(
+            f"rank {rank}: the state under the source layout is {len(want)} shard(s); "
+            + (f"missing {sorted(missing)[:3]}" if missing else "")
+            + (f" unexpected {sorted(extra)[:3]}" if extra else "")
+        )
+    new = execute(
+        prog,
+        {keys[k]: t for k, t in state.items()},
+        device=device,
+        timeout=timeout,
+        out={keys[k]: t for k, t in (out or {}).items()},
+    )
     return {_name(k): t for k, t in new.items()}

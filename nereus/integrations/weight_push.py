@@ -32,8 +32,8 @@ from ..ir import Layout, Model, Module
 from ..runtime.execute import Stats, execute
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
-from .move import plan_move
 from .llama_state import live_tensor
+from .move import plan_move
 
 
 def hf_name(name: str) -> str:
@@ -64,10 +64,18 @@ class WeightPush:
         self.model, self.engines, self.world, self.timeout = model, sorted(engines), world, timeout
         self.held_key = _key(held)
         stage = f"{model.name}.generate"
-        held = Layout(model_stage=stage, tp=held.tp, pp=held.pp, dp=held.dp, cp=held.cp, layers=list(held.layers),
-                      mesh=list(held.mesh))
-        engine = Layout(model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)],
-                        mesh=list(self.engines))
+        held = Layout(
+            model_stage=stage,
+            tp=held.tp,
+            pp=held.pp,
+            dp=held.dp,
+            cp=held.cp,
+            layers=list(held.layers),
+            mesh=list(held.mesh),
+        )
+        engine = Layout(
+            model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)], mesh=list(self.engines)
+        )
         m = training_job(model, {"held": held, "engine": engine}, world, stage="generate")
         self.module: Module = m
         self.program = plan_move(m, "held", "engine", "push", world)
@@ -98,8 +106,13 @@ class WeightPush:
         loaded."""
         stats = Stats()
         t0 = time.perf_counter()
-        new = execute(self.program, self.state_of(live), timeout=self.timeout if timeout is None else timeout,
-                      faults=faults, stats=stats)
+        new = execute(
+            self.program,
+            self.state_of(live),
+            timeout=self.timeout if timeout is None else timeout,
+            faults=faults,
+            stats=stats,
+        )
         self.stats.seconds.append(time.perf_counter() - t0)
         self.stats.pushes += 1
         self.stats.bytes_received = stats.received

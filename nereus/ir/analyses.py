@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-
 Key = tuple  # (analysis name, the plans it reads, anything else it depends on)
 
 
@@ -50,8 +49,11 @@ class Analyses:
         for gone in [k for k in self._entries if any(p not in module.plans for p in k[1])]:
             del self._entries[gone]  # plans the module dropped (a committed move's plan A)
         kept = self._entries.get(key)
-        if kept is not None and len(kept[0]) == len(emus) and all(
-                k == kk and e is ee for (k, e), (kk, ee) in zip(emus, kept[0])):
+        if (
+            kept is not None
+            and len(kept[0]) == len(emus)
+            and all(k == kk and e is ee for (k, e), (kk, ee) in zip(emus, kept[0]))
+        ):
             return kept
         return None
 

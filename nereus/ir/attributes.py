@@ -84,9 +84,17 @@ def _describe(v: V) -> str:
             return f"a {dim.value} '{v.value}'"
         except UnitError:
             return f"'{v.value}'"
-    names = {"int": "an integer", "float": "a number", "symbol": "a reference", "name": "a name",
-             "dotted": "a dotted name", "opid": "an operation id", "list": "a list", "range": "a range",
-             "call": "a call"}
+    names = {
+        "int": "an integer",
+        "float": "a number",
+        "symbol": "a reference",
+        "name": "a name",
+        "dotted": "a dotted name",
+        "opid": "an operation id",
+        "list": "a list",
+        "range": "a range",
+        "call": "a call",
+    }
     shown = v.value if v.kind in ("int", "float", "symbol", "name", "dotted", "opid") else None
     return names[v.kind] + (f" '{shown}'" if shown is not None else "")
 
@@ -97,8 +105,12 @@ def _expect_int(v: V, what: str = "an integer") -> int:
     return v.value
 
 
-_ITEMS = {"symbols": "references such as [@name]", "dotteds": "model-stages such as [actor.train]",
-          "names": "names", "opids": "operation ids such as [%0]"}
+_ITEMS = {
+    "symbols": "references such as [@name]",
+    "dotteds": "model-stages such as [actor.train]",
+    "names": "names",
+    "opids": "operation ids such as [%0]",
+}
 
 
 def expand_ints(v: V) -> list[int]:
@@ -130,7 +142,9 @@ def convert(spec: AttrSpec, v: V) -> Any:
         except UnitError as e:
             raise TypeMismatch(v.loc, str(e), e.hint) from None
         if dim is not want:
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value} (e.g. {want.example}), got a {dim.value} '{v.value}'")
+            raise TypeMismatch(
+                v.loc, f"'{spec.key}' expects a {want.value} (e.g. {want.example}), got a {dim.value} '{v.value}'"
+            )
         if value < 0 and not spec.signed:
             raise TypeMismatch(v.loc, f"'{spec.key}' must not be negative, got '{v.value}'")
         return value
@@ -150,8 +164,11 @@ def convert(spec: AttrSpec, v: V) -> Any:
     if k == "choice":
         if v.kind != "name" or v.value not in spec.choices:
             hint = (did_you_mean(str(v.value), spec.choices) if v.kind == "name" else None) or (
-                "one of: " + ", ".join(spec.choices))
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects one of {', '.join(spec.choices)}, got {_describe(v)}", hint)
+                "one of: " + ", ".join(spec.choices)
+            )
+            raise TypeMismatch(
+                v.loc, f"'{spec.key}' expects one of {', '.join(spec.choices)}, got {_describe(v)}", hint
+            )
         return v.value
     if k == "symbol":
         if v.kind != "symbol":
@@ -166,7 +183,9 @@ def convert(spec: AttrSpec, v: V) -> Any:
         return expand_ints(v)
     if k == "ranges":
         if v.kind != "list":
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of ranges such as [0..15, 16..31], got {_describe(v)}")
+            raise TypeMismatch(
+                v.loc, f"'{spec.key}' expects a list of ranges such as [0..15, 16..31], got {_describe(v)}"
+            )
         out = []
         for item in v.value:
             if item.kind == "range":
@@ -180,28 +199,41 @@ def convert(spec: AttrSpec, v: V) -> Any:
         item_kind = {"symbols": "symbol", "dotteds": "dotted", "names": "name", "opids": "opid"}[k]
         if v.kind != "list":
             if k == "symbols" and v.kind == "name":  # `roles = actor`
-                raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of references, got {_describe(v)}",
-                                   f"write [@{v.value}]")
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list, got {_describe(v)}",
-                               f"write [{v.value}]" if v.kind == item_kind else None)
+                raise TypeMismatch(
+                    v.loc, f"'{spec.key}' expects a list of references, got {_describe(v)}", f"write [@{v.value}]"
+                )
+            raise TypeMismatch(
+                v.loc,
+                f"'{spec.key}' expects a list, got {_describe(v)}",
+                f"write [{v.value}]" if v.kind == item_kind else None,
+            )
         out = []
         for item in v.value:
             if item.kind != item_kind:
                 hint = None
                 if k == "symbols" and item.kind == "name":  # `roles = [actor, ref]`: the fix, in the user's names
-                    fixed = ["@" + i.value if i.kind == "name" else i.value for i in v.value
-                             if i.kind in ("name", "symbol")]
-                    hint = (f"references start with '@': write [{', '.join(fixed)}]" if len(fixed) == len(v.value)
-                            else f"references start with '@': write @{item.value}")
+                    fixed = [
+                        "@" + i.value if i.kind == "name" else i.value for i in v.value if i.kind in ("name", "symbol")
+                    ]
+                    hint = (
+                        f"references start with '@': write [{', '.join(fixed)}]"
+                        if len(fixed) == len(v.value)
+                        else f"references start with '@': write @{item.value}"
+                    )
                 raise TypeMismatch(item.loc, f"'{spec.key}' expects a list of {_ITEMS[k]}, got {_describe(item)}", hint)
             if k == "names" and spec.choices and item.value not in spec.choices:
-                raise TypeMismatch(item.loc, f"'{item.value}' is not one of {', '.join(spec.choices)}",
-                                   did_you_mean(item.value, spec.choices))
+                raise TypeMismatch(
+                    item.loc,
+                    f"'{item.value}' is not one of {', '.join(spec.choices)}",
+                    did_you_mean(item.value, spec.choices),
+                )
             out.append(item.value[1:] if k == "symbols" else item.value)
         return out
     if k == "dotted_groups":
         if v.kind != "list":
-            raise TypeMismatch(v.loc, f"'{spec.key}' expects a list of groups such as [[a.infer, b.infer]], got {_describe(v)}")
+            raise TypeMismatch(
+                v.loc, f"'{spec.key}' expects a list of groups such as [[a.infer, b.infer]], got {_describe(v)}"
+            )
         return [convert(AttrSpec(spec.key, "dotteds"), g) for g in v.value]
     if k == "record":
         rec = spec.record
@@ -212,8 +244,9 @@ def convert(spec: AttrSpec, v: V) -> Any:
         got: dict[str, Any] = {}
         for key, val, loc in v.value[1]:
             if key not in fields:
-                raise TypeMismatch(loc, f"{rec.name} has no field '{key}'",
-                                   did_you_mean(key, fields) or "fields: " + ", ".join(fields))
+                raise TypeMismatch(
+                    loc, f"{rec.name} has no field '{key}'", did_you_mean(key, fields) or "fields: " + ", ".join(fields)
+                )
             if key in got:
                 raise TypeMismatch(loc, f"duplicate field '{key}' in {rec.name}")
             got[key] = convert(fields[key], val)
@@ -224,8 +257,9 @@ def convert(spec: AttrSpec, v: V) -> Any:
     raise AssertionError(f"unknown attribute kind {k}")  # pragma: no cover
 
 
-def build_attrs(kind: str, specs: list[AttrSpec], attrs: list[tuple[str, V, Loc]], block_loc: Loc,
-                sink: DiagnosticSink) -> tuple[dict[str, Any], dict[str, Loc]]:
+def build_attrs(
+    kind: str, specs: list[AttrSpec], attrs: list[tuple[str, V, Loc]], block_loc: Loc, sink: DiagnosticSink
+) -> tuple[dict[str, Any], dict[str, Loc]]:
     """Check ``attrs`` against ``specs``; returns typed values (defaults filled) and key locations.
 
     Every problem is reported to ``sink``; a key with a bad value is left out of the result,
@@ -237,8 +271,11 @@ def build_attrs(kind: str, specs: list[AttrSpec], attrs: list[tuple[str, V, Loc]
     for key, v, loc in attrs:
         spec = by_key.get(key)
         if spec is None:
-            sink.error(loc, f"unknown attribute '{key}' in {kind}",
-                       did_you_mean(key, by_key) or "known attributes: " + ", ".join(by_key))
+            sink.error(
+                loc,
+                f"unknown attribute '{key}' in {kind}",
+                did_you_mean(key, by_key) or "known attributes: " + ", ".join(by_key),
+            )
             continue
         if key in locs:
             sink.error(loc, f"duplicate attribute '{key}' in {kind}", f"first set at line {locs[key].line}")
@@ -251,8 +288,11 @@ def build_attrs(kind: str, specs: list[AttrSpec], attrs: list[tuple[str, V, Loc]
     for spec in specs:
         if spec.key not in locs:
             if spec.required:
-                sink.error(block_loc, f"{kind} is missing required attribute '{spec.key}'",
-                           f"add: {spec.key} = ..." + (f" ({spec.doc})" if spec.doc else ""))
+                sink.error(
+                    block_loc,
+                    f"{kind} is missing required attribute '{spec.key}'",
+                    f"add: {spec.key} = ..." + (f" ({spec.doc})" if spec.doc else ""),
+                )
             else:
                 values[spec.key] = spec.default
     return values, locs
@@ -300,8 +340,11 @@ def format_value(spec: AttrSpec, value: Any) -> str:
     if k == "record":
         rec = spec.record
         assert rec is not None  # kind "record" is made only by record(), which sets it
-        fields = [f"{f.key} = {format_value(f, getattr(value, f.key))}" for f in rec.fields
-                  if f.required or getattr(value, f.key) != f.default]
+        fields = [
+            f"{f.key} = {format_value(f, getattr(value, f.key))}"
+            for f in rec.fields
+            if f.required or getattr(value, f.key) != f.default
+        ]
         return f"{rec.name}(" + ", ".join(fields) + ")"
     raise AssertionError(k)  # pragma: no cover
 
@@ -320,11 +363,24 @@ def format_attrs(specs: list[AttrSpec], node: Any) -> list[str]:
 # ---------------------------------------------------------------- documentation
 
 _KIND_TEXT = {
-    "posint": "integer >= 1", "int": "integer", "natural": "integer >= 0", "float": "number", "bool": "true \\| false",
-    "size": "size (80GiB)", "bandwidth": "bandwidth (450GB/s, 400Gb/s)", "time": "time (2us)",
-    "flops": "FLOP rate (989TFLOPs)", "symbol": "@reference", "dotted": "model-stage", "ints": "integer list ([0..7, 9])",
-    "ranges": "range list ([0..15, 16..31])", "symbols": "list of @references", "dotteds": "list of model-stages",
-    "names": "list of names", "opids": "list of %ids", "dotted_groups": "list of lists of model-stages",
+    "posint": "integer >= 1",
+    "int": "integer",
+    "natural": "integer >= 0",
+    "float": "number",
+    "bool": "true \\| false",
+    "size": "size (80GiB)",
+    "bandwidth": "bandwidth (450GB/s, 400Gb/s)",
+    "time": "time (2us)",
+    "flops": "FLOP rate (989TFLOPs)",
+    "symbol": "@reference",
+    "dotted": "model-stage",
+    "ints": "integer list ([0..7, 9])",
+    "ranges": "range list ([0..15, 16..31])",
+    "symbols": "list of @references",
+    "dotteds": "list of model-stages",
+    "names": "list of names",
+    "opids": "list of %ids",
+    "dotted_groups": "list of lists of model-stages",
 }
 
 
@@ -339,6 +395,10 @@ def describe(title: str, specs: list[AttrSpec]) -> str:
             kind = f"{s.record.name}(" + ", ".join(f.key + ("" if f.required else "?") for f in s.record.fields) + ")"
         else:
             kind = _KIND_TEXT[s.kind]
-        default = "required" if s.required else ("none" if s.default is None else format_value(s, s.default) if s.default != [] else "[]")
+        default = (
+            "required"
+            if s.required
+            else ("none" if s.default is None else format_value(s, s.default) if s.default != [] else "[]")
+        )
         rows.append(f"| `{s.key}` | {kind} | {default} | {s.doc} |")
     return "\n".join(rows) + "\n"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .attributes import LINK, AttrSpec, Link, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 
+
 @dataclass(frozen=True)
 class Efficiency:
     """Achieved fractions of peak (compute, HBM, links) and a fixed cost per layer pass.
@@ -38,26 +39,45 @@ class Calibration:
     error_after: float
 
 
-EFFICIENCY = RecordSpec("efficiency", (
-    AttrSpec("compute", "float", 0.6), AttrSpec("hbm", "float", 0.7), AttrSpec("nvlink", "float", 0.7),
-    AttrSpec("nic", "float", 0.7), AttrSpec("pcie", "float", 0.7), AttrSpec("overhead", "time", 10e-6),
-    AttrSpec("overlap", "float", 0.9)), Efficiency)
-CALIBRATION = RecordSpec("calibration", (
-    AttrSpec("records", "posint"), AttrSpec("error_before", "float"), AttrSpec("error_after", "float")), Calibration)
+EFFICIENCY = RecordSpec(
+    "efficiency",
+    (
+        AttrSpec("compute", "float", 0.6),
+        AttrSpec("hbm", "float", 0.7),
+        AttrSpec("nvlink", "float", 0.7),
+        AttrSpec("nic", "float", 0.7),
+        AttrSpec("pcie", "float", 0.7),
+        AttrSpec("overhead", "time", 10e-6),
+        AttrSpec("overlap", "float", 0.9),
+    ),
+    Efficiency,
+)
+CALIBRATION = RecordSpec(
+    "calibration",
+    (AttrSpec("records", "posint"), AttrSpec("error_before", "float"), AttrSpec("error_after", "float")),
+    Calibration,
+)
 
 CLUSTER_ATTRS = [
     AttrSpec("nodes", "posint", doc="number of nodes"),
     AttrSpec("gpus_per_node", "posint", doc="GPUs in each node"),
     AttrSpec("gpu_memory", "size", doc="memory of one GPU, e.g. 80GiB"),
     AttrSpec("peak_flops", "flops", doc="dense bf16 peak of one GPU, e.g. 989TFLOPs"),
-    AttrSpec("peak_flops_fp8", "flops", default=None, doc="dense FP8 peak of one GPU, e.g. 1979TFLOPs (layouts with fp8 = true)"),
+    AttrSpec(
+        "peak_flops_fp8",
+        "flops",
+        default=None,
+        doc="dense FP8 peak of one GPU, e.g. 1979TFLOPs (layouts with fp8 = true)",
+    ),
     AttrSpec("hbm_bandwidth", "bandwidth", doc="HBM bandwidth of one GPU, e.g. 3.35TB/s"),
     record("intra_node", LINK, doc="per-GPU NVLink: link(bandwidth = 450GB/s, latency = 2us)"),
     record("inter_node", LINK, doc="per-GPU NIC: link(bandwidth = 50GB/s, latency = 5us)"),
     record("host_link", LINK, default=None, doc="per-GPU PCIe to host memory, for offload"),
     AttrSpec("host_memory", "size", default=None, doc="host memory of one node"),
     AttrSpec("unavailable", "ints", default=[], doc="GPU ids that cannot be used"),
-    record("efficiency", EFFICIENCY, default=None, doc="cost-model coefficients; defaults are priors, calibrate fits them"),
+    record(
+        "efficiency", EFFICIENCY, default=None, doc="cost-model coefficients; defaults are priors, calibrate fits them"
+    ),
     record("calibration", CALIBRATION, default=None, doc="set by calibrate: records used and error before/after"),
 ]
 

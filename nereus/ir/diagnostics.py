@@ -1,9 +1,9 @@
 """One diagnostic type for syntax and semantic errors, printed like a compiler's.
 
-    examples/bad.nir:12:17: error: tp = 3 does not divide heads = 32 of model @actor
-       12 |     tp = 3
-          |          ^
-    hint: choose tp from 1, 2, 4, 8, 16, 32
+examples/bad.nir:12:17: error: tp = 3 does not divide heads = 32 of model @actor
+   12 |     tp = 3
+      |          ^
+hint: choose tp from 1, 2, 4, 8, 16, 32
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from .plan import LAYOUT_ATTRS, PLAN_ATTRS
 from .transition import OP_ATTRS, OP_KINDS, TRANSITION_ATTRS
 from .workload import STAGE_ATTRS, WORKLOAD_ATTRS
 
-INTRO = """\
+INTRO = (
+    """\
 # The Nereus IR: language reference
 
 Generated from the attribute schemas by `python -m nereus.ir.docs_reference > docs/IR.md`; the
@@ -39,9 +40,12 @@ transition @NAME { ATTRS  %ID = KIND [STATE] TENSOR [SLICES] from [ENDPOINTS] to
   group `optimizer`: the same slice of `master`, `exp_avg` and `exp_avg_sq` at once (its bytes
   are the three's; plan-transition moves a trained model's optimizer state so).
 - Endpoints: `MODEL.STAGE[dp, pp, tp]` (sources in the source plan, destinations in the
-  target plan) or `host[GPU]`. Operation kinds: """ + ", ".join(OP_KINDS) + """ (below).
+  target plan) or `host[GPU]`. Operation kinds: """
+    + ", ".join(OP_KINDS)
+    + """ (below).
 
 """
+)
 
 
 def _count(lo: int, hi: int | None) -> str:
@@ -51,21 +55,32 @@ def _count(lo: int, hi: int | None) -> str:
 def op_kinds() -> str:
     """The table of operation kinds, from their definitions (``transition.OP_KINDS``)."""
     whose = {"a": "plan A", "b": "plan B", "host": "host[g]", "none": "-"}
-    rows = ["## operation kinds", "", "| kind | sources | destinations | reads | writes | what it does |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "## operation kinds",
+        "",
+        "| kind | sources | destinations | reads | writes | what it does |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for k in OP_KINDS.values():
         writes = whose[k.writes] + (" or host[g] (staged)" if k.stages else "")
-        rows.append(f"| `{k.name}` | {_count(*k.sources)} | {_count(*k.destinations)} | {whose[k.reads]} | {writes} | {k.doc} |")
+        rows.append(
+            f"| `{k.name}` | {_count(*k.sources)} | {_count(*k.destinations)} | {whose[k.reads]} | {writes} | {k.doc} |"
+        )
     return "\n".join(rows) + "\n"
-
 
 
 def reference() -> str:
     parts = [INTRO]
-    for title, specs in [("cluster", CLUSTER_ATTRS), ("model", MODEL_ATTRS), ("workload", WORKLOAD_ATTRS),
-                         ("stage (inside a workload)", STAGE_ATTRS), ("plan", PLAN_ATTRS),
-                         ("layout (inside a plan)", LAYOUT_ATTRS), ("transition", TRANSITION_ATTRS),
-                         ("operation (inside a transition)", OP_ATTRS)]:
+    for title, specs in [
+        ("cluster", CLUSTER_ATTRS),
+        ("model", MODEL_ATTRS),
+        ("workload", WORKLOAD_ATTRS),
+        ("stage (inside a workload)", STAGE_ATTRS),
+        ("plan", PLAN_ATTRS),
+        ("layout (inside a plan)", LAYOUT_ATTRS),
+        ("transition", TRANSITION_ATTRS),
+        ("operation (inside a transition)", OP_ATTRS),
+    ]:
         parts.append(describe(title, specs))
     parts.append(op_kinds())
     return "\n".join(parts)

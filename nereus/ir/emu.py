@@ -30,6 +30,7 @@ def member_states(state: str) -> tuple[str, ...]:
     """The single states an operation's ``state`` names: itself, or a group's members in order."""
     return STATE_GROUPS.get(state, (state,))
 
+
 Box = tuple[tuple[int, int], ...]
 
 

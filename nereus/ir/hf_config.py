@@ -42,8 +42,13 @@ from .model import Model
 FAMILIES = ("llama", "qwen2", "mistral")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # IR attribute <- config key, in the order the printer writes them
-SHAPE = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-         "ffn": "intermediate_size", "vocab": "vocab_size"}
+SHAPE = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "ffn": "intermediate_size",
+    "vocab": "vocab_size",
+}
 
 
 def load_hf_config(config: dict | str | Path) -> tuple[dict, str]:
@@ -64,8 +69,9 @@ def load_hf_config(config: dict | str | Path) -> tuple[dict, str]:
     return data, path
 
 
-def model_from_hf_config(config: dict | str | Path, name: str = "actor", *, trained: bool = False,
-                         head: str = "lm") -> Model:
+def model_from_hf_config(
+    config: dict | str | Path, name: str = "actor", *, trained: bool = False, head: str = "lm"
+) -> Model:
     """The IR model of a Hugging Face config (a dict, or the path of its ``config.json``).
 
     ``name`` is the model's IR symbol (without ``@``); ``trained`` and ``head`` (``lm`` or
@@ -78,8 +84,11 @@ def model_from_hf_config(config: dict | str | Path, name: str = "actor", *, trai
         raise _error(source, f"head = '{head}': choose lm or value")
     family = cfg.get("model_type")
     if family not in FAMILIES:
-        raise _error(source, f"model_type = {family!r} is not supported",
-                     f"supported: {', '.join(FAMILIES)} (Llama-style decoders the IR models)")
+        raise _error(
+            source,
+            f"model_type = {family!r} is not supported",
+            f"supported: {', '.join(FAMILIES)} (Llama-style decoders the IR models)",
+        )
     shape = {attr: _posint(cfg, key, source) for attr, key in SHAPE.items()}
     heads = shape["heads"]
     kv_heads = _posint(cfg, "num_key_value_heads", source) if cfg.get("num_key_value_heads") is not None else heads
@@ -89,14 +98,26 @@ def model_from_hf_config(config: dict | str | Path, name: str = "actor", *, trai
     raw_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     if raw_dtype is not None and raw_dtype not in DTYPES:
         raise _error(source, f"torch_dtype = {raw_dtype!r} is not supported", f"supported: {', '.join(DTYPES)}")
-    model = Model(name=name, layers=shape["layers"], hidden=shape["hidden"], heads=heads, kv_heads=kv_heads,
-                  ffn=shape["ffn"], vocab=shape["vocab"], head_dim=head_dim,
-                  dtype=DTYPES[raw_dtype] if raw_dtype else "bf16", mlp="gated",
-                  tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), head=head, trained=trained)
+    model = Model(
+        name=name,
+        layers=shape["layers"],
+        hidden=shape["hidden"],
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=shape["ffn"],
+        vocab=shape["vocab"],
+        head_dim=head_dim,
+        dtype=DTYPES[raw_dtype] if raw_dtype else "bf16",
+        mlp="gated",
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        head=head,
+        trained=trained,
+    )
     notes = hf_notes(cfg, model)
     origin = f", {cfg['_name_or_path']}" if cfg.get("_name_or_path") else ""
-    model.comments[None] = [(f"// from {source} (model_type = {family}{origin})", False)] + \
-                           [(f"// note: {n}", False) for n in notes]
+    model.comments[None] = [(f"// from {source} (model_type = {family}{origin})", False)] + [
+        (f"// note: {n}", False) for n in notes
+    ]
     return model
 
 

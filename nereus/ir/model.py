@@ -41,10 +41,21 @@ MODEL_ATTRS = [
     AttrSpec("vocab", "posint", doc="vocabulary size"),
     AttrSpec("head_dim", "posint", default=None, doc="defaults to hidden / heads"),
     AttrSpec("dtype", "choice", default="bf16", choices=tuple(DTYPE_BYTES)),
-    AttrSpec("mlp", "choice", default="gated", choices=("gated", "plain"),
-             doc="gated: SwiGLU gate/up/down (Llama); plain: up/down with one activation (GPT)"),
+    AttrSpec(
+        "mlp",
+        "choice",
+        default="gated",
+        choices=("gated", "plain"),
+        doc="gated: SwiGLU gate/up/down (Llama); plain: up/down with one activation (GPT)",
+    ),
     AttrSpec("tied_embeddings", "bool", default=False),
-    AttrSpec("head", "choice", default="lm", choices=("lm", "value"), doc="lm: next-token logits; value: a scalar (critic, reward)"),
+    AttrSpec(
+        "head",
+        "choice",
+        default="lm",
+        choices=("lm", "value"),
+        doc="lm: next-token logits; value: a scalar (critic, reward)",
+    ),
     AttrSpec("trained", "bool", default=False, doc="true for models the job updates (actor, critic)"),
 ]
 
@@ -112,8 +123,13 @@ class Model:
         """The inventory, keyed by family name, in checkpoint order."""
         h, hd = self.hidden, self.hd
         specs = [
-            TensorSpec("embed_tokens.weight", (self.vocab, h), "vocab", False,
-                       "first_and_last" if self.tied_embeddings else "first"),
+            TensorSpec(
+                "embed_tokens.weight",
+                (self.vocab, h),
+                "vocab",
+                False,
+                "first_and_last" if self.tied_embeddings else "first",
+            ),
             TensorSpec("input_layernorm.weight", (h,), "replicated", True),
             TensorSpec("self_attn.q_proj.weight", (self.heads * hd, h), "column", True),
             TensorSpec("self_attn.k_proj.weight", (self.kv_heads * hd, h), "column", True),
@@ -146,8 +162,12 @@ class Model:
         if spec.family in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and tp > self.kv_heads:
             head = rank * self.kv_heads // tp
             return head * self.hd, (head + 1) * self.hd
-        if spec.family in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                           "self_attn.v_proj.weight", "self_attn.o_proj.weight"):
+        if spec.family in (
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+        ):
             heads = n // self.hd
             lo, hi = even_split(heads, tp, rank)
             return lo * self.hd, hi * self.hd

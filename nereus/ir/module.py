@@ -37,8 +37,9 @@ class Module:
     analyses: Analyses = field(default_factory=Analyses, compare=False, repr=False)
 
     def emus_of(self, plan: str, model_stage: str) -> list[Emu]:
-        return sorted((e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage),
-                      key=lambda e: e.replica)
+        return sorted(
+            (e for e in self.emus.values() if e.plan == plan and e.model_stage == model_stage), key=lambda e: e.replica
+        )
 
     def missing_emus(self, plan: str) -> list[str]:
         """The model-stages of ``plan`` whose EMUs the module does not hold."""
@@ -52,6 +53,12 @@ class Module:
         """
         missing = self.missing_emus(plan)
         if missing:
-            raise DiagnosticError([Diagnostic(
-                Loc(0, 0, self.filename), f"{who}: plan @{plan} has no EMUs for {', '.join(missing)}",
-                f"run derive-emus{{plan=@{plan},only_missing=true}} first")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, self.filename),
+                        f"{who}: plan @{plan} has no EMUs for {', '.join(missing)}",
+                        f"run derive-emus{{plan=@{plan},only_missing=true}} first",
+                    )
+                ]
+            )

@@ -13,10 +13,10 @@ import re
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import lark
 from lark import Token, Transformer, v_args
@@ -24,8 +24,8 @@ from lark import Token, Transformer, v_args
 from .attributes import V, build_attrs
 from .cluster import CLUSTER_ATTRS, Cluster
 from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
-from .gc_pause import gc_paused
 from .emu import SHARD_ATTRS, STATE_GROUPS, STATES, Emu, Shard, SliceEntry, split_tensor_name
+from .gc_pause import gc_paused
 from .model import MODEL_ATTRS, Model
 from .module import Module
 from .plan import LAYOUT_ATTRS, PLAN_ATTRS, Layout, Plan
@@ -52,9 +52,14 @@ def _on_comment(tok: Token) -> Token:
 
 @lru_cache(maxsize=1)
 def lark_parser() -> lark.Lark:
-    return lark.Lark(grammar_path().read_text(), parser="lalr", lexer="contextual",
-                     transformer=_ToSyntax(), lexer_callbacks={"COMMENT": _on_comment},
-                     maybe_placeholders=True)
+    return lark.Lark(
+        grammar_path().read_text(),
+        parser="lalr",
+        lexer="contextual",
+        transformer=_ToSyntax(),
+        lexer_callbacks={"COMMENT": _on_comment},
+        maybe_placeholders=True,
+    )
 
 
 # ---------------------------------------------------------------- syntax records
@@ -172,8 +177,11 @@ class _ToSyntax(Transformer):
 
     def emu(self, kw, plan, model_stage, _l, replicas, _r, _lb, *rest):
         shards = [r for r in rest if isinstance(r, tuple)]
-        return _emit(Decl("emu", str(plan)[1:], _loc(kw), [], shards,
-                          (_loc(plan), str(model_stage), replicas, _loc(model_stage))))
+        return _emit(
+            Decl(
+                "emu", str(plan)[1:], _loc(kw), [], shards, (_loc(plan), str(model_stage), replicas, _loc(model_stage))
+            )
+        )
 
     def shard_ref(self, ms, _l, dp, _c1, pp, _c2, tp, _r):
         return ShardRef(str(ms), int(dp), int(pp), int(tp)), _loc(ms)
@@ -241,7 +249,10 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
         elif ch in "+-" and _BARE_EXPONENT.search(text, max(0, err.pos_in_stream - 64), err.pos_in_stream):
             hint = _EXPONENT_HINT
         elif ch == "-":
-            hint = "only decimal numbers and a few times (admit's saving) may be negative; counts and sizes are not, and ranges are written 0..7"
+            hint = (
+                "only decimal numbers and a few times (admit's saving) may be negative; counts and sizes are not, "
+                "and ranges are written 0..7"
+            )
         elif ch == "@":
             hint = "a reference is @ followed by a letter or underscore"
     elif isinstance(err, lark.exceptions.UnexpectedToken):
@@ -260,17 +271,23 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
                 number, unit = spaced.group(1), suggest_unit(spaced.group(2))
                 line = text.count("\n", 0, spaced.start(1)) + 1
                 col = spaced.start(1) - text.rfind("\n", 0, spaced.start(1))
-                return Diagnostic(Loc(line, col, filename), f"'{spaced.group(0).strip()}' has a space between number and unit",
-                                  f"write {number}{unit}")
+                return Diagnostic(
+                    Loc(line, col, filename),
+                    f"'{spaced.group(0).strip()}' has a space between number and unit",
+                    f"write {number}{unit}",
+                )
             keyword = _KEYWORD_BEFORE.search(text, 0, tok.start_pos)
             if expected == ["EQUAL"] and keyword and keyword.group(1) in STATE_GROUPS:
                 # `optimizer layers.0..3.x [..]` as an EMU entry: a group of states is an operation's
                 word, pos = keyword.group(1), keyword.start(1)
                 line = text.count("\n", 0, pos) + 1
                 col = pos - text.rfind("\n", 0, pos)
-                return Diagnostic(Loc(line, col, filename), f"'{word}' names several states ({', '.join(STATE_GROUPS[word])}): "
-                                                             "only a transition operation may move them at once",
-                                  "an EMU entry holds one state: write one entry per state")
+                return Diagnostic(
+                    Loc(line, col, filename),
+                    f"'{word}' names several states ({', '.join(STATE_GROUPS[word])}): "
+                    "only a transition operation may move them at once",
+                    "an EMU entry holds one state: write one entry per state",
+                )
             if expected == ["EQUAL"] and keyword and keyword.group(1) in _KEYWORDS:
                 # A block keyword where only an attribute may stand: the lexer read it as an
                 # attribute name (`emu` inside a plan); point at the keyword, not past it.
@@ -278,8 +295,12 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
                 pos = keyword.start(1)
                 line = text.count("\n", 0, pos) + 1
                 col = pos - text.rfind("\n", 0, pos)
-                hint = _HOME.get(word.upper(), f"'{word}' declarations are top-level: close the enclosing block with '}}' first")
-                return Diagnostic(Loc(line, col, filename), f"unexpected {word.upper()} '{word}': a {word} cannot appear here", hint)
+                hint = _HOME.get(
+                    word.upper(), f"'{word}' declarations are top-level: close the enclosing block with '}}' first"
+                )
+                return Diagnostic(
+                    Loc(line, col, filename), f"unexpected {word.upper()} '{word}': a {word} cannot appear here", hint
+                )
             shown = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
             message = f"unexpected {tok.type} '{shown}', expected one of: " + ", ".join(expected)
             hint = _token_hint(err, text, expected)
@@ -312,16 +333,19 @@ _SPACED_UNIT = re.compile(r"(\d+(?:\.\d+)?)[ \t]+([A-Za-z]+(?:/s)?)\s*\Z")
 _KEYWORDS = ("cluster", "model", "workload", "plan", "emu", "transition", "stage", "layout", "shard")
 _KEYWORD_BEFORE = re.compile(r"\b([a-z]+)\s+\Z")
 
-_HOME = {"LAYOUT": "a layout goes inside a plan: plan @p { ... layout actor.train { ... } }",
-         "STAGE": "a stage goes inside a workload: workload @w { ... stage train { ... } }",
-         "SHARD": "a shard goes inside an emu block: emu @plan actor.train[0] { shard [0, 0] gpus [0] { ... } }",
-         "OPID": "operations go inside a transition: transition @t { %0 = send ... }"}
+_HOME = {
+    "LAYOUT": "a layout goes inside a plan: plan @p { ... layout actor.train { ... } }",
+    "STAGE": "a stage goes inside a workload: workload @w { ... stage train { ... } }",
+    "SHARD": "a shard goes inside an emu block: emu @plan actor.train[0] { shard [0, 0] gpus [0] { ... } }",
+    "OPID": "operations go inside a transition: transition @t { %0 = send ... }",
+}
 
 
 # a number with an exponent but no unit, just before the error: `1e3`, `6e-1`
 _BARE_EXPONENT = re.compile(r"(?<![A-Za-z0-9_.])[0-9]+(\.[0-9]+)?[eE]\Z")
-_EXPONENT_HINT = ("only a quantity takes an exponent, before its unit (3.35e3GB/s); "
-                  "write other numbers in full (1000, 0.001)")
+_EXPONENT_HINT = (
+    "only a quantity takes an exponent, before its unit (3.35e3GB/s); write other numbers in full (1000, 0.001)"
+)
 
 
 def _inside_list(text: str, pos: int, limit: int = 100_000) -> bool:
@@ -356,8 +380,12 @@ def _token_hint(err, text: str, expected: list[str]) -> str | None:
         return "an attribute needs a value after '='"
     if tok.type == "INT" and _BARE_EXPONENT.search(text, max(0, tok.start_pos - 64), tok.start_pos):
         return _EXPONENT_HINT  # `nodes = 1e3`: read as the quantity 1e (unit e), then 3
-    if (tok.type in ("INT", "NAME", "QUANTITY", "SYMBOL", "DOTTED", "OPID") and "COMMA" in expected and "RSQB" in expected
-            and _inside_list(text, tok.start_pos)):
+    if (
+        tok.type in ("INT", "NAME", "QUANTITY", "SYMBOL", "DOTTED", "OPID")
+        and "COMMA" in expected
+        and "RSQB" in expected
+        and _inside_list(text, tok.start_pos)
+    ):
         return "separate list items with ','"
     if tok.type == "FLOAT" and "COLON" in expected:
         return "slices are written start:stop, e.g. [0:1024, 0:4096]"
@@ -382,11 +410,18 @@ class _Builder:
             _build_emus(d, m, sink)
             return
         if d.name in self.first_seen:
-            sink.error(d.extra[0], f"duplicate name @{d.name}", f"first declared at line {self.first_seen[d.name].line}")
+            sink.error(
+                d.extra[0], f"duplicate name @{d.name}", f"first declared at line {self.first_seen[d.name].line}"
+            )
             return
         self.first_seen[d.name] = d.extra[0]
-        builder = {"cluster": _build_cluster, "model": _build_model, "workload": _build_workload,
-                   "plan": _build_plan, "transition": _build_transition}[d.kind]
+        builder = {
+            "cluster": _build_cluster,
+            "model": _build_model,
+            "workload": _build_workload,
+            "plan": _build_plan,
+            "transition": _build_transition,
+        }[d.kind]
         node = builder(d, sink)
         if node is not None:
             getattr(m, d.kind + "s")[d.name] = node
@@ -419,7 +454,11 @@ def _build_workload(d, sink):
     stages, seen = [], {}
     for c in d.children:
         if c.name in seen:
-            sink.error(c.extra[0], f"duplicate stage '{c.name}' in workload @{d.name}", f"first declared at line {seen[c.name]}")
+            sink.error(
+                c.extra[0],
+                f"duplicate stage '{c.name}' in workload @{d.name}",
+                f"first declared at line {seen[c.name]}",
+            )
             continue
         seen[c.name] = c.loc.line
         st = _typed(Stage, f"stage {c.name}", STAGE_ATTRS, c, sink, name=c.name)
@@ -432,8 +471,11 @@ def _build_plan(d, sink):
     layouts, ok = {}, True
     for c in d.children:
         if c.name in layouts:
-            sink.error(c.extra[0], f"duplicate layout for {c.name} in plan @{d.name}",
-                       f"first given at line {layouts[c.name].loc.line}")
+            sink.error(
+                c.extra[0],
+                f"duplicate layout for {c.name} in plan @{d.name}",
+                f"first given at line {layouts[c.name].loc.line}",
+            )
             continue
         lay = _typed(Layout, f"layout {c.name}", LAYOUT_ATTRS, c, sink, model_stage=c.name)
         if lay is None:
@@ -448,13 +490,17 @@ def _build_entry(state: str, tensor: Token, box, sink) -> SliceEntry | None:
     split = split_tensor_name(str(tensor))
     loc = _loc(tensor)
     if split is None:
-        sink.error(loc, f"malformed tensor name '{tensor}'", "per-layer tensors are written layers.N.name or layers.A..B.name")
+        sink.error(
+            loc, f"malformed tensor name '{tensor}'", "per-layer tensors are written layers.N.name or layers.A..B.name"
+        )
         return None
     family, layers = split
     spans, box_loc = box
     for lo, hi, tok in spans:
         if hi <= lo:
-            sink.error(_loc(tok), f"empty slice {lo}:{hi} of {tensor}", "slices are half-open start:stop with start < stop")
+            sink.error(
+                _loc(tok), f"empty slice {lo}:{hi} of {tensor}", "slices are half-open start:stop with start < stop"
+            )
             return None
     if layers is not None and layers[1] < layers[0]:
         sink.error(loc, f"empty layer range in {tensor}", "layer ranges are inclusive and ascending: layers.0..15")
@@ -470,28 +516,48 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
     built: list[Shard | None] = []
     for _, pp, tp, gpus, entries, loc, attrs in d.children:
         if len(gpus) != len(replicas):
-            sink.error(loc, f"shard [{pp}, {tp}] lists {len(gpus)} GPU(s) for {len(replicas)} replica(s)",
-                       "a shard lists one GPU per replica of the block, in replica order")
+            sink.error(
+                loc,
+                f"shard [{pp}, {tp}] lists {len(gpus)} GPU(s) for {len(replicas)} replica(s)",
+                "a shard lists one GPU per replica of the block, in replica order",
+            )
             built.append(None)
             continue
         typed = [_build_entry(state, tensor, box, sink) for _, state, tensor, box in entries]
         values, _ = build_attrs(f"shard [{pp}, {tp}]", SHARD_ATTRS, attrs, loc, sink)
         # a list: Shard.__post_init__ makes it a tuple
-        built.append(Shard(pp=pp, tp=tp, gpu=-1, entries=[e for e in typed if e is not None],  # type: ignore[arg-type]
-                           loc=loc, kv_cache=values.get("kv_cache")))
+        built.append(
+            Shard(
+                pp=pp,
+                tp=tp,
+                gpu=-1,
+                entries=[e for e in typed if e is not None],  # type: ignore[arg-type]
+                loc=loc,
+                kv_cache=values.get("kv_cache"),
+            )
+        )
     for i, r in enumerate(replicas):
         key = (d.name, model_stage, r)
         if key in m.emus:
-            sink.error(ms_loc, f"duplicate emu {model_stage}[{r}] of plan @{d.name}",
-                       f"first declared at line {m.emus[key].loc.line}")
+            sink.error(
+                ms_loc,
+                f"duplicate emu {model_stage}[{r}] of plan @{d.name}",
+                f"first declared at line {m.emus[key].loc.line}",
+            )
             continue
         shards = []
         for (_, pp, tp, gpus, _e, loc, _a), s in zip(d.children, built):
             if s is not None:
                 shards.append(Shard(pp=s.pp, tp=s.tp, gpu=gpus[i], entries=s.entries, loc=s.loc, kv_cache=s.kv_cache))
         # a list: Emu.__post_init__ makes it a tuple
-        emu = Emu(plan=d.name, model_stage=model_stage, replica=r, shards=shards,  # type: ignore[arg-type]
-                  loc=ms_loc, plan_loc=plan_loc)
+        emu = Emu(
+            plan=d.name,
+            model_stage=model_stage,
+            replica=r,
+            shards=shards,  # type: ignore[arg-type]
+            loc=ms_loc,
+            plan_loc=plan_loc,
+        )
         m.emus[key] = emu
 
 
@@ -499,21 +565,39 @@ def _build_transition(d, sink):
     ops, seen = [], {}
     for _, opid, kind, state, tensor, box, src, dst, attrs, loc in d.children:
         if opid in seen:
-            sink.error(loc, f"duplicate operation {opid} in transition @{d.name}", f"first defined at line {seen[opid]}")
+            sink.error(
+                loc, f"duplicate operation {opid} in transition @{d.name}", f"first defined at line {seen[opid]}"
+            )
             continue
         seen[opid] = loc.line
         if str(kind) not in OP_KINDS:
-            sink.error(_loc(kind), f"unknown operation '{kind}'",
-                       did_you_mean(str(kind), OP_KINDS) or "operations: " + ", ".join(OP_KINDS))
+            sink.error(
+                _loc(kind),
+                f"unknown operation '{kind}'",
+                did_you_mean(str(kind), OP_KINDS) or "operations: " + ", ".join(OP_KINDS),
+            )
             continue
         entry = _build_entry(state, tensor, box, sink)
         before = len(sink.diagnostics)
         values, locs = build_attrs(f"operation {opid}", OP_ATTRS, attrs, loc, sink)
         if entry is None or len(sink.diagnostics) > before:
             continue
-        ops.append(Op(id=opid, kind=str(kind), state=entry.state, family=entry.family, layers=entry.layers,
-                      box=entry.box, src=[e for e, _ in src], dst=[e for e, _ in dst], **values, loc=loc,
-                      locs={**locs, "tensor": entry.loc}, endpoint_locs=[l for _, l in src + dst]))
+        ops.append(
+            Op(
+                id=opid,
+                kind=str(kind),
+                state=entry.state,
+                family=entry.family,
+                layers=entry.layers,
+                box=entry.box,
+                src=[e for e, _ in src],
+                dst=[e for e, _ in dst],
+                **values,
+                loc=loc,
+                locs={**locs, "tensor": entry.loc},
+                endpoint_locs=[l for _, l in src + dst],
+            )
+        )
     return _typed(Transition, f"transition @{d.name}", TRANSITION_ATTRS, d, sink, name=d.name, ops=ops)
 
 
@@ -535,7 +619,9 @@ def _attach_comments(m: Module, comments: list[tuple[int, str]]) -> None:
             add(node)
             for key, loc in getattr(node, "locs", {}).items():
                 add(node, key, loc)
-            for child in getattr(node, "stages", []) + list(getattr(node, "layouts", {}).values()) + getattr(node, "ops", []):
+            for child in (
+                getattr(node, "stages", []) + list(getattr(node, "layouts", {}).values()) + getattr(node, "ops", [])
+            ):
                 add(child)
                 for key, loc in child.locs.items():
                     if key != "tensor":
@@ -603,7 +689,9 @@ def parse_file(path: str | Path) -> Module:
     try:
         text = path.read_text()
     except UnicodeDecodeError as e:
-        raise DiagnosticError([Diagnostic(Loc(0, 0, str(path)), f"not a UTF-8 text file ({e.reason} at byte {e.start})")]) from None
+        raise DiagnosticError(
+            [Diagnostic(Loc(0, 0, str(path)), f"not a UTF-8 text file ({e.reason} at byte {e.start})")]
+        ) from None
     return parse(text, str(path))
 
 

@@ -9,6 +9,7 @@ from .diagnostics import NOWHERE, Loc
 
 OFFLOADABLE = ("weights", "grads", "optimizer")
 
+
 @dataclass(frozen=True)
 class TimeBreakdown:
     """Seconds of one model-stage per step, by cause (``estimate``)."""
@@ -39,8 +40,13 @@ class MemoryBreakdown:
     resident: int = 0  # state of other model-stages kept on the same GPU
 
 
-TIME_BREAKDOWN = RecordSpec("time", tuple(AttrSpec(f, "time", 0.0) for f in TimeBreakdown.__dataclass_fields__), TimeBreakdown)
-MEMORY_BREAKDOWN = RecordSpec("memory", tuple(AttrSpec(f, "size", 0) for f in MemoryBreakdown.__dataclass_fields__), MemoryBreakdown)
+TIME_BREAKDOWN = RecordSpec(
+    "time", tuple(AttrSpec(f, "time", 0.0) for f in TimeBreakdown.__dataclass_fields__), TimeBreakdown
+)
+MEMORY_BREAKDOWN = RecordSpec(
+    "memory", tuple(AttrSpec(f, "size", 0) for f in MemoryBreakdown.__dataclass_fields__), MemoryBreakdown
+)
+
 
 @dataclass(frozen=True)
 class SearchRecord:
@@ -55,15 +61,27 @@ class SearchRecord:
     estimate_gap: float | None = None  # (objective - estimate) / estimate: the solver's model against estimate
     headroom: float | None = None  # fraction of GPU memory training and inference left free
     bottleneck: str | None = None  # the model-stage taking the largest share of the step
-    unbounded: float | None = None  # seconds (explain): the best step if model-stages sharing GPUs did not limit each other's memory
+    unbounded: float | None = (
+        None  # seconds (explain): the best step if model-stages sharing GPUs did not limit each other's memory
+    )
 
 
-SEARCH = RecordSpec("search", (AttrSpec("status", "choice", choices=("optimal", "feasible")), AttrSpec("objective", "time"),
-                               AttrSpec("bound", "time"), AttrSpec("gap", "float"), AttrSpec("candidates", "posint"),
-                               AttrSpec("estimate", "time", default=None), AttrSpec("estimate_gap", "float", default=None),
-                               AttrSpec("headroom", "float", default=None), AttrSpec("bottleneck", "dotted", default=None),
-                               AttrSpec("unbounded", "time", default=None)),
-                    SearchRecord)
+SEARCH = RecordSpec(
+    "search",
+    (
+        AttrSpec("status", "choice", choices=("optimal", "feasible")),
+        AttrSpec("objective", "time"),
+        AttrSpec("bound", "time"),
+        AttrSpec("gap", "float"),
+        AttrSpec("candidates", "posint"),
+        AttrSpec("estimate", "time", default=None),
+        AttrSpec("estimate_gap", "float", default=None),
+        AttrSpec("headroom", "float", default=None),
+        AttrSpec("bottleneck", "dotted", default=None),
+        AttrSpec("unbounded", "time", default=None),
+    ),
+    SearchRecord,
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +96,18 @@ class RunnerUp:
     zero: int = 0
 
 
-RUNNER_UP = RecordSpec("runner_up", (AttrSpec("tp", "posint"), AttrSpec("pp", "posint"), AttrSpec("dp", "posint"),
-                                     AttrSpec("step_time", "time"), AttrSpec("zero", "int", default=0)), RunnerUp)
+RUNNER_UP = RecordSpec(
+    "runner_up",
+    (
+        AttrSpec("tp", "posint"),
+        AttrSpec("pp", "posint"),
+        AttrSpec("dp", "posint"),
+        AttrSpec("step_time", "time"),
+        AttrSpec("zero", "int", default=0),
+    ),
+    RunnerUp,
+)
+
 
 @dataclass(frozen=True)
 class RemapRecord:
@@ -91,16 +119,35 @@ class RemapRecord:
     gpus: int
 
 
-REMAP = RecordSpec("remap", (AttrSpec("before", "size"), AttrSpec("after", "size"), AttrSpec("gpus", "int")), RemapRecord)
+REMAP = RecordSpec(
+    "remap", (AttrSpec("before", "size"), AttrSpec("after", "size"), AttrSpec("gpus", "int")), RemapRecord
+)
 
 PLAN_ATTRS = [
     AttrSpec("workload", "symbol"),
     AttrSpec("cluster", "symbol"),
-    AttrSpec("colocate", "dotted_groups", default=[],
-             doc="groups of model-stages of one stage that share GPUs and run one after another"),
+    AttrSpec(
+        "colocate",
+        "dotted_groups",
+        default=[],
+        doc="groups of model-stages of one stage that share GPUs and run one after another",
+    ),
     AttrSpec("step_time", "time", default=None, doc="predicted time of one RL step (from estimate)"),
-    record("search", SEARCH, default=None, doc="set by plan-search: solver status, objective, bound, gap, candidates; estimate of the placed plan and (objective - estimate) / estimate; the memory headroom kept free; with explain=true the bottleneck model-stage and the best step time if model-stages sharing GPUs did not limit each other's memory (memory binds when lower)"),
-    record("remap", REMAP, default=None, doc="set by remap: bytes to move with the GPUs as written and as renamed, GPUs renamed"),
+    record(
+        "search",
+        SEARCH,
+        default=None,
+        doc="set by plan-search: solver status, objective, bound, gap, candidates; estimate of the placed plan and "
+        "(objective - estimate) / estimate; the memory headroom kept free; with explain=true the bottleneck "
+        "model-stage and the best step time if model-stages sharing GPUs did not limit each other's memory (memory "
+        "binds when lower)",
+    ),
+    record(
+        "remap",
+        REMAP,
+        default=None,
+        doc="set by remap: bytes to move with the GPUs as written and as renamed, GPUs renamed",
+    ),
 ]
 
 LAYOUT_ATTRS = [
@@ -111,24 +158,54 @@ LAYOUT_ATTRS = [
     AttrSpec("mesh", "ints", doc="GPU of each (dp, cp, pp, tp) coordinate, tp fastest"),
     AttrSpec("micro_batches", "posint", default=1, doc="micro-batches per pipeline flush"),
     AttrSpec("zero", "int", default=0, doc="ZeRO stage: shard optimizer (1), grads (2), weights (3) over DP"),
-    AttrSpec("recompute", "bool", default=False,
-             doc="full activation recomputation (false keeps every activation but attention scores, which flash "
-                 "attention recomputes: what Megatron's selective recomputation keeps)"),
-    AttrSpec("cp", "posint", default=1,
-             doc="context parallelism: each sample's sequence split over cp GPUs (ring attention, load-balanced "
-                 "causal chunks); weights are replicated over CP as over DP, and ZeRO shards over dp x cp"),
-    AttrSpec("sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"),
-    AttrSpec("vpp", "posint", default=1, doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers"),
-    AttrSpec("fp8", "bool", default=False, doc="GEMMs in FP8 (Transformer Engine), at the cluster's peak_flops_fp8; attention and the LM head stay bf16"),
-    AttrSpec("grad_dtype", "choice", default="bf16", choices=("bf16", "fp32"),
-             doc="gradient buffer dtype (fp32: Megatron's and DeepSpeed's main grads under bf16)"),
+    AttrSpec(
+        "recompute",
+        "bool",
+        default=False,
+        doc="full activation recomputation (false keeps every activation but attention scores, which flash "
+        "attention recomputes: what Megatron's selective recomputation keeps)",
+    ),
+    AttrSpec(
+        "cp",
+        "posint",
+        default=1,
+        doc="context parallelism: each sample's sequence split over cp GPUs (ring attention, load-balanced "
+        "causal chunks); weights are replicated over CP as over DP, and ZeRO shards over dp x cp",
+    ),
+    AttrSpec(
+        "sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"
+    ),
+    AttrSpec(
+        "vpp",
+        "posint",
+        default=1,
+        doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers",
+    ),
+    AttrSpec(
+        "fp8",
+        "bool",
+        default=False,
+        doc="GEMMs in FP8 (Transformer Engine), at the cluster's peak_flops_fp8; attention and the LM head stay bf16",
+    ),
+    AttrSpec(
+        "grad_dtype",
+        "choice",
+        default="bf16",
+        choices=("bf16", "fp32"),
+        doc="gradient buffer dtype (fp32: Megatron's and DeepSpeed's main grads under bf16)",
+    ),
     AttrSpec("offload", "names", default=[], choices=OFFLOADABLE, doc="state moved to host memory after the stage"),
     AttrSpec("time", "time", default=None, doc="predicted time of the model-stage (from estimate)"),
     AttrSpec("memory", "size", default=None, doc="predicted peak memory per GPU (from estimate)"),
     record("time_breakdown", TIME_BREAKDOWN, default=None, doc="estimate's time by cause"),
     record("memory_breakdown", MEMORY_BREAKDOWN, default=None, doc="estimate's memory by kind, on the fullest GPU"),
-    record("runner_up", RUNNER_UP, default=None,
-           doc="set by plan-search{explain=true}: the best plan with other TP/PP/DP sizes for this model-stage, and its step time"),
+    record(
+        "runner_up",
+        RUNNER_UP,
+        default=None,
+        doc="set by plan-search{explain=true}: the best plan with other TP/PP/DP sizes for this model-stage, and its "
+        "step time",
+    ),
 ]
 
 

@@ -59,6 +59,7 @@ def preset_model(name: str, model_name: str = "actor", *, trained: bool = False,
     shape: dict[str, Any] = _get(name)
     check_model_name(model_name, f"preset {name}")
     model = Model(name=model_name, trained=trained, head=head, **shape)
-    model.comments[None] = [(f"// preset {name} (nereus/ir/presets.py)", False)] + \
-                           [(f"// note: {n}", False) for n in PRESET_NOTES.get(name, [])]
+    model.comments[None] = [(f"// preset {name} (nereus/ir/presets.py)", False)] + [
+        (f"// note: {n}", False) for n in PRESET_NOTES.get(name, [])
+    ]
     return model

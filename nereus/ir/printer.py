@@ -29,8 +29,11 @@ def printed_precision(x: float, digits: int = ANALYSIS_DIGITS) -> float:
     digits); passes store this value, so that printing and parsing it back is exact. Non-finite
     values pass through."""
     return float(f"{x:.{digits}g}") if x == x and abs(x) != float("inf") else x
-from .transition import OP_ATTRS, TRANSITION_ATTRS, Op
-from .workload import STAGE_ATTRS, WORKLOAD_ATTRS
+
+
+# below ``printed_precision``, which the node modules import from here
+from .transition import OP_ATTRS, TRANSITION_ATTRS, Op  # noqa: E402
+from .workload import STAGE_ATTRS, WORKLOAD_ATTRS  # noqa: E402
 
 IND = "  "
 
@@ -82,8 +85,10 @@ def format_entry(e: SliceEntry | Op) -> str:
 def _same_slices(a: Emu, b: Emu) -> bool:
     if len(a.shards) != len(b.shards) or b.comments or any(s.comments for s in b.shards):
         return False
-    return all(x.pp == y.pp and x.tp == y.tp and x.entries == y.entries and x.kv_cache == y.kv_cache
-               for x, y in zip(a.shards, b.shards))
+    return all(
+        x.pp == y.pp and x.tp == y.tp and x.entries == y.entries and x.kv_cache == y.kv_cache
+        for x, y in zip(a.shards, b.shards)
+    )
 
 
 def _emu_groups(m: Module, group: bool = True) -> list[list[Emu]]:
@@ -139,6 +144,7 @@ def print_ir(m: Module, group_replicas: bool = True) -> str:
     for md in m.models.values():
         section(lambda md=md: _block(out, f"model @{md.name}", md, MODEL_ATTRS))
     for w in m.workloads.values():
+
         def stages(w=w):
             for st in w.stages:
                 if any(k is not None for k in st.comments):
@@ -146,8 +152,10 @@ def print_ir(m: Module, group_replicas: bool = True) -> str:
                 else:
                     body = ", ".join(f"{s.key} = {format_value(s, getattr(st, s.key))}" for s in STAGE_ATTRS)
                     out.line(st, None, 1, f"stage {st.name} {{ {body} }}")
+
         section(lambda w=w: _block(out, f"workload @{w.name}", w, WORKLOAD_ATTRS, body=stages))
     for p in m.plans.values():
+
         def layouts(p=p):
             order = {}
             w = m.workloads.get(p.workload)
@@ -155,14 +163,19 @@ def print_ir(m: Module, group_replicas: bool = True) -> str:
                 order = {ms: i for i, ms in enumerate(w.model_stages())}
             for lay in sorted(p.layouts.values(), key=lambda x: order.get(x.model_stage, len(order))):
                 _block(out, f"layout {lay.model_stage}", lay, LAYOUT_ATTRS, depth=1)
+
         section(lambda p=p: _block(out, f"plan @{p.name}", p, PLAN_ATTRS, body=layouts))
     for group in _emu_groups(m, group_replicas):
         section(lambda g=group: _print_emu_group(out, g))
     for t in m.transitions.values():
+
         def ops(t=t):
             for op in t.ops:
-                suffix = "".join(out.comments(op, key, 1) for key in sorted(op.comments, key=lambda k: (k is not None, k or "")))
+                suffix = "".join(
+                    out.comments(op, key, 1) for key in sorted(op.comments, key=lambda k: (k is not None, k or ""))
+                )
                 out.lines.append(IND + format_op(op) + suffix)
+
         section(lambda t=t: _block(out, f"transition @{t.name}", t, TRANSITION_ATTRS, body=ops))
     text = "\n\n".join("\n".join(s) for s in sections)
     if m.trailing_comments:

@@ -31,7 +31,9 @@ def dp_sharded(state: str, zero: int) -> bool:
     return zero >= 3 if state == "weight" else zero >= 1
 
 
-def shard_entries(model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0) -> list[SliceEntry]:
+def shard_entries(
+    model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0
+) -> list[SliceEntry]:
     """The slices held at pipeline stage ``pp``, tensor rank ``tp`` of DP replica ``dp_rank``, in inventory order."""
     return _dp_entries(_tp_slices(model, layout, pp, tp, states), layout.replicas, dp_rank)
 
@@ -84,7 +86,9 @@ def _dp_entries(slices: list, dp: int, dp_rank: int) -> list[SliceEntry]:
     return out
 
 
-def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",), kv_cache: int | None = None) -> list[Emu]:
+def derive_emus(
+    plan_name: str, model: Model, layout: Layout, states=("weight",), kv_cache: int | None = None
+) -> list[Emu]:
     """Every EMU (one per DP replica) of ``layout``'s model-stage (``kv_cache``: bytes per shard, for generation).
 
     Replicas whose slices are equal share one entry tuple, which the printer and the verifier
@@ -105,6 +109,5 @@ def derive_emus(plan_name: str, model: Model, layout: Layout, states=("weight",)
                     cache[key] = tuple(_dp_entries(tp_slices[(p, t)], layout.replicas, key[0]))
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         # a list: Emu.__post_init__ makes it a tuple
-        emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d,
-                        shards=shards))  # type: ignore[arg-type]
+        emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))  # type: ignore[arg-type]
     return emus

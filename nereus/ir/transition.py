@@ -9,6 +9,7 @@ from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 from .emu import Box, member_states, tensor_name
 
+
 @dataclass(frozen=True)
 class OpKind:
     """What one kind of transition operation is: every layer asks this table instead of
@@ -57,28 +58,91 @@ class OpKind:
         return "source" if self.writes == "a" else "target"
 
 
-OP_KINDS: dict[str, OpKind] = {k.name: k for k in (
-    OpKind("copy", "a slice of plan A's state into plan B's shard on the same GPU (or staged into host[g])",
-           (1, 1), (1, 1), reads="a", writes="b", stages=True, transfer=True, delivers=True, local=True),
-    OpKind("send", "a slice of plan A's state to plan B's shard on another GPU (or staged into host[g])",
-           (1, 1), (1, 1), reads="a", writes="b", stages=True, transfer=True, delivers=True),
-    OpKind("broadcast", "a slice of plan A's state from one GPU to plan B's shards on many",
-           (1, 1), (1, None), reads="a", writes="b", stages=True, transfer=True, delivers=True),
-    OpKind("free", "plan A's slice leaves its GPU (nobody reads it any more)",
-           (1, None), (0, 0), reads="a", writes="none", frees=True),
-    OpKind("offload", "plan B's slice goes to host[g] once it has arrived",
-           (1, 1), (1, 1), reads="b", writes="host", pcie=True),
-    OpKind("load", "plan A's slice, offloaded between steps, comes back from host[g] before it is read",
-           (1, 1), (1, 1), reads="host", writes="a", pcie=True),
-    OpKind("unstage", "a staged slice from host[g] into plan B's shards on GPU g (the slices the operations it depends on staged there, which fill its box)",
-           (1, 1), (1, None), reads="host", writes="b", delivers=True, pcie=True),
-)}
+OP_KINDS: dict[str, OpKind] = {
+    k.name: k
+    for k in (
+        OpKind(
+            "copy",
+            "a slice of plan A's state into plan B's shard on the same GPU (or staged into host[g])",
+            (1, 1),
+            (1, 1),
+            reads="a",
+            writes="b",
+            stages=True,
+            transfer=True,
+            delivers=True,
+            local=True,
+        ),
+        OpKind(
+            "send",
+            "a slice of plan A's state to plan B's shard on another GPU (or staged into host[g])",
+            (1, 1),
+            (1, 1),
+            reads="a",
+            writes="b",
+            stages=True,
+            transfer=True,
+            delivers=True,
+        ),
+        OpKind(
+            "broadcast",
+            "a slice of plan A's state from one GPU to plan B's shards on many",
+            (1, 1),
+            (1, None),
+            reads="a",
+            writes="b",
+            stages=True,
+            transfer=True,
+            delivers=True,
+        ),
+        OpKind(
+            "free",
+            "plan A's slice leaves its GPU (nobody reads it any more)",
+            (1, None),
+            (0, 0),
+            reads="a",
+            writes="none",
+            frees=True,
+        ),
+        OpKind(
+            "offload",
+            "plan B's slice goes to host[g] once it has arrived",
+            (1, 1),
+            (1, 1),
+            reads="b",
+            writes="host",
+            pcie=True,
+        ),
+        OpKind(
+            "load",
+            "plan A's slice, offloaded between steps, comes back from host[g] before it is read",
+            (1, 1),
+            (1, 1),
+            reads="host",
+            writes="a",
+            pcie=True,
+        ),
+        OpKind(
+            "unstage",
+            "a staged slice from host[g] into plan B's shards on GPU g (the slices the operations it depends on "
+            "staged there, which fill its box)",
+            (1, 1),
+            (1, None),
+            reads="host",
+            writes="b",
+            delivers=True,
+            pcie=True,
+        ),
+    )
+}
 """Every operation kind, by name, in printing order."""
 
 HOST_READING_KINDS = tuple(k.name for k in OP_KINDS.values() if k.reads_host)
 HOST_WRITING_KINDS = tuple(k.name for k in OP_KINDS.values() if k.writes_host) + tuple(
-    k.name for k in OP_KINDS.values() if k.stages)
+    k.name for k in OP_KINDS.values() if k.stages
+)
 LINKS = ("local", "nvlink", "nic", "pcie")
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -96,22 +160,52 @@ class Admission:
     horizon: int | None = None  # remaining steps the benefit counts
 
 
-ADMISSION = RecordSpec("admit", (AttrSpec("decision", "choice", choices=("accept", "reject")), AttrSpec("cost", "time"),
-                                 AttrSpec("makespan", "time", default=None), AttrSpec("pg_init", "time", default=None),
-                                 AttrSpec("engine_restart", "time", default=None),
-                                 AttrSpec("benefit", "time", signed=True), AttrSpec("saving", "time", signed=True), AttrSpec("horizon", "natural", default=None),
-                                 AttrSpec("break_even", "float", default=None)),
-                       Admission)
+ADMISSION = RecordSpec(
+    "admit",
+    (
+        AttrSpec("decision", "choice", choices=("accept", "reject")),
+        AttrSpec("cost", "time"),
+        AttrSpec("makespan", "time", default=None),
+        AttrSpec("pg_init", "time", default=None),
+        AttrSpec("engine_restart", "time", default=None),
+        AttrSpec("benefit", "time", signed=True),
+        AttrSpec("saving", "time", signed=True),
+        AttrSpec("horizon", "natural", default=None),
+        AttrSpec("break_even", "float", default=None),
+    ),
+    Admission,
+)
 
 TRANSITION_ATTRS = [
     AttrSpec("source", "symbol", doc="plan A"),
     AttrSpec("target", "symbol", doc="plan B"),
-    AttrSpec("bytes_moved", "size", default=None, doc="bytes received over links, once per receiving GPU (plan-transition)"),
-    AttrSpec("lower_bound", "size", default=None, doc="sum over GPUs of the destination bytes the GPU does not hold already"),
+    AttrSpec(
+        "bytes_moved", "size", default=None, doc="bytes received over links, once per receiving GPU (plan-transition)"
+    ),
+    AttrSpec(
+        "lower_bound", "size", default=None, doc="sum over GPUs of the destination bytes the GPU does not hold already"
+    ),
     AttrSpec("makespan", "time", default=None, doc="scheduled duration (schedule-transfers)"),
-    AttrSpec("port_bound", "time", default=None, doc="max over GPU send/receive ports of their busy time: no schedule is shorter"),
-    AttrSpec("schedule_status", "choice", default=None, choices=("optimal", "feasible"), doc="CP-SAT's status for the schedule"),
-    record("admit", ADMISSION, default=None, doc="admit's decision; its cost (seconds) as makespan + pg_init + engine_restart; the benefit over horizon steps, the saving per step (seconds) and the break-even step count"),
+    AttrSpec(
+        "port_bound",
+        "time",
+        default=None,
+        doc="max over GPU send/receive ports of their busy time: no schedule is shorter",
+    ),
+    AttrSpec(
+        "schedule_status",
+        "choice",
+        default=None,
+        choices=("optimal", "feasible"),
+        doc="CP-SAT's status for the schedule",
+    ),
+    record(
+        "admit",
+        ADMISSION,
+        default=None,
+        doc="admit's decision; its cost (seconds) as makespan + pg_init + engine_restart; the benefit over horizon "
+        "steps, the saving per step (seconds) and the break-even step count",
+    ),
 ]
 
 OP_ATTRS = [
@@ -200,8 +294,11 @@ def unstage_feeders(op: Op, by_id: dict[str, Op]) -> list[Op]:
         f = by_id.get(d)
         if f is None or not f.spec.stages or (f.state, f.family, f.layers) != (op.state, op.family, op.layers):
             continue
-        if any(isinstance(r, HostRef) and r.gpu == g for r in f.dst) and len(f.box) == len(op.box) and \
-                all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(f.box, op.box)):
+        if (
+            any(isinstance(r, HostRef) and r.gpu == g for r in f.dst)
+            and len(f.box) == len(op.box)
+            and all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(f.box, op.box))
+        ):
             out.append(f)
     return out
 

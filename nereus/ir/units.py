@@ -102,15 +102,20 @@ def parse_quantity(text: str) -> tuple[Dim, int | float]:
         raise UnitError(f"'{text}' has no number before its unit", "write the number first, e.g. 80GiB")
     if unit not in UNITS:
         guess = suggest_unit(unit)
-        hint = f"did you mean '{number}{guess}'?" if guess else "known units: " + ", ".join(
-            ["B", "KiB", "MiB", "GiB", "GB", "GB/s", "Gb/s", "TFLOPs", "ns", "us", "ms", "s"]
+        hint = (
+            f"did you mean '{number}{guess}'?"
+            if guess
+            else "known units: "
+            + ", ".join(["B", "KiB", "MiB", "GiB", "GB", "GB/s", "Gb/s", "TFLOPs", "ns", "us", "ms", "s"])
         )
         raise UnitError(f"unknown unit '{unit}' in '{text}'", hint)
     dim, factor = UNITS[unit]
     _, e, exponent = number.lower().partition("e")
     if e and abs(int(exponent)) > MAX_EXPONENT:
-        raise UnitError(f"exponent {int(exponent)} in '{text}' is out of range",
-                        f"exponents go from -{MAX_EXPONENT} to {MAX_EXPONENT}; pick a larger or smaller unit")
+        raise UnitError(
+            f"exponent {int(exponent)} in '{text}' is out of range",
+            f"exponents go from -{MAX_EXPONENT} to {MAX_EXPONENT}; pick a larger or smaller unit",
+        )
     with localcontext() as ctx:
         ctx.prec = 400
         exact = Decimal(number) * factor

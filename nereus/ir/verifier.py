@@ -36,9 +36,15 @@ def require_declarations(m: Module) -> Module:
     if any((m.clusters, m.models, m.workloads, m.plans, m.emus, m.transitions)):
         return m
     what = "the file holds only comments" if m.trailing_comments else "the file is empty"
-    raise DiagnosticError([Diagnostic(Loc(0, 0, m.filename), f"empty module: {what}, nothing to check",
-                                      "a .nir file declares a cluster, models, a workload and plans "
-                                      "(README.md's tour of the IR, docs/IR.md)")])
+    raise DiagnosticError(
+        [
+            Diagnostic(
+                Loc(0, 0, m.filename),
+                f"empty module: {what}, nothing to check",
+                "a .nir file declares a cluster, models, a workload and plans (README.md's tour of the IR, docs/IR.md)",
+            )
+        ]
+    )
 
 
 def at(node, key: str) -> Loc:
@@ -55,8 +61,12 @@ def resolve(m: Module, kind: str, name: str, loc: Loc, sink: DiagnosticSink, who
         if name in getattr(m, other + "s"):
             sink.error(loc, f"{who} refers to @{name}, which is a {other}, not a {kind}")
             return None
-    sink.error(loc, f"{who} refers to unknown {kind} @{name}", did_you_mean(name, table) or
-               (f"declared {kind}s: " + ", ".join("@" + n for n in table) if table else f"no {kind} is declared"))
+    sink.error(
+        loc,
+        f"{who} refers to unknown {kind} @{name}",
+        did_you_mean(name, table)
+        or (f"declared {kind}s: " + ", ".join("@" + n for n in table) if table else f"no {kind} is declared"),
+    )
     return None
 
 
@@ -73,8 +83,10 @@ def _gpus(gpus) -> str:
 
 
 def _has_gpus(c) -> str:
-    return (f"cluster @{c.name} has GPUs 0..{c.num_gpus - 1} ({c.nodes} node{'s' if c.nodes != 1 else ''} x "
-            f"{c.gpus_per_node})")
+    return (
+        f"cluster @{c.name} has GPUs 0..{c.num_gpus - 1} ({c.nodes} node{'s' if c.nodes != 1 else ''} x "
+        f"{c.gpus_per_node})"
+    )
 
 
 def _clusters(m: Module, sink: DiagnosticSink) -> None:
@@ -86,10 +98,14 @@ def _clusters(m: Module, sink: DiagnosticSink) -> None:
             seen.add(g)
         missing = sorted(g for g in seen if g >= c.num_gpus)
         if missing:
-            sink.error(at(c, "unavailable"), f"unavailable {_gpus(missing)} {'does' if len(missing) == 1 else 'do'} not exist: "
-                                             f"{_has_gpus(c)}")
+            sink.error(
+                at(c, "unavailable"),
+                f"unavailable {_gpus(missing)} {'does' if len(missing) == 1 else 'do'} not exist: {_has_gpus(c)}",
+            )
         if twice:
-            sink.error(at(c, "unavailable"), f"{_gpus(twice)} {'is' if len(twice) == 1 else 'are'} listed twice in unavailable")
+            sink.error(
+                at(c, "unavailable"), f"{_gpus(twice)} {'is' if len(twice) == 1 else 'are'} listed twice in unavailable"
+            )
         for key in ("gpu_memory", "peak_flops", "hbm_bandwidth"):
             if getattr(c, key) <= 0:
                 sink.error(at(c, key), f"{key} must be positive")
@@ -102,11 +118,17 @@ def _clusters(m: Module, sink: DiagnosticSink) -> None:
 def _models(m: Module, sink: DiagnosticSink) -> None:
     for md in m.models.values():
         if md.head_dim is None and md.hidden % md.heads:
-            sink.error(at(md, "heads"), f"hidden = {md.hidden} is not divisible by heads = {md.heads}",
-                       "set head_dim explicitly when the head dimension is not hidden / heads")
+            sink.error(
+                at(md, "heads"),
+                f"hidden = {md.hidden} is not divisible by heads = {md.heads}",
+                "set head_dim explicitly when the head dimension is not hidden / heads",
+            )
         if md.heads % md.kv_heads:
-            sink.error(at(md, "kv_heads"), f"heads = {md.heads} is not a multiple of kv_heads = {md.kv_heads}",
-                       "grouped-query attention shares each K/V head among heads / kv_heads query heads")
+            sink.error(
+                at(md, "kv_heads"),
+                f"heads = {md.heads} is not a multiple of kv_heads = {md.kv_heads}",
+                "grouped-query attention shares each K/V head among heads / kv_heads query heads",
+            )
         if md.head == "value" and md.tied_embeddings:
             sink.error(at(md, "tied_embeddings"), f"model @{md.name} has a value head, so there is no LM head to tie")
 
@@ -122,27 +144,46 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
             roles.add(r)
             resolve(m, "model", r, at(w, "roles"), sink, f"workload @{w.name}")
         if w.prompt_len_mean > w.prompt_len_max:
-            sink.error(at(w, "prompt_len_mean"), f"prompt_len_mean = {w.prompt_len_mean} exceeds prompt_len_max = {w.prompt_len_max}")
+            sink.error(
+                at(w, "prompt_len_mean"),
+                f"prompt_len_mean = {w.prompt_len_mean} exceeds prompt_len_max = {w.prompt_len_max}",
+            )
         if w.response_len_mean > w.response_len_max:
-            sink.error(at(w, "response_len_mean"), f"response_len_mean = {w.response_len_mean} exceeds response_len_max = {w.response_len_max}")
+            sink.error(
+                at(w, "response_len_mean"),
+                f"response_len_mean = {w.response_len_mean} exceeds response_len_max = {w.response_len_max}",
+            )
         if w.response_len_dist:
             d = w.response_len_dist
             mean = sum(d) / len(d)
             if any(b < a for a, b in zip(d, d[1:])) or d[0] < 1:
-                sink.error(at(w, "response_len_dist"), "response_len_dist is not a distribution: its lengths must be "
-                                                       "positive and in order, shortest first", "list the lengths of equal "
-                                                                                                "shares of the responses, e.g. [256, 512, 1024, 4096]")
+                sink.error(
+                    at(w, "response_len_dist"),
+                    "response_len_dist is not a distribution: its lengths must be "
+                    "positive and in order, shortest first",
+                    "list the lengths of equal shares of the responses, e.g. [256, 512, 1024, 4096]",
+                )
             elif d[-1] > w.response_len_max:
-                sink.error(at(w, "response_len_dist"), f"response_len_dist reaches {d[-1]}, beyond response_len_max = {w.response_len_max}")
+                sink.error(
+                    at(w, "response_len_dist"),
+                    f"response_len_dist reaches {d[-1]}, beyond response_len_max = {w.response_len_max}",
+                )
             elif abs(mean - w.response_len_mean) > 0.5:
-                sink.error(at(w, "response_len_dist"), f"response_len_dist has mean {mean:g}, but response_len_mean = {w.response_len_mean}",
-                           f"set response_len_mean = {round(mean)}")
+                sink.error(
+                    at(w, "response_len_dist"),
+                    f"response_len_dist has mean {mean:g}, but response_len_mean = {w.response_len_mean}",
+                    f"set response_len_mean = {round(mean)}",
+                )
         if w.algorithm == "grpo" and w.group_size < 2:
-            sink.error(at(w, "group_size"), "GRPO compares a group of responses per prompt: group_size must be at least 2")
+            sink.error(
+                at(w, "group_size"), "GRPO compares a group of responses per prompt: group_size must be at least 2"
+            )
         _batch_sizes(w, sink)
         if not w.stages:
             broken.add(w.name)
-            sink.error(w.loc, f"workload @{w.name} has no stages", "add: stage generate { kind = generate, models = [@actor] }")
+            sink.error(
+                w.loc, f"workload @{w.name} has no stages", "add: stage generate { kind = generate, models = [@actor] }"
+            )
         has_critic = False
         for st in w.stages:
             for r in st.models:
@@ -150,17 +191,24 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
                     broken.add(w.name)
                     if r in m.models and any(closest(x, m.models) == r for x in roles if x not in m.models):
                         continue  # roles misspell @r (`[@reff]`): reported there, with the hint 'ref'
-                    sink.error(at(st, "models"), f"stage {st.name} runs @{r}, which is not a role of workload @{w.name}",
-                               f"add it to the roles: roles = [{', '.join('@' + x for x in [*w.roles, r])}]"
-                               if r in m.models else did_you_mean(r, roles))
+                    sink.error(
+                        at(st, "models"),
+                        f"stage {st.name} runs @{r}, which is not a role of workload @{w.name}",
+                        f"add it to the roles: roles = [{', '.join('@' + x for x in [*w.roles, r])}]"
+                        if r in m.models
+                        else did_you_mean(r, roles),
+                    )
                     continue
                 md = m.models.get(r)
                 if md is None:
                     broken.add(w.name)
                     continue
                 if st.kind == "train" and not md.trained:
-                    sink.error(at(st, "models"), f"model @{r} is frozen (trained = false) but stage {st.name} trains it",
-                               f"set trained = true in model @{r}, or move it to an infer stage")
+                    sink.error(
+                        at(st, "models"),
+                        f"model @{r} is frozen (trained = false) but stage {st.name} trains it",
+                        f"set trained = true in model @{r}, or move it to an infer stage",
+                    )
                 if st.kind == "generate" and md.head != "lm":
                     sink.error(at(st, "models"), f"model @{r} has a value head and cannot generate")
                 if st.kind == "train" and md.head == "value":
@@ -168,8 +216,11 @@ def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:
             if len(set(st.models)) != len(st.models):
                 sink.error(at(st, "models"), f"stage {st.name} lists a model twice")
         if w.algorithm == "ppo" and w.stages and not has_critic:
-            sink.error(w.loc, f"PPO workload @{w.name} trains no critic (a model with head = value)",
-                       "GRPO needs no critic: algorithm = grpo")
+            sink.error(
+                w.loc,
+                f"PPO workload @{w.name} trains no critic (a model with head = value)",
+                "GRPO needs no critic: algorithm = grpo",
+            )
     return broken
 
 
@@ -181,12 +232,18 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
     expected = w.model_stages()
     for ms, lay in plan.layouts.items():
         if ms not in expected:
-            sink.error(lay.loc, f"layout {ms}: workload @{w.name} has no model-stage {ms}",
-                       did_you_mean(ms, expected) or "model-stages: " + ", ".join(expected))
+            sink.error(
+                lay.loc,
+                f"layout {ms}: workload @{w.name} has no model-stage {ms}",
+                did_you_mean(ms, expected) or "model-stages: " + ", ".join(expected),
+            )
     missing = [ms for ms in expected if ms not in plan.layouts]
     if missing:
-        sink.error(plan.loc, f"plan @{plan.name} has no layout for {', '.join(missing)}",
-                   "every model-stage of the workload needs a layout")
+        sink.error(
+            plan.loc,
+            f"plan @{plan.name} has no layout for {', '.join(missing)}",
+            "every model-stage of the workload needs a layout",
+        )
     for ms, lay in plan.layouts.items():
         model = m.models.get(lay.model)
         stage = w.stage_of(ms)
@@ -200,33 +257,56 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
 def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> None:
     ms = lay.model_stage
     if model.heads % lay.tp:
-        ok = [t for t in range(1, model.heads + 1) if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)]
-        sink.error(at(lay, "tp"), f"{ms}: tp = {lay.tp} does not divide heads = {model.heads} of model @{model.name}",
-                   "choose tp from " + ", ".join(map(str, ok[:12])))
+        ok = [
+            t
+            for t in range(1, model.heads + 1)
+            if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)
+        ]
+        sink.error(
+            at(lay, "tp"),
+            f"{ms}: tp = {lay.tp} does not divide heads = {model.heads} of model @{model.name}",
+            "choose tp from " + ", ".join(map(str, ok[:12])),
+        )
     elif lay.tp > model.kv_heads and lay.tp % model.kv_heads:
-        sink.error(at(lay, "tp"), f"{ms}: tp = {lay.tp} is above kv_heads = {model.kv_heads} but not a multiple of it",
-                   "K/V heads are replicated on tp / kv_heads ranks, which must be a whole number")
+        sink.error(
+            at(lay, "tp"),
+            f"{ms}: tp = {lay.tp} is above kv_heads = {model.kv_heads} but not a multiple of it",
+            "K/V heads are replicated on tp / kv_heads ranks, which must be a whole number",
+        )
     elif lay.tp <= model.kv_heads and model.kv_heads % lay.tp:
         sink.error(at(lay, "tp"), f"{ms}: tp = {lay.tp} does not divide kv_heads = {model.kv_heads}")
     # pipeline layer ranges: one per stage, contiguous, covering every layer in order
     if len(lay.layers) != lay.pp:
-        sink.error(at(lay, "layers"), f"{ms}: pp = {lay.pp} but layers lists {len(lay.layers)} range(s)",
-                   "give one inclusive layer range per pipeline stage, e.g. [0..15, 16..31]")
+        sink.error(
+            at(lay, "layers"),
+            f"{ms}: pp = {lay.pp} but layers lists {len(lay.layers)} range(s)",
+            "give one inclusive layer range per pipeline stage, e.g. [0..15, 16..31]",
+        )
     else:
         nxt = 0
         for lo, hi in lay.layers:
             if lo != nxt or hi < lo:
-                sink.error(at(lay, "layers"), f"{ms}: pipeline stage layers {lo}..{hi} should start at layer {nxt}",
-                           "stage ranges must be non-empty, in order, with no gap or overlap")
+                sink.error(
+                    at(lay, "layers"),
+                    f"{ms}: pipeline stage layers {lo}..{hi} should start at layer {nxt}",
+                    "stage ranges must be non-empty, in order, with no gap or overlap",
+                )
                 break
             nxt = hi + 1
         else:
             if nxt != model.layers:
-                sink.error(at(lay, "layers"), f"{ms}: layers cover 0..{nxt - 1} but model @{model.name} has {model.layers} layers (0..{model.layers - 1})")
+                sink.error(
+                    at(lay, "layers"),
+                    f"{ms}: layers cover 0..{nxt - 1} but model @{model.name} has {model.layers} layers "
+                    f"(0..{model.layers - 1})",
+                )
     if len(lay.mesh) != lay.world:
-        sink.error(at(lay, "mesh"), f"{ms}: mesh has {len(lay.mesh)} GPU(s) but "
-                    + (f"dp x cp x pp x tp = {lay.dp} x {lay.cp} x" if lay.cp > 1 else f"dp x pp x tp = {lay.dp} x")
-                    + f" {lay.pp} x {lay.tp} = {lay.world}")
+        sink.error(
+            at(lay, "mesh"),
+            f"{ms}: mesh has {len(lay.mesh)} GPU(s) but "
+            + (f"dp x cp x pp x tp = {lay.dp} x {lay.cp} x" if lay.cp > 1 else f"dp x pp x tp = {lay.dp} x")
+            + f" {lay.pp} x {lay.tp} = {lay.world}",
+        )
     # one diagnostic per kind of mistake, naming every GPU it concerns (a 4-node mesh on 2 nodes
     # is one error with the range, not one per GPU)
     seen: set[int] = set()
@@ -236,18 +316,30 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             twice.add(g)
         seen.add(g)
     if twice:
-        sink.error(at(lay, "mesh"), f"{ms}: {_gpus(twice)} {'appears' if len(twice) == 1 else 'appear'} twice in the mesh")
+        sink.error(
+            at(lay, "mesh"), f"{ms}: {_gpus(twice)} {'appears' if len(twice) == 1 else 'appear'} twice in the mesh"
+        )
     if cluster is not None:
         missing = sorted(g for g in seen if g >= cluster.num_gpus)
         if missing:
-            sink.error(at(lay, "mesh"), f"{ms}: {_gpus(missing)} {'does not exist' if len(missing) == 1 else 'of the mesh do not exist'}"
-                                        f": {_has_gpus(cluster)}",
-                       f"the mesh reaches node {max(missing) // cluster.gpus_per_node}: give cluster @{cluster.name} nodes = "
-                       f"{max(missing) // cluster.gpus_per_node + 1}" + (f", or place the layout on GPUs 0..{cluster.num_gpus - 1}"
-                                                                        if len(lay.mesh) <= cluster.num_gpus else ""))
+            sink.error(
+                at(lay, "mesh"),
+                f"{ms}: {_gpus(missing)} {'does not exist' if len(missing) == 1 else 'of the mesh do not exist'}"
+                f": {_has_gpus(cluster)}",
+                f"the mesh reaches node {max(missing) // cluster.gpus_per_node}: give cluster @{cluster.name} nodes = "
+                f"{max(missing) // cluster.gpus_per_node + 1}"
+                + (
+                    f", or place the layout on GPUs 0..{cluster.num_gpus - 1}"
+                    if len(lay.mesh) <= cluster.num_gpus
+                    else ""
+                ),
+            )
         down = sorted(seen & set(cluster.unavailable))
         if down:
-            sink.error(at(lay, "mesh"), f"{ms}: {_gpus(down)} {'is' if len(down) == 1 else 'are'} unavailable in cluster @{cluster.name}")
+            sink.error(
+                at(lay, "mesh"),
+                f"{ms}: {_gpus(down)} {'is' if len(down) == 1 else 'are'} unavailable in cluster @{cluster.name}",
+            )
     if not 0 <= lay.zero <= 3:
         sink.error(at(lay, "zero"), f"{ms}: zero = {lay.zero}; ZeRO stages are 0, 1, 2 and 3")
     train = stage is not None and stage.kind == "train"
@@ -256,33 +348,49 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
     if lay.recompute and not train:
         sink.error(at(lay, "recompute"), f"{ms}: activation recomputation applies only to training")
     if lay.sp and lay.tp == 1:
-        sink.error(at(lay, "sp"), f"{ms}: sequence parallelism shards activations over TP, but tp = 1",
-                   "set tp > 1 or drop sp")
+        sink.error(
+            at(lay, "sp"), f"{ms}: sequence parallelism shards activations over TP, but tp = 1", "set tp > 1 or drop sp"
+        )
     if lay.fp8 and cluster is not None and not cluster.peak_flops_fp8:
-        sink.error(at(lay, "fp8"), f"{ms}: fp8 GEMMs need the FP8 peak of cluster @{cluster.name}",
-                   "give the cluster peak_flops_fp8, e.g. 1979TFLOPs for an H100")
+        sink.error(
+            at(lay, "fp8"),
+            f"{ms}: fp8 GEMMs need the FP8 peak of cluster @{cluster.name}",
+            "give the cluster peak_flops_fp8, e.g. 1979TFLOPs for an H100",
+        )
     if lay.grad_dtype != "bf16" and not train:
         sink.error(at(lay, "grad_dtype"), f"{ms}: only a training model-stage keeps gradients")
     if lay.vpp > 1:
         if stage is not None and stage.kind == "generate":
-            sink.error(at(lay, "vpp"), f"{ms}: virtual pipeline stages are a training and inference schedule, not generation's")
+            sink.error(
+                at(lay, "vpp"), f"{ms}: virtual pipeline stages are a training and inference schedule, not generation's"
+            )
         elif lay.pp < 2:
             sink.error(at(lay, "vpp"), f"{ms}: vpp = {lay.vpp} interleaves pipeline stages, but pp = {lay.pp}")
         elif len(lay.layers) == lay.pp and any((hi - lo + 1) % lay.vpp for lo, hi in lay.layers):
             sizes = ", ".join(str(hi - lo + 1) for lo, hi in lay.layers)
-            sink.error(at(lay, "vpp"), f"{ms}: vpp = {lay.vpp} virtual stages do not divide the layers of every pipeline "
-                                       f"stage ({sizes})", "choose vpp dividing every stage's layer count")
+            sink.error(
+                at(lay, "vpp"),
+                f"{ms}: vpp = {lay.vpp} virtual stages do not divide the layers of every pipeline stage ({sizes})",
+                "choose vpp dividing every stage's layer count",
+            )
         elif lay.micro_batches % lay.pp:
-            sink.error(at(lay, "vpp"), f"{ms}: the interleaved schedule needs micro_batches = {lay.micro_batches} to be a "
-                                       f"multiple of pp = {lay.pp}", f"use micro_batches = {lay.micro_batches // lay.pp * lay.pp or lay.pp}")
+            sink.error(
+                at(lay, "vpp"),
+                f"{ms}: the interleaved schedule needs micro_batches = {lay.micro_batches} to be a "
+                f"multiple of pp = {lay.pp}",
+                f"use micro_batches = {lay.micro_batches // lay.pp * lay.pp or lay.pp}",
+            )
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")
     if lay.offload and cluster is not None and (cluster.host_link is None or cluster.host_memory is None):
         absent = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
-        sink.error(at(lay, "offload"), f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {absent}",
-                   "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
-                   "(an H100 node's PCIe 5 and DRAM), or drop offload")
+        sink.error(
+            at(lay, "offload"),
+            f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {absent}",
+            "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
+            "(an H100 node's PCIe 5 and DRAM), or drop offload",
+        )
 
 
 def flush_samples(w, kind: str) -> int:
@@ -341,33 +449,50 @@ def _batch_sizes(w, sink: DiagnosticSink) -> None:
     above, as Megatron-LM and verl require (neither runs a ragged mini- or micro-batch)."""
     n, mini, mb = w.samples, w.mini_batch, w.micro_batch
     per_step = "samples per step = global_batch x group_size = " + (
-        f"{w.global_batch} x {w.group_size}" if w.group_size > 1 else f"{n} x 1")
+        f"{w.global_batch} x {w.group_size}" if w.group_size > 1 else f"{n} x 1"
+    )
     if mini is not None and (mini > n or n % mini):
         fix = _use("mini_batch", _divisors_near(n, mini, mb))
         if fix is None and (fix := _use("mini_batch", _divisors_near(n, mini))):
             fix += " with a micro_batch dividing it"
-        sink.error(at(w, "mini_batch"), f"mini_batch = {mini} " + (f"exceeds the {n} samples of a step" if mini > n else
-                                                                   f"does not divide the {n} samples of a step"),
-                   "; ".join(p for p in (per_step, fix) if p))
+        sink.error(
+            at(w, "mini_batch"),
+            f"mini_batch = {mini} "
+            + (f"exceeds the {n} samples of a step" if mini > n else f"does not divide the {n} samples of a step"),
+            "; ".join(p for p in (per_step, fix) if p),
+        )
         return
     if mb > n:
-        sink.error(at(w, "micro_batch"), f"micro_batch = {mb} exceeds the {n} samples of a step",
-                   f"{per_step}; use micro_batch <= {n}")
+        sink.error(
+            at(w, "micro_batch"),
+            f"micro_batch = {mb} exceeds the {n} samples of a step",
+            f"{per_step}; use micro_batch <= {n}",
+        )
         return
     if mini is not None and mb > mini:
-        sink.error(at(w, "micro_batch"), f"micro_batch = {mb} exceeds mini_batch = {mini}: a replica's forward and backward "
-                                         "pass would take more samples than an optimizer step",
-                   _use("micro_batch", _divisors_near(mini, mb)))
+        sink.error(
+            at(w, "micro_batch"),
+            f"micro_batch = {mb} exceeds mini_batch = {mini}: a replica's forward and backward "
+            "pass would take more samples than an optimizer step",
+            _use("micro_batch", _divisors_near(mini, mb)),
+        )
         return
     flush = mini or n
     if flush % mb:
         if mini is None:
-            sink.error(at(w, "micro_batch"), f"micro_batch = {mb} does not divide the {n} samples of a step (one optimizer "
-                                             "step: mini_batch is not set)", _use("micro_batch", _divisors_near(n, mb)))
+            sink.error(
+                at(w, "micro_batch"),
+                f"micro_batch = {mb} does not divide the {n} samples of a step (one optimizer "
+                "step: mini_batch is not set)",
+                _use("micro_batch", _divisors_near(n, mb)),
+            )
             return
-        sink.error(at(w, "mini_batch"), f"mini_batch = {mini} is not a multiple of micro_batch = {mb}: an optimizer step "
-                                        "would end inside a micro-batch",
-                   _join(_use("micro_batch", _divisors_near(mini, mb)), _use("mini_batch", _divisors_near(n, mini, mb))))
+        sink.error(
+            at(w, "mini_batch"),
+            f"mini_batch = {mini} is not a multiple of micro_batch = {mb}: an optimizer step "
+            "would end inside a micro-batch",
+            _join(_use("micro_batch", _divisors_near(mini, mb)), _use("mini_batch", _divisors_near(n, mini, mb))),
+        )
 
 
 def batch_warnings(m: Module) -> list[Diagnostic]:
@@ -390,13 +515,23 @@ def batch_warnings(m: Module) -> list[Diagnostic]:
             stage = w.stage_of(ms)
             if stage is None or replicas_share_steps(w, stage.kind, lay.dp):
                 continue
-            what = f"mini_batch = {flush}" if w.mini_batch else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
+            what = (
+                f"mini_batch = {flush}"
+                if w.mini_batch
+                else f"the {flush} samples of a step (one optimizer step: mini_batch is not set)"
+            )
             micro = _divisors_near(flush // lay.dp, mb) if flush % lay.dp == 0 else []
             fixes = _join(_use("dp", _divisors_near(flush // mb, lay.dp)), _use("micro_batch", micro))
-            out.append(Diagnostic(at(lay, "dp"), f"{ms}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}: "
-                                                 "Megatron-LM and verl reject this split",
-                                  f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
-                                  + (f": {fixes}" if fixes else ""), severity="warning"))
+            out.append(
+                Diagnostic(
+                    at(lay, "dp"),
+                    f"{ms}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}: "
+                    "Megatron-LM and verl reject this split",
+                    f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
+                    + (f": {fixes}" if fixes else ""),
+                    severity="warning",
+                )
+            )
     return out
 
 
@@ -408,13 +543,19 @@ def _verify_micro_batches(lay: Layout, w, stage, sink: DiagnosticSink) -> None:
     need = lay.micro_batches * w.micro_batch * lay.dp
     if need > flush:
         most = flush // (w.micro_batch * lay.dp)
-        what = "one mini-batch (mini_batch" + ("" if w.mini_batch else ", default: the step's samples") + ")" \
-            if stage.kind == "train" else "the step (global_batch x group_size)"
-        sink.error(at(lay, "micro_batches"),
-                   f"{lay.model_stage}: micro_batches = {lay.micro_batches} x micro_batch = {w.micro_batch} x dp = "
-                   f"{lay.dp} is {need} samples per pipeline flush, but {what} holds {flush}",
-                   f"use micro_batches <= {most}" if most >= 1 else
-                   f"dp = {lay.dp} replicas of micro_batch = {w.micro_batch} need more than {flush} samples: lower dp")
+        what = (
+            "one mini-batch (mini_batch" + ("" if w.mini_batch else ", default: the step's samples") + ")"
+            if stage.kind == "train"
+            else "the step (global_batch x group_size)"
+        )
+        sink.error(
+            at(lay, "micro_batches"),
+            f"{lay.model_stage}: micro_batches = {lay.micro_batches} x micro_batch = {w.micro_batch} x dp = "
+            f"{lay.dp} is {need} samples per pipeline flush, but {what} holds {flush}",
+            f"use micro_batches <= {most}"
+            if most >= 1
+            else f"dp = {lay.dp} replicas of micro_batch = {w.micro_batch} need more than {flush} samples: lower dp",
+        )
 
 
 def _verify_context_parallel(lay: Layout, w, stage, sink: DiagnosticSink) -> None:
@@ -423,15 +564,21 @@ def _verify_context_parallel(lay: Layout, w, stage, sink: DiagnosticSink) -> Non
     if lay.cp == 1 or stage is None:
         return
     if stage.kind == "generate":
-        sink.error(at(lay, "cp"), f"{lay.model_stage}: context parallelism splits a training or inference pass's "
-                                  "sequence, not generation's", "drop cp on the generate stage")
+        sink.error(
+            at(lay, "cp"),
+            f"{lay.model_stage}: context parallelism splits a training or inference pass's sequence, not generation's",
+            "drop cp on the generate stage",
+        )
         return
     seq = w.prompt_len_max + w.response_len_max
     if seq % (2 * lay.cp):
         ok = [c for c in range(2, 17) if seq % (2 * c) == 0]
-        sink.error(at(lay, "cp"), f"{lay.model_stage}: cp = {lay.cp} splits each sequence into {2 * lay.cp} causal chunks, "
-                                  f"which do not divide the sequence prompt_len_max + response_len_max = {seq}",
-                   ("choose cp from " + ", ".join(map(str, ok))) if ok else "pad the sequence to a multiple of 2 x cp")
+        sink.error(
+            at(lay, "cp"),
+            f"{lay.model_stage}: cp = {lay.cp} splits each sequence into {2 * lay.cp} causal chunks, "
+            f"which do not divide the sequence prompt_len_max + response_len_max = {seq}",
+            ("choose cp from " + ", ".join(map(str, ok))) if ok else "pad the sequence to a multiple of 2 x cp",
+        )
 
 
 def _colocation(plan: Plan, w, sink: DiagnosticSink) -> None:
@@ -447,8 +594,11 @@ def _colocation(plan: Plan, w, sink: DiagnosticSink) -> None:
             grouped[ms] = i
             stages.add(plan.layouts[ms].stage)
         if len(stages) > 1:
-            sink.error(at(plan, "colocate"), "a colocate group joins model-stages of one stage: got stages " + ", ".join(sorted(stages)),
-                       "model-stages of different stages run at different times and share GPUs without being colocated")
+            sink.error(
+                at(plan, "colocate"),
+                "a colocate group joins model-stages of one stage: got stages " + ", ".join(sorted(stages)),
+                "model-stages of different stages run at different times and share GPUs without being colocated",
+            )
     for st in w.stages:
         seen: dict[int, str] = {}
         for ms in st.model_stages():
@@ -458,7 +608,10 @@ def _colocation(plan: Plan, w, sink: DiagnosticSink) -> None:
             for g in lay.mesh:
                 other = seen.get(g)
                 if other is not None and other != ms and not plan.shares(other, ms):
-                    sink.error(at(lay, "mesh"), f"GPU {g} is used by both {other} and {ms} in stage {st.name}",
-                               f"add colocate = [[{other}, {ms}]] to run them one after another on shared GPUs")
+                    sink.error(
+                        at(lay, "mesh"),
+                        f"GPU {g} is used by both {other} and {ms} in stage {st.name}",
+                        f"add colocate = [[{other}, {ms}]] to run them one after another on shared GPUs",
+                    )
                     break
                 seen.setdefault(g, ms)

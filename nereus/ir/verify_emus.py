@@ -17,8 +17,8 @@ import numpy as np
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
 from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
 from .model import TensorSpec
-from .sharding import dp_sharded
 from .module import Module
+from .sharding import dp_sharded
 
 
 def format_box(box) -> str:
@@ -49,13 +49,20 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
         ctx = _Ctx(m, emu)
         if ctx.layout is None:
             assert ctx.plan is not None  # emu.plan is in m.plans
-            sink.error(emu.loc, f"plan @{emu.plan} has no layout {emu.model_stage}",
-                       did_you_mean(emu.model_stage, ctx.plan.layouts))
+            sink.error(
+                emu.loc,
+                f"plan @{emu.plan} has no layout {emu.model_stage}",
+                did_you_mean(emu.model_stage, ctx.plan.layouts),
+            )
             continue
         lay = ctx.layout
         if emu.replica >= lay.replicas:
-            sink.error(emu.loc, f"{emu.model_stage} has " + (f"dp x cp = {lay.dp} x {lay.cp}" if lay.cp > 1 else f"dp = {lay.dp}")
-                       + f", so replica {emu.replica} does not exist")
+            sink.error(
+                emu.loc,
+                f"{emu.model_stage} has "
+                + (f"dp x cp = {lay.dp} x {lay.cp}" if lay.cp > 1 else f"dp = {lay.dp}")
+                + f", so replica {emu.replica} does not exist",
+            )
             continue
         if ctx.model is None or len(lay.layers) != lay.pp or len(lay.mesh) != lay.world:
             continue  # the plan's own errors are reported by the plan rules
@@ -68,8 +75,11 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                 sink.error(s.loc, f"shard [{s.pp}, {s.tp}] is outside {emu.model_stage}'s pp = {lay.pp}, tp = {lay.tp}")
                 continue
             if coord in seen_coords:
-                sink.error(s.loc, f"shard [{s.pp}, {s.tp}] appears twice in {emu.model_stage}[{emu.replica}]",
-                           f"first at line {seen_coords[coord].line}")
+                sink.error(
+                    s.loc,
+                    f"shard [{s.pp}, {s.tp}] appears twice in {emu.model_stage}[{emu.replica}]",
+                    f"first at line {seen_coords[coord].line}",
+                )
                 continue
             seen_coords[coord] = s.loc
             if s.kv_cache is not None:
@@ -80,14 +90,20 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
                     sink.error(s.loc, f"kv_cache of shard [{s.pp}, {s.tp}] exceeds the GPU's memory")
             want = lay.gpu(emu.replica, s.pp, s.tp)
             if s.gpu != want:
-                sink.error(s.loc, f"replica {emu.replica} shard [{s.pp}, {s.tp}] of {emu.model_stage} is on GPU {s.gpu}, "
-                                  f"but plan @{emu.plan}'s mesh puts it on GPU {want}")
+                sink.error(
+                    s.loc,
+                    f"replica {emu.replica} shard [{s.pp}, {s.tp}] of {emu.model_stage} is on GPU {s.gpu}, "
+                    f"but plan @{emu.plan}'s mesh puts it on GPU {want}",
+                )
         missing = [c for c in ((p, t) for p in range(lay.pp) for t in range(lay.tp)) if c not in seen_coords]
         shard_errors = len(sink.diagnostics) > errors_before_shards
         if missing:
             shown = ", ".join(f"[{p}, {t}]" for p, t in missing[:4]) + (" ..." if len(missing) > 4 else "")
-            sink.error(emu.loc, f"{emu.model_stage}[{emu.replica}] has no shard for {shown}",
-                       "an EMU lists every (pp, tp) coordinate of its replica")
+            sink.error(
+                emu.loc,
+                f"{emu.model_stage}[{emu.replica}] has no shard for {shown}",
+                "an EMU lists every (pp, tp) coordinate of its replica",
+            )
         key = (emu.plan, emu.model_stage, structure)
         if key in checked:
             continue  # same slice lists as an already checked replica
@@ -108,8 +124,11 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
     assert model is not None and lay is not None  # called only for an EMU whose layout and model exist
     spec = model.tensors.get(e.family)
     if spec is None:
-        sink.error(e.loc, f"model @{model.name} has no tensor {e.family}",
-                   did_you_mean(e.family, model.tensors) or "tensors: " + ", ".join(model.tensors))
+        sink.error(
+            e.loc,
+            f"model @{model.name} has no tensor {e.family}",
+            did_you_mean(e.family, model.tensors) or "tensors: " + ", ".join(model.tensors),
+        )
         return
     if e.state != "weight" and not ctx.trains:
         sink.error(e.loc, f"{emu.model_stage} does not train, so it holds no {e.state} state")
@@ -123,23 +142,40 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
     if e.layers is not None:
         lo, hi = lay.layers[pp]
         if e.layers[0] < lo or e.layers[1] > hi:
-            sink.error(e.loc, f"shard [{pp}, {tp}] holds layers {e.layers[0]}..{e.layers[1]}, "
-                              f"outside its pipeline stage's layers {lo}..{hi}")
+            sink.error(
+                e.loc,
+                f"shard [{pp}, {tp}] holds layers {e.layers[0]}..{e.layers[1]}, "
+                f"outside its pipeline stage's layers {lo}..{hi}",
+            )
             return
     elif pp not in model.stages_holding(spec, lay.pp):
-        sink.error(e.loc, f"{e.family} lives on pipeline stage(s) {model.stages_holding(spec, lay.pp)}, not on stage {pp}")
+        sink.error(
+            e.loc, f"{e.family} lives on pipeline stage(s) {model.stages_holding(spec, lay.pp)}, not on stage {pp}"
+        )
         return
     if len(e.box) != len(spec.shape):
-        sink.error(e.loc, f"{e.tensor} has {len(spec.shape)} dimension(s) {list(spec.shape)}, the slice gives {len(e.box)}")
+        sink.error(
+            e.loc, f"{e.tensor} has {len(spec.shape)} dimension(s) {list(spec.shape)}, the slice gives {len(e.box)}"
+        )
         return
     for d, ((a, b), n) in enumerate(zip(e.box, spec.shape)):
         if b > n:
-            sink.error(e.loc, f"slice {format_box(e.box)} is outside {e.tensor} of shape {list(spec.shape)} (dimension {d} has {n})")
+            sink.error(
+                e.loc,
+                f"slice {format_box(e.box)} is outside {e.tensor} of shape {list(spec.shape)} (dimension {d} has {n})",
+            )
             return
-        if d != spec.tp_dim and (a, b) != (0, n) and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.replicas > 1):
+        if (
+            d != spec.tp_dim
+            and (a, b) != (0, n)
+            and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.replicas > 1)
+        ):
             what = "is replicated" if spec.tp_dim is None else f"is split only along dimension {spec.tp_dim}"
-            sink.error(e.loc, f"{e.family} {what} ({spec.rule}), but the slice cuts dimension {d} to {a}:{b}",
-                       f"dimension {d} must be whole: 0:{n}")
+            sink.error(
+                e.loc,
+                f"{e.family} {what} ({spec.rule}), but the slice cuts dimension {d} to {a}:{b}",
+                f"dimension {d} must be whole: 0:{n}",
+            )
             return
 
 
@@ -170,14 +206,20 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
                 # point at the last slice that holds the cell once too often
                 holders = [e for _, e in held if _covers(e, layers, box)]
                 loc = max(holders, key=lambda e: (e.loc.line, e.loc.col)).loc
-                sink.error(loc, f"{emu.model_stage}[{emu.replica}]: {label} is held {count} time(s), expected {want}",
-                           "slices of one tensor may overlap only where its sharding rule replicates it")
+                sink.error(
+                    loc,
+                    f"{emu.model_stage}[{emu.replica}]: {label} is held {count} time(s), expected {want}",
+                    "slices of one tensor may overlap only where its sharding rule replicates it",
+                )
             else:
                 loc, owner = _expected_owner(ctx, emu, spec, state, layers, box)
                 what = "is not held by any shard" if count == 0 else f"is held {count} time(s), expected {want}"
-                sink.error(loc, f"{emu.model_stage}[{emu.replica}]: {label} {what}"
-                                + (f"; by the {spec.rule} rule shard [{owner[0]}, {owner[1]}] holds it" if owner else ""),
-                           "each element is held once per replica (tp times if replicated)")
+                sink.error(
+                    loc,
+                    f"{emu.model_stage}[{emu.replica}]: {label} {what}"
+                    + (f"; by the {spec.rule} rule shard [{owner[0]}, {owner[1]}] holds it" if owner else ""),
+                    "each element is held once per replica (tp times if replicated)",
+                )
 
 
 def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
@@ -194,10 +236,20 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
         assert lay is not None and model is not None  # clean EMUs have a layout and a model
         if lay.replicas < 2 or len(emus) != lay.replicas:
             continue
-        states = [st for st in STATES if dp_sharded(st, lay.zero) and any(e.state == st for emu in emus for s in emu.shards for e in s.entries)]
+        states = [
+            st
+            for st in STATES
+            if dp_sharded(st, lay.zero) and any(e.state == st for emu in emus for s in emu.shards for e in s.entries)
+        ]
         for state in states:
             for spec in model.tensors.values():
-                held = [e for emu in emus for s in emu.shards for e in s.entries if e.state == state and e.family == spec.family]
+                held = [
+                    e
+                    for emu in emus
+                    for s in emu.shards
+                    for e in s.entries
+                    if e.state == state and e.family == spec.family
+                ]
                 want = model.tp_replication(spec, lay.tp)
                 if not spec.per_layer and spec.placement == "first_and_last" and lay.pp > 1:
                     want *= 2
@@ -208,9 +260,13 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
                 layers, box = (cell[0], cell[1:]) if spec.per_layer else (None, cell)
                 name = tensor_name(spec.family, None if layers is None else (layers[0], layers[1] - 1))
                 emu0 = min(emus, key=lambda e: e.replica)
-                sink.error(emu0.loc, f"{ms}: {state} {name} {format_box(box)} is held {count} time(s) across the {lay.replicas} "
-                                     f"replicas, expected {want}", f"zero = {lay.zero} shards {state} over DP: the replicas "
-                                                                  "together hold each element once per TP replication")
+                sink.error(
+                    emu0.loc,
+                    f"{ms}: {state} {name} {format_box(box)} is held {count} time(s) across the {lay.replicas} "
+                    f"replicas, expected {want}",
+                    f"zero = {lay.zero} shards {state} over DP: the replicas "
+                    "together hold each element once per TP replication",
+                )
 
 
 def _covers(e: SliceEntry, layers, box) -> bool:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
-from .emu import volume, region_of, tensor_name
+from .emu import region_of, tensor_name, volume
 from .model import state_dtype_bytes
 from .module import Module
 from .transition import HOST_READING_KINDS, HOST_WRITING_KINDS, HostRef, Op, ShardRef, Transition, unstage_feeders
@@ -23,14 +23,21 @@ def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
         plans = {}
         for side, key in (("source", t.source), ("target", t.target)):
             if key not in m.plans:
-                sink.error(t.locs.get(side, t.loc), f"transition @{t.name} refers to unknown plan @{key}",
-                           did_you_mean(key, m.plans))
+                sink.error(
+                    t.locs.get(side, t.loc),
+                    f"transition @{t.name} refers to unknown plan @{key}",
+                    did_you_mean(key, m.plans),
+                )
             plans[side] = m.plans.get(key)
         ids = {op.id: i for i, op in enumerate(t.ops)}
         for op in t.ops:
             for dep in op.deps:
                 if dep not in ids:
-                    sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on unknown operation {dep}", did_you_mean(dep, ids))
+                    sink.error(
+                        op.locs.get("deps", op.loc),
+                        f"{op.id} depends on unknown operation {dep}",
+                        did_you_mean(dep, ids),
+                    )
                 elif dep == op.id:
                     sink.error(op.locs.get("deps", op.loc), f"{op.id} depends on itself")
             if plans["source"] is not None and plans["target"] is not None:
@@ -78,8 +85,11 @@ def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> No
                     continue
                 boxes = delivered.get((ref, e.state, e.family), [])
                 if _uncovered(region, boxes):
-                    sink.error(t.loc, f"transition @{t.name} leaves {ref} without all of {e.state} {e.tensor} "
-                                      f"{format_box(e.box)}", "no operation delivers part of it and it is not kept in place")
+                    sink.error(
+                        t.loc,
+                        f"transition @{t.name} leaves {ref} without all of {e.state} {e.tensor} {format_box(e.box)}",
+                        "no operation delivers part of it and it is not kept in place",
+                    )
                     return
 
 
@@ -96,21 +106,30 @@ def _staging(t: Transition, sink: DiagnosticSink) -> None:
         g = op.src[0].gpu
         feeders = unstage_feeders(op, by_id)
         if not feeders:
-            sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
-                                                    f"from {op.src[0]}, but depends on no operation that stages it there")
+            sink.error(
+                op.locs.get("deps", op.loc),
+                f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
+                f"from {op.src[0]}, but depends on no operation that stages it there",
+            )
             continue
         if not _tiles([f.box for f in feeders], op.box):
-            sink.error(op.locs.get("deps", op.loc), f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
-                                                    f"from {op.src[0]}, but the slices its dependencies "
-                                                    f"({', '.join(f.id for f in feeders)}) stage there do not fill it once")
+            sink.error(
+                op.locs.get("deps", op.loc),
+                f"{op.id}: unstage reads {op.state} {op.tensor} {format_box(op.box)} "
+                f"from {op.src[0]}, but the slices its dependencies "
+                f"({', '.join(f.id for f in feeders)}) stage there do not fill it once",
+            )
         taken.update((f.id, g) for f in feeders)
     for op in t.ops:
         if op.spec.stages:
             for ref in op.dst:
                 if isinstance(ref, HostRef) and (op.id, ref.gpu) not in taken:
-                    sink.error(op.loc, f"{op.id} stages {op.state} {op.tensor} {format_box(op.box)} in {ref}, but no unstage "
-                                       f"moves it onto GPU {ref.gpu}", f"add: unstage ... from [{ref}] to [SHARD] {{deps = [{op.id}]}}")
-
+                    sink.error(
+                        op.loc,
+                        f"{op.id} stages {op.state} {op.tensor} {format_box(op.box)} in {ref}, but no unstage "
+                        f"moves it onto GPU {ref.gpu}",
+                        f"add: unstage ... from [{ref}] to [SHARD] {{deps = [{op.id}]}}",
+                    )
 
 
 def _tiles(boxes: list, outer) -> bool:
@@ -135,7 +154,12 @@ def _uncovered(region, boxes) -> bool:
     index = [{x: i for i, x in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
     for b in inside:
-        grid[tuple(slice(ix[min(max(lo, c[0]), c[-1])], ix[min(max(hi, c[0]), c[-1])]) for ix, c, (lo, hi) in zip(index, cuts, b))] = True
+        grid[
+            tuple(
+                slice(ix[min(max(lo, c[0]), c[-1])], ix[min(max(hi, c[0]), c[-1])])
+                for ix, c, (lo, hi) in zip(index, cuts, b)
+            )
+        ] = True
     return not grid.all()
 
 
@@ -155,8 +179,11 @@ def _cycles(t: Transition, ids: dict[str, int], sink: DiagnosticSink) -> None:
                 stack.pop()
             elif color.get(nxt) == 1:
                 op = t.ops[ids[node]]
-                sink.error(op.locs.get("deps", op.loc), f"dependency cycle through {node} and {nxt}",
-                           "operations must form a DAG")
+                sink.error(
+                    op.locs.get("deps", op.loc),
+                    f"dependency cycle through {node} and {nxt}",
+                    "operations must form a DAG",
+                )
                 return
             elif not color.get(nxt):
                 color[nxt] = 1
@@ -173,8 +200,11 @@ def _endpoint(m: Module, plan_name: str, ref, loc: Loc, sink: DiagnosticSink):
         return ref.gpu, None, None
     emu = m.emus.get((plan_name, ref.model_stage, ref.dp))
     if emu is None:
-        sink.error(loc, f"{ref} refers to EMU {ref.model_stage}[{ref.dp}] of plan @{plan_name}, which is not declared",
-                   "declare it with: emu @" + plan_name + f" {ref.model_stage}[{ref.dp}] {{ ... }}")
+        sink.error(
+            loc,
+            f"{ref} refers to EMU {ref.model_stage}[{ref.dp}] of plan @{plan_name}, which is not declared",
+            "declare it with: emu @" + plan_name + f" {ref.model_stage}[{ref.dp}] {{ ... }}",
+        )
         return None
     shard = emu.shard(ref.pp, ref.tp)
     if shard is None:
@@ -198,19 +228,27 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     src_host = [isinstance(e, HostRef) for e in op.src]
     dst_host = [isinstance(e, HostRef) for e in op.dst]
     if kind.reads_host and not all(src_host) or not kind.reads_host and any(src_host):
-        sink.error(op.loc, f"{op.id}: only {_either(HOST_READING_KINDS)} read from host memory" if any(src_host)
-                   else f"{op.id}: {op.kind} reads from host[GPU]")
+        sink.error(
+            op.loc,
+            f"{op.id}: only {_either(HOST_READING_KINDS)} read from host memory"
+            if any(src_host)
+            else f"{op.id}: {op.kind} reads from host[GPU]",
+        )
         return
     if kind.writes_host and not all(dst_host) or op.kind not in HOST_WRITING_KINDS and any(dst_host):
-        sink.error(op.loc, f"{op.id}: only {_either(HOST_WRITING_KINDS)} write to host memory" if any(dst_host)
-                   else f"{op.id}: {op.kind} writes to host[GPU]")
+        sink.error(
+            op.loc,
+            f"{op.id}: only {_either(HOST_WRITING_KINDS)} write to host memory"
+            if any(dst_host)
+            else f"{op.id}: {op.kind} writes to host[GPU]",
+        )
         return
     # which plan's EMUs the endpoints name: load restores a slice of plan A from host memory
     # before it is read; offload moves a slice of plan B to host memory after it arrived
     src_plan = t.target if kind.source_plan == "target" else t.source
     dst_plan = t.source if kind.destination_plan == "source" else t.target
     src = [_endpoint(m, src_plan, e, l, sink) for e, l in zip(op.src, locs)]
-    dst = [_endpoint(m, dst_plan, e, l, sink) for e, l in zip(op.dst, locs[len(op.src):])]
+    dst = [_endpoint(m, dst_plan, e, l, sink) for e, l in zip(op.dst, locs[len(op.src) :])]
     if any(x is None for x in src + dst):
         return
     model = next((x[2] for x in src + dst if x[2] is not None), None)
@@ -218,18 +256,31 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
         return
     spec = model.tensors.get(op.family)
     if spec is None:
-        sink.error(op.locs.get("tensor", op.loc), f"model @{model.name} has no tensor {op.family}", did_you_mean(op.family, model.tensors))
+        sink.error(
+            op.locs.get("tensor", op.loc),
+            f"model @{model.name} has no tensor {op.family}",
+            did_you_mean(op.family, model.tensors),
+        )
         return
     tensor = tensor_name(op.family, op.layers)
     shape = spec.shape
-    if len(op.box) != len(shape) or any(hi > n for (_, hi), n in zip(op.box, shape)) or (op.layers is None) == spec.per_layer \
-            or (op.layers is not None and op.layers[1] >= model.layers):
-        sink.error(op.locs.get("tensor", op.loc), f"{op.id}: slice {tensor} {format_box(op.box)} is outside the tensor of shape {list(shape)}")
+    if (
+        len(op.box) != len(shape)
+        or any(hi > n for (_, hi), n in zip(op.box, shape))
+        or (op.layers is None) == spec.per_layer
+        or (op.layers is not None and op.layers[1] >= model.layers)
+    ):
+        sink.error(
+            op.locs.get("tensor", op.loc),
+            f"{op.id}: slice {tensor} {format_box(op.box)} is outside the tensor of shape {list(shape)}",
+        )
         return
+
     def lacks(entries) -> str | None:
         """The first of the operation's states whose slice ``entries`` do not hold (None: all held)."""
-        return next((st for st in op.states if not any(holds_slice(e, st, op.family, op.layers, op.box) for e in entries)),
-                    None)
+        return next(
+            (st for st in op.states if not any(holds_slice(e, st, op.family, op.layers, op.box) for e in entries)), None
+        )
 
     def what(st: str) -> str:
         return tensor if st == "weight" else f"{st} {tensor}"
@@ -240,19 +291,24 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
         st = lacks(entries)
         if st is not None:
             sink.error(loc, f"{op.id}: source {ref} does not hold {what(st)} {format_box(op.box)}")
-    for (gpu, entries, _), ref, loc in zip(dst, op.dst, locs[len(op.src):]):
+    for (gpu, entries, _), ref, loc in zip(dst, op.dst, locs[len(op.src) :]):
         if entries is None:
             continue
         st = lacks(entries)
         if st is not None:
-            sink.error(loc, f"{op.id}: destination {ref} does not hold {what(st)} {format_box(op.box)} in plan @{dst_plan}")
+            sink.error(
+                loc, f"{op.id}: destination {ref} does not hold {what(st)} {format_box(op.box)} in plan @{dst_plan}"
+            )
     numel = 1 if op.layers is None else op.layers[1] - op.layers[0] + 1
     for lo, hi in op.box:
         numel *= hi - lo
     want_bytes = numel * state_dtype_bytes(model, op.state)
     if not kind.frees and op.bytes != want_bytes:
-        sink.error(op.locs.get("bytes", op.loc), f"{op.id}: bytes = {op.bytes} but the slice is {want_bytes} bytes "
-                                                  f"({numel} elements of {state_dtype_bytes(model, op.state)} bytes)")
+        sink.error(
+            op.locs.get("bytes", op.loc),
+            f"{op.id}: bytes = {op.bytes} but the slice is {want_bytes} bytes "
+            f"({numel} elements of {state_dtype_bytes(model, op.state)} bytes)",
+        )
     cluster = m.clusters.get(m.plans[t.target].cluster)
     if cluster is None:
         return
@@ -268,4 +324,7 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     else:
         link = "nic" if len({cluster.node_of(g) for g in gpus}) > 1 else "nvlink"
     if op.link != link:
-        sink.error(op.locs.get("link", op.loc), f"{op.id}: link = {op.link}, but GPUs {sorted(set(gpus))} communicate over {link}")
+        sink.error(
+            op.locs.get("link", op.loc),
+            f"{op.id}: link = {op.link}, but GPUs {sorted(set(gpus))} communicate over {link}",
+        )

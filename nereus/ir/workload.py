@@ -10,8 +10,12 @@ from .diagnostics import NOWHERE, Loc
 STAGE_KINDS = ("generate", "infer", "train")
 
 WORKLOAD_ATTRS = [
-    AttrSpec("algorithm", "choice", choices=("ppo", "grpo", "sft"),
-             doc="ppo (needs a critic), grpo (groups of at least 2), sft (training on given samples, no generation needed)"),
+    AttrSpec(
+        "algorithm",
+        "choice",
+        choices=("ppo", "grpo", "sft"),
+        doc="ppo (needs a critic), grpo (groups of at least 2), sft (training on given samples, no generation needed)",
+    ),
     AttrSpec("roles", "symbols", doc="the models of the job, e.g. [@actor, @critic, @ref, @reward]"),
     AttrSpec("global_batch", "posint", doc="prompts per step"),
     AttrSpec("group_size", "posint", default=1, doc="responses per prompt (GRPO's group)"),
@@ -19,9 +23,13 @@ WORKLOAD_ATTRS = [
     AttrSpec("prompt_len_max", "posint"),
     AttrSpec("response_len_mean", "posint"),
     AttrSpec("response_len_max", "posint"),
-    AttrSpec("response_len_dist", "ints", default=[],
-             doc="response lengths of equal shares of the responses, shortest first (8 values: each an eighth); "
-                 "their mean is response_len_mean. Generation is then costed as continuous batching drains them"),
+    AttrSpec(
+        "response_len_dist",
+        "ints",
+        default=[],
+        doc="response lengths of equal shares of the responses, shortest first (8 values: each an eighth); "
+        "their mean is response_len_mean. Generation is then costed as continuous batching drains them",
+    ),
     AttrSpec("ppo_epochs", "posint", default=1),
     AttrSpec("mini_batch", "posint", default=None, doc="samples per optimizer step; default: one per step"),
     AttrSpec("micro_batch", "posint", doc="samples per forward/backward per replica"),

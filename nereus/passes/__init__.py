@@ -14,5 +14,15 @@ from .schedule import schedule_transfers  # noqa: F401
 from .search import plan_search  # noqa: F401
 from .transition import admit, derive_emus, plan_transition, remap  # noqa: F401
 
-__all__ = ["Candidates", "CostModel", "PASSES", "ModulePass", "PipelineError", "Ref", "Size", "parse_pipeline", "register",
-           "run_pipeline"]
+__all__ = [
+    "Candidates",
+    "CostModel",
+    "PASSES",
+    "ModulePass",
+    "PipelineError",
+    "Ref",
+    "Size",
+    "parse_pipeline",
+    "register",
+    "run_pipeline",
+]

@@ -8,5 +8,15 @@ from .execute import Fault, Stats, TransitionError, execute
 from .launch import init_from_env, run_local
 from .state import LocalState, ShardSpec, StateKey, plan_layout
 
-__all__ = ["Fault", "LocalState", "ShardSpec", "StateKey", "Stats", "TransitionError", "execute", "init_from_env",
-           "plan_layout", "run_local"]
+__all__ = [
+    "Fault",
+    "LocalState",
+    "ShardSpec",
+    "StateKey",
+    "Stats",
+    "TransitionError",
+    "execute",
+    "init_from_env",
+    "plan_layout",
+    "run_local",
+]

@@ -93,9 +93,15 @@ class BoxSavePlanner(dcp.DefaultSavePlanner):
             if tuple(tensor.shape) != spec.local_shape:
                 raise ValueError(f"{name}: local tensor {tuple(tensor.shape)} does not fill its box {spec.box}")
             chunk = _chunk(spec)
-            items.append(WriteItem(index=MetadataIndex(name, chunk.offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, size=torch.Size(spec.shape),
-                                                               properties=TensorProperties.create_from_tensor(tensor))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(name, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk, size=torch.Size(spec.shape), properties=TensorProperties.create_from_tensor(tensor)
+                    ),
+                )
+            )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -118,7 +124,9 @@ class BoxLoadPlanner(dcp.DefaultLoadPlanner):
             if name not in stored:
                 raise KeyError(f"{name} is not in the checkpoint")
             if tuple(stored[name].size) != spec.shape:
-                raise ValueError(f"{name}: checkpoint holds shape {tuple(stored[name].size)}, the plan wants {spec.shape}")
+                raise ValueError(
+                    f"{name}: checkpoint holds shape {tuple(stored[name].size)}, the plan wants {spec.shape}"
+                )
             items = create_read_items_for_chunk_list(name, stored[name], [_chunk(spec)])
             # stored chunks are disjoint (validated on save): the reads fill the box iff their volumes add up
             if sum(math.prod(r.lengths) for r in items) != spec.numel:
@@ -130,8 +138,15 @@ class BoxLoadPlanner(dcp.DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
-def save(state: LocalState, specs: list[ShardSpec], path: str | os.PathLike, rank: int, world: int,
-         thread_count: int = 1, sync_files: bool = True) -> int:
+def save(
+    state: LocalState,
+    specs: list[ShardSpec],
+    path: str | os.PathLike,
+    rank: int,
+    world: int,
+    thread_count: int = 1,
+    sync_files: bool = True,
+) -> int:
     """Save this rank's shards into the DCP checkpoint at ``path``; the bytes this rank wrote.
 
     Collective over the default process group: every rank calls it, ranks holding nothing with
@@ -165,9 +180,16 @@ def load(path: str | os.PathLike, specs: list[ShardSpec], rank: int, world: int)
     return state
 
 
-def dcp_reshard(src: LocalState, src_layout: Mapping[int, list[ShardSpec]], dst_layout: Mapping[int, list[ShardSpec]],
-                rank: int, world: int, path: str | os.PathLike, thread_count: int = 1,
-                sync_files: bool = True) -> tuple[LocalState, int]:
+def dcp_reshard(
+    src: LocalState,
+    src_layout: Mapping[int, list[ShardSpec]],
+    dst_layout: Mapping[int, list[ShardSpec]],
+    rank: int,
+    world: int,
+    path: str | os.PathLike,
+    thread_count: int = 1,
+    sync_files: bool = True,
+) -> tuple[LocalState, int]:
     """Reshard through storage: save ``src`` under ``src_layout``, load this rank's boxes of ``dst_layout``.
 
     The layouts are ``plan_layout``'s maps (GPU = rank -> shards); a rank missing from one holds
@@ -185,4 +207,6 @@ def _check_world(rank: int, world: int) -> None:
     if not dist.is_initialized():
         raise RuntimeError("DCP save/load here is collective: join the process group first (launch.init_from_env)")
     if (dist.get_rank(), dist.get_world_size()) != (rank, world):
-        raise ValueError(f"rank {rank} of {world} given, the process group says {dist.get_rank()} of {dist.get_world_size()}")
+        raise ValueError(
+            f"rank {rank} of {world} given, the process group says {dist.get_rank()} of {dist.get_world_size()}"
+        )

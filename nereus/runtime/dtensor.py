@@ -69,14 +69,19 @@ def placements(model: Model, layout: Layout, family: str, state: str = "weight")
     spec = model.tensors[family]
     pp = 0 if spec.per_layer else model.stages_holding(spec, layout.pp)[0]
     zero = dp_sharded(state, layout.zero) and layout.replicas > 1
-    cand = (Shard(0) if zero else Replicate(),
-            Shard(spec.tp_dim) if spec.tp_dim is not None and layout.tp > 1 else Replicate())
+    cand = (
+        Shard(0) if zero else Replicate(),
+        Shard(spec.tp_dim) if spec.tp_dim is not None and layout.tp > 1 else Replicate(),
+    )
     for d in range(layout.replicas):
         for t in range(layout.tp):
             ours = [e.box for e in shard_entries(model, layout, pp, t, (state,), d) if e.family == family]
             if not ours:
-                return Placements(None, f"{family}: a dimension smaller than TP {layout.tp} or DP {layout.replicas} "
-                                        "leaves some ranks without a shard")
+                return Placements(
+                    None,
+                    f"{family}: a dimension smaller than TP {layout.tp} or DP {layout.replicas} "
+                    "leaves some ranks without a shard",
+                )
             if tuple(ours[0]) != dtensor_box(spec.shape, cand, (d, t), (layout.replicas, layout.tp)):
                 return Placements(None, _reason(model, layout, family, zero))
     return Placements(cand, "")
@@ -96,13 +101,19 @@ def dtensor_box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, i
 def _reason(model: Model, layout: Layout, family: str, zero: bool) -> str:
     spec = model.tensors[family]
     if family in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and layout.tp > model.kv_heads:
-        return (f"{family}: TP {layout.tp} > {model.kv_heads} K/V heads replicates each head on "
-                f"{layout.tp // model.kv_heads} TP ranks, not a placement of the tp dimension")
+        return (
+            f"{family}: TP {layout.tp} > {model.kv_heads} K/V heads replicates each head on "
+            f"{layout.tp // model.kv_heads} TP ranks, not a placement of the tp dimension"
+        )
     if zero and spec.tp_dim == 0 and layout.tp > 1:
-        return (f"{family}: ZeRO splits each TP shard along dim 0 over DP (TP first); DTensor splits "
-                "over DP first (needs the private _StridedShard)")
-    return (f"{family}: the uneven split of {spec.shape} over TP {layout.tp} x DP {layout.replicas} "
-            "(tensor_split's rule) is not DTensor's torch.chunk rule")
+        return (
+            f"{family}: ZeRO splits each TP shard along dim 0 over DP (TP first); DTensor splits "
+            "over DP first (needs the private _StridedShard)"
+        )
+    return (
+        f"{family}: the uneven split of {spec.shape} over TP {layout.tp} x DP {layout.replicas} "
+        "(tensor_split's rule) is not DTensor's torch.chunk rule"
+    )
 
 
 def to_dtensor(local: torch.Tensor, spec: ShardSpec, model: Model, layout: Layout, mesh: DeviceMesh) -> DTensor:
@@ -126,5 +137,6 @@ def to_dtensor(local: torch.Tensor, spec: ShardSpec, model: Model, layout: Layou
     if not on_stage or box != tuple(spec.box):
         raise ValueError(f"{spec.key}: box {spec.box} is not what rank {coord} holds under the layout ({box})")
     stride = torch.empty(spec.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh["dp", "tp"], pl.placements, run_check=False,
-                              shape=torch.Size(spec.shape), stride=stride)
+    return DTensor.from_local(
+        local, mesh["dp", "tp"], pl.placements, run_check=False, shape=torch.Size(spec.shape), stride=stride
+    )

@@ -5,7 +5,8 @@ gloo on CPU, NCCL with tensors on the GPU) on every rank of ``program.world``. I
 ``state``: destination shards are new tensors (or the very source tensor, where a shard stays in
 place), and the source shards are dropped only at commit. Commit happens when every rank has
 received every message and every message's checksum matched; the ranks agree on that with one
-point-to-point hop to every peer (an all-gather on NCCL). Any failure (an exception, a timeout, a peer that died, a corrupted message) makes
+point-to-point hop to every peer (an all-gather on NCCL). Any failure (an exception, a timeout, a peer that died, a
+corrupted message) makes
 every surviving rank raise ``TransitionError`` with its plan-A ``state`` untouched. A process
 group that saw a failure should be re-created before the next collective, as torchelastic does.
 
@@ -32,7 +33,6 @@ import torch.distributed as dist
 from ..backend.program import Message, Piece, Program, Step
 from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
-
 # torch 2.13 names the equal-chunk all-gather all_gather_single (all_gather_into_tensor is deprecated)
 _all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -47,8 +47,16 @@ class TransitionError(RuntimeError):
     raises; false only if a caller constructs it so).
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, failed_ranks: tuple[int, ...] = (),
-                 unresponsive: bool = False, reason: str = "", state_intact: bool = True):
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        failed_ranks: tuple[int, ...] = (),
+        unresponsive: bool = False,
+        reason: str = "",
+        state_intact: bool = True,
+    ):
         super().__init__(message)
         self.rank, self.failed_ranks, self.unresponsive = rank, tuple(failed_ranks), unresponsive
         self.reason, self.state_intact = reason or message, state_intact
@@ -106,8 +114,18 @@ def _bucket_layout(pieces: tuple[Piece, ...]) -> tuple[list[int], int]:
 
 
 class _Rank:
-    def __init__(self, prog: Program, rank: int, state: LocalState, device, timeout: float, faults, stats: Stats,
-                 memory_limit: int | None = None, out: LocalState | None = None):
+    def __init__(
+        self,
+        prog: Program,
+        rank: int,
+        state: LocalState,
+        device,
+        timeout: float,
+        faults,
+        stats: Stats,
+        memory_limit: int | None = None,
+        out: LocalState | None = None,
+    ):
         self.prog, self.rank, self.device, self.stats = prog, rank, device, stats
         self.memory_limit = memory_limit
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -120,8 +138,10 @@ class _Rank:
             if t is None:
                 raise TransitionError(f"rank {rank}: the state has no {k}, which plan @{prog.source} puts here")
             if tuple(t.shape) != spec.local_shape or t.dtype != torch_dtype(spec.dtype):
-                raise TransitionError(f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
-                                      f"{spec.local_shape} {spec.dtype}")
+                raise TransitionError(
+                    f"rank {rank}: {k} is {tuple(t.shape)} {t.dtype}, the program expects "
+                    f"{spec.local_shape} {spec.dtype}"
+                )
             self.src[k] = t
         self.out = _check_out(out or {}, self.dst_spec, self.src, rank, device)
         self.new: dict[StateKey, torch.Tensor] = {}
@@ -138,8 +158,10 @@ class _Rank:
         sl = self.regions.get(id(p))
         if sl is None:
             src = self.dst_spec if p.arrived else self.src_spec
-            sl = self.regions[id(p)] = (_region(src[p.src], p.box) if p.src in src else None,
-                                        _region(self.dst_spec[p.dst], p.box) if p.dst in self.dst_spec else None)
+            sl = self.regions[id(p)] = (
+                _region(src[p.src], p.box) if p.src in src else None,
+                _region(self.dst_spec[p.dst], p.box) if p.dst in self.dst_spec else None,
+            )
         return sl
 
     def layout(self, msg: Message) -> tuple[list[int], int]:
@@ -166,8 +188,12 @@ class _Rank:
                 self.new[p.dst] = self.fresh(p.dst)
             return self.new[p.dst][self.slices(p)[1]]
         spec = self.dst_spec[p.dst]
-        buf = torch.empty([hi - lo for lo, hi in p.box], dtype=torch_dtype(spec.dtype), device="cpu",
-                          pin_memory=self.device.type == "cuda")
+        buf = torch.empty(
+            [hi - lo for lo, hi in p.box],
+            dtype=torch_dtype(spec.dtype),
+            device="cpu",
+            pin_memory=self.device.type == "cuda",
+        )
         self.staging[(p.dst, p.box)] = buf
         return buf
 
@@ -220,7 +246,7 @@ class _Rank:
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         for p, o in zip(msg.pieces, offs):
             src = self.read(p)
-            buf[o:o + p.nbytes].view(src.dtype).view(src.shape).copy_(src)
+            buf[o : o + p.nbytes].view(src.dtype).view(src.shape).copy_(src)
         return buf
 
     def landing(self, msg: Message) -> torch.Tensor:
@@ -235,13 +261,17 @@ class _Rank:
 
     def unpack(self, msg: Message, buf: torch.Tensor) -> None:
         if msg.direct:
-            dst = self.land(msg.pieces[0]) if not msg.pieces[0].staged else self.staging[(msg.pieces[0].dst, msg.pieces[0].box)]
+            dst = (
+                self.land(msg.pieces[0])
+                if not msg.pieces[0].staged
+                else self.staging[(msg.pieces[0].dst, msg.pieces[0].box)]
+            )
             if buf.data_ptr() != dst.data_ptr():  # received beside a strided slice: copy it in
                 dst.copy_(buf.view(dst.dtype).view(dst.shape))
             return
         for p, o in zip(msg.pieces, self.layout(msg)[0]):
             dst = self.land(p)
-            dst.copy_(buf[o:o + p.nbytes].view(dst.dtype).view(dst.shape))
+            dst.copy_(buf[o : o + p.nbytes].view(dst.dtype).view(dst.shape))
 
     def _tick(self, what: str, since: float) -> float:
         now = time.perf_counter()
@@ -294,7 +324,9 @@ class _Rank:
             self.stats.received += msg.nbytes
         n_recv = len(works)
         expect: dict[int, torch.Tensor] = {}
-        for peer, n in sorted(Counter(m.sender for m in step.recvs).items()):  # one checksum vector per peer, after its data
+        for peer, n in sorted(
+            Counter(m.sender for m in step.recvs).items()
+        ):  # one checksum vector per peer, after its data
             expect[peer] = torch.empty(n, dtype=torch.int64, device=self.device)
             post("recv", expect[peer], peer)
         made: dict[tuple, torch.Tensor] = {}  # one slice list sent to several receivers: pack it once
@@ -340,8 +372,9 @@ class _Rank:
             bad = torch.nonzero(torch.cat(got[peer]) != vec).flatten()
             if len(bad):
                 msg = [m for m in step.recvs if m.sender == peer][int(bad[0])]
-                raise TransitionError(f"rank {self.rank}: message #{msg.id} from rank {peer} arrived corrupted "
-                                      f"(checksum mismatch)")
+                raise TransitionError(
+                    f"rank {self.rank}: message #{msg.id} from rank {peer} arrived corrupted (checksum mismatch)"
+                )
         for msg, buf in recv_bufs:
             self.unpack(msg, buf)
         self._tick("unpack", t)
@@ -358,9 +391,12 @@ class _Rank:
         digests = every.tolist()
         others = [r for r, d in enumerate(digests) if d != digests[self.rank]]
         if others:
-            raise TransitionError(f"rank {self.rank}: ranks {others} run a different program than this rank's "
-                                  f"(@{self.prog.transition}, digest {digests[self.rank] & 0xFFFFFFFF:08x}); every rank "
-                                  f"must run the same lowered program", rank=self.rank)
+            raise TransitionError(
+                f"rank {self.rank}: ranks {others} run a different program than this rank's "
+                f"(@{self.prog.transition}, digest {digests[self.rank] & 0xFFFFFFFF:08x}); every rank "
+                f"must run the same lowered program",
+                rank=self.rank,
+            )
 
     def broadcast(self, step: Step) -> None:
         self.check_program()
@@ -391,8 +427,9 @@ class _Rank:
         return out
 
 
-def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[StateKey, torch.Tensor],
-               rank: int, device) -> LocalState:
+def _check_out(
+    out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[StateKey, torch.Tensor], rank: int, device
+) -> LocalState:
     """The caller's destination buffers, checked: plan-B keys of this rank, right shape, dtype
     and device, contiguous, none sharing storage with another or with a plan-A tensor (that one
     must survive a failure)."""
@@ -406,10 +443,14 @@ def _check_out(out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[S
         if spec is None:
             raise TransitionError(f"rank {rank}: out has {k}, which plan B does not put on this rank")
         if tuple(t.shape) != spec.local_shape or t.dtype != torch_dtype(spec.dtype) or not t.is_contiguous():
-            raise TransitionError(f"rank {rank}: out[{k}] is {tuple(t.shape)} {t.dtype}, the program needs a contiguous "
-                                  f"{spec.local_shape} {spec.dtype}")
+            raise TransitionError(
+                f"rank {rank}: out[{k}] is {tuple(t.shape)} {t.dtype}, the program needs a contiguous "
+                f"{spec.local_shape} {spec.dtype}"
+            )
         if any(t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr() for s in src.values()):
-            raise TransitionError(f"rank {rank}: out[{k}] shares storage with plan A's state, which a failure must leave intact")
+            raise TransitionError(
+                f"rank {rank}: out[{k}] shares storage with plan A's state, which a failure must leave intact"
+            )
     return dict(out)
 
 
@@ -426,8 +467,8 @@ def _share(value: int, rank: int, world: int, device, tag: int) -> tuple[list, t
     if dist.get_backend() != "gloo":
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         return [_all_gather_equal(every, mine, async_op=True)], every
-    mine = every[rank:rank + 1].clone()
-    works = [dist.irecv(every[r:r + 1], r, tag=tag) for r in range(world) if r != rank]
+    mine = every[rank : rank + 1].clone()
+    works = [dist.irecv(every[r : r + 1], r, tag=tag) for r in range(world) if r != rank]
     works += [dist.isend(mine, r, tag=tag) for r in range(world) if r != rank]
     return works, every
 
@@ -450,9 +491,17 @@ def _post_digest(program: Program, rank: int, world: int, device) -> tuple:
     return _share(program.digest(), rank, world, device, DIGEST_TAG)
 
 
-def execute(program: Program, state: LocalState, *, device: torch.device | str | None = None, timeout: float = 60.0,
-            faults: tuple[Fault, ...] = (), stats: Stats | None = None, memory_limit: int | None = None,
-            out: LocalState | None = None) -> LocalState:
+def execute(
+    program: Program,
+    state: LocalState,
+    *,
+    device: torch.device | str | None = None,
+    timeout: float = 60.0,
+    faults: tuple[Fault, ...] = (),
+    stats: Stats | None = None,
+    memory_limit: int | None = None,
+    out: LocalState | None = None,
+) -> LocalState:
     """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
 
     ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
@@ -466,14 +515,21 @@ def execute(program: Program, state: LocalState, *, device: torch.device | str |
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != program.world:
         raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = (
+        torch.device(device)
+        if device is not None
+        else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
+    )
     bound = datetime.timedelta(seconds=timeout)
     error: BaseException | None = None
     try:  # every collective below, group creation included, is bounded by ``timeout``
         digest = _post_digest(program, rank, world, device)
         # a rank whose state or buffers do not match the program fails here, and every rank learns it below
-        me = _Rank(program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out)
+        me = _Rank(
+            program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out
+        )
         me.digest = digest
         if program.groups:  # broadcast subgroups: created by every rank of the same program, in the same order
             me.check_program()
@@ -490,7 +546,12 @@ def execute(program: Program, state: LocalState, *, device: torch.device | str |
             why = f"a peer did not answer the commit agreement within {timeout:g} s (dead or hung)"
         else:
             why = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
-        raise TransitionError(f"rank {rank}: transition @{program.transition} failed ({why}); "
-                              f"the state of plan @{program.source} is intact", rank=rank, failed_ranks=failed or (),
-                              unresponsive=failed is None, reason=why) from error
+        raise TransitionError(
+            f"rank {rank}: transition @{program.transition} failed ({why}); "
+            f"the state of plan @{program.source} is intact",
+            rank=rank,
+            failed_ranks=failed or (),
+            unresponsive=failed is None,
+            reason=why,
+        ) from error
     return me.commit()

@@ -30,7 +30,9 @@ import torch.multiprocessing as mp
 class LaunchError(RuntimeError):
     def __init__(self, errors: dict[int, str], results: dict[int, Any]):
         self.errors, self.results = errors, results
-        lines = [f"rank {r}: {e.strip().splitlines()[-1] if e.strip() else 'failed'}" for r, e in sorted(errors.items())]
+        lines = [
+            f"rank {r}: {e.strip().splitlines()[-1] if e.strip() else 'failed'}" for r, e in sorted(errors.items())
+        ]
         super().__init__("; ".join(lines))
 
 
@@ -48,14 +50,22 @@ def init_from_env(timeout: float = 60.0, backend: str | None = None) -> torch.de
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout), device_id=device if backend == "nccl" else None
+        )
     return device
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+    )
     torch.set_num_threads(threads)
     try:
         queue.put((rank, "ok", fn(rank, world, *args)))
@@ -78,7 +88,9 @@ def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -88,8 +88,11 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
     gpu_of: dict[tuple[str, ShardRef], int] = {}
     held: dict[int, int] = defaultdict(int)  # bytes on each GPU now
     peak: dict[int, int] = defaultdict(int)
-    itemsize = {(name, state): state_dtype_bytes(md, state) for name, md in m.models.items()
-                for state in ("weight", "grad", "master", "exp_avg", "exp_avg_sq")}
+    itemsize = {
+        (name, state): state_dtype_bytes(md, state)
+        for name, md in m.models.items()
+        for state in ("weight", "grad", "master", "exp_avg", "exp_avg_sq")
+    }
 
     def put(key, region, arr, model: str) -> None:
         """Store a slice; on a GPU it counts toward that GPU's bytes."""
@@ -99,6 +102,7 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
             g = gpu_of[(plan, ref)]
             held[g] += arr.size * itemsize[(model, state)]
             peak[g] = max(peak[g], held[g])
+
     for (plan, ms, dp), emu in m.emus.items():
         model = ms.rpartition(".")[0]
         for s in emu.shards:
@@ -118,11 +122,14 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
         for reg, arr in mem[key]:
             inter = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(reg, region)]
             if all(lo < hi for lo, hi in inter):
-                out[tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(inter, region))] = \
-                    arr[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, reg))]
+                out[tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(inter, region))] = arr[
+                    tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, reg))
+                ]
         if np.isnan(out).any():
             plan, ref, state, family, where = key
-            raise KeyError(f"{ref} of @{plan} holds no {state} {family} {region} on its {where} (read too early, or freed?)")
+            raise KeyError(
+                f"{ref} of @{plan} holds no {state} {family} {region} on its {where} (read too early, or freed?)"
+            )
         return out
 
     received = 0
@@ -139,8 +146,10 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
                     if any(r == region for r, _ in mem[host]):  # never left host memory: frees no GPU memory
                         mem[host] = [(r, a) for r, a in mem[host] if r != region]
                         continue
-                    raise ValueError(f"{op.id} frees {op.state} {op.tensor} {list(op.box)} of {ref}, which neither "
-                                     f"its GPU nor its host memory holds as one slice (a free must match a slice exactly)")
+                    raise ValueError(
+                        f"{op.id} frees {op.state} {op.tensor} {list(op.box)} of {ref}, which neither "
+                        f"its GPU nor its host memory holds as one slice (a free must match a slice exactly)"
+                    )
                 gone = sum(a.size for r, a in mem[key] if r == region)
                 held[gpu_of[(t.source, ref)]] -= gone * itemsize[(model, op.state)]
                 mem[key] = [(r, a) for r, a in mem[key] if r != region]
@@ -161,14 +170,24 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
                     data = take((t.target, ref, op.state, op.family, "gpu"), region)
                 except KeyError:  # kept in place: plan A's identical slice of the same model-stage on that GPU
                     g = gpu_of[(t.target, ref)]
-                    data = next(a for (plan, r, st, fam, where), pieces in mem.items() if plan == t.source
-                                and where == "gpu" and st == op.state and fam == op.family
-                                and r.model_stage == ref.model_stage and gpu_of[(plan, r)] == g
-                                for reg, a in pieces if reg == region)
+                    data = next(
+                        a
+                        for (plan, r, st, fam, where), pieces in mem.items()
+                        if plan == t.source
+                        and where == "gpu"
+                        and st == op.state
+                        and fam == op.family
+                        and r.model_stage == ref.model_stage
+                        and gpu_of[(plan, r)] == g
+                        for reg, a in pieces
+                        if reg == region
+                    )
                 mem[(t.target, ref, op.state, op.family, "host")].append((region, data.copy()))
                 g = gpu_of[(t.target, ref)]
                 arrived = mem[(t.target, ref, op.state, op.family, "gpu")]
-                gone = sum(a.size for r, a in arrived if all(lo <= a0 and b0 <= hi for (a0, b0), (lo, hi) in zip(r, region)))
+                gone = sum(
+                    a.size for r, a in arrived if all(lo <= a0 and b0 <= hi for (a0, b0), (lo, hi) in zip(r, region))
+                )
                 held[g] -= gone * itemsize[(model, op.state)]
             continue
         data = take((t.source, op.src[0], op.state, op.family, "gpu"), region)
@@ -199,7 +218,9 @@ def simulate(m: Module, t: Transition, tensors=None) -> SimulationResult:
             ref = ShardRef(ms, dp, s.pp, s.tp)
             for e in s.entries:
                 kept = in_place[(s.gpu, ms, e.state, e.family)]
-                arrived = mem[(t.target, ref, e.state, e.family, "gpu")] + mem[(t.target, ref, e.state, e.family, "host")]
+                arrived = (
+                    mem[(t.target, ref, e.state, e.family, "gpu")] + mem[(t.target, ref, e.state, e.family, "host")]
+                )
                 if not _complete(arrived, kept, e, tensors[(model, e.state, e.family)]):
                     mismatches.append(f"{ref} {e.state} {e.tensor} {list(e.box)}")
     return SimulationResult(mismatches, received, dict(peak))

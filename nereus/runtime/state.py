@@ -12,8 +12,19 @@ import torch
 from ..backend.shards import ShardSpec, StateKey, plan_layout, state_dtype
 from ..ir.emu import Box
 
-__all__ = ["LocalState", "ShardSpec", "StateKey", "TORCH_DTYPES", "cut", "full_tensor", "hash_key", "plan_layout",
-           "state_dtype", "synthetic_state", "torch_dtype"]
+__all__ = [
+    "LocalState",
+    "ShardSpec",
+    "StateKey",
+    "TORCH_DTYPES",
+    "cut",
+    "full_tensor",
+    "hash_key",
+    "plan_layout",
+    "state_dtype",
+    "synthetic_state",
+    "torch_dtype",
+]
 
 # every dtype the IR accepts (``ir.model.DTYPE_BYTES``) has a torch dtype here; fp8 is E4M3, the
 # format weights and activations are stored in (E5M2 is for gradients, which the IR does not name)

@@ -38,12 +38,14 @@ TRACES = Path(__file__).parent / "traces"
 SHARES = 8
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (16384 * 54 * 24)
 SOURCES_LENGTH = [
-    "DeepSeek-AI, DeepSeek-R1 (arXiv:2501.12948), Fig. 3: R1-Zero's average response length grows from about 1.5k to about 10k tokens over RL training",
+    "DeepSeek-AI, DeepSeek-R1 (arXiv:2501.12948), Fig. 3: R1-Zero's average response length grows from about 1.5k to "
+    "about 10k tokens over RL training",
     "Luo et al., DeepScaleR (2025 blog and report): the context limit raised 8k -> 16k -> 24k tokens during RL",
     "Yu et al., DAPO (arXiv:2503.14476): responses capped at 20,480 tokens, 512 prompts x 16 samples per step",
 ]
 SOURCES_GPUS = [
-    "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), sec. 3.3.4: 419 unexpected interruptions on 16,384 GPUs in 54 days",
+    "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), sec. 3.3.4: 419 unexpected interruptions on 16,384 "
+    "GPUs in 54 days",
 ]
 
 
@@ -64,8 +66,9 @@ def length_shares(mean: float, cap: int, sigma: float = 0.7, shares: int = SHARE
     return tuple(int(round(v)) for v in np.sort(x).reshape(shares, points).mean(axis=1))
 
 
-def length_schedule(steps: int, start: float = 1500, end: float = 10000, caps=(8192, 16384, 24576),
-                    every: int = 10) -> list[tuple[int, ...]]:
+def length_schedule(
+    steps: int, start: float = 1500, end: float = 10000, caps=(8192, 16384, 24576), every: int = 10
+) -> list[tuple[int, ...]]:
     """Per step, the shares of the response lengths (updated every ``every`` steps)."""
     out = []
     for i in range(steps):
@@ -76,9 +79,18 @@ def length_schedule(steps: int, start: float = 1500, end: float = 10000, caps=(8
     return out
 
 
-def availability_schedule(steps: int, gpus: int = 1024, per_node: int = 8, start: int | None = None, seed: int = 0,
-                          step_seconds: float = 120.0, repair_steps: int = 60, preempt_every: int = 150,
-                          ramp: float = 0.4, grant: int = 8) -> list[tuple[frozenset[int], frozenset[int]]]:
+def availability_schedule(
+    steps: int,
+    gpus: int = 1024,
+    per_node: int = 8,
+    start: int | None = None,
+    seed: int = 0,
+    step_seconds: float = 120.0,
+    repair_steps: int = 60,
+    preempt_every: int = 150,
+    ramp: float = 0.4,
+    grant: int = 8,
+) -> list[tuple[frozenset[int], frozenset[int]]]:
     """Per step, (GPUs unavailable, GPUs leaving after this step)."""
     rng = random.Random(seed)
     nodes = gpus // per_node
@@ -87,15 +99,20 @@ def availability_schedule(steps: int, gpus: int = 1024, per_node: int = 8, start
     later = list(range(start_nodes, nodes))
     for k in range(0, len(later), grant):  # granted a batch of ``grant`` nodes at a time over the ramp
         at = rng.randint(1, max(1, int(ramp * steps)))
-        for n in later[k:k + grant]:
+        for n in later[k : k + grant]:
             granted_at[n] = at
     down_until: dict[int, int] = {}
     preempt: dict[int, tuple[int, int]] = {}  # node -> (leaves after step, back at step)
     p_fail = LLAMA3_FAILURES_PER_GPU_HOUR * step_seconds / 3600
     out = []
     for i in range(steps):
-        up = [n for n in range(nodes) if granted_at[n] <= i and down_until.get(n, -1) <= i
-              and not (n in preempt and preempt[n][0] < i < preempt[n][1])]
+        up = [
+            n
+            for n in range(nodes)
+            if granted_at[n] <= i
+            and down_until.get(n, -1) <= i
+            and not (n in preempt and preempt[n][0] < i < preempt[n][1])
+        ]
         for n in up:  # failures without notice
             if rng.random() < 1 - (1 - p_fail) ** per_node:
                 down_until[n] = i + repair_steps
@@ -106,8 +123,9 @@ def availability_schedule(steps: int, gpus: int = 1024, per_node: int = 8, start
         down, leaving = set(), set()
         for n in range(nodes):
             ids = range(n * per_node, (n + 1) * per_node)
-            gone = (granted_at[n] > i or down_until.get(n, -1) > i
-                    or (n in preempt and preempt[n][0] < i < preempt[n][1]))
+            gone = (
+                granted_at[n] > i or down_until.get(n, -1) > i or (n in preempt and preempt[n][0] < i < preempt[n][1])
+            )
             if gone:
                 down.update(ids)
             elif n in preempt and preempt[n][0] == i:
@@ -116,21 +134,40 @@ def availability_schedule(steps: int, gpus: int = 1024, per_node: int = 8, start
     return out
 
 
-def make_trace(name: str, steps: int = 1000, gpus: int = 1024, seed: int = 0, lengths: bool = True,
-               churn: bool = True, job: str = "ppo_70b_1024gpu", constant_mean: float = 2000) -> Trace:
+def make_trace(
+    name: str,
+    steps: int = 1000,
+    gpus: int = 1024,
+    seed: int = 0,
+    lengths: bool = True,
+    churn: bool = True,
+    job: str = "ppo_70b_1024gpu",
+    constant_mean: float = 2000,
+) -> Trace:
     dists = length_schedule(steps) if lengths else [length_shares(constant_mean, 8192)] * steps
     avail = availability_schedule(steps, gpus, seed=seed) if churn else [(frozenset(), frozenset())] * steps
     sources = (SOURCES_LENGTH if lengths else []) + (SOURCES_GPUS if churn else [])
-    what = {(True, True): "response-length growth and GPU churn together",
-            (True, False): "response-length growth on a fixed cluster",
-            (False, True): "GPU churn (failures, preemptions, a ramp to all GPUs) at a constant length distribution"}
-    return Trace(name=name, job=job, gpus=gpus, seed=seed, description=f"{what[(lengths, churn)]}, {steps} steps; "
-                 "see nereus/sim/generate.py for the assumptions", sources=sources,
-                 steps=[TraceStep(i, dists[i], avail[i][0], avail[i][1]) for i in range(steps)])
+    what = {
+        (True, True): "response-length growth and GPU churn together",
+        (True, False): "response-length growth on a fixed cluster",
+        (False, True): "GPU churn (failures, preemptions, a ramp to all GPUs) at a constant length distribution",
+    }
+    return Trace(
+        name=name,
+        job=job,
+        gpus=gpus,
+        seed=seed,
+        description=f"{what[(lengths, churn)]}, {steps} steps; see nereus/sim/generate.py for the assumptions",
+        sources=sources,
+        steps=[TraceStep(i, dists[i], avail[i][0], avail[i][1]) for i in range(steps)],
+    )
 
 
-SHIPPED = {"length_growth": dict(lengths=True, churn=False), "availability": dict(lengths=False, churn=True),
-           "combined": dict(lengths=True, churn=True)}
+SHIPPED = {
+    "length_growth": dict(lengths=True, churn=False),
+    "availability": dict(lengths=False, churn=True),
+    "combined": dict(lengths=True, churn=True),
+}
 
 
 def main() -> None:

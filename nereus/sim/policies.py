@@ -52,8 +52,15 @@ class NoPlan(RuntimeError):
     pass
 
 
-def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, headroom: float = DEFAULT_HEADROOM,
-           incumbent: Plan | None = None, verify: str = "end") -> Plan:
+def search(
+    m: Module,
+    keep=None,
+    name: str = "p",
+    time_limit: float = SEARCH_S,
+    headroom: float = DEFAULT_HEADROOM,
+    incumbent: Plan | None = None,
+    verify: str = "end",
+) -> Plan:
     """The best plan of ``m``'s job on its available GPUs among the options ``keep(ms, options,
     n)`` returns of each model-stage's (``plan-search{keep=...}``, keeping plan-search's memory
     ``headroom`` free as a real system would), estimated in ``m``. ``incumbent``: the plan the
@@ -67,9 +74,21 @@ def search(m: Module, keep=None, name: str = "p", time_limit: float = SEARCH_S, 
         given = f"{name}_incumbent"
         m.plans[given] = dataclasses.replace(incumbent, name=given)
     try:
-        run_pipeline(m, [PlanSearch(time_limit=time_limit, seed=0, into=f"@{name}", headroom=headroom,
-                                    incumbent=f"@{given}" if given else "", keep=keep)],
-                     verify_input=False, verify="off")
+        run_pipeline(
+            m,
+            [
+                PlanSearch(
+                    time_limit=time_limit,
+                    seed=0,
+                    into=f"@{name}",
+                    headroom=headroom,
+                    incumbent=f"@{given}" if given else "",
+                    keep=keep,
+                )
+            ],
+            verify_input=False,
+            verify="off",
+        )
     except DiagnosticError as e:
         raise NoPlan(e.diagnostics[0].message) from None
     finally:
@@ -187,8 +206,10 @@ class FixedDp(Fixed):
 
     def adopt(self, plan):
         super().adopt(plan)
-        self.knobs = {ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), frozenset(lay.offload))
-                      for ms, lay in plan.layouts.items()}
+        self.knobs = {
+            ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), frozenset(lay.offload))
+            for ms, lay in plan.layouts.items()
+        }
         self.zero = {ms: (lay.zero, lay.dp > 1) for ms, lay in plan.layouts.items()}
 
     def keep(self, ms, options, n):
@@ -197,15 +218,26 @@ class FixedDp(Fixed):
         c = columns(options)
         held = options.offload if isinstance(options, OptionRows) else [o.offload for o in options]
         same: dict[tuple, bool] = {}  # a few distinct offload tuples among the options
-        offload_kept = np.fromiter((same.setdefault(x, frozenset(x) == offload) for x in held), dtype=bool, count=len(held))
-        return rows(options, (c["tp"] == tp) & (c["pp"] == pp) & (c["vpp"] == vpp) & (c["rc"] == recompute) & offload_kept
-                    & ((c["zero"] == zero) | ((c["dp"] > 1) != sharded)))
+        offload_kept = np.fromiter(
+            (same.setdefault(x, frozenset(x) == offload) for x in held), dtype=bool, count=len(held)
+        )
+        return rows(
+            options,
+            (c["tp"] == tp)
+            & (c["pp"] == pp)
+            & (c["vpp"] == vpp)
+            & (c["rc"] == recompute)
+            & offload_kept
+            & ((c["zero"] == zero) | ((c["dp"] > 1) != sharded)),
+        )
 
     def replan(self, sim, i):
         try:
             return super().replan(sim, i)
         except NoPlan:
-            return search(copy.deepcopy(sim.module_at(i)), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}")
+            return search(
+                copy.deepcopy(sim.module_at(i)), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}"
+            )
 
 
 class Verl(Restarting):
@@ -257,7 +289,7 @@ class OpenRLHF(Restarting):
         counts += shares
         out, at = [], 0
         for k in counts:
-            out.append(gpus[at * per:(at + k) * per])
+            out.append(gpus[at * per : (at + k) * per])
             at += k
         return out
 
@@ -279,8 +311,9 @@ class OpenRLHF(Restarting):
             layouts.update(p.layouts)
             colocate += p.colocate
         order = [ms for st in w.stages for ms in st.model_stages()]
-        m.plans[name] = Plan(name=name, workload=w.name, cluster=c.name, colocate=colocate,
-                             layouts={ms: layouts[ms] for ms in order})
+        m.plans[name] = Plan(
+            name=name, workload=w.name, cluster=c.name, colocate=colocate, layouts={ms: layouts[ms] for ms in order}
+        )
         try:
             run_pipeline(m, [Estimate(plan=f"@{name}")], verify_input=False, verify="end")
         except DiagnosticError:
@@ -331,7 +364,9 @@ class Nereus(Policy):
             # the tests simulate verify every move the core plans
             (c,) = m.clusters.values()
             small = c.nodes * c.gpus_per_node <= self.VERIFY_GPUS
-            self.options = ControlOptions(search_time_limit=5.0, schedule_time_limit=0.5, verify="end" if small else "off")
+            self.options = ControlOptions(
+                search_time_limit=5.0, schedule_time_limit=0.5, verify="end" if small else "off"
+            )
         plan = copy.deepcopy(self.start_plan) if self.start_plan is not None else search(m, None, "p0")
         plan.name = "p0"
         m.plans["p0"] = plan
@@ -342,12 +377,20 @@ class Nereus(Policy):
     def _record(self, sim, i, out: Outcome | None, factor: float) -> StepRecord:
         s = sim.trace.steps[i]
         w = sim.workload
-        seconds = {ms: t * factor for ms, t in out.seconds.items() if t} if out and out.seconds else dict(self.last_seconds)
+        seconds = (
+            {ms: t * factor for ms, t in out.seconds.items() if t} if out and out.seconds else dict(self.last_seconds)
+        )
         memory = {ms: int(b) for ms, b in out.memory.items() if b} if out else {}
         n = w.samples
-        return StepRecord(step=i, seconds=seconds or {"_": 1.0}, memory=memory,
-                          responses=(n, n * s.response_len_mean, max(s.response_len_dist)),
-                          length_shares=s.response_len_dist, gpus=tuple(sim.trace.available(i)), leaving=tuple(sorted(s.leaving)))
+        return StepRecord(
+            step=i,
+            seconds=seconds or {"_": 1.0},
+            memory=memory,
+            responses=(n, n * s.response_len_mean, max(s.response_len_dist)),
+            length_shares=s.response_len_dist,
+            gpus=tuple(sim.trace.available(i)),
+            leaving=tuple(sorted(s.leaving)),
+        )
 
     def _decide(self, sim, i, record: StepRecord) -> Move:
         t0 = time.perf_counter()
@@ -395,8 +438,9 @@ class Oracle(Policy):
         key = conditions(sim.trace.steps[i])
         if key not in self.cache:
             # the truth's memory is exact, so the oracle needs no headroom: its plan is the fastest that runs
-            self.cache[key] = search(copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0,
-                                     incumbent=self.plan)
+            self.cache[key] = search(
+                copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0, incumbent=self.plan
+            )
         return self.cache[key]
 
     def react(self, sim, i):

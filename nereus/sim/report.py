@@ -7,10 +7,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = (("policy", "policy", "{}"), ("completed", "steps run", "{}"), ("mean_s", "mean step s", "{:.1f}"), ("p99_s", "p99 step s", "{:.1f}"),
-           ("throughput_samples_per_s", "samples/s", "{:.2f}"), ("transitions", "moves", "{}"),
-           ("transition_share", "moves % of run", "{:.3%}"), ("lost_s", "lost to OOM/GPUs s", "{:.0f}"),
-           ("decide_s", "decision s (wall)", "{:.1f}"))
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("completed", "steps run", "{}"),
+    ("mean_s", "mean step s", "{:.1f}"),
+    ("p99_s", "p99 step s", "{:.1f}"),
+    ("throughput_samples_per_s", "samples/s", "{:.2f}"),
+    ("transitions", "moves", "{}"),
+    ("transition_share", "moves % of run", "{:.3%}"),
+    ("lost_s", "lost to OOM/GPUs s", "{:.0f}"),
+    ("decide_s", "decision s (wall)", "{:.1f}"),
+)
 
 
 def summaries(result: dict) -> list[dict]:
@@ -28,12 +35,19 @@ def summaries(result: dict) -> list[dict]:
 
 def table(result: dict, console: Console | None = None) -> None:
     rows = summaries(result)
-    t = Table(title=f"simulate {result['trace']} ({result['steps']} steps, job {result['job']}, seed {result['seed']}; "
-                    f"simulated in {result['wall_s']:.0f} s)", title_justify="left")
+    t = Table(
+        title=f"simulate {result['trace']} ({result['steps']} steps, job {result['job']}, seed {result['seed']}; "
+        f"simulated in {result['wall_s']:.0f} s)",
+        title_justify="left",
+    )
     for _, head, _ in COLUMNS:
         t.add_column(head, justify="left" if head == "policy" else "right")
     cuts = [b for b in ("fixed", "fixed-dp") if any(r["policy"] == b for r in rows)]
-    for extra in [f"latency cut vs {b}" for b in cuts] + ["throughput / verl", "throughput / openrlhf", "throughput / oracle"]:
+    for extra in [f"latency cut vs {b}" for b in cuts] + [
+        "throughput / verl",
+        "throughput / openrlhf",
+        "throughput / oracle",
+    ]:
         t.add_column(extra, justify="right")
     for r in rows:
         cells = [fmt.format(r[k]) for k, _, fmt in COLUMNS]
@@ -47,10 +61,17 @@ def table(result: dict, console: Console | None = None) -> None:
 
 def to_json(result: dict) -> dict:
     runs = result["runs"]
-    return {"trace": result["trace"], "job": result["job"], "steps": result["steps"], "seed": result["seed"],
-            "wall_s": result["wall_s"], "policies": summaries(result),
-            "latency": {n: r.latency for n, r in runs.items()}, "step": {n: r.step for n, r in runs.items()},
-            "moves": {n: r.moves for n, r in runs.items()}}
+    return {
+        "trace": result["trace"],
+        "job": result["job"],
+        "steps": result["steps"],
+        "seed": result["seed"],
+        "wall_s": result["wall_s"],
+        "policies": summaries(result),
+        "latency": {n: r.latency for n, r in runs.items()},
+        "step": {n: r.step for n, r in runs.items()},
+        "moves": {n: r.moves for n, r in runs.items()},
+    }
 
 
 def plots(result: dict, out: str | Path, gantt=None) -> list[Path]:
@@ -66,7 +87,7 @@ def plots(result: dict, out: str | Path, gantt=None) -> list[Path]:
     files = []
     fig, ax = plt.subplots(figsize=(11, 5))
     for name, run in result["runs"].items():
-        line, = ax.plot(range(len(run.latency)), run.latency, lw=0.9, label=name)
+        (line,) = ax.plot(range(len(run.latency)), run.latency, lw=0.9, label=name)
         for s in run.moves:
             ax.plot([s], [run.latency[s]], marker="v", color=line.get_color(), ms=6)
     ax.set_xlabel("step")

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from rich.progress import Progress
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
-from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
 from .policies import POLICIES, NoPlan, Policy
+from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
 from .trace import Trace
 
 FAILED_ATTEMPT = PG_INIT + ENGINE_RESTART  # an out-of-memory or a lost GPU: the attempt, then a restart
@@ -50,11 +50,21 @@ class PolicyRun:
         total = sum(self.latency)
         ordered = sorted(done)
         p99 = ordered[min(n - 1, math.ceil(0.99 * n) - 1)] if n else 0.0
-        return {"policy": self.name, "steps": len(self.latency), "completed": n, "mean_s": total / n if n else math.inf,
-                "p99_s": p99, "throughput_samples_per_s": self.samples_per_step * n / total if total else 0.0,
-                "transitions": len(self.moves), "transition_s": self.move_s,
-                "transition_share": self.move_s / total if total else 0.0, "lost_s": self.lost_s,
-                "failures": self.failures, "decide_s": self.decide_s, "run_s": total}
+        return {
+            "policy": self.name,
+            "steps": len(self.latency),
+            "completed": n,
+            "mean_s": total / n if n else math.inf,
+            "p99_s": p99,
+            "throughput_samples_per_s": self.samples_per_step * n / total if total else 0.0,
+            "transitions": len(self.moves),
+            "transition_s": self.move_s,
+            "transition_share": self.move_s / total if total else 0.0,
+            "lost_s": self.lost_s,
+            "failures": self.failures,
+            "decide_s": self.decide_s,
+            "run_s": total,
+        }
 
 
 def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
@@ -63,8 +73,14 @@ def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
     where = Loc(1, 1, str(trace.path) if trace.path else None)
     problems = []
     if trace.gpus > c.num_gpus:
-        problems.append(Diagnostic(where, f"trace {trace.name} ranges over {trace.gpus} GPUs, but cluster @{c.name} of job "
-                                          f"{trace.job} has {c.num_gpus}", "use a job with a larger cluster"))
+        problems.append(
+            Diagnostic(
+                where,
+                f"trace {trace.name} ranges over {trace.gpus} GPUs, but cluster @{c.name} of job "
+                f"{trace.job} has {c.num_gpus}",
+                "use a job with a larger cluster",
+            )
+        )
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         problems.append(Diagnostic(where, f"unknown policies {unknown}", "policies: " + ", ".join(POLICIES)))
@@ -72,8 +88,15 @@ def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
         raise DiagnosticError(problems)
 
 
-def simulate(module: Module, trace: Trace, policies: list[str] | None = None, steps: int | None = None,
-             seed: int = 0, progress: bool = True, jobs: int = 1) -> dict:
+def simulate(
+    module: Module,
+    trace: Trace,
+    policies: list[str] | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    jobs: int = 1,
+) -> dict:
     """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs.
 
     The policies are independent given the step noise (drawn here, once, for all of them), so
@@ -82,8 +105,16 @@ def simulate(module: Module, trace: Trace, policies: list[str] | None = None, st
     names = policies or list(POLICIES)
     check_fits(module, trace, names)
     if steps is not None:
-        trace = Trace(trace.name, trace.job, trace.gpus, trace.steps[:steps], trace.seed, trace.description,
-                      trace.sources, trace.path)
+        trace = Trace(
+            trace.name,
+            trace.job,
+            trace.gpus,
+            trace.steps[:steps],
+            trace.seed,
+            trace.description,
+            trace.sources,
+            trace.path,
+        )
     sim = SimCluster(module, trace, seed=seed)
     factors = [sim.noise() for _ in trace.steps]  # the same noise for every policy
     t_start = time.perf_counter()
@@ -93,17 +124,27 @@ def simulate(module: Module, trace: Trace, policies: list[str] | None = None, st
         if jobs == 1:
             with collecting_rarely():
                 pols = {name: _start(sim, name) for name in names}
-                runs = {name: PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
-                        for name, p in pols.items()}
+                runs = {
+                    name: PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
+                    for name, p in pols.items()
+                }
                 for i in range(len(trace.steps)):
                     for name, p in pols.items():
                         _step(sim, p, runs[name], i, factors[i])
                     bar.advance(task, len(pols))
         else:
-            runs, pols = _in_processes(module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n))
-    return {"trace": trace.name, "job": trace.job, "steps": len(trace.steps), "seed": seed,
-            "wall_s": time.perf_counter() - t_start, "runs": {n: runs[n] for n in names},
-            "policies": {n: pols[n] for n in names}}
+            runs, pols = _in_processes(
+                module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n)
+            )
+    return {
+        "trace": trace.name,
+        "job": trace.job,
+        "steps": len(trace.steps),
+        "seed": seed,
+        "wall_s": time.perf_counter() - t_start,
+        "runs": {n: runs[n] for n in names},
+        "policies": {n: pols[n] for n in names},
+    }
 
 
 COLLECT_EVERY = (10_000, 20, 100)
@@ -131,8 +172,14 @@ def _start(sim: SimCluster, name: str) -> Policy:
     try:
         p.start(sim)
     except NoPlan as e:
-        raise DiagnosticError([Diagnostic(Loc(1, 1, str(sim.trace.path) if sim.trace.path else None),
-                                          f"policy {name} cannot run on the trace's first step: {e}")]) from e
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(1, 1, str(sim.trace.path) if sim.trace.path else None),
+                    f"policy {name} cannot run on the trace's first step: {e}",
+                )
+            ]
+        ) from e
     p.start_s = time.perf_counter() - t0
     return p
 

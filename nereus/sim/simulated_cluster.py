@@ -142,7 +142,11 @@ class SimCluster:
         nic = self.cluster.inter_node.bandwidth * self.truth.nic
         nvl = self.cluster.intra_node.bandwidth * self.truth.nvlink
         if method == "p2p":
-            if gen.tp == train.tp and gen.pp == train.pp and gen.mesh[:gen.tp * gen.pp] == train.mesh[:train.tp * train.pp]:
+            if (
+                gen.tp == train.tp
+                and gen.pp == train.pp
+                and gen.mesh[: gen.tp * gen.pp] == train.mesh[: train.tp * train.pp]
+            ):
                 return 0.0  # the same shards in place
             per = self.cluster.gpus_per_node
             same_nodes = {g // per for g in gen.mesh} <= {g // per for g in train.mesh}
@@ -164,6 +168,9 @@ class SimCluster:
             estimate_plan(m, p)
         finally:
             del m.plans["_reload"]
-        state = max((lay.memory_breakdown.weights + lay.memory_breakdown.grads + lay.memory_breakdown.optimizer)
-                    for lay in p.layouts.values() if lay.memory_breakdown is not None)
+        state = max(
+            (lay.memory_breakdown.weights + lay.memory_breakdown.grads + lay.memory_breakdown.optimizer)
+            for lay in p.layouts.values()
+            if lay.memory_breakdown is not None
+        )
         return PG_INIT + ENGINE_RESTART + state / RELOAD_BYTES_PER_S

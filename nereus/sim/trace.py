@@ -76,8 +76,15 @@ def ranges(ids) -> list[list[int]]:
 
 def write_trace(trace: Trace, path: str | Path) -> None:
     """The trace as JSON lines, each step line holding only what changed."""
-    head = {"trace": trace.name, "job": trace.job, "gpus": trace.gpus, "steps": len(trace.steps), "seed": trace.seed,
-            "description": trace.description, "sources": trace.sources}
+    head = {
+        "trace": trace.name,
+        "job": trace.job,
+        "gpus": trace.gpus,
+        "steps": len(trace.steps),
+        "seed": trace.seed,
+        "description": trace.description,
+        "sources": trace.sources,
+    }
     lines = [json.dumps(head)]
     prev = None
     for s in trace.steps:
@@ -122,8 +129,11 @@ def read_trace(path: str | Path) -> Trace:
     (hline, head), steps = rows[0], rows[1:]
     unknown = set(head) - HEADER_KEYS
     if unknown or "trace" not in head:
-        err(hline, "line 1 must be the header {\"trace\": ..., \"job\": ..., \"gpus\": ...}"
-            + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
+        err(
+            hline,
+            'line 1 must be the header {"trace": ..., "job": ..., "gpus": ...}'
+            + (f"; unknown keys {sorted(unknown)}" if unknown else ""),
+        )
     gpus = head.get("gpus")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         err(hline, f"gpus must be a positive integer, got {gpus!r}")
@@ -137,13 +147,19 @@ def read_trace(path: str | Path) -> Trace:
     for line, obj in steps:
         unknown = set(obj) - STEP_KEYS
         if unknown:
-            err(line, f"unknown keys {sorted(unknown)}", "a step line has step, response_len_dist, unavailable, leaving")
+            err(
+                line, f"unknown keys {sorted(unknown)}", "a step line has step, response_len_dist, unavailable, leaving"
+            )
         if obj.get("step") != len(out):
             err(line, f"step {obj.get('step')!r} out of order: expected {len(out)}")
         if "response_len_dist" in obj:
             d = obj["response_len_dist"]
-            if (not isinstance(d, list) or not d or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in d)
-                    or d != sorted(d)):
+            if (
+                not isinstance(d, list)
+                or not d
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in d)
+                or d != sorted(d)
+            ):
                 err(line, f"response_len_dist must be positive integers in increasing order, got {d!r}")
             else:
                 dist = tuple(d)
@@ -152,8 +168,13 @@ def read_trace(path: str | Path) -> Trace:
             if ids is not None:
                 down = ids
         if "leaving" in obj:
-            ids = _ids([[g, g] for g in obj["leaving"]] if isinstance(obj["leaving"], list) else obj["leaving"], gpus,
-                       line, "leaving", err)
+            ids = _ids(
+                [[g, g] for g in obj["leaving"]] if isinstance(obj["leaving"], list) else obj["leaving"],
+                gpus,
+                line,
+                "leaving",
+                err,
+            )
             if ids is not None:
                 leaving = ids
         else:
@@ -170,13 +191,22 @@ def read_trace(path: str | Path) -> Trace:
         err(hline, f"the header says {head['steps']} steps, the file has {len(out)}")
     if errors:
         raise DiagnosticError(errors)
-    return Trace(name=str(head["trace"]), job=head["job"], gpus=gpus, steps=out, seed=head.get("seed"),
-                 description=str(head.get("description", "")), sources=list(head.get("sources", [])), path=path)
+    return Trace(
+        name=str(head["trace"]),
+        job=head["job"],
+        gpus=gpus,
+        steps=out,
+        seed=head.get("seed"),
+        description=str(head.get("description", "")),
+        sources=list(head.get("sources", [])),
+        path=path,
+    )
 
 
 def _ids(value, gpus: int, line: int, key: str, err) -> frozenset[int] | None:
-    if not isinstance(value, list) or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)
-                                              for r in value):
+    if not isinstance(value, list) or not all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in value
+    ):
         err(line, f"{key} must be a list of inclusive [first, last] GPU ranges, got {value!r}")
         return None
     ids: set[int] = set()

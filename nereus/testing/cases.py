@@ -28,16 +28,21 @@ def _layout_block(kind: str, tp: int, pp: int, dp: int, layers: int, gpus: list[
     per = layers // pp
     bounds = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
     extra = f"\n    zero = {zero}" if zero else ""
-    return (f"  layout actor.{kind} {{\n    tp = {tp}\n    pp = {pp}\n    dp = {dp}\n"
-            f"    layers = [{bounds}]\n    mesh = [{', '.join(map(str, gpus))}]{extra}\n  }}\n")
+    return (
+        f"  layout actor.{kind} {{\n    tp = {tp}\n    pp = {pp}\n    dp = {dp}\n"
+        f"    layers = [{bounds}]\n    mesh = [{', '.join(map(str, gpus))}]{extra}\n  }}\n"
+    )
 
 
 def job_text(n: int, kind: str, a: tuple, b: tuple, layers: int = 8, hidden: int = 1024, vocab: int = 8192) -> str:
     """Cluster, model, workload and plans ``a`` and ``b``, each ``(tp, pp, dp, gpus, zero)``. An
     optimizer step is 12 micro-batches, which DP 1, 2, 3, 4 and 6 split evenly (the controller's
     tests lose one of four ranks and go on with three)."""
-    stage = "stage generate { kind = generate, models = [@actor] }" if kind == "generate" \
+    stage = (
+        "stage generate { kind = generate, models = [@actor] }"
+        if kind == "generate"
         else "stage train { kind = train, models = [@actor] }"
+    )
     head = f"""cluster @node {{
   nodes = 1
   gpus_per_node = {n}
@@ -75,7 +80,11 @@ workload @job {{
 """
     plans = ""
     for name, (tp, pp, dp, gpus, zero) in (("a", a), ("b", b)):
-        plans += f"\nplan @{name} {{\n  workload = @job\n  cluster = @node\n" + _layout_block(kind, tp, pp, dp, layers, gpus, zero) + "}\n"
+        plans += (
+            f"\nplan @{name} {{\n  workload = @job\n  cluster = @node\n"
+            + _layout_block(kind, tp, pp, dp, layers, gpus, zero)
+            + "}\n"
+        )
     return head + plans
 
 

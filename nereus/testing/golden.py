@@ -55,8 +55,11 @@ def produce(path: Path, pipeline: str | None = None) -> str:
 
 
 def unified_diff(expected: str, actual: str, name: str) -> str:
-    return "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
-                                        fromfile=f"{name} (golden)", tofile=f"{name} (produced)"))
+    return "".join(
+        difflib.unified_diff(
+            expected.splitlines(True), actual.splitlines(True), fromfile=f"{name} (golden)", tofile=f"{name} (produced)"
+        )
+    )
 
 
 def compare(actual: str, expected_path: Path, update: bool) -> None:
@@ -66,8 +69,10 @@ def compare(actual: str, expected_path: Path, update: bool) -> None:
         return
     if update:
         expected_path.write_text(actual)
-        raise GoldenMismatch(f"rewrote {expected_path}; read the diff and commit it:\n"
-                             + unified_diff(expected, actual, expected_path.name))
+        raise GoldenMismatch(
+            f"rewrote {expected_path}; read the diff and commit it:\n"
+            + unified_diff(expected, actual, expected_path.name)
+        )
     if not expected_path.exists():
         raise GoldenMismatch(f"{expected_path} does not exist; run with --update-goldens to create it")
     raise GoldenMismatch(f"output differs from {expected_path}:\n" + unified_diff(expected, actual, expected_path.name))

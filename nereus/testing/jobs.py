@@ -30,6 +30,9 @@ QWEN2_7B = preset_attrs("qwen2-7b")
 LLAMA3_70B = preset_attrs("llama3-70b")
 
 
+TRAIN_70B = ", micro_batches = 16, zero = 1, recompute = true"  # the 70B job's training layouts
+
+
 def _layout_line(ms: str, tp: int, pp: int, dp: int, layers: int, gpus: str, extra: str = "") -> str:
     per = layers // pp
     ranges = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
@@ -187,8 +190,8 @@ plan @ppo70b_p0 {{
 {_layout_line("critic.infer", 8, 1, q // 8, 80, f"{q}..{2 * q - 1}")}\
 {_layout_line("ref.infer", 8, 1, q // 8, 80, f"{2 * q}..{3 * q - 1}")}\
 {_layout_line("reward.infer", 8, 1, q // 8, 80, f"{3 * q}..{gpus - 1}")}\
-{_layout_line("actor.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
-{_layout_line("critic.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", ", micro_batches = 16, zero = 1, recompute = true")}\
+{_layout_line("actor.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", TRAIN_70B)}\
+{_layout_line("critic.train", 8, 4, gpus // 32, 80, f"0..{gpus - 1}", TRAIN_70B)}\
 }}
 """
     if not with_emus:
@@ -206,8 +209,10 @@ EXAMPLES = {
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m nereus.testing.jobs",
-                                description="Write the reference jobs of examples/ (" + ", ".join(EXAMPLES) + ").")
+    p = argparse.ArgumentParser(
+        prog="python -m nereus.testing.jobs",
+        description="Write the reference jobs of examples/ (" + ", ".join(EXAMPLES) + ").",
+    )
     p.add_argument("out", nargs="?", default="examples", help="folder to write them to (default: examples)")
     out = Path(p.parse_args(argv).out)
     out.mkdir(parents=True, exist_ok=True)

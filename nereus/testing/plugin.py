@@ -12,8 +12,12 @@ from .golden import GoldenMismatch, compare, produce
 
 def pytest_addoption(parser):
     group = parser.getgroup("nereus")
-    group.addoption("--update-goldens", action="store_true", default=False,
-                    help="rewrite Nereus golden files (.nir.expected) and fail, so the diff gets read")
+    group.addoption(
+        "--update-goldens",
+        action="store_true",
+        default=False,
+        help="rewrite Nereus golden files (.nir.expected) and fail, so the diff gets read",
+    )
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ import nereus
 from nereus.backend.lower import contiguous, lower
 from nereus.backend.program import Message, Piece, Program, Step
 from nereus.backend.script import pyrepr, render_script
-from nereus.testing.cases import CASES, case_module
 from nereus.passes.transition.derive_emus import derive_missing_emus
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.launch import free_port
 from nereus.runtime.state import ShardSpec, StateKey
+from nereus.testing.cases import CASES, case_module
 
 from ..support import GOLDEN
 
@@ -72,7 +72,11 @@ def test_a_transition_that_misses_a_slice_does_not_lower():
     t.ops = [op for op in t.ops if op.id not in gone]
     for op in t.ops:
         op.deps = [d for d in op.deps if d not in gone]
-    with pytest.raises(nereus.DiagnosticError, match=r"rank \d receives [\d,]+ of the [\d,]+ bytes of actor.train:(master|exp_avg|exp_avg_sq):embed_tokens.weight .* exactly once"):
+    with pytest.raises(
+        nereus.DiagnosticError,
+        match=r"rank \d receives [\d,]+ of the [\d,]+ bytes of "
+        r"actor.train:(master|exp_avg|exp_avg_sq):embed_tokens.weight .* exactly once",
+    ):
         lower(m, "t")
 
 
@@ -84,8 +88,15 @@ def evil_program() -> Program:
     spec = ShardSpec(key, (4,), ((0, 4),), "fp32")
     piece = Piece(key, key, ((0, 4),), 16)
     msg = Message(0, 0, 1, (piece,), True)
-    return Program(transition="t", source="a", target="b", gpus=[0, 1], src={0: [spec], 1: []}, dst={0: [], 1: [spec]},
-                   steps={0: [Step("round", sends=(msg,))], 1: [Step("alloc", keys=(key,)), Step("round", recvs=(msg,))]})
+    return Program(
+        transition="t",
+        source="a",
+        target="b",
+        gpus=[0, 1],
+        src={0: [spec], 1: []},
+        dst={0: [], 1: [spec]},
+        steps={0: [Step("round", sends=(msg,))], 1: [Step("alloc", keys=(key,)), Step("round", recvs=(msg,))]},
+    )
 
 
 def test_a_name_cannot_inject_code_into_the_script():
@@ -112,8 +123,10 @@ def staged(shared: bool = False):
     fills two shards on a GPU."""
     text = STAGING.read_text()
     if shared:
-        text = text.replace("  stage infer { kind = infer, models = [@ref] }\n",
-                            "  stage infer { kind = infer, models = [@ref] }\n  stage score { kind = infer, models = [@ref] }\n")
+        text = text.replace(
+            "  stage infer { kind = infer, models = [@ref] }\n",
+            "  stage infer { kind = infer, models = [@ref] }\n  stage score { kind = infer, models = [@ref] }\n",
+        )
         for mesh in ("[0, 1]", "[1, 0]"):
             line = f"  layout ref.infer {{ tp = 2, pp = 1, dp = 1, layers = [0..1], mesh = {mesh} }}\n"
             text = text.replace(line, line + line.replace("ref.infer", "ref.score"))
@@ -148,8 +161,23 @@ def test_rendered_script_runs_under_torchrun(tmp_path, case):
     script.write_text(render_script(prog))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    r = subprocess.run([str(torchrun), "--nproc-per-node", str(prog.world), "--master-port", str(free_port()), str(script),
-                        "--selftest", "--timeout", "60"], capture_output=True, text=True, timeout=180, env=env)
+    r = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            str(prog.world),
+            "--master-port",
+            str(free_port()),
+            str(script),
+            "--selftest",
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr  # a rank with a wrong shard exits 1
     # the processes share one stdout: lines may run together, so find the reports anywhere
     reports = sorted(re.findall(r"rank (\d): (\d+) shards, (\d+) wrong", r.stdout))
@@ -176,7 +204,9 @@ def test_auto_chains_a_broadcast_only_where_its_root_is_the_busiest_sender():
     """Full replication (every rank a root of its share): direct sends are balanced. One root to
     many (TP 4 -> TP 1 x DP 4 from a single source copy): that root is chained."""
     balanced = lower(planned("train-gen"), "t")
-    assert not any(s.sends and any(p.arrived for m in s.sends for p in m.pieces) for st in balanced.steps.values() for s in st)
+    assert not any(
+        s.sends and any(p.arrived for m in s.sends for p in m.pieces) for st in balanced.steps.values() for s in st
+    )
     m = case_module("train-gen", 4, hidden=64, layers=4)
     lay = m.plans["a"].layouts["actor.generate"]
     lay.tp, lay.mesh = 1, [0]  # one GPU holds everything under plan A

@@ -58,9 +58,13 @@ def test_fold_records_only_where_the_layer_alone_differs():
     recs = [(f"keep m:weight:layers.{i}.mlp.up_proj.weight [0:4, 0:8]",) for i in range(3)]
     assert fold_records(recs) == [("keep m:weight:layers.0..2.mlp.up_proj.weight [0:4, 0:8]",)]
     # a message and its piece, ids stepping with the layer
-    msgs = [(f"send #{10 + i} -> 3: direct, 1.00KiB", f"  m:weight:layers.{4 + i}.x [0:4] -> n:weight:layers.{4 + i}.x")
-            for i in range(4)]
-    assert fold_records(msgs) == [("send #10..13 -> 3: direct, 1.00KiB", "  m:weight:layers.4..7.x [0:4] -> n:weight:layers.4..7.x")]
+    msgs = [
+        (f"send #{10 + i} -> 3: direct, 1.00KiB", f"  m:weight:layers.{4 + i}.x [0:4] -> n:weight:layers.{4 + i}.x")
+        for i in range(4)
+    ]
+    assert fold_records(msgs) == [
+        ("send #10..13 -> 3: direct, 1.00KiB", "  m:weight:layers.4..7.x [0:4] -> n:weight:layers.4..7.x")
+    ]
     never = [
         ("keep m:w:layers.0.a [0:4]", "keep m:w:layers.1.a [0:5]"),  # another box
         ("keep m:w:layers.0.a [0:4]", "keep m:w:layers.2.a [0:4]"),  # a gap
@@ -71,13 +75,22 @@ def test_fold_records_only_where_the_layer_alone_differs():
     for a, b in never:
         assert fold_records([(a,), (b,)]) == [(a,), (b,)], (a, b)
     # a bucket: its pieces fold among themselves; buckets whose pieces folded do not fold further
-    buckets = [(f"send #{i} -> 1: bucket of 4, 1KiB", *(f"  m:w:layers.{j}.{f} [0:4]" for f in "ab" for j in range(2)))
-               for i in range(2)]
-    assert fold_records(buckets) == [(f"send #{i} -> 1: bucket of 4, 1KiB", "  m:w:layers.0..1.a [0:4]",
-                                      "  m:w:layers.0..1.b [0:4]") for i in range(2)]
+    buckets = [
+        (f"send #{i} -> 1: bucket of 4, 1KiB", *(f"  m:w:layers.{j}.{f} [0:4]" for f in "ab" for j in range(2)))
+        for i in range(2)
+    ]
+    assert fold_records(buckets) == [
+        (f"send #{i} -> 1: bucket of 4, 1KiB", "  m:w:layers.0..1.a [0:4]", "  m:w:layers.0..1.b [0:4]")
+        for i in range(2)
+    ]
     # buckets of one layer each fold like single messages
-    layered = [(f"send #{i} -> 1: bucket of 2, 1KiB", f"  m:w:layers.{i}.a [0:4]", f"  m:w:layers.{i}.b [0:4]") for i in range(3)]
-    assert fold_records(layered) == [("send #0..2 -> 1: bucket of 2, 1KiB", "  m:w:layers.0..2.a [0:4]", "  m:w:layers.0..2.b [0:4]")]
+    layered = [
+        (f"send #{i} -> 1: bucket of 2, 1KiB", f"  m:w:layers.{i}.a [0:4]", f"  m:w:layers.{i}.b [0:4]")
+        for i in range(3)
+    ]
+    assert fold_records(layered) == [
+        ("send #0..2 -> 1: bucket of 2, 1KiB", "  m:w:layers.0..2.a [0:4]", "  m:w:layers.0..2.b [0:4]")
+    ]
     for recs in (recs, msgs, buckets, layered, *([(a,), (b,)] for a, b in never[:-1])):
         assert unfold_records(fold_records(recs)) == list(recs)
 
@@ -140,7 +153,9 @@ def recount(prog: Program, per_node: int) -> tuple[Counter, Counter, dict[int, l
     return msgs, nbytes, ranks
 
 
-@pytest.mark.parametrize("case,mode", [(c, "auto") for c in CASES] + [("train-gen", "collective"), ("tp4-tp2x2", "chain")])
+@pytest.mark.parametrize(
+    "case,mode", [(c, "auto") for c in CASES] + [("train-gen", "collective"), ("tp4-tp2x2", "chain")]
+)
 def test_the_summary_counts_what_the_program_moves(case, mode):
     m = planned(case, n=8)
     prog = lower(m, "t", broadcast=mode, direct_bytes=4096, chunk_bytes=64 * 1024)
@@ -175,8 +190,13 @@ def test_summary_folds_ranks_and_rounds_and_counts_host_copies():
     assert re.search(r"│ \d+, \d+ ", format_summary(s))  # 5, 6
     s = summarize(lower(m, "t"), cluster_of(m, per_node=2))
     assert s.totals.bytes["network"] > 0 and s.totals.bytes["nvlink"] > 0
-    rows = [x for x in summarize(lower(planned("tp4-tp2x2", n=8, layers=8), "t", broadcast="chain", chunk_bytes=4096),
-                                 cluster_of(m)).rounds if x.phase == "round"]
+    rows = [
+        x
+        for x in summarize(
+            lower(planned("tp4-tp2x2", n=8, layers=8), "t", broadcast="chain", chunk_bytes=4096), cluster_of(m)
+        ).rounds
+        if x.phase == "round"
+    ]
     assert any(len(x.rounds) > 1 for x in rows)  # chained sub-rounds that move the same
     assert any(re.fullmatch(r"rounds \d+\.\.\d+, each", x.label) for x in rows)
     prog = lower(staged(), "a_to_b", direct_bytes=4096)
@@ -203,12 +223,16 @@ def reference_steps(rank: int, steps) -> list[tuple]:
             p = s.piece
             out.append(("unstage", str(p.src), str(p.dst), p.box))
         elif s.kind == "round":
-            msgs = sorted([(m.id, "send", m.receiver, [(str(p.src), p.box, p.arrived) for p in m.pieces]) for m in s.sends]
-                          + [(m.id, "recv", m.sender, [(str(p.dst), p.box, p.staged) for p in m.pieces]) for m in s.recvs])
+            msgs = sorted(
+                [(m.id, "send", m.receiver, [(str(p.src), p.box, p.arrived) for p in m.pieces]) for m in s.sends]
+                + [(m.id, "recv", m.sender, [(str(p.dst), p.box, p.staged) for p in m.pieces]) for m in s.recvs]
+            )
             out.append(("round", [(verb, peer, pieces) for _, verb, peer, pieces in msgs]))
         elif s.kind == "broadcast":
             root = s.group[0]
-            out.append(("broadcast", root, s.group, [(str(p.src if rank == root else p.dst), p.box) for p in s.message.pieces]))
+            out.append(
+                ("broadcast", root, s.group, [(str(p.src if rank == root else p.dst), p.box) for p in s.message.pieces])
+            )
     return out
 
 
@@ -219,8 +243,10 @@ def load_script(path: Path):
     return mod
 
 
-@pytest.mark.parametrize("case,mode", [(c, "auto") for c in CASES] + [("train-gen", "collective"), ("tp4-tp2x2", "chain"),
-                                                                     ("staging", "auto")])
+@pytest.mark.parametrize(
+    "case,mode",
+    [(c, "auto") for c in CASES] + [("train-gen", "collective"), ("tp4-tp2x2", "chain"), ("staging", "auto")],
+)
 def test_the_script_tables_expand_to_the_program(tmp_path, case, mode):
     if case == "staging":
         prog = lower(staged(shared=True), "a_to_b", direct_bytes=4096)
@@ -245,8 +271,12 @@ def test_a_48_layer_script_is_compact_and_passes_its_selftest(tmp_path):
     progs = {n: lower(planned("tp4-tp2x2", layers=n), "t", direct_bytes=4096) for n in (4, 48)}
     texts = {n: render_script(p) for n, p in progs.items()}
     prog, text = progs[48], texts[48]
-    pieces = sum(1 for st in prog.steps.values() for s in st
-                 for _ in ([s.piece] if s.piece else []) + [p for m in s.sends for p in m.pieces])
+    pieces = sum(
+        1
+        for st in prog.steps.values()
+        for s in st
+        for _ in ([s.piece] if s.piece else []) + [p for m in s.sends for p in m.pieces]
+    )
     assert pieces > 10_000
     assert len(text) < SCRIPT_BYTES_PER_PIECE * pieces, (len(text), pieces)
     assert len(text) < 1.1 * len(texts[4])  # 12 times the layers, under 10% more script
@@ -254,8 +284,23 @@ def test_a_48_layer_script_is_compact_and_passes_its_selftest(tmp_path):
     script.write_text(text)
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    r = subprocess.run([str(torchrun), "--nproc-per-node", str(prog.world), "--master-port", str(free_port()), str(script),
-                        "--selftest", "--timeout", "60"], capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            str(prog.world),
+            "--master-port",
+            str(free_port()),
+            str(script),
+            "--selftest",
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     reports = sorted(re.findall(r"rank (\d): (\d+) shards, (\d+) wrong", r.stdout))
     assert reports == [(str(i), str(len(prog.dst[i])), "0") for i in range(prog.world)], r.stdout

@@ -31,8 +31,13 @@ def test_a_program_travels_to_a_fresh_interpreter_and_to_spawned_ranks(tmp_path)
     prog = lower(m, "t")
     path = tmp_path / "program.pkl"
     path.write_bytes(pickle.dumps(prog))
-    loaded = subprocess.run([sys.executable, "-c", f"import pickle; print(pickle.load(open({str(path)!r}, 'rb')).digest())"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import pickle; print(pickle.load(open({str(path)!r}, 'rb')).digest())"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert int(loaded.stdout) == prog.digest()
     assert run_local(w.run_travelled, 4, prog, timeout=120) == [[], [], [], []]

@@ -46,12 +46,16 @@ def test_missing_file_directory_and_binary(tmp_path, capsys):
 def test_fmt_rewrites_in_place_keeping_comments(tmp_path, capsys):
     src = tmp_path / "m.nir"
     src.write_text(
-        "// the model\nmodel @m {\n  vocab=32000 , layers = 2 // tiny\n  hidden = 64, heads = 4, kv_heads = 4, ffn = 128\n}\n")
+        "// the model\nmodel @m {\n  vocab=32000 , layers = 2 // tiny\n  hidden = 64, heads = 4, kv_heads = 4, ffn = "
+        "128\n}\n"
+    )
     assert main(["fmt", "--check", str(src)]) == 1
     assert main(["fmt", str(src)]) == 0
     out = src.read_text()
-    assert out == ("// the model\nmodel @m {\n  layers = 2  // tiny\n  hidden = 64\n  heads = 4\n  kv_heads = 4\n"
-                   "  ffn = 128\n  vocab = 32000\n}\n")
+    assert out == (
+        "// the model\nmodel @m {\n  layers = 2  // tiny\n  hidden = 64\n  heads = 4\n  kv_heads = 4\n"
+        "  ffn = 128\n  vocab = 32000\n}\n"
+    )
     assert main(["fmt", "--check", str(src)]) == 0
     capsys.readouterr()
 
@@ -110,10 +114,20 @@ def test_bench_transition_json_smoke(capsys):
         assert row["bytes_moved"] == row["lower_bound"]  # the planner reaches the lower bound
         assert row["makespan_s"] >= row["port_bound_s"] > 0
         assert all(v["bytes"] > row["bytes_moved"] for v in row["peers"].values())
-    assert [row["case"] for row in data["rows"]] == ["TP8 PP4 -> TP4 PP8", "DP 32 -> 30: 64 GPUs reclaimed",
-                                                     "TP8 PP4 ZeRO-1 -> TP4 ZeRO-3", "TP8 PP4 -> TP4 PP8, no memory to spare",
-                                                     "TP4 ZeRO-3 -> TP8 PP4 ZeRO-1, no memory to spare"]
-    assert [row["staged_bytes"] > 0 for row in data["rows"]] == [False, False, False, True, True]  # no memory to spare: staged
+    assert [row["case"] for row in data["rows"]] == [
+        "TP8 PP4 -> TP4 PP8",
+        "DP 32 -> 30: 64 GPUs reclaimed",
+        "TP8 PP4 ZeRO-1 -> TP4 ZeRO-3",
+        "TP8 PP4 -> TP4 PP8, no memory to spare",
+        "TP4 ZeRO-3 -> TP8 PP4 ZeRO-1, no memory to spare",
+    ]
+    assert [row["staged_bytes"] > 0 for row in data["rows"]] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]  # no memory to spare: staged
 
 
 def test_bench_reshard_json_smoke(capsys):

@@ -16,7 +16,8 @@ def test_every_example_is_generated():
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_example_in_sync_with_generator(name):
     assert (ROOT / "examples" / name).read_text() == BUILDERS[name](), (
-        f"examples/{name} is stale: run python -m nereus.testing.jobs examples")
+        f"examples/{name} is stale: run python -m nereus.testing.jobs examples"
+    )
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

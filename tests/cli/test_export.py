@@ -80,8 +80,12 @@ def test_verl_values_are_the_layouts(path, plan):
     assert cfg["algorithm.adv_estimator"] == {"ppo": "gae", "grpo": "grpo"}[w.algorithm]
     assert cfg["actor_rollout_ref.rollout.tensor_model_parallel_size"] == lay["actor.generate"].tp
     assert 0.3 < cfg["actor_rollout_ref.rollout.gpu_memory_utilization"] <= 0.9
-    roles = {"actor_rollout_ref.actor": "actor.train", "actor_rollout_ref.ref": "ref.infer",
-             "critic": "critic.train", "reward_model": "reward.infer"}
+    roles = {
+        "actor_rollout_ref.actor": "actor.train",
+        "actor_rollout_ref.ref": "ref.infer",
+        "critic": "critic.train",
+        "reward_model": "reward.infer",
+    }
     for prefix, ms in roles.items():
         if ms not in lay:
             assert not any(k.startswith(prefix + ".") for k in cfg)
@@ -102,7 +106,9 @@ def test_verl_values_are_the_layouts(path, plan):
 
 
 def test_verl_says_what_it_cannot_express():
-    notes = [x for x in export_plan(load(PPO), "ppo_p0", "verl").splitlines() if x.startswith("# not expressible in verl:")]
+    notes = [
+        x for x in export_plan(load(PPO), "ppo_p0", "verl").splitlines() if x.startswith("# not expressible in verl:")
+    ]
     text = "\n".join(notes)
     # training side by side on GPUs 0..7 and 8..15; inference layouts unlike the training ones
     assert "stage train runs actor.train, critic.train side by side" in text
@@ -112,16 +118,40 @@ def test_verl_says_what_it_cannot_express():
     assert "not expressible" not in export_plan(load(GRPO), "grpo_p0", "verl")
 
 
-MEGATRON_FLAGS = {"--tensor-model-parallel-size": int, "--pipeline-model-parallel-size": int, "--context-parallel-size": int,
-                  "--num-layers-per-virtual-pipeline-stage": int, "--decoder-first-pipeline-num-layers": int,
-                  "--decoder-last-pipeline-num-layers": int, "--recompute-granularity": str, "--recompute-method": str,
-                  "--recompute-num-layers": int, "--fp8-format": str, "--micro-batch-size": int, "--global-batch-size": int,
-                  "--seq-length": int, "--num-layers": int, "--hidden-size": int, "--num-attention-heads": int,
-                  "--num-query-groups": int, "--kv-channels": int, "--ffn-hidden-size": int, "--normalization": str,
-                  "--position-embedding-type": str}
-MEGATRON_SWITCHES = ("--sequence-parallel", "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32",
-                     "--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                     "--bf16", "--fp16")
+MEGATRON_FLAGS = {
+    "--tensor-model-parallel-size": int,
+    "--pipeline-model-parallel-size": int,
+    "--context-parallel-size": int,
+    "--num-layers-per-virtual-pipeline-stage": int,
+    "--decoder-first-pipeline-num-layers": int,
+    "--decoder-last-pipeline-num-layers": int,
+    "--recompute-granularity": str,
+    "--recompute-method": str,
+    "--recompute-num-layers": int,
+    "--fp8-format": str,
+    "--micro-batch-size": int,
+    "--global-batch-size": int,
+    "--seq-length": int,
+    "--num-layers": int,
+    "--hidden-size": int,
+    "--num-attention-heads": int,
+    "--num-query-groups": int,
+    "--kv-channels": int,
+    "--ffn-hidden-size": int,
+    "--normalization": str,
+    "--position-embedding-type": str,
+}
+MEGATRON_SWITCHES = (
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--group-query-attention",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--bf16",
+    "--fp16",
+)
 
 
 def megatron_parser() -> argparse.ArgumentParser:
@@ -160,12 +190,21 @@ def test_megatron_arguments(path, plan):
     for ms in trained:
         lay, md = p.layouts[ms], m.models[p.layouts[ms].model]
         a = megatron_parser().parse_args(arrays[ms.upper().replace(".", "_") + "_ARGS"])
-        assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size) == (lay.tp, lay.pp, lay.cp)
+        assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size) == (
+            lay.tp,
+            lay.pp,
+            lay.cp,
+        )
         assert a.sequence_parallel == lay.sp and a.use_distributed_optimizer == (lay.zero >= 1)
         assert (a.recompute_granularity == "full") == lay.recompute
         assert (a.micro_batch_size, a.global_batch_size) == (w.micro_batch, w.mini_batch)
         assert a.seq_length == w.prompt_len_max + w.response_len_max
-        assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.ffn_hidden_size) == (md.layers, md.hidden, md.heads, md.ffn)
+        assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.ffn_hidden_size) == (
+            md.layers,
+            md.hidden,
+            md.heads,
+            md.ffn,
+        )
         assert a.group_query_attention and a.num_query_groups == md.kv_heads
         assert a.swiglu and a.untie_embeddings_and_output_weights and a.bf16
     if path == PPO:  # a value head, and 16 micro-batches per flush against Megatron-LM's 128 / (1 x 4)
@@ -215,7 +254,11 @@ def test_vllm_accepts_the_arguments():
     text = export_plan(load(GRPO), "grpo_p0", "vllm")
     kw = vllm_args(text)["actor.generate"]
     e = EngineArgs(**kw)
-    assert (e.tensor_parallel_size, e.max_model_len, e.gpu_memory_utilization) == (2, 5120, kw["gpu_memory_utilization"])
+    assert (e.tensor_parallel_size, e.max_model_len, e.gpu_memory_utilization) == (
+        2,
+        5120,
+        kw["gpu_memory_utilization"],
+    )
     serve = next(x for x in text.splitlines() if "one server for all: vllm serve MODEL" in x)
     flags = shlex.split(serve.split("vllm serve MODEL", 1)[1])
     parsed = EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags))

@@ -29,8 +29,17 @@ from nereus.testing.cases import case_module
 from nereus.testing.golden import GoldenMismatch, compare
 
 from ..support import GOLDEN
-from ..support.runlines import (RunError, check_lines, check_prefixes, filecheck, filecheck_quietly, has_checks, run_case,
-                                run_lines, run_nereus)
+from ..support.runlines import (
+    RunError,
+    check_lines,
+    check_prefixes,
+    filecheck,
+    filecheck_quietly,
+    has_checks,
+    run_case,
+    run_lines,
+    run_nereus,
+)
 
 CASES = sorted(GOLDEN.glob("*/*.nir"))
 IDS = {p: f"{p.parent.name}/{p.name}" for p in CASES}
@@ -73,13 +82,13 @@ def _mutants(line: str) -> list[str]:
     head, _, pattern = line.partition(":")
     m = re.search(r"-COUNT-(\d+)$", head)
     if m:
-        return [head[:m.start(1)] + str(int(m.group(1)) + d) + ":" + pattern for d in (1, -1)]
+        return [head[: m.start(1)] + str(int(m.group(1)) + d) + ":" + pattern for d in (1, -1)]
     plain = re.sub(r"\{\{.*?\}\}", lambda m: "\0" * len(m.group()), pattern)
     for chars in ("0123456789", "abcdefghijklmnopqrstuvwxyz"):
         at = max((i for i, c in enumerate(plain) if c in chars), default=None)
         if at is not None:
             new = chars[(chars.index(pattern[at]) + 1) % len(chars)]
-            return [head + ":" + pattern[:at] + new + pattern[at + 1:]]
+            return [head + ":" + pattern[:at] + new + pattern[at + 1 :]]
     return []
 
 
@@ -106,8 +115,9 @@ def test_every_positive_check_line_is_needed(path, tmp_path):
             assert line in out  # (a collective program, nereus lower's output, does not)
         for mutant in _mutants(line):
             check.write_text(text.replace(line, mutant, 1))
-            assert filecheck_quietly(check, out.replace(line, mutant, 1), options) != 0, \
+            assert filecheck_quietly(check, out.replace(line, mutant, 1), options) != 0, (
                 f"filecheck still passes with {mutant.strip()!r} instead of {line.strip()!r}"
+            )
             tried += 1
     assert tried >= 10
 
@@ -134,7 +144,9 @@ def test_filecheck_is_the_package_and_fails_loudly(tmp_path):
     assert filecheck(check, "bytes_moved = 1KiB\n").returncode == 0
     r = filecheck(check, "bytes_moved = 2KiB\n")
     assert r.returncode != 0 and "Couldn't match" in r.stdout + r.stderr
-    assert subprocess.run([sys.executable, "-m", "filecheck", "--version"], capture_output=True, text=True).stdout.startswith("filecheck")
+    assert subprocess.run(
+        [sys.executable, "-m", "filecheck", "--version"], capture_output=True, text=True
+    ).stdout.startswith("filecheck")
 
 
 def pipeline_passes(spec: str) -> list[str]:
@@ -144,8 +156,11 @@ def pipeline_passes(spec: str) -> list[str]:
 
 def test_pipeline_passes():
     assert pipeline_passes("estimate") == ["estimate"]
-    assert pipeline_passes("plan-transition{to=@b,into=@t},schedule-transfers,admit{horizon=240,margin=0}") == \
-        ["plan-transition", "schedule-transfers", "admit"]
+    assert pipeline_passes("plan-transition{to=@b,into=@t},schedule-transfers,admit{horizon=240,margin=0}") == [
+        "plan-transition",
+        "schedule-transfers",
+        "admit",
+    ]
 
 
 def test_every_pass_with_goldens_names_its_folder():
@@ -166,15 +181,18 @@ def test_every_golden_file_has_its_case_and_every_case_is_checked():
             for run in run_lines(path):
                 if run.filecheck is None:
                     assert run.command == "opt", f"{path}: a whole-file golden of {run.command}: pipe it to filecheck"
-                    assert expected_file(path, run.command).exists(), f"{path}: no {expected_file(path, run.command).name}"
+                    assert expected_file(path, run.command).exists(), (
+                        f"{path}: no {expected_file(path, run.command).name}"
+                    )
             continue
         if path.name.endswith(".nir.expected"):
             case = path.with_name(path.name.removesuffix(".expected"))
         else:
             assert path.suffix == ".program", f"{path}: neither a case (.nir) nor an expected output"
             case = path.with_suffix(".nir")
-        assert case.exists() and any(expected_file(case, r.command) == path for r in run_lines(case) if r.filecheck is None), \
-            f"{path}: stale: no case in this folder whose RUN line it is the output of"
+        assert case.exists() and any(
+            expected_file(case, r.command) == path for r in run_lines(case) if r.filecheck is None
+        ), f"{path}: stale: no case in this folder whose RUN line it is the output of"
 
 
 @pytest.mark.parametrize("case,mode", [("pp2-pp4", "p2p"), ("train-gen", "collective")])

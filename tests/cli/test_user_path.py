@@ -35,7 +35,9 @@ def test_show_estimates_a_plan_that_has_none_and_says_so(tmp_path, capsys):
     out = capsys.readouterr().out
     m = nereus.run_pipeline(nereus.parse(src.read_text()), "estimate")
     step = nereus.ir.units.format_quantity(nereus.ir.units.Dim.TIME, m.plans["grpo_p0"].step_time)
-    assert f"step time: {step} (estimated by show; `nereus opt FILE -p estimate` writes the estimates into the IR)" in out
+    assert (
+        f"step time: {step} (estimated by show; `nereus opt FILE -p estimate` writes the estimates into the IR)" in out
+    )
     assert src.read_text() == _plan_only(GRPO)  # the file is not changed
 
 
@@ -45,8 +47,11 @@ def test_show_prints_the_search_record_and_runner_ups(tmp_path, capsys):
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     text = capsys.readouterr().out
-    assert re.search(r"plan-search: optimal, objective [\d.]+s, bound [\d.]+s, gap 0\.00%, [\d,]+ candidates, headroom 10%, "
-                     r"bottleneck actor\.\w+", text)
+    assert re.search(
+        r"plan-search: optimal, objective [\d.]+s, bound [\d.]+s, gap 0\.00%, [\d,]+ candidates, headroom 10%, "
+        r"bottleneck actor\.\w+",
+        text,
+    )
     assert "runner-up for actor.train: TP" in text
 
 
@@ -69,12 +74,17 @@ def test_admit_breaks_its_cost_down_with_units_and_the_horizon(capsys):
     assert a.horizon == 300 and a.benefit == pytest.approx(a.saving * 300, rel=1e-3)
     line = next(x for x in cap.out.splitlines() if x.strip().startswith("admit = "))
     assert re.search(r"benefit = [\d.]+m?s, saving = [\d.]+m?s, horizon = 300", line)
-    assert re.search(r"note: transition @a_to_b rejected: costs 32s \(makespan [\d.]+[mun]?s \+ process groups 2s \+ "
-                     r"engine restart 30s\), saves [\d.]+m?s per step, [\d.]+m?s over 300 steps", cap.err)
+    assert re.search(
+        r"note: transition @a_to_b rejected: costs 32s \(makespan [\d.]+[mun]?s \+ process groups 2s \+ "
+        r"engine restart 30s\), saves [\d.]+m?s per step, [\d.]+m?s over 300 steps",
+        cap.err,
+    )
 
 
 def test_a_negative_saving_prints_and_parses_back():
-    m = nereus.run_pipeline(nereus.parse(TP4_TO_TP2.read_text()), "plan-transition{to=@a,source=@b},schedule-transfers,admit")
+    m = nereus.run_pipeline(
+        nereus.parse(TP4_TO_TP2.read_text()), "plan-transition{to=@a,source=@b},schedule-transfers,admit"
+    )
     a = next(iter(m.transitions.values())).admit
     assert a.saving < 0 and a.break_even is None
     text = nereus.print_ir(m)
@@ -144,18 +154,27 @@ def test_nir_golden_finds_its_files_from_any_working_directory(tmp_path):
     case = suite / "plans" / "x.nir"
     case.write_text((GOLDEN / "estimate" / "grpo_7b_8gpu.nir").read_text())
     (suite / "plans" / "x.nir.expected").write_text((GOLDEN / "estimate" / "grpo_7b_8gpu.nir.expected").read_text())
-    (suite / "test_plans.py").write_text(textwrap.dedent("""\
+    (suite / "test_plans.py").write_text(
+        textwrap.dedent("""\
         def test_x(nir_golden):
             nir_golden("plans/x.nir")
-        """))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "suite/test_plans.py"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        """)
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "suite/test_plans.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 passed" in r.stdout
 
 
 def test_the_examples_writer_takes_help_without_writing_a_folder(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "nereus.testing.jobs", "--help"], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "nereus.testing.jobs", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert r.returncode == 0 and "usage:" in r.stdout
     assert list(tmp_path.iterdir()) == []
 
@@ -175,7 +194,7 @@ def test_a_diagnostic_raised_in_a_pool_worker_reaches_the_parent():
 def test_estimate_without_a_plan_says_so(tmp_path, capsys):
     src = tmp_path / "job.nir"
     text = GRPO.read_text()
-    src.write_text(text[:text.index("plan @")])
+    src.write_text(text[: text.index("plan @")])
     assert main(["opt", str(src), "-p", "estimate"]) == 1
     assert "estimate: the module has no plan to estimate" in capsys.readouterr().err
 

@@ -88,7 +88,9 @@ def test_state_lost_with_gpus_that_failed_is_infeasible_without_a_checkpoint():
 def test_gpus_lost_without_notice_hold_nothing():
     """Without ZeRO every DP replica holds all of its state: what the failed GPUs held comes
     from the survivors, and nothing is read from the failed ones."""
-    replicated = PPO.read_text().replace("pp = 2\n    dp = 1\n    layers = [0..15, 16..31]", "pp = 1\n    dp = 2\n    layers = [0..31]")
+    replicated = PPO.read_text().replace(
+        "pp = 2\n    dp = 1\n    layers = [0..15, 16..31]", "pp = 1\n    dp = 2\n    layers = [0..31]"
+    )
     c = core(replicated.replace("zero = 1", "zero = 0"))  # actor and critic train as TP 4 x DP 2, no ZeRO
     gpus = sorted(c.gpus_now)
     gone = {3, 12}
@@ -97,8 +99,11 @@ def test_gpus_lost_without_notice_hold_nothing():
     assert d.action == "transition" and d.forced and d.triggers[0].kind == "gpus_lost"
     m = d.module
     t = m.transitions[d.transition]
-    senders = {m.emus[(d.source, op.src[0].model_stage, op.src[0].dp)].shard(op.src[0].pp, op.src[0].tp).gpu
-               for op in t.ops if op.spec.transfer}
+    senders = {
+        m.emus[(d.source, op.src[0].model_stage, op.src[0].dp)].shard(op.src[0].pp, op.src[0].tp).gpu
+        for op in t.ops
+        if op.spec.transfer
+    }
     assert not senders & gone
     assert t.bytes_moved == t.lower_bound == lower_bound(m, d.source, d.target, lost=gone)
 
@@ -126,6 +131,7 @@ def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_th
     assert "bytes_moved" not in n and "makespan" not in n  # plan-transition and schedule-transfers never ran
     # with the shortcut off, the whole path (transition planned, scheduled, admitted) decides the same
     import nereus.control.decide as decide_mod
+
     monkeypatch.setattr(decide_mod, "fixed_costs", lambda *a, **k: (-1e9, 0.0))
     full = core()
     full.total_steps = 2
@@ -173,7 +179,9 @@ def test_memory_without_headroom_is_a_trigger_and_over_the_gpu_is_forced():
     c = core()
     cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory
     rec = as_planned(c, 0)
-    c.observe(StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.97)}, response_lengths=rec.response_lengths))
+    c.observe(
+        StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.97)}, response_lengths=rec.response_lengths)
+    )
     d = c.decide()
     assert [t.kind for t in d.triggers] == ["memory"] and not d.forced
 
@@ -188,8 +196,11 @@ def test_memory_weighed_and_kept_fires_again_only_as_it_closes_in_on_the_gpu():
     rec = as_planned(c, 0)
 
     def at(step, fraction):
-        c.observe(StepRecord(step, rec.seconds, memory={"actor.train": int(cap * fraction)},
-                             response_lengths=rec.response_lengths))
+        c.observe(
+            StepRecord(
+                step, rec.seconds, memory={"actor.train": int(cap * fraction)}, response_lengths=rec.response_lengths
+            )
+        )
         c.history = c.history[-1:]
         return c.decide()
 
@@ -210,7 +221,9 @@ def test_a_follower_takes_the_weighed_memory_peaks_from_the_leader():
         c.total_steps = 2
         cap = c.m.clusters[c.m.plans[c.plan].cluster].gpu_memory
         rec = as_planned(c, 0)
-        c.observe(StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.96)}, response_lengths=rec.response_lengths))
+        c.observe(
+            StepRecord(0, rec.seconds, memory={"actor.train": int(cap * 0.96)}, response_lengths=rec.response_lengths)
+        )
     d = leader.decide()
     assert other.check() is None
     other.follow(d)
@@ -240,11 +253,19 @@ def test_decisions_are_logged_as_json_lines(tmp_path):
     assert lines[1]["triggers"][0]["kind"] == "response_length" and lines[1]["numbers"]["bytes_moved"] > 0
 
 
-@pytest.mark.parametrize("options, error", [
-    (dict(window="5"), TypeError), (dict(cooldown=1.5), TypeError), (dict(margin=True), TypeError),
-    (dict(slowdown=-1.0), ValueError), (dict(memory_headroom=1.0), ValueError), (dict(window=0), ValueError),
-    (dict(verify="always"), ValueError), (dict(verify=1), ValueError),
-])
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        (dict(window="5"), TypeError),
+        (dict(cooldown=1.5), TypeError),
+        (dict(margin=True), TypeError),
+        (dict(slowdown=-1.0), ValueError),
+        (dict(memory_headroom=1.0), ValueError),
+        (dict(window=0), ValueError),
+        (dict(verify="always"), ValueError),
+        (dict(verify=1), ValueError),
+    ],
+)
 def test_options_of_the_wrong_type_or_range_fail_at_construction(options, error):
     with pytest.raises(error, match="ControlOptions"):
         ControlOptions(**options)
@@ -278,7 +299,9 @@ def test_plan_b_never_takes_the_name_of_a_plan_the_module_has():
     """A job whose plan is called @p0 re-planned at step 0: plan B must not overwrite it."""
     m = nereus.parse(PPO.read_text().replace("ppo_p0", "p0"))
     c = DecisionCore(m, "p0", ControlOptions(**FAST))
-    c.observe(StepRecord(0, {ms: lay.time for ms, lay in c.m.plans["p0"].layouts.items()}, response_lengths=(3072,) * 8))
+    c.observe(
+        StepRecord(0, {ms: lay.time for ms, lay in c.m.plans["p0"].layouts.items()}, response_lengths=(3072,) * 8)
+    )
     d = c.decide()
     assert d.target not in (None, "p0") and d.transition != "p0_to_p0"
     assert d.action == "transition" and d.numbers["saving"] > 0
@@ -321,7 +344,7 @@ def test_the_search_after_a_move_starts_from_the_running_plan_as_searched(monkey
         c.observe(as_planned(c, step, length=0.6))  # shorter: a re-plan on the same GPUs
     d = c.decide()
     assert "step_time_new" in d.numbers  # it searched
-    (name, from_searched, from_running), = seen
+    ((name, from_searched, from_running),) = seen
     assert name != c.plan and (d.module is None or name not in d.module.plans)  # searched from, not kept
     assert from_searched is not None  # the search started from the running plan...
     assert from_running is None  # ...which, as remap left it, no search could start from
@@ -343,11 +366,17 @@ def test_the_core_runs_its_passes_through_the_pass_manager_verified_as_its_polic
 
     ran, verified = [], []
     real_run, real_verify = pass_manager.run_pipeline, verifier.verify
-    monkeypatch.setattr(pass_manager, "run_pipeline",
-                        lambda m, spec, *a, **kw: (ran.append([p.name for p in spec]), real_run(m, spec, *a, **kw))[1])
+    monkeypatch.setattr(
+        pass_manager,
+        "run_pipeline",
+        lambda m, spec, *a, **kw: (ran.append([p.name for p in spec]), real_run(m, spec, *a, **kw))[1],
+    )
     import nereus.control.decide as decide
+
     monkeypatch.setattr(decide, "run_pipeline", pass_manager.run_pipeline)
-    monkeypatch.setattr(pass_manager, "verify_module", lambda m: (verified.append(len(m.transitions)), real_verify(m))[1])
+    monkeypatch.setattr(
+        pass_manager, "verify_module", lambda m: (verified.append(len(m.transitions)), real_verify(m))[1]
+    )
     decisions = {}
     for policy in ("each", "end", "off"):
         ran.clear(), verified.clear()
@@ -361,7 +390,10 @@ def test_the_core_runs_its_passes_through_the_pass_manager_verified_as_its_polic
             assert verified == [0, 1]
         else:
             assert verified == [0]
-    assert len({(d.action, d.target, d.numbers["bytes_moved"], d.numbers["step_time_new"]) for d in decisions.values()}) == 1
+    assert (
+        len({(d.action, d.target, d.numbers["bytes_moved"], d.numbers["step_time_new"]) for d in decisions.values()})
+        == 1
+    )
 
 
 def test_a_pass_that_leaves_invalid_ir_in_the_core_is_reported_by_the_verifier(monkeypatch):
@@ -375,7 +407,9 @@ def test_a_pass_that_leaves_invalid_ir_in_the_core_is_reported_by_the_verifier(m
         import dataclasses
 
         t = m.transitions[self.transition.lstrip("@")]
-        t.ops[-1] = dataclasses.replace(t.ops[-1], deps=[*t.ops[-1].deps, "%no_such_op"])  # after an operation that does not exist
+        t.ops[-1] = dataclasses.replace(
+            t.ops[-1], deps=[*t.ops[-1].deps, "%no_such_op"]
+        )  # after an operation that does not exist
 
     monkeypatch.setattr(Admit, "apply", breaks)
     with pytest.raises(nereus.DiagnosticError, match="IR is invalid after pass admit"):

@@ -51,8 +51,9 @@ def run_loop(rank: int, world: int, scenario: str, steps: int = 3) -> dict:
     else:
         options = ControlOptions(**quiet, response_drift=1e9)
     faults = (Fault("raise", rank=1),) if scenario == "fault" else ()
-    ctl = Controller(m, "a", adapter, options=options, total_steps=1000, show=False,
-                     timeout=6 if faults else 30, faults=faults)
+    ctl = Controller(
+        m, "a", adapter, options=options, total_steps=1000, show=False, timeout=6 if faults else 30, faults=faults
+    )
     actions, plans = [], []
     for step in range(steps):
         with ctl.step():
@@ -66,5 +67,11 @@ def run_loop(rank: int, world: int, scenario: str, steps: int = 3) -> dict:
         plans.append(ctl.plan)
         if not ctl.active:
             break
-    return {"actions": actions, "plans": plans, "active": ctl.active, "loads": adapter.loads,
-            "exact": exact(ctl, adapter, rank) if ctl.active else None, "message": ctl.last.message}
+    return {
+        "actions": actions,
+        "plans": plans,
+        "active": ctl.active,
+        "loads": adapter.loads,
+        "exact": exact(ctl, adapter, rank) if ctl.active else None,
+        "message": ctl.last.message,
+    }

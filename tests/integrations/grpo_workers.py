@@ -37,18 +37,35 @@ class CheckedAdapter(LlamaAdapter):
             super().move(module, source, target, **kwargs)
         except Exception as e:  # a rollback: plan A's state must be as it was
             after, step = export_state(self.live, module, source)
-            self.checks.append({"source": source, "target": target, "failed": type(e).__name__, "step_a": step_a,
-                                "intact": step == step_a and all(torch.equal(after[s.key], cut(full[s.key], s.box))
-                                                                 for s in plan_layout(module, source).get(rank, []))})
+            self.checks.append(
+                {
+                    "source": source,
+                    "target": target,
+                    "failed": type(e).__name__,
+                    "step_a": step_a,
+                    "intact": step == step_a
+                    and all(
+                        torch.equal(after[s.key], cut(full[s.key], s.box))
+                        for s in plan_layout(module, source).get(rank, [])
+                    ),
+                }
+            )
             raise
         ms = self.live.layout.model_stage
         specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == ms]
         state_b, step_b = export_state(self.live, module, target)
-        self.checks.append({
-            "source": source, "target": target, "in_b": self.live.model is not None, "keys": len(specs),
-            "same_keys": set(state_b) == {s.key for s in specs},
-            "exact": all(torch.equal(state_b[s.key], cut(full[s.key], s.box)) for s in specs),
-            "step_a": step_a, "step_b": step_b})
+        self.checks.append(
+            {
+                "source": source,
+                "target": target,
+                "in_b": self.live.model is not None,
+                "keys": len(specs),
+                "same_keys": set(state_b) == {s.key for s in specs},
+                "exact": all(torch.equal(state_b[s.key], cut(full[s.key], s.box)) for s in specs),
+                "step_a": step_a,
+                "step_b": step_b,
+            }
+        )
 
 
 def run(rank: int, world: int, argv: list[str], example: str = "grpo_tiny", fault_rank: int | None = None) -> dict:

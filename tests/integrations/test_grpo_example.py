@@ -49,8 +49,13 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
             assert not res["active"] and steps == [0, 1, 2] and not res["checks"][1]["in_b"]
         else:  # the loop went on after each move
             assert res["active"] and steps == [0, 1, 2, 3, 4] and res["plan"] == "p2"
-            assert [h["plan"] for h in res["history"]] == ["@a tp2xpp1xdp2", "@p0 tp1xpp1xdp4", "@p0 tp1xpp1xdp4",
-                                                           "@p2 tp1xpp1xdp3", "@p2 tp1xpp1xdp3"]
+            assert [h["plan"] for h in res["history"]] == [
+                "@a tp2xpp1xdp2",
+                "@p0 tp1xpp1xdp4",
+                "@p0 tp1xpp1xdp4",
+                "@p2 tp1xpp1xdp3",
+                "@p2 tp1xpp1xdp3",
+            ]
     # the DP replicas agree on the loss and the reward (one mean over DP) on every step
     for step in range(5):
         seen = {(h["loss"], h["reward"]) for r in results for h in r["history"] if h["step"] == step}

@@ -170,14 +170,17 @@ def test_ir_model_and_llama_config_round_trip():
         ir_model(LlamaConfig(**{**w.tiny(2), "attention_bias": True}))
 
 
-@pytest.mark.parametrize("tp,dp,pp,zero,kv_heads,vocab,message", [
-    (4, 1, 1, 0, 2, 128, "tp = 4 does not divide kv_heads = 2"),
-    (3, 1, 1, 0, 2, 128, "tp = 3 does not divide heads = 4"),
-    (1, 1, 2, 0, 2, 128, "Schedule1F1B needs at least as many micro-batches as pipeline stages"),
-    (1, 2, 1, 1, 2, 128, "ZeRO/FSDP2 is not built"),
-    # 130 rows over 4: tensor_split gives 33, 33, 32, 32; torch.chunk 33, 33, 33, 31
-    (4, 1, 1, 0, 4, 130, "is not DTensor's torch.chunk rule"),
-])
+@pytest.mark.parametrize(
+    "tp,dp,pp,zero,kv_heads,vocab,message",
+    [
+        (4, 1, 1, 0, 2, 128, "tp = 4 does not divide kv_heads = 2"),
+        (3, 1, 1, 0, 2, 128, "tp = 3 does not divide heads = 4"),
+        (1, 1, 2, 0, 2, 128, "Schedule1F1B needs at least as many micro-batches as pipeline stages"),
+        (1, 2, 1, 1, 2, 128, "ZeRO/FSDP2 is not built"),
+        # 130 rows over 4: tensor_split gives 33, 33, 32, 32; torch.chunk 33, 33, 33, 31
+        (4, 1, 1, 0, 4, 130, "is not DTensor's torch.chunk rule"),
+    ],
+)
 def test_layouts_the_live_model_cannot_take_are_diagnostics(tp, dp, pp, zero, kv_heads, vocab, message):
     m = ir_model(LlamaConfig(**{**w.tiny(kv_heads), "vocab_size": vocab}))
     ok = training_job(m, {"a": layout(m, tp=1)}, 4)
@@ -190,7 +193,8 @@ def test_layouts_the_live_model_cannot_take_are_diagnostics(tp, dp, pp, zero, kv
 
 def test_expressible_layouts_pass_the_check():
     m = ir_model(TINY)
-    job = training_job(m, {"a": layout(m, tp=2), "b": layout(m, dp=2), "c": layout(m, tp=2, dp=2),
-                           "d": layout(m, tp=2, pp=2)}, 4)
+    job = training_job(
+        m, {"a": layout(m, tp=2), "b": layout(m, dp=2), "c": layout(m, tp=2, dp=2), "d": layout(m, tp=2, pp=2)}, 4
+    )
     for plan in ("a", "b", "c", "d"):
         check_layout(job, plan, "actor.train")

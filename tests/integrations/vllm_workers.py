@@ -18,9 +18,19 @@ SEED = 3
 
 def config() -> dict:
     """A tiny Llama vLLM's CPU build serves: head_dim 64, float32; 2 layers, 4 heads, 2 K/V heads."""
-    return dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=64,
-                eos_token_id=127, bos_token_id=126)
+    return dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        eos_token_id=127,
+        bos_token_id=126,
+    )
 
 
 def trainer_logp(live, seqs: torch.Tensor) -> torch.Tensor:

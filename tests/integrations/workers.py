@@ -27,8 +27,16 @@ MS = "actor.train"
 
 def tiny(kv_heads: int = 2) -> dict:
     """A tiny Llama config (as a dict, to travel to the workers): 2 layers, hidden 64, 4 heads."""
-    return dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=kv_heads, tie_word_embeddings=False, max_position_embeddings=64)
+    return dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
 
 
 def job_of(cfg: dict, plans: dict[str, tuple], world: int):
@@ -81,8 +89,17 @@ def full_by_dtensor(live) -> dict:
     return out
 
 
-def continuity(rank: int, world: int, cfg: dict, a: tuple, b: tuple, k: int, n: int, bad: tuple | None = None,
-               c: tuple | None = None) -> dict:
+def continuity(
+    rank: int,
+    world: int,
+    cfg: dict,
+    a: tuple,
+    b: tuple,
+    k: int,
+    n: int,
+    bad: tuple | None = None,
+    c: tuple | None = None,
+) -> dict:
     """k steps under plan A, the transition to B, n more steps three ways: the moved model, one
     restarted under B from the full state sliced, and plan A's model that never moved. With
     ``c`` (a plan on fewer ranks), the moved model then goes to plan C (the other ranks leave,
@@ -115,8 +132,12 @@ def continuity(rank: int, world: int, cfg: dict, a: tuple, b: tuple, k: int, n: 
         out["b_end"] = shards(end_moved[0])
         shrunk = reshard(moved, job, "b", "c", timeout=30)
         state_c, step_c = export_state(shrunk, job, "c")
-        out.update(c=shards(state_c), step_c=step_c, in_c=shrunk.model is not None,
-                   loss_c=train_step(shrunk, batch(config, k + n, seed=SEED)) if shrunk.model is not None else None)
+        out.update(
+            c=shards(state_c),
+            step_c=step_c,
+            in_c=shrunk.model is not None,
+            loss_c=train_step(shrunk, batch(config, k + n, seed=SEED)) if shrunk.model is not None else None,
+        )
     if bad:
         out["rollback"] = rollback(live, job, config, k + n)
     return out
@@ -144,8 +165,11 @@ def rollback(live, job, config, steps: int) -> dict:
     except TransitionError as e:
         out["transition_error"] = (str(e), e.failed_ranks, e.unresponsive)
     after, step_after = export_state(live, job, "a")
-    out["intact"] = (step_after == step and set(after) == set(before)
-                     and all(after[key].data_ptr() == p and torch.equal(after[key], v) for key, (p, v) in before.items()))
+    out["intact"] = (
+        step_after == step
+        and set(after) == set(before)
+        and all(after[key].data_ptr() == p and torch.equal(after[key], v) for key, (p, v) in before.items())
+    )
     out["loss_after"] = train_step(live, batch(config, steps, seed=SEED))
     control = build(config, job.plans["a"].layouts[MS], seed=SEED, timeout=30)
     out["loss_control"] = [train_step(control, batch(config, s, seed=SEED)) for s in range(steps + 1)][-1]

@@ -30,18 +30,19 @@ PRINTABLE = string.printable
 
 
 def _mutate_once(text: str, rng: random.Random) -> tuple[str, str]:
-    kind = rng.choice(["del_char", "del_line", "dup_line", "swap_chars", "swap_lines", "insert", "truncate",
-                       "dup_span"])
+    kind = rng.choice(
+        ["del_char", "del_line", "dup_line", "swap_chars", "swap_lines", "insert", "truncate", "dup_span"]
+    )
     lines = text.split("\n")
     if kind == "del_char" and text:
         i = rng.randrange(len(text))
-        return text[:i] + text[i + 1:], f"{kind}@{i}"
+        return text[:i] + text[i + 1 :], f"{kind}@{i}"
     if kind == "del_line" and len(lines) > 1:
         i = rng.randrange(len(lines))
-        return "\n".join(lines[:i] + lines[i + 1:]), f"{kind}@{i + 1}"
+        return "\n".join(lines[:i] + lines[i + 1 :]), f"{kind}@{i + 1}"
     if kind == "dup_line" and lines:
         i = rng.randrange(len(lines))
-        return "\n".join(lines[: i + 1] + [lines[i]] + lines[i + 1:]), f"{kind}@{i + 1}"
+        return "\n".join(lines[: i + 1] + [lines[i]] + lines[i + 1 :]), f"{kind}@{i + 1}"
     if kind == "swap_chars" and len(text) > 1:
         i, j = sorted(rng.sample(range(len(text)), 2))
         if rng.random() < 0.5:  # neighbours: typos
@@ -154,7 +155,8 @@ HANDCRAFTED = [
     "emu @p a.b[0] { shard [0, 0] gpus [0] { norm.weight [5:1] } }",
     "emu @p a.b[0] { shard [0, 0] gpus [0] { norm.weight [0:1.5] } }",
     "transition @t { %0 = teleport norm.weight [0:1] { bytes = 1B, link = local } }",
-    "transition @t { source = @a, target = @b, %0 = free norm.weight [0:1] from [host[0]] { bytes = 1B, link = local } }",
+    "transition @t { source = @a, target = @b, %0 = free norm.weight [0:1] from [host[0]] { bytes = 1B, link = local "
+    "} }",
     "cluster @c { gpu_memory = 80 GiB }",
     "cluster @c { gpu_memory = 80gib }",
     "cluster @c { gpu_memory = 1.5B }",
@@ -225,7 +227,9 @@ def test_cli_fmt_huge_and_tiny_quantities(tmp_path, capsys):
     Regression: quantities past ~1e28 of the largest unit made ``fmt`` die with
     decimal.InvalidOperation, and times below ~1e-49 s with UnitError.
     """
-    text = TEXTS["grpo_7b_8gpu.nir"].replace("host_memory = 2TiB", "host_memory = 10000000000000000000000000000000000000000B")
+    text = TEXTS["grpo_7b_8gpu.nir"].replace(
+        "host_memory = 2TiB", "host_memory = 10000000000000000000000000000000000000000B"
+    )
     text = text.replace("latency = 10us", "latency = 0." + "0" * 70 + "1s")
     path = tmp_path / "huge.nir"
     path.write_text(text)

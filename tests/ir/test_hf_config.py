@@ -13,19 +13,63 @@ from nereus.ir.hf_config import model_block, model_from_hf_config
 from nereus.ir.presets import PRESETS, preset_attrs, preset_model
 
 # the public config.json files (the keys the import reads, and a few it ignores)
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-             "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": 500000.0, "max_position_embeddings": 8192,
-             "rms_norm_eps": 1e-05, "hidden_act": "silu"}
-QWEN25_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824,
-              "num_attention_heads": 40, "num_hidden_layers": 48, "num_key_value_heads": 8, "vocab_size": 152064,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": 131072, "use_sliding_window": False,
-              "max_window_layers": 48, "rope_theta": 1000000.0, "hidden_act": "silu"}
-MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-              "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "sliding_window": 4096, "rope_theta": 10000.0}
-LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
-             "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "torch_dtype": "float16"}
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+}
+QWEN25_14B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "max_window_layers": 48,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+}
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "sliding_window": 4096,
+    "rope_theta": 10000.0,
+}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "torch_dtype": "float16",
+}
 
 
 def write(tmp_path, cfg, name="config.json"):
@@ -34,22 +78,32 @@ def write(tmp_path, cfg, name="config.json"):
     return path
 
 
-@pytest.mark.parametrize("cfg, preset, published, biases", [
-    (LLAMA3_8B, "llama3-8b", 8_030_261_248, 0),
-    (QWEN25_14B, "qwen2.5-14b", 14_770_033_664, 48 * (5120 + 1024 + 1024)),
-    (MISTRAL_7B, "mistral-7b", 7_241_732_096, 0),
-    (LLAMA2_7B, "llama2-7b", 6_738_415_616, 0),
-])
+@pytest.mark.parametrize(
+    "cfg, preset, published, biases",
+    [
+        (LLAMA3_8B, "llama3-8b", 8_030_261_248, 0),
+        (QWEN25_14B, "qwen2.5-14b", 14_770_033_664, 48 * (5120 + 1024 + 1024)),
+        (MISTRAL_7B, "mistral-7b", 7_241_732_096, 0),
+        (LLAMA2_7B, "llama2-7b", 6_738_415_616, 0),
+    ],
+)
 def test_public_configs(tmp_path, cfg, preset, published, biases):
     m = model_from_hf_config(write(tmp_path, cfg), "actor", trained=True)
     assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab) == (
-        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-        cfg["intermediate_size"], cfg["vocab_size"])
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
     assert m.head_dim is None and m.mlp == "gated" and not m.tied_embeddings and m.trained and m.head == "lm"
     assert m.dtype == {"bfloat16": "bf16", "float16": "fp16"}[cfg["torch_dtype"]]
     # the published count, less what the IR does not model (Qwen2's q/k/v biases, which the note states)
     assert m.num_params() + biases == published
-    assert [getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")] == list(PRESETS[preset].values())
+    assert [getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")] == list(
+        PRESETS[preset].values()
+    )
     text = model_block(m)
     assert nereus.parse(text).models["actor"] == m
     notes = [line for line in text.splitlines() if line.startswith("// note:")]
@@ -59,8 +113,9 @@ def test_public_configs(tmp_path, cfg, preset, published, biases):
 
 def test_defaults_head_dim_and_tied(tmp_path):
     cfg = {k: v for k, v in LLAMA3_8B.items() if k not in ("num_key_value_heads", "torch_dtype")}
-    m = model_from_hf_config(cfg | {"tie_word_embeddings": True, "head_dim": 256, "num_attention_heads": 8}, "critic",
-                             head="value")
+    m = model_from_hf_config(
+        cfg | {"tie_word_embeddings": True, "head_dim": 256, "num_attention_heads": 8}, "critic", head="value"
+    )
     assert m.kv_heads == 8 and m.head_dim == 256 and m.hd == 256 and m.tied_embeddings and m.dtype == "bf16"
     assert m.head == "value" and "score.weight" in m.tensors and "lm_head.weight" not in m.tensors
     assert "no torch_dtype" in model_block(m)
@@ -69,12 +124,15 @@ def test_defaults_head_dim_and_tied(tmp_path):
     assert model_from_hf_config(cfg | {"head_dim": 128}, "x").head_dim is None  # = hidden / heads: not printed
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"model_type": "gemma"}, ["model_type = 'gemma' is not supported"]),
-    ({"intermediate_size": None}, ["no 'intermediate_size'"]),
-    ({"num_hidden_layers": "32"}, ["'num_hidden_layers'", "not a positive integer"]),
-    ({"torch_dtype": "int8"}, ["torch_dtype = 'int8'"]),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"model_type": "gemma"}, ["model_type = 'gemma' is not supported"]),
+        ({"intermediate_size": None}, ["no 'intermediate_size'"]),
+        ({"num_hidden_layers": "32"}, ["'num_hidden_layers'", "not a positive integer"]),
+        ({"torch_dtype": "int8"}, ["torch_dtype = 'int8'"]),
+    ],
+)
 def test_errors_name_the_key_and_file(tmp_path, change, words):
     cfg = {k: v for k, v in (LLAMA3_8B | change).items() if v is not None}
     path = write(tmp_path, cfg)
@@ -107,7 +165,10 @@ def test_cli_output_reparses(tmp_path, capsys):
     assert (m.layers, m.hidden, m.kv_heads, m.trained, m.head) == (48, 5120, 8, True, "value")
     assert main(["import-hf", "--preset", "qwen2.5-14b"]) == 0
     out, err = capsys.readouterr()
-    assert nereus.parse(out).models["actor"] == nereus.parse(model_block(model_from_hf_config(QWEN25_14B, "actor"))).models["actor"]
+    assert (
+        nereus.parse(out).models["actor"]
+        == nereus.parse(model_block(model_from_hf_config(QWEN25_14B, "actor"))).models["actor"]
+    )
     assert "344,064" in err and "// preset qwen2.5-14b" in out
     assert main(["import-hf", "--list-presets"]) == 0
     listed = capsys.readouterr().out
@@ -125,14 +186,27 @@ def test_presets():
 
 
 # -------------------------------------------- transformers: a real model from the same config
-TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-            vocab_size=128)
+TINY = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+)
 
 
-@pytest.mark.parametrize("family, extra", [
-    ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("llama", {"head_dim": 32}),
-    ("qwen2", {}), ("mistral", {}), ("mistral", {"num_key_value_heads": 4}),
-])
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"head_dim": 32}),
+        ("qwen2", {}),
+        ("mistral", {}),
+        ("mistral", {"num_key_value_heads": 4}),
+    ],
+)
 def test_param_count_matches_transformers(family, extra):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.for_model(family, **(TINY | extra))

@@ -13,17 +13,22 @@ BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
 
 
 def _plan(layout: str) -> str:
-    return BASE + f"""
+    return (
+        BASE
+        + f"""
 plan @probe {{
   workload = @w175b
   cluster = @selene
   layout gpt175b.train {{ {layout} }}
 }}
 """
+    )
 
 
 CP_BASE = "tp = 8, pp = 8, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], micro_batches = 32"
-GOOD = "tp = 8, pp = 8, dp = 1, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], mesh = [0..63]"
+GOOD = (
+    "tp = 8, pp = 8, dp = 1, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], mesh = [0..63]"
+)
 
 
 def _error(layout: str) -> tuple[str, str]:
@@ -44,21 +49,45 @@ def test_features_round_trip_and_change_the_estimate():
     plain = nereus.parse(_plan(GOOD + ", micro_batches = 64"))
     assert estimate_plan(m, m.plans["probe"]) == [] and estimate_plan(plain, plain.plans["probe"]) == []
     a, b = m.plans["probe"].layouts["gpt175b.train"], plain.plans["probe"].layouts["gpt175b.train"]
-    assert a.time_breakdown.bubble == pytest.approx(b.time_breakdown.bubble / 3, rel=1e-4)  # interleaving: a third of the bubble
-    assert a.memory_breakdown.grads == pytest.approx(2 * b.memory_breakdown.grads, rel=1e-3)  # fp32 main grads (printed in MiB)
+    assert a.time_breakdown.bubble == pytest.approx(
+        b.time_breakdown.bubble / 3, rel=1e-4
+    )  # interleaving: a third of the bubble
+    assert a.memory_breakdown.grads == pytest.approx(
+        2 * b.memory_breakdown.grads, rel=1e-3
+    )  # fp32 main grads (printed in MiB)
     assert a.memory_breakdown.activations < b.memory_breakdown.activations  # SP, despite interleaving's extra in flight
 
 
-@pytest.mark.parametrize("layout,message", [
-    ("tp = 1, pp = 1, dp = 8, layers = [0..95], mesh = [0..7], sp = true",
-     "sequence parallelism shards activations over TP, but tp = 1"),
-    ("tp = 8, pp = 1, dp = 1, layers = [0..95], mesh = [0..7], vpp = 2", "vpp = 2 interleaves pipeline stages, but pp = 1"),
-    (GOOD + ", micro_batches = 64, vpp = 5", "vpp = 5 virtual stages do not divide the layers of every pipeline stage"),
-    (GOOD + ", micro_batches = 12, vpp = 3", "the interleaved schedule needs micro_batches = 12 to be a multiple of pp = 8"),
-    (CP_BASE + ", dp = 1, cp = 3, mesh = [0..191]",
-     "cp = 3 splits each sequence into 6 causal chunks, which do not divide the sequence prompt_len_max + response_len_max = 2048"),
-    (CP_BASE + ", dp = 1, cp = 2, mesh = [0..63]", "mesh has 64 GPU(s) but dp x cp x pp x tp = 1 x 2 x 8 x 8 = 128"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (
+            "tp = 1, pp = 1, dp = 8, layers = [0..95], mesh = [0..7], sp = true",
+            "sequence parallelism shards activations over TP, but tp = 1",
+        ),
+        (
+            "tp = 8, pp = 1, dp = 1, layers = [0..95], mesh = [0..7], vpp = 2",
+            "vpp = 2 interleaves pipeline stages, but pp = 1",
+        ),
+        (
+            GOOD + ", micro_batches = 64, vpp = 5",
+            "vpp = 5 virtual stages do not divide the layers of every pipeline stage",
+        ),
+        (
+            GOOD + ", micro_batches = 12, vpp = 3",
+            "the interleaved schedule needs micro_batches = 12 to be a multiple of pp = 8",
+        ),
+        (
+            CP_BASE + ", dp = 1, cp = 3, mesh = [0..191]",
+            "cp = 3 splits each sequence into 6 causal chunks, which do not divide the sequence prompt_len_max + "
+            "response_len_max = 2048",
+        ),
+        (
+            CP_BASE + ", dp = 1, cp = 2, mesh = [0..63]",
+            "mesh has 64 GPU(s) but dp x cp x pp x tp = 1 x 2 x 8 x 8 = 128",
+        ),
+    ],
+)
 def test_unsupported_combinations_are_diagnostics_at_the_layout(layout, message):
     got, line = _error(layout)
     assert message in got
@@ -70,8 +99,9 @@ def test_fp8_gemms_run_at_the_fp8_peak_and_need_it():
     LM head at bf16; without the cluster's FP8 peak it is a diagnostic at the attribute."""
     from nereus.passes.cost.cost_model import CostModel
 
-    text = _plan(GOOD + ", micro_batches = 64, fp8 = true").replace("  peak_flops = 312TFLOPs\n",
-                                                                  "  peak_flops = 312TFLOPs\n  peak_flops_fp8 = 624TFLOPs\n")
+    text = _plan(GOOD + ", micro_batches = 64, fp8 = true").replace(
+        "  peak_flops = 312TFLOPs\n", "  peak_flops = 312TFLOPs\n  peak_flops_fp8 = 624TFLOPs\n"
+    )
     m, plain = nereus.parse(text), nereus.parse(_plan(GOOD + ", micro_batches = 64"))
     assert estimate_plan(m, m.plans["probe"]) == [] and estimate_plan(plain, plain.plans["probe"]) == []
     model = m.models["gpt175b"]
@@ -82,7 +112,6 @@ def test_fp8_gemms_run_at_the_fp8_peak_and_need_it():
     assert fast / slow == pytest.approx((layers + head) / (96 * (gemm + attention) + head), rel=1e-4)
     message, line = _error(GOOD + ", micro_batches = 64, fp8 = true")
     assert "fp8 GEMMs need the FP8 peak of cluster @selene" in message and "layout gpt175b.train" in line
-
 
 
 def test_context_parallelism_splits_the_sequence_and_replicates_the_state():

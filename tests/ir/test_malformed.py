@@ -26,8 +26,20 @@ from nereus.cli import main
 MALFORMED = Path(__file__).resolve().parent / "malformed"
 FILES = sorted(MALFORMED.glob("*.nir"))
 
-CATEGORIES = ("syntax_", "unit_", "attr_", "name_", "cluster_", "model_", "workload_", "plan_", "layout_",
-              "colocate_", "emu_", "transition_")
+CATEGORIES = (
+    "syntax_",
+    "unit_",
+    "attr_",
+    "name_",
+    "cluster_",
+    "model_",
+    "workload_",
+    "plan_",
+    "layout_",
+    "colocate_",
+    "emu_",
+    "transition_",
+)
 
 _EXPECT = re.compile(r"// EXPECT: (\d+):(\d+): (.+?)\s*$")
 _HINT = re.compile(r"// HINT: (.+?)\s*$")
@@ -76,15 +88,18 @@ def test_malformed_file(path: Path, capsys):
         assert shown.endswith(text), f"source line {line} not printed after the diagnostic:\n{err}"
         gutter = len(shown) - len(text)
         assert shown[:gutter].strip() == f"{line} |", f"bad gutter {shown!r}"
-        assert caret.rstrip().endswith("^") and caret.index("^") == gutter + col - 1, \
+        assert caret.rstrip().endswith("^") and caret.index("^") == gutter + col - 1, (
             f"caret not under column {col}:\n{shown}\n{caret}"
+        )
 
     for fragment in hints:
-        assert any(h.startswith("hint: ") and fragment in h for h in out), \
+        assert any(h.startswith("hint: ") and fragment in h for h in out), (
             f"expected a hint containing {fragment!r}; nereus check printed:\n{err}"
+        )
 
     assert len(errors) == len(expects), (
-        f"{len(errors)} error(s) reported, {len(expects)} expected (a cascade or a duplicate?):\n{err}")
+        f"{len(errors)} error(s) reported, {len(expects)} expected (a cascade or a duplicate?):\n{err}"
+    )
 
 
 def test_corpus_size():

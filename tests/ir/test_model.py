@@ -39,7 +39,9 @@ def test_tp_boxes_tile_and_follow_rules():
     m = Model(name="m", layers=2, hidden=64, heads=8, kv_heads=2, ffn=96, vocab=101)
     t = m.tensors
     # column: dim 0 split at head granularity
-    assert [m.tp_box(t["self_attn.q_proj.weight"], 4, r) for r in range(4)] == [((16 * r, 16 * r + 16), (0, 64)) for r in range(4)]
+    assert [m.tp_box(t["self_attn.q_proj.weight"], 4, r) for r in range(4)] == [
+        ((16 * r, 16 * r + 16), (0, 64)) for r in range(4)
+    ]
     # row: dim 1
     assert m.tp_box(t["mlp.down_proj.weight"], 4, 1) == ((0, 64), (24, 48))
     # vocab with an uneven split: the first 101 % 4 = 1 rank holds one row more

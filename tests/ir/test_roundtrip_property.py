@@ -61,7 +61,9 @@ def assert_verifies(m: nereus.Module, what: str = "generated valid module") -> N
     try:
         verify(m)
     except nereus.DiagnosticError as e:
-        raise AssertionError(f"{what} rejected by verify:\n{e.render()}\n--- module ---\n{print_ir(m)[:6000]}") from None
+        raise AssertionError(
+            f"{what} rejected by verify:\n{e.render()}\n--- module ---\n{print_ir(m)[:6000]}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- generated modules
@@ -103,8 +105,12 @@ def test_generated_valid_modules_verify(m):
 
 # No shrinking: shrinking these modules costs minutes; the minimal reproducer of the bug this
 # guards against is test_empty_tp_slice_roundtrip.
-@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+@settings(
+    max_examples=25,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 @given(modules(tiny_dims=True))
 def test_roundtrip_tiny_dims(m):
     """ffn or vocab below tp: the verifier accepts the module, so its printed text must parse back.

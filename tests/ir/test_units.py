@@ -160,9 +160,12 @@ def test_size_roundtrip(v):
 
 
 @SETTINGS
-@given(st.sampled_from([Dim.BANDWIDTH, Dim.TIME, Dim.FLOPS]),
-       st.one_of(st.floats(min_value=1e-15, max_value=1e24, allow_nan=False, allow_infinity=False),
-                 st.sampled_from(AWKWARD)))
+@given(
+    st.sampled_from([Dim.BANDWIDTH, Dim.TIME, Dim.FLOPS]),
+    st.one_of(
+        st.floats(min_value=1e-15, max_value=1e24, allow_nan=False, allow_infinity=False), st.sampled_from(AWKWARD)
+    ),
+)
 def test_float_roundtrip_realistic(dim, v):
     """Every float a real cluster or schedule could carry (1 fs .. 1e24 per second)."""
     text = format_quantity(dim, v)
@@ -171,8 +174,7 @@ def test_float_roundtrip_realistic(dim, v):
 
 
 @SETTINGS
-@given(st.sampled_from(list(UNITS)),
-       st.from_regex(r"[1-9][0-9]{0,11}(\.[0-9]{1,6})?", fullmatch=True))
+@given(st.sampled_from(list(UNITS)), st.from_regex(r"[1-9][0-9]{0,11}(\.[0-9]{1,6})?", fullmatch=True))
 def test_written_text_roundtrip(unit, number):
     """Anything a person writes (up to 12 digits) parses, prints canonically and parses back equal."""
     text = number + unit
@@ -200,8 +202,10 @@ def test_size_roundtrip_any_int(v):
 
 
 @SETTINGS
-@given(st.sampled_from([Dim.BANDWIDTH, Dim.TIME, Dim.FLOPS]),
-       st.floats(min_value=0.0, exclude_min=True, allow_nan=False, allow_infinity=False))
+@given(
+    st.sampled_from([Dim.BANDWIDTH, Dim.TIME, Dim.FLOPS]),
+    st.floats(min_value=0.0, exclude_min=True, allow_nan=False, allow_infinity=False),
+)
 @example(Dim.BANDWIDTH, 1e40)
 @example(Dim.TIME, 1e-60)
 @example(Dim.TIME, 5e-324)
@@ -210,9 +214,14 @@ def test_float_roundtrip_any_positive(dim, v):
     assert parse_quantity(text)[1] == v, text
 
 
-@pytest.mark.parametrize("text", ["10000000000000000000000000000000000000000B",
-                                  "0.000000000000000000000000000000000000000000000000000000000001s",
-                                  "100000000000000000000000000000s"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "10000000000000000000000000000000000000000B",
+        "0.000000000000000000000000000000000000000000000000000000000001s",
+        "100000000000000000000000000000s",
+    ],
+)
 def test_parsed_quantities_print(text):
     """A quantity the parser accepts must print (nereus fmt would otherwise crash on that file)."""
     dim, v = parse_quantity(text)

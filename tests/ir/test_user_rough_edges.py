@@ -143,9 +143,14 @@ def test_misspelled_role_is_one_error_whose_hint_points_to_the_declared_model():
 
 
 def test_stage_running_a_declared_model_that_is_not_a_role_is_told_to_add_it():
-    text = edit(("model @ref {", "model @ref2 {\n  layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, "
-                                 "vocab = 152064\n}\n\nmodel @ref {"),
-                ("models = [@actor, @ref] }", "models = [@actor, @ref, @ref2] }"))
+    text = edit(
+        (
+            "model @ref {",
+            "model @ref2 {\n  layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, "
+            "vocab = 152064\n}\n\nmodel @ref {",
+        ),
+        ("models = [@actor, @ref] }", "models = [@actor, @ref, @ref2] }"),
+    )
     (d,) = diagnostics(text)
     assert d.message == "stage infer runs @ref2, which is not a role of workload @grpo"
     assert d.hint == "add it to the roles: roles = [@actor, @ref, @ref2]"  # not "did you mean 'ref'?"
@@ -165,7 +170,7 @@ def test_roles_without_at_are_told_the_fix_in_their_own_names():
     (d,) = diagnostics(text)
     assert d.message == "'roles' expects a list of references such as [@name], got a name 'actor'"
     assert d.hint == "references start with '@': write [@actor, @ref]"
-    assert line_of(text, d)[d.loc.col - 1:].startswith("actor")
+    assert line_of(text, d)[d.loc.col - 1 :].startswith("actor")
 
 
 def test_stage_models_without_at_and_a_bare_role():
@@ -186,9 +191,17 @@ def test_quantities_take_an_exponent_and_print_canonically():
     assert "hbm_bandwidth = 3.35TB/s" in nereus.print_ir(m)
 
 
-@pytest.mark.parametrize("text, dim, value", [("3.35e3GB/s", Dim.BANDWIDTH, 3.35e12), ("1e3GB", Dim.SIZE, 10**12),
-                                              ("1.5E-3s", Dim.TIME, 1.5e-3), ("2e+2us", Dim.TIME, 2e-4),
-                                              ("1e0B", Dim.SIZE, 1), ("-1e3s", Dim.TIME, -1000.0)])
+@pytest.mark.parametrize(
+    "text, dim, value",
+    [
+        ("3.35e3GB/s", Dim.BANDWIDTH, 3.35e12),
+        ("1e3GB", Dim.SIZE, 10**12),
+        ("1.5E-3s", Dim.TIME, 1.5e-3),
+        ("2e+2us", Dim.TIME, 2e-4),
+        ("1e0B", Dim.SIZE, 1),
+        ("-1e3s", Dim.TIME, -1000.0),
+    ],
+)
 def test_parse_quantity_with_exponent(text, dim, value):
     assert parse_quantity(text) == (dim, value)
 
@@ -216,8 +229,14 @@ def test_list_hint_only_inside_a_list():
 # ---------------------------------------------------------------- 4. nothing to check
 
 
-@pytest.mark.parametrize("content, what", [("", "the file is empty"), ("\n  \n", "the file is empty"),
-                                           ("// a comment\n// and another\n", "the file holds only comments")])
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        ("", "the file is empty"),
+        ("\n  \n", "the file is empty"),
+        ("// a comment\n// and another\n", "the file holds only comments"),
+    ],
+)
 @pytest.mark.parametrize("command", [["check"], ["show"], ["fmt", "--check"], ["opt", "-p", "estimate"]])
 def test_empty_module_is_an_error_for_every_command(tmp_path, capsys, content, what, command):
     path = tmp_path / "empty.nir"
@@ -243,23 +262,36 @@ def test_mesh_beyond_the_cluster_is_one_error_per_layout_with_the_range():
     ds = diagnostics(text)
     assert len(ds) == len(beyond) >= 2  # was one per GPU: 32
     for d in ds:
-        assert re.fullmatch(r"\S+: GPUs [0-9., ]+ of the mesh do not exist: cluster @h100x16 has GPUs 0..7 \(1 node x 8\)",
-                            d.message), d.message
+        assert re.fullmatch(
+            r"\S+: GPUs [0-9., ]+ of the mesh do not exist: cluster @h100x16 has GPUs 0..7 \(1 node x 8\)", d.message
+        ), d.message
         assert line_of(text, d).strip().startswith("mesh = ")
         assert d.hint.startswith("the mesh reaches node 1: give cluster @h100x16 nodes = 2")
     assert any("GPUs 8..15 of the mesh do not exist" in d.message for d in ds)
 
 
 def test_mesh_grouping_of_unavailable_and_repeated_gpus():
-    text = edit(("  nodes = 1\n", "  nodes = 1\n  unavailable = [2, 3, 9, 10, 11]\n"),
-                ("    dp = 4\n    layers = [0..27]\n    mesh = [0..7]", "    dp = 4\n    layers = [0..27]\n    mesh = [0..5, 5, 5]"))
+    text = edit(
+        ("  nodes = 1\n", "  nodes = 1\n  unavailable = [2, 3, 9, 10, 11]\n"),
+        (
+            "    dp = 4\n    layers = [0..27]\n    mesh = [0..7]",
+            "    dp = 4\n    layers = [0..27]\n    mesh = [0..5, 5, 5]",
+        ),
+    )
     messages = sorted(d.message for d in diagnostics(text))
     assert "unavailable GPUs 9..11 do not exist: cluster @h100x8 has GPUs 0..7 (1 node x 8)" in messages
     assert "actor.generate: GPU 5 appears twice in the mesh" in messages
     assert "actor.generate: GPUs 2, 3 are unavailable in cluster @h100x8" in messages
     assert "actor.infer: GPUs 2, 3 are unavailable in cluster @h100x8" in messages
     # the single-GPU wording is unchanged (the malformed corpus pins it)
-    (d,) = diagnostics(edit(("    dp = 4\n    layers = [0..27]\n    mesh = [0..7]", "    dp = 4\n    layers = [0..27]\n    mesh = [0..6, 8]")))
+    (d,) = diagnostics(
+        edit(
+            (
+                "    dp = 4\n    layers = [0..27]\n    mesh = [0..7]",
+                "    dp = 4\n    layers = [0..27]\n    mesh = [0..6, 8]",
+            )
+        )
+    )
     assert d.message.startswith("actor.generate: GPU 8 does not exist: cluster @h100x8 has GPUs 0..7")
 
 
@@ -277,11 +309,15 @@ def test_clip_line():
 
 def test_a_one_line_file_is_not_echoed_whole(tmp_path, capsys):
     # every declaration on one line; a mistake (tp = 3) in the middle of a ~1 MB line
-    blocks = "".join(f"model @m{i} {{ layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, vocab = 152064 }} "
-                     for i in range(5000))
+    blocks = "".join(
+        f"model @m{i} {{ layers = 28, hidden = 3584, heads = 28, kv_heads = 4, ffn = 18944, vocab = 152064 }} "
+        for i in range(5000)
+    )
     text = " ".join(l.strip() for l in BASE.split("\n"))
-    text = text.replace("model @ref {", blocks + "model @ref {").replace("tp = 4 pp = 1 dp = 2 layers = [0..27] mesh = [0..7] micro_batches",
-                                                                          "tp = 3 pp = 1 dp = 2 layers = [0..27] mesh = [0..7] micro_batches")
+    text = text.replace("model @ref {", blocks + "model @ref {").replace(
+        "tp = 4 pp = 1 dp = 2 layers = [0..27] mesh = [0..7] micro_batches",
+        "tp = 3 pp = 1 dp = 2 layers = [0..27] mesh = [0..7] micro_batches",
+    )
     text += blocks.replace("@m", "@n")  # the mistake in the middle of the line
     assert "\n" not in text and len(text) > 800_000
     path = tmp_path / "one_line.nir"
@@ -294,13 +330,18 @@ def test_a_one_line_file_is_not_echoed_whole(tmp_path, capsys):
     shown, caret = lines[i + 1], lines[i + 2]
     col = int(re.match(rf"{re.escape(str(path))}:1:(\d+): error", lines[i])[1])
     assert len(shown) <= len("    1 | ") + MAX_SHOWN + 6 and shown.startswith("    1 | ...") and shown.endswith("...")
-    assert shown[caret.index("^")] == text[col - 1] == "t" and shown[caret.index("^"):].startswith("tp = 3")
+    assert shown[caret.index("^")] == text[col - 1] == "t" and shown[caret.index("^") :].startswith("tp = 3")
 
 
 def test_diagnostic_lines_are_counted_at_newlines_only():
     # a form feed is whitespace to the lexer, not a line break: the echoed line is the reported one
-    text = edit(("  gpus_per_node = 8\n", "  gpus_per_node = 8 \f\n"), ("    dp = 4\n    layers = [0..27]\n    mesh = [0..7]",
-                                                                      "    dp = 4\n    layers = [0..27]\n    mesh = [0..6, 8]"))
+    text = edit(
+        ("  gpus_per_node = 8\n", "  gpus_per_node = 8 \f\n"),
+        (
+            "    dp = 4\n    layers = [0..27]\n    mesh = [0..7]",
+            "    dp = 4\n    layers = [0..27]\n    mesh = [0..6, 8]",
+        ),
+    )
     with pytest.raises(DiagnosticError) as e:
         nereus.verify(nereus.parse(text, "job.nir"))
     rendered = e.value.render().splitlines()
@@ -328,8 +369,8 @@ def test_parse_restores_the_garbage_collector():
 
 
 def test_declarations_are_built_as_parsed_and_the_raw_parser_still_returns_records():
-    from nereus.ir.parser import Decl, _build, lark_parser
     from nereus.ir.diagnostics import DiagnosticSink
+    from nereus.ir.parser import Decl, _build, lark_parser
 
     decls = lark_parser().parse(BASE)
     assert [d.kind for d in decls] == ["cluster", "model", "model", "workload", "plan"]
@@ -343,25 +384,47 @@ def test_declarations_are_built_as_parsed_and_the_raw_parser_still_returns_recor
 # ---------------------------------------------------------------- 8. batch sizes
 
 
-@pytest.mark.parametrize("pairs, key, message, hint", [
-    # the user's report: global_batch = 100, micro_batch = 3, mini_batch = 400 (x 8 responses: 800 samples)
-    ((("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 3\n  mini_batch = 400")),
-     "mini_batch", "mini_batch = 400 is not a multiple of micro_batch = 3: an optimizer step would end inside a micro-batch",
-     "use micro_batch = 2 or 4"),
-    ((("global_batch = 128", "global_batch = 100"), ("group_size = 8", "group_size = 2"),
-      ("micro_batch = 4", "micro_batch = 4\n  mini_batch = 400")),
-     "mini_batch", "mini_batch = 400 exceeds the 200 samples of a step",
-     "samples per step = global_batch x group_size = 100 x 2; use mini_batch = 200"),
-    ((("micro_batch = 4", "micro_batch = 4\n  mini_batch = 100"),),
-     "mini_batch", "mini_batch = 100 does not divide the 1024 samples of a step",
-     "samples per step = global_batch x group_size = 128 x 8; use mini_batch = 64 or 128"),
-    ((("micro_batch = 4", "micro_batch = 8\n  mini_batch = 4"),),
-     "micro_batch", "micro_batch = 8 exceeds mini_batch = 4: a replica's forward and backward pass would take more "
-                    "samples than an optimizer step", "use micro_batch = 4"),
-    ((("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 3")),
-     "micro_batch", "micro_batch = 3 does not divide the 800 samples of a step (one optimizer step: mini_batch is not set)",
-     "use micro_batch = 2 or 4"),
-])
+@pytest.mark.parametrize(
+    "pairs, key, message, hint",
+    [
+        # the user's report: global_batch = 100, micro_batch = 3, mini_batch = 400 (x 8 responses: 800 samples)
+        (
+            (("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 3\n  mini_batch = 400")),
+            "mini_batch",
+            "mini_batch = 400 is not a multiple of micro_batch = 3: an optimizer step would end inside a micro-batch",
+            "use micro_batch = 2 or 4",
+        ),
+        (
+            (
+                ("global_batch = 128", "global_batch = 100"),
+                ("group_size = 8", "group_size = 2"),
+                ("micro_batch = 4", "micro_batch = 4\n  mini_batch = 400"),
+            ),
+            "mini_batch",
+            "mini_batch = 400 exceeds the 200 samples of a step",
+            "samples per step = global_batch x group_size = 100 x 2; use mini_batch = 200",
+        ),
+        (
+            (("micro_batch = 4", "micro_batch = 4\n  mini_batch = 100"),),
+            "mini_batch",
+            "mini_batch = 100 does not divide the 1024 samples of a step",
+            "samples per step = global_batch x group_size = 128 x 8; use mini_batch = 64 or 128",
+        ),
+        (
+            (("micro_batch = 4", "micro_batch = 8\n  mini_batch = 4"),),
+            "micro_batch",
+            "micro_batch = 8 exceeds mini_batch = 4: a replica's forward and backward pass would take more "
+            "samples than an optimizer step",
+            "use micro_batch = 4",
+        ),
+        (
+            (("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 3")),
+            "micro_batch",
+            "micro_batch = 3 does not divide the 800 samples of a step (one optimizer step: mini_batch is not set)",
+            "use micro_batch = 2 or 4",
+        ),
+    ],
+)
 def test_batch_sizes_nest(pairs, key, message, hint):
     text = edit(*pairs)
     (d,) = diagnostics(text)
@@ -370,16 +433,22 @@ def test_batch_sizes_nest(pairs, key, message, hint):
 
 
 def test_a_layout_whose_replicas_cannot_share_a_mini_batch_is_a_warning_of_check(tmp_path, capsys):
-    text = edit(("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 16\n  mini_batch = 400"))
+    text = edit(
+        ("global_batch = 128", "global_batch = 100"), ("micro_batch = 4", "micro_batch = 16\n  mini_batch = 400")
+    )
     path = tmp_path / "job.nir"
     path.write_text(text)
     assert cli.main(["check", str(path)]) == 0  # valid IR: plan-search itself proposes such DP degrees
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == (f"{path}:74:5: warning: actor.train: micro_batch x dp = 16 x 2 = 32 does not divide mini_batch = 400: "
-                      "Megatron-LM and verl reject this split")
+    assert err[0] == (
+        f"{path}:74:5: warning: actor.train: micro_batch x dp = 16 x 2 = 32 does not divide mini_batch = 400: "
+        "Megatron-LM and verl reject this split"
+    )
     assert err[1].strip() == "74 |     dp = 2"
-    assert err[3] == ("hint: an optimizer step is 25 micro-batches, which 2 replicas cannot share evenly: "
-                      "use dp = 1 or 5, or micro_batch = 10 or 20")
+    assert err[3] == (
+        "hint: an optimizer step is 25 micro-batches, which 2 replicas cannot share evenly: "
+        "use dp = 1 or 5, or micro_batch = 10 or 20"
+    )
     assert len(err) == 4
 
 

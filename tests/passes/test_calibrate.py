@@ -6,29 +6,45 @@ import pytest
 
 import nereus
 from nereus.ir.cluster import Efficiency
-from nereus.testing.jobs import _layout_line as _layout, ppo_8b_16gpu
 from nereus.passes.cost.calibrate import fit, observations, read_profile, synthetic_profile
+from nereus.testing.jobs import _layout_line as _layout
+from nereus.testing.jobs import ppo_8b_16gpu
 
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6, overlap=0.7)
 
 # Layout variants of the 8B PPO job on 2 x 8 GPUs, chosen so that every coefficient is exercised:
 # DP and PP across nodes (NIC), offload (PCIe), TP inside nodes (NVLink), decode (HBM).
 VARIANTS = {
-    "v_dp16": dict(gen=(1, 1, 16), infer=(2, 1, 2), train=(1, 1, 16, ", zero = 2, recompute = true"), colocate=True, offload=True),
+    "v_dp16": dict(
+        gen=(1, 1, 16), infer=(2, 1, 2), train=(1, 1, 16, ", zero = 2, recompute = true"), colocate=True, offload=True
+    ),
     "v_pp_nic": dict(gen=(4, 1, 4), infer=(4, 1, 1), train=(8, 2, 1, ""), colocate=True, offload=False),
-    "v_tp8": dict(gen=(8, 1, 2), infer=(1, 1, 4), train=(2, 1, 8, ", zero = 1, recompute = true"), colocate=True, offload=True),
-    "v_mixed": dict(gen=(2, 2, 4), infer=(2, 2, 1), train=(4, 4, 1, ", recompute = true"), colocate=True, offload=False),
+    "v_tp8": dict(
+        gen=(8, 1, 2), infer=(1, 1, 4), train=(2, 1, 8, ", zero = 1, recompute = true"), colocate=True, offload=True
+    ),
+    "v_mixed": dict(
+        gen=(2, 2, 4), infer=(2, 2, 1), train=(4, 4, 1, ", recompute = true"), colocate=True, offload=False
+    ),
 }
 
 
 def plan_text(name, v):
     t, p, d = v["gen"]
-    infer = "".join(_layout(f"{r}.infer", *v["infer"], 32, f"{4 * i}..{4 * i + 3}", ", offload = [weights]" if v["offload"] else "")
-                    for i, r in enumerate(["actor", "critic", "ref", "reward"]))
+    infer = "".join(
+        _layout(f"{r}.infer", *v["infer"], 32, f"{4 * i}..{4 * i + 3}", ", offload = [weights]" if v["offload"] else "")
+        for i, r in enumerate(["actor", "critic", "ref", "reward"])
+    )
     tt, tpp, td, extra = v["train"]
-    train = "".join(_layout(f"{r}.train", tt, tpp, td, 32, "0..15", f", micro_batches = 8{extra}") for r in ("actor", "critic"))
-    return (f"plan @{name} {{\n  workload = @ppo\n  cluster = @h100x16\n  colocate = [[actor.train, critic.train]]\n"
-            + _layout("actor.generate", t, p, d, 32, "0..15") + infer + train + "}\n")
+    train = "".join(
+        _layout(f"{r}.train", tt, tpp, td, 32, "0..15", f", micro_batches = 8{extra}") for r in ("actor", "critic")
+    )
+    return (
+        f"plan @{name} {{\n  workload = @ppo\n  cluster = @h100x16\n  colocate = [[actor.train, critic.train]]\n"
+        + _layout("actor.generate", t, p, d, 32, "0..15")
+        + infer
+        + train
+        + "}\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +105,9 @@ def test_calibrate_pass_writes_efficiency_and_report(module, tmp_path):
     by_plan = {}
     for r in records:
         by_plan.setdefault(r["plan"], {})[r["model_stage"]] = {"seconds": r["seconds"]}
-    profile.write_text("\n".join(json.dumps({"plan": p, "step": i, "stages": st}) for i, (p, st) in enumerate(by_plan.items())))
+    profile.write_text(
+        "\n".join(json.dumps({"plan": p, "step": i, "stages": st}) for i, (p, st) in enumerate(by_plan.items()))
+    )
     m = nereus.parse(nereus.print_ir(module))
     nereus.run_pipeline(m, f"calibrate{{profile={profile}}},estimate")
     c = m.clusters["h100x16"]
@@ -107,7 +125,10 @@ def test_calibrate_pass_writes_efficiency_and_report(module, tmp_path):
 
 def test_bad_profiles_are_diagnostics(module, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"plan": "ppo_p0", "model_stage": "actor.train"}\nnot json\n{"plan": "nope", "model_stage": "x", "seconds": 1}\n')
+    bad.write_text(
+        '{"plan": "ppo_p0", "model_stage": "actor.train"}\nnot json\n{"plan": "nope", "model_stage": "x", "seconds": '
+        "1}\n"
+    )
     with pytest.raises(nereus.DiagnosticError) as e:
         read_profile(bad)
     assert [d.loc.line for d in e.value.diagnostics] == [1, 2]

@@ -37,8 +37,10 @@ def test_validation_set_the_model_beats_constant_efficiency(validation):
     Printed per figure (``pytest -s``); the issue's targets: median at most 10%, worst 25%."""
     rows, err = validation
     for c, e, k in zip(rows, err["model"], err["constant"]):
-        print(f"{c.source:18} {c.plan:14} published {c.published_s:9.3f} s  model {c.model_s:9.3f} s ({e:6.1%})  "
-              f"constant {CONSTANT_EFFICIENCY} {c.constant_s(CONSTANT_EFFICIENCY):9.3f} s ({k:6.1%})")
+        print(
+            f"{c.source:18} {c.plan:14} published {c.published_s:9.3f} s  model {c.model_s:9.3f} s ({e:6.1%})  "
+            f"constant {CONSTANT_EFFICIENCY} {c.constant_s(CONSTANT_EFFICIENCY):9.3f} s ({k:6.1%})"
+        )
     for other in ("constant", "best_constant"):
         assert np.median(err["model"]) < np.median(err[other])
         assert np.mean(err["model"]) < np.mean(err[other])
@@ -72,7 +74,9 @@ def test_interleaved_schedule_memory_and_bubble():
     m = gpt(48, 4096, 32)
     cost = CostModel(A100)
     w = train_workload(64)
-    plain, inter = (cost.stage(m, w, "train", Candidates.grid(A100, 48, 1, 4, 1, micro_batches=64, vpp=v)) for v in (1, 3))
+    plain, inter = (
+        cost.stage(m, w, "train", Candidates.grid(A100, 48, 1, 4, 1, micro_batches=64, vpp=v)) for v in (1, 3)
+    )
     logits = 1 * 2048 * m.vocab * 4  # fp32 logits of one micro-batch, not per layer
     assert (inter.activations[0] - logits) / (plain.activations[0] - logits) == pytest.approx(1 + 3 / 12)
     bubble = lambda sc: sc.breakdown(cost.coeffs)["bubble"] / sc.breakdown(cost.coeffs)["compute"]
@@ -103,5 +107,3 @@ def test_model_state_memory_matches_zero_paper(zero, published_gb):
     assert per_param * 7.5e9 / 1e9 == pytest.approx(published_gb, abs=0.05)
     if zero == 0:
         assert per_param == 16  # 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, momentum, variance)
-
-

@@ -14,6 +14,7 @@ from nereus.passes.cost.layout_costs import stage_groups
 from ..support import EXAMPLES
 from ..support.gpt import A100, gpt, train_workload
 
+
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("layers,hidden,heads", [(96, 12288, 96), (24, 2304, 24), (128, 25600, 160)])
 def test_training_flops_equal_narayanan_formula(layers, hidden, heads, recompute):
@@ -57,8 +58,18 @@ def test_decode_is_hbm_bound_and_tp_helps_it():
     """A decode step of a small batch reads every weight from HBM: time ~ steps x weight bytes / bandwidth."""
     cm = CostModel(A100)
     m = Model(name="l", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-    w = Workload(name="w", algorithm="grpo", roles=[], global_batch=8, group_size=2, prompt_len_mean=128,
-                 prompt_len_max=128, response_len_mean=512, response_len_max=1024, micro_batch=1)
+    w = Workload(
+        name="w",
+        algorithm="grpo",
+        roles=[],
+        global_batch=8,
+        group_size=2,
+        prompt_len_mean=128,
+        prompt_len_max=128,
+        response_len_mean=512,
+        response_len_max=1024,
+        micro_batch=1,
+    )
     c = Candidates.grid(A100, 32, [1, 2], 1, 1)
     cost = cm.stage(m, w, "generate", c)
     b1, b2 = cost.breakdown(cm.coeffs, 0), cost.breakdown(cm.coeffs, 1)
@@ -85,12 +96,19 @@ def test_estimate_annotates_examples_and_step_time_follows_stages():
 
 
 def test_out_of_memory_is_a_diagnostic_naming_stage_gpu_and_shortfall(tmp_path):
-    text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text().replace("gpu_memory = 80GiB", "gpu_memory = 24GiB")
+    text = (
+        next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
+        .read_text()
+        .replace("gpu_memory = 80GiB", "gpu_memory = 24GiB")
+    )
     m = nereus.parse(text, "small.nir")
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.run_pipeline(m, "estimate")
     msgs = [d.message for d in e.value.diagnostics]
-    assert any(msg.startswith("actor.train needs") and "on GPU" in msg and "bytes more than its 24.00 GiB" in msg for msg in msgs), msgs
+    assert any(
+        msg.startswith("actor.train needs") and "on GPU" in msg and "bytes more than its 24.00 GiB" in msg
+        for msg in msgs
+    ), msgs
     d = next(d for d in e.value.diagnostics if d.message.startswith("actor.train"))
     assert text.splitlines()[d.loc.line - 1].strip().startswith("layout actor.train")
     short = int(d.message.split(", ")[1].split(" bytes")[0].replace(",", ""))

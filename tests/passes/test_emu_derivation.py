@@ -35,8 +35,13 @@ def test_every_model_stage_of_examples_and_searched_plans_verifies(path):
 
 def zero_module(zero):
     text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text()
-    text = text.replace("layout actor.train {\n    tp = 4\n    pp = 1\n    dp = 2", "layout actor.train {\n    tp = 2\n    pp = 1\n    dp = 4")
-    text = text.replace("    micro_batches = 8\n    recompute = true", f"    micro_batches = 8\n    zero = {zero}\n    recompute = true")
+    text = text.replace(
+        "layout actor.train {\n    tp = 4\n    pp = 1\n    dp = 2",
+        "layout actor.train {\n    tp = 2\n    pp = 1\n    dp = 4",
+    )
+    text = text.replace(
+        "    micro_batches = 8\n    recompute = true", f"    micro_batches = 8\n    zero = {zero}\n    recompute = true"
+    )
     m = nereus.parse(text)
     m.emus.clear()
     return derive_all(m, "grpo_p0")
@@ -46,11 +51,19 @@ def test_zero1_shards_optimizer_state_over_dp_not_weights():
     m = zero_module(1)
     nereus.verify(m)
     emus = m.emus_of("grpo_p0", "actor.train")
-    q = [next(e for e in emu.shards[0].entries if e.family == "self_attn.q_proj.weight" and e.state == st)
-         for emu in emus for st in ("weight", "exp_avg")]
+    q = [
+        next(e for e in emu.shards[0].entries if e.family == "self_attn.q_proj.weight" and e.state == st)
+        for emu in emus
+        for st in ("weight", "exp_avg")
+    ]
     weights, moments = q[0::2], q[1::2]
     assert len({w.box for w in weights}) == 1  # weights replicated over DP
-    assert [mo.box[0] for mo in moments] == [(0, 448), (448, 896), (896, 1344), (1344, 1792)]  # rows of TP rank 0's 1792
+    assert [mo.box[0] for mo in moments] == [
+        (0, 448),
+        (448, 896),
+        (896, 1344),
+        (1344, 1792),
+    ]  # rows of TP rank 0's 1792
     assert all(mo.box[1] == (0, 3584) for mo in moments)
 
 
@@ -60,7 +73,9 @@ def test_zero3_shards_weights_and_a_missing_shard_piece_is_reported():
     emu = m.emus_of("grpo_p0", "actor.train")[2]
     shard = emu.shards[1]
     kept = [e for e in shard.entries if not (e.state == "master" and e.family == "mlp.up_proj.weight")]
-    m.emus[emu.key] = dataclasses.replace(emu, shards=(emu.shards[0], dataclasses.replace(shard, entries=kept), *emu.shards[2:]))
+    m.emus[emu.key] = dataclasses.replace(
+        emu, shards=(emu.shards[0], dataclasses.replace(shard, entries=kept), *emu.shards[2:])
+    )
     with pytest.raises(nereus.DiagnosticError) as err:
         nereus.verify(m)
     (d,) = err.value.diagnostics
@@ -72,15 +87,17 @@ def test_frozen_and_non_train_stages_hold_weights_only():
     m = zero_module(1)
     for emu in m.emus.values():
         states = {e.state for s in emu.shards for e in s.entries}
-        assert states == ({"weight", "master", "exp_avg", "exp_avg_sq"} if emu.model_stage == "actor.train" else {"weight"})
+        assert states == (
+            {"weight", "master", "exp_avg", "exp_avg_sq"} if emu.model_stage == "actor.train" else {"weight"}
+        )
 
 
 def test_kv_cache_budget_never_exceeds_a_small_gpu():
     """Regression (found by the round-trip property test): the budget was rounded to the nearest
     MiB, so a 586 KB GPU whose cost model sized a ~0.5 MiB cache got a 1 MiB reservation, which
     the verifier rejects. The budget rounds down to whole MiB."""
-    from nereus.passes.transition.derive_emus import model_stage_emus
     from nereus.passes.cost.layout_costs import layout_costs
+    from nereus.passes.transition.derive_emus import model_stage_emus
 
     text = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir").read_text()
     text = text.replace("prompt_len_mean = 512", "prompt_len_mean = 333")  # a sequence's KV: not whole MiB

@@ -23,7 +23,13 @@ def simulate(lengths, samples, slots, seed) -> float:
     return max(free)
 
 
-DISTS = [[256, 512, 1024, 4096], [100, 200, 300, 400, 500, 600, 700, 8000], [1000] * 8, [50, 60, 70, 2000], [300, 400, 500, 600]]
+DISTS = [
+    [256, 512, 1024, 4096],
+    [100, 200, 300, 400, 500, 600, 700, 8000],
+    [1000] * 8,
+    [50, 60, 70, 2000],
+    [300, 400, 500, 600],
+]
 
 
 @pytest.mark.parametrize("lengths", DISTS, ids=lambda d: f"{d[0]}-{d[-1]}x{len(d)}")
@@ -44,6 +50,7 @@ def _grpo(dist: str, mean: int) -> str:
 def test_a_long_tail_slows_generation_and_shows_as_its_tail():
     """Same mean response length (1,536), one long-tailed: generation takes longer, and the
     breakdown says where (the tail: decode while the batch drains)."""
+
     def gen(text):
         m = nereus.run_pipeline(nereus.parse(text), "estimate")
         return next(lay for name, lay in m.plans["grpo_p0"].layouts.items() if name.endswith("generate"))
@@ -54,11 +61,14 @@ def test_a_long_tail_slows_generation_and_shows_as_its_tail():
     assert tailed.time_breakdown.prefill == flat.time_breakdown.prefill > 0
 
 
-@pytest.mark.parametrize("dist,mean,message", [
-    ("[512, 256, 1024]", 597, "response_len_dist is not a distribution"),
-    ("[512, 1024, 8192]", 3243, "response_len_dist reaches 8192, beyond response_len_max = 4096"),
-    ("[512, 1024, 2048]", 1536, "response_len_dist has mean 1194.67, but response_len_mean = 1536"),
-])
+@pytest.mark.parametrize(
+    "dist,mean,message",
+    [
+        ("[512, 256, 1024]", 597, "response_len_dist is not a distribution"),
+        ("[512, 1024, 8192]", 3243, "response_len_dist reaches 8192, beyond response_len_max = 4096"),
+        ("[512, 1024, 2048]", 1536, "response_len_dist has mean 1194.67, but response_len_mean = 1536"),
+    ],
+)
 def test_a_distribution_that_is_not_one_is_a_diagnostic_at_its_line(dist, mean, message):
     text = _grpo(dist, mean)
     with pytest.raises(DiagnosticError) as e:

@@ -15,10 +15,10 @@ import copy
 
 import pytest
 
+from nereus.bench.baselines.greedy_plan import greedy_plan
 from nereus.ir import Layout, parse
 from nereus.ir.model import even_split
 from nereus.passes.cost.estimate import estimate_plan
-from nereus.bench.baselines.greedy_plan import greedy_plan
 from nereus.testing.jobs import grpo_7b_8gpu, ppo_8b_16gpu
 
 
@@ -40,9 +40,19 @@ def variations(m, workload, cluster, ms: str, kind: str) -> list[Layout]:
             if pp > 1 and kind != "generate" and micro < 1:
                 continue
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-            out.append(Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(range(tp * pp * dp)),
-                              micro_batches=min(4 * pp, micro) if pp > 1 and kind != "generate" else 1,
-                              zero=1 if kind == "train" and dp > 1 else 0, recompute=kind == "train"))
+            out.append(
+                Layout(
+                    model_stage=ms,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    layers=layers,
+                    mesh=list(range(tp * pp * dp)),
+                    micro_batches=min(4 * pp, micro) if pp > 1 and kind != "generate" else 1,
+                    zero=1 if kind == "train" and dp > 1 else 0,
+                    recompute=kind == "train",
+                )
+            )
     return out
 
 
@@ -60,8 +70,11 @@ def test_no_single_model_stage_variation_beats_the_baseline(job):
             mine = base.layouts[ms]
             assert mine.mesh[0] == 0  # every model-stage of a stage starts on the same GPUs (colocated)
             options = variations(m, workload, cluster, ms, st.kind)
-            assert any((o.tp, o.pp, o.dp, o.micro_batches, o.mesh) == (mine.tp, mine.pp, mine.dp, mine.micro_batches, mine.mesh)
-                       for o in options), (ms, mine.tp, mine.pp, mine.dp)
+            assert any(
+                (o.tp, o.pp, o.dp, o.micro_batches, o.mesh)
+                == (mine.tp, mine.pp, mine.dp, mine.micro_batches, mine.mesh)
+                for o in options
+            ), (ms, mine.tp, mine.pp, mine.dp)
             for lay in options:
                 plan = copy.deepcopy(base)
                 plan.layouts[ms] = lay

@@ -19,8 +19,14 @@ def links_by_groups(cluster, lay: Layout) -> dict[str, int]:
         "tp": spans([[lay.gpu(d, p, t) for t in range(lay.tp)] for d in range(lay.replicas) for p in range(lay.pp)]),
         "pp": spans([[lay.gpu(d, p, t), lay.gpu(d, p + 1, t)] for d, p, t in coords if p + 1 < lay.pp]),
         "dp": spans([[lay.gpu(d, p, t) for d in range(lay.replicas)] for p in range(lay.pp) for t in range(lay.tp)]),
-        "cp": spans([[lay.gpu(d * lay.cp + c, p, t) for c in range(lay.cp)]
-                     for d in range(lay.dp) for p in range(lay.pp) for t in range(lay.tp)]),
+        "cp": spans(
+            [
+                [lay.gpu(d * lay.cp + c, p, t) for c in range(lay.cp)]
+                for d in range(lay.dp)
+                for p in range(lay.pp)
+                for t in range(lay.tp)
+            ]
+        ),
     }
 
 

@@ -54,15 +54,24 @@ def test_the_bound_equals_brute_force_and_the_planner_moves_exactly_it(m, lost):
 
 def test_the_bound_counts_an_element_once_per_gpu_however_many_stages_need_it():
     """Two model-stages of one model on one GPU need the same slice: it crosses a link once."""
-    from ..support.jobs import job
     from nereus.ir import Layout, Plan
+
+    from ..support.jobs import job
 
     m = job()
     one = lambda ms, mesh: Layout(model_stage=ms, tp=1, pp=1, dp=1, layers=[(0, 4)], mesh=mesh)
-    m.plans["a"] = Plan(name="a", workload="w", cluster="c",
-                        layouts={ms: one(ms, [0]) for ms in ("actor.generate", "ref.infer", "actor.train")})
-    m.plans["b"] = Plan(name="b", workload="w", cluster="c",
-                        layouts={ms: one(ms, [1]) for ms in ("actor.generate", "ref.infer", "actor.train")})
+    m.plans["a"] = Plan(
+        name="a",
+        workload="w",
+        cluster="c",
+        layouts={ms: one(ms, [0]) for ms in ("actor.generate", "ref.infer", "actor.train")},
+    )
+    m.plans["b"] = Plan(
+        name="b",
+        workload="w",
+        cluster="c",
+        layouts={ms: one(ms, [1]) for ms in ("actor.generate", "ref.infer", "actor.train")},
+    )
     for plan in ("a", "b"):
         derive_missing_emus(m, plan)
     actor, ref = m.models["actor"], m.models["ref"]

@@ -19,12 +19,20 @@ def test_registry_keys_are_pass_names():
 
 
 def test_parse_pipeline_options_and_errors():
-    assert parse_pipeline("derive-emus{plan=@p, model_stage=actor.train}") == [DeriveEmus(plan="@p", model_stage="actor.train")]
+    assert parse_pipeline("derive-emus{plan=@p, model_stage=actor.train}") == [
+        DeriveEmus(plan="@p", model_stage="actor.train")
+    ]
     assert parse_pipeline("derive-emus,derive-emus{}") == [DeriveEmus(), DeriveEmus()]
-    for spec, fragment in [("nope", "unknown pass 'nope'; known passes: admit, calibrate, derive-emus, estimate, plan-search, plan-transition, remap, schedule-transfers"),
-                           ("derive-emus{foo=1}", "has no option 'foo'; options: model_stage, only_missing, plan"),
-                           ("derive-emus{plan}", "needs a value"),
-                           ("derive-emus{", "malformed pipeline at column 1")]:
+    for spec, fragment in [
+        (
+            "nope",
+            "unknown pass 'nope'; known passes: admit, calibrate, derive-emus, estimate, plan-search, "
+            "plan-transition, remap, schedule-transfers",
+        ),
+        ("derive-emus{foo=1}", "has no option 'foo'; options: model_stage, only_missing, plan"),
+        ("derive-emus{plan}", "needs a value"),
+        ("derive-emus{", "malformed pipeline at column 1"),
+    ]:
         with pytest.raises(PipelineError, match=fragment):
             parse_pipeline(spec)
 
@@ -46,9 +54,11 @@ def test_options_are_typed_refs_and_sizes():
     [p] = nereus.registry.parse_pipeline("lower-collectives{transition=@t,bucket=2MiB}")
     assert p == LowerCollectives(transition="@t", bucket=2 * 2**20)
     assert nereus.registry.parse_pipeline("lower-collectives{bucket=4096}")[0].bucket == 4096
-    for spec, fragment in [("lower-collectives{bucket=2Mib}", "expects a size such as 64MiB, got '2Mib'"),
-                           ("lower-collectives{bucket=2GB/s}", "expects a size"),
-                           ("plan-transition{to=b}", "option to of pass plan-transition expects @name, got 'b'")]:
+    for spec, fragment in [
+        ("lower-collectives{bucket=2Mib}", "expects a size such as 64MiB, got '2Mib'"),
+        ("lower-collectives{bucket=2GB/s}", "expects a size"),
+        ("plan-transition{to=b}", "option to of pass plan-transition expects @name, got 'b'"),
+    ]:
         with pytest.raises(PipelineError, match=fragment):
             nereus.registry.parse_pipeline(spec)
 
@@ -66,7 +76,10 @@ def test_a_pass_that_reads_emus_runs_derive_emus_visibly(capsys):
     assert main(["opt", case, "-p", "plan-transition{to=@b}", "--print-ir-after-all"]) == 0
     err = capsys.readouterr().err
     assert [ln for ln in err.splitlines() if ln.startswith("// ----- IR after")] == [
-        "// ----- IR after derive-emus", "// ----- IR after derive-emus", "// ----- IR after plan-transition"]
+        "// ----- IR after derive-emus",
+        "// ----- IR after derive-emus",
+        "// ----- IR after plan-transition",
+    ]
 
 
 def test_the_backend_never_derives_emus():
@@ -112,7 +125,10 @@ def test_invalid_ir_after_a_pass_names_it_and_its_predecessors():
 
 def test_opt_command(tmp_path, capsys):
     out = tmp_path / "out.nir"
-    assert main(["opt", str(GRPO), "-p", "derive-emus{model_stage=actor.train}", "-o", str(out), "--print-ir-after-all"]) == 0
+    assert (
+        main(["opt", str(GRPO), "-p", "derive-emus{model_stage=actor.train}", "-o", str(out), "--print-ir-after-all"])
+        == 0
+    )
     assert "// ----- IR after derive-emus" in capsys.readouterr().err
     m = nereus.verify(nereus.parse(out.read_text()))
     assert {e.model_stage for e in m.emus.values()} == {"actor.generate", "actor.train"}

@@ -33,8 +33,10 @@ def test_more_micro_batches_than_a_mini_batch_is_an_error_at_the_attribute():
     (d,) = [d for d in e.value.diagnostics if "pipeline flush" in d.message]
     line = text.splitlines()[d.loc.line - 1]
     assert "micro_batches = 16" in line and "layout actor.train" in line
-    assert ("actor.train: micro_batches = 16 x micro_batch = 4 x dp = 2 is 128 samples per pipeline flush, "
-            "but one mini-batch (mini_batch) holds 64") in d.message
+    assert (
+        "actor.train: micro_batches = 16 x micro_batch = 4 x dp = 2 is 128 samples per pipeline flush, "
+        "but one mini-batch (mini_batch) holds 64"
+    ) in d.message
     assert d.hint == "use micro_batches <= 8"
 
 

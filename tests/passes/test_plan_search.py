@@ -12,9 +12,8 @@ from nereus.ir import Cluster, Link, Model, Module, Stage, Workload
 from nereus.passes.search.plan_search import solve, to_plan
 from nereus.passes.search.space import Option, build_problem, prune, set_partitions
 
-from ..support.brute_force import brute_force
-
 from ..support import EXAMPLES
+from ..support.brute_force import brute_force
 
 GIB = 2**30
 
@@ -33,16 +32,34 @@ def instances(draw):
     per_node = draw(st.sampled_from([2, 4, 8]))
     assume(nodes * per_node <= 16)
     down = draw(st.lists(st.integers(0, nodes * per_node - 1), max_size=2, unique=True))
-    cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node, gpu_memory=draw(st.sampled_from([4, 8, 16, 24])) * GIB,
-                      peak_flops=draw(st.sampled_from([312e12, 989e12])), hbm_bandwidth=2e12,
-                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6), host_link=Link(25e9, 10e-6),
-                      unavailable=sorted(down))
+    cluster = Cluster(
+        name="c",
+        nodes=nodes,
+        gpus_per_node=per_node,
+        gpu_memory=draw(st.sampled_from([4, 8, 16, 24])) * GIB,
+        peak_flops=draw(st.sampled_from([312e12, 989e12])),
+        hbm_bandwidth=2e12,
+        intra_node=Link(300e9, 2e-6),
+        inter_node=Link(25e9, 5e-6),
+        host_link=Link(25e9, 10e-6),
+        unavailable=sorted(down),
+    )
     heads = draw(st.sampled_from([8, 16]))
     hidden = heads * 128
     layers = draw(st.sampled_from([4, 8, 16]))
-    actor = Model(name="actor", layers=layers, hidden=hidden, heads=heads, kv_heads=draw(st.sampled_from([2, heads])),
-                  ffn=hidden * 3, vocab=32000, trained=True)
-    ref = Model(name="ref", layers=layers, hidden=hidden, heads=heads, kv_heads=actor.kv_heads, ffn=hidden * 3, vocab=32000)
+    actor = Model(
+        name="actor",
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=draw(st.sampled_from([2, heads])),
+        ffn=hidden * 3,
+        vocab=32000,
+        trained=True,
+    )
+    ref = Model(
+        name="ref", layers=layers, hidden=hidden, heads=heads, kv_heads=actor.kv_heads, ffn=hidden * 3, vocab=32000
+    )
     shape = draw(st.sampled_from(["gen-train", "gen-infer2-train", "gen-infer-train"]))
     stages = [Stage(name="generate", kind="generate", models=["actor"])]
     if shape == "gen-infer2-train":
@@ -51,9 +68,20 @@ def instances(draw):
         stages.append(Stage(name="infer", kind="infer", models=["ref"]))
     stages.append(Stage(name="train", kind="train", models=["actor"]))
     # a mini-batch smaller than the step bounds a training pipeline's flush (the verifier checks it)
-    w = Workload(name="w", algorithm="grpo", roles=["actor", "ref"], global_batch=draw(st.sampled_from([8, 16, 32])),
-                 group_size=4, prompt_len_mean=256, prompt_len_max=512, response_len_mean=draw(st.sampled_from([256, 1024])),
-                 response_len_max=2048, micro_batch=2, mini_batch=draw(st.sampled_from([None, 8, 16])), stages=stages)
+    w = Workload(
+        name="w",
+        algorithm="grpo",
+        roles=["actor", "ref"],
+        global_batch=draw(st.sampled_from([8, 16, 32])),
+        group_size=4,
+        prompt_len_mean=256,
+        prompt_len_max=512,
+        response_len_mean=draw(st.sampled_from([256, 1024])),
+        response_len_max=2048,
+        micro_batch=2,
+        mini_batch=draw(st.sampled_from([None, 8, 16])),
+        stages=stages,
+    )
     return cluster, w, {"actor": actor, "ref": ref}
 
 
@@ -96,7 +124,10 @@ def test_solver_optimum_equals_brute_force_and_plans_fit(inst):
 
     assert estimate_plan(m, plan) == []  # and it fits in memory on every GPU
     # the solver's objective is estimate's step time of the placed plan, up to integer rounding
-    assert abs(sol.objective * problem.unit_s - plan.step_time) <= len(problem.spaces) * problem.unit_s + 1e-4 * plan.step_time
+    assert (
+        abs(sol.objective * problem.unit_s - plan.step_time)
+        <= len(problem.spaces) * problem.unit_s + 1e-4 * plan.step_time
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -123,8 +154,21 @@ def test_pruning_keeps_the_optimum(inst):
 
 def test_prune_drops_only_dominated():
     def o(gpus, time, peak, res, rho=1 << 40, classes=(0,)):
-        return Option(1, 1, gpus, 1, False, 0, (), rho, gpus, {k: float(time) for k in classes},
-                      {k: time for k in classes}, peak, res)
+        return Option(
+            1,
+            1,
+            gpus,
+            1,
+            False,
+            0,
+            (),
+            rho,
+            gpus,
+            {k: float(time) for k in classes},
+            {k: time for k in classes},
+            peak,
+            res,
+        )
 
     a, b, c, d = o(4, 10, 20, 5), o(4, 12, 20, 5), o(8, 8, 20, 5), o(2, 30, 30, 2)
     assert prune([a, b, c, d]) == [a, c, d]  # b: same GPUs, slower, no smaller
@@ -152,7 +196,7 @@ def test_same_input_and_seed_give_identical_plan():
 def test_infeasible_names_the_tightest_model_stage():
     text = next(p for p in EXAMPLES if p.name == "ppo_70b_1024gpu.nir").read_text()
     text = text.replace("nodes = 128", "nodes = 1")  # 70B models on 8 GPUs
-    text = text[:text.index("plan @")]  # no plan: only the job
+    text = text[: text.index("plan @")]  # no plan: only the job
     m = nereus.parse(text, "tiny.nir")
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.run_pipeline(m, "plan-search")
@@ -190,8 +234,9 @@ def test_feasible_but_unproven_plan_is_returned_with_its_gap_and_a_warning(monke
 
     def stopped_early(problem, time_limit, seed, known=None):
         sol = real(problem, time_limit, seed, known)
-        return plan_search.Solution("feasible", sol.objective, int(sol.objective * 0.97), sol.choice, sol.start,
-                                    sol.partition)
+        return plan_search.Solution(
+            "feasible", sol.objective, int(sol.objective * 0.97), sol.choice, sol.start, sol.partition
+        )
 
     monkeypatch.setattr(plan_search, "solve", stopped_early)
     path = next(p for p in EXAMPLES if p.name == "grpo_7b_8gpu.nir")
@@ -222,9 +267,19 @@ def test_step_time_bounds_hold_for_every_plan(inst):
     bounds = option_bounds(problem)
     lower = stage_bounds(problem, bounds)
     names = list(problem.spaces)
-    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
-               for s in problem.positions.starts(k, o.gpus)] for ms in names]
-    assume(all(per_ms) and math.prod(map(len, per_ms)) * math.prod(len(problem.partitions[s]) for s, _ in problem.stages) < 200_000)
+    per_ms = [
+        [
+            (c, s)
+            for c, o in enumerate(problem.spaces[ms].options)
+            for k in o.times
+            for s in problem.positions.starts(k, o.gpus)
+        ]
+        for ms in names
+    ]
+    assume(
+        all(per_ms)
+        and math.prod(map(len, per_ms)) * math.prod(len(problem.partitions[s]) for s, _ in problem.stages) < 200_000
+    )
     stage_of = {ms: st for st, mss in problem.stages for ms in mss}
     best = None
     for k in itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)):
@@ -251,8 +306,16 @@ def synthetic_problems(draw):
     from nereus.passes.search.space import NO_RHO, Positions, SearchProblem, Space
 
     nodes, per_node = draw(st.sampled_from([(1, 2), (1, 4), (2, 2)]))
-    cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
-                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
+    cluster = Cluster(
+        name="c",
+        nodes=nodes,
+        gpus_per_node=per_node,
+        gpu_memory=GIB,
+        peak_flops=1e15,
+        hbm_bandwidth=2e12,
+        intra_node=Link(300e9, 2e-6),
+        inter_node=Link(25e9, 5e-6),
+    )
     pos = Positions.of(cluster)
     members = [f"m{i}.infer" for i in range(draw(st.integers(3, 4)))]
     spaces = {}
@@ -262,8 +325,23 @@ def synthetic_problems(draw):
             g = draw(st.integers(1, pos.n))
             times = {k: draw(st.integers(1, 40)) for k in pos.classes(g)}
             resident = draw(st.integers(0, 6))
-            opts.append(Option(1, 1, g, 1, False, 0, (), NO_RHO, g, {k: float(v) for k, v in times.items()}, times,
-                               resident + draw(st.integers(0, 6)), resident))
+            opts.append(
+                Option(
+                    1,
+                    1,
+                    g,
+                    1,
+                    False,
+                    0,
+                    (),
+                    NO_RHO,
+                    g,
+                    {k: float(v) for k, v in times.items()},
+                    times,
+                    resident + draw(st.integers(0, 6)),
+                    resident,
+                )
+            )
         spaces[ms] = Space(ms, ms.rpartition(".")[2], opts, len(opts))
     stages = [("infer", members), ("train", ["t.train"])]
     problem = SearchProblem(cluster, None, {}, pos, 1.0, draw(st.integers(8, 16)), stages, spaces)
@@ -275,8 +353,15 @@ def _every_plan(problem):
     import itertools
 
     names = list(problem.spaces)
-    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
-               for s in problem.positions.starts(k, o.gpus)] for ms in names]
+    per_ms = [
+        [
+            (c, s)
+            for c, o in enumerate(problem.spaces[ms].options)
+            for k in o.times
+            for s in problem.positions.starts(k, o.gpus)
+        ]
+        for ms in names
+    ]
     for k in itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)):
         partition = {s: ki for (s, _), ki in zip(problem.stages, k)}
         for combo in itertools.product(*per_ms):
@@ -292,8 +377,8 @@ def test_gpu_time_bound_holds_and_a_known_plan_gives_the_same_optimum(problem, r
     """``search.bounds`` on stages of three or four members: every option's bound plus the other
     stages' bounds is at most the step time of every plan that uses it. ``solve`` finds brute
     force's optimum both from scratch and started from any plan of the problem (``known``)."""
-    from nereus.passes.search.plan_search import Solution
     from nereus.passes.search.bounds import option_bounds, stage_bounds
+    from nereus.passes.search.plan_search import Solution
 
     bounds = option_bounds(problem)
     lower = stage_bounds(problem, bounds)
@@ -319,13 +404,34 @@ def test_gpu_time_bound_of_four_models_side_by_side():
     from nereus.passes.search.bounds import option_bounds, stage_bounds
     from nereus.passes.search.space import NO_RHO, Positions, SearchProblem, Space
 
-    cluster = Cluster(name="c", nodes=2, gpus_per_node=8, gpu_memory=GIB, peak_flops=1e15, hbm_bandwidth=2e12,
-                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6))
+    cluster = Cluster(
+        name="c",
+        nodes=2,
+        gpus_per_node=8,
+        gpu_memory=GIB,
+        peak_flops=1e15,
+        hbm_bandwidth=2e12,
+        intra_node=Link(300e9, 2e-6),
+        inter_node=Link(25e9, 5e-6),
+    )
     pos = Positions.of(cluster)
 
     def o(g, t):
-        return Option(1, 1, g, 1, False, 0, (), NO_RHO, g, {k: float(t) for k in pos.classes(g)},
-                      {k: t for k in pos.classes(g)}, 1, 0)
+        return Option(
+            1,
+            1,
+            g,
+            1,
+            False,
+            0,
+            (),
+            NO_RHO,
+            g,
+            {k: float(t) for k in pos.classes(g)},
+            {k: t for k in pos.classes(g)},
+            1,
+            0,
+        )
 
     members = [f"m{i}.infer" for i in range(4)]
     spaces = {ms: Space(ms, "infer", [o(4, 100), o(12, 40), o(16, 32)], 3) for ms in members}  # GPU-time 400, 480, 512
@@ -438,8 +544,15 @@ def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
     return np.array(keep, dtype=np.int64), np.array(rho, dtype=float)
 
 
-@pytest.mark.parametrize("example,response", [("ppo_70b_1024gpu.nir", None), ("ppo_70b_1024gpu.nir", 9000),
-                                              ("ppo_8b_16gpu.nir", None), ("grpo_7b_8gpu.nir", 3000)])
+@pytest.mark.parametrize(
+    "example,response",
+    [
+        ("ppo_70b_1024gpu.nir", None),
+        ("ppo_70b_1024gpu.nir", 9000),
+        ("ppo_8b_16gpu.nir", None),
+        ("grpo_7b_8gpu.nir", 3000),
+    ],
+)
 def test_wave_points_equal_the_row_by_row_definition(monkeypatch, example, response):
     """The generation candidates (rows and the state others may keep, to the bit) are those of the
     row-by-row ``wave_points``, on a small exhaustive space and the 1,024-GPU one, at two lengths."""
@@ -466,14 +579,28 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     made at every call, each row's offloaded state summed alone, and every row expanded at its
     size's start classes with its links looked up one expansion at a time."""
     from nereus.passes.cost.cost_model import Candidates
-    from nereus.passes.search.space import MAX_WAVE_POINTS, costed_rows, wave_points, layout_grid, sequence_parallel
+    from nereus.passes.search.space import MAX_WAVE_POINTS, costed_rows, layout_grid, sequence_parallel, wave_points
 
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     cols = list(zip(*grid))
     tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
-    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cost.cluster, model.layers, tp, pp, dp, micro_batches=mb,
-                                                                        recompute=rc, zero=zero, sp=sequence_parallel(tp, kind), vpp=vpp))
+    weights, grads, optimizer = cost.state(
+        model,
+        kind,
+        Candidates.grid(
+            cost.cluster,
+            model.layers,
+            tp,
+            pp,
+            dp,
+            micro_batches=mb,
+            recompute=rc,
+            zero=zero,
+            sp=sequence_parallel(tp, kind),
+            vpp=vpp,
+        ),
+    )
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
     offloaded = np.array([sum(state[k][i] for k in o) for i, o in enumerate(off)], dtype=float)
     rho = np.full(len(tp), np.inf)
@@ -486,46 +613,76 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     classes = np.array(sorted({k for ks in by_size.values() for k in ks}), dtype=np.int64)
     ex_row = np.array([i for i, g in enumerate(gpus) for _ in by_size[int(g)]], dtype=np.int64)
     ex_cls = [k for g in gpus for k in by_size[int(g)]]
-    lk = np.array([pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)],
-                  dtype=np.int64).reshape(-1, 3)
+    lk = np.array(
+        [pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)], dtype=np.int64
+    ).reshape(-1, 3)
     col = np.array([list(classes).index(k) for k in ex_cls], dtype=np.int64)
-    return costed_rows(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
+    return costed_rows(
+        cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk
+    )
 
 
-@pytest.mark.parametrize("example,down", [("ppo_8b_16gpu.nir", []), ("ppo_8b_16gpu.nir", [3, 12]),
-                                          ("ppo_70b_1024gpu.nir", []), ("ppo_70b_1024gpu.nir", [5, 17, 18, 700])])
+@pytest.mark.parametrize(
+    "example,down",
+    [
+        ("ppo_8b_16gpu.nir", []),
+        ("ppo_8b_16gpu.nir", [3, 12]),
+        ("ppo_70b_1024gpu.nir", []),
+        ("ppo_70b_1024gpu.nir", [5, 17, 18, 700]),
+    ],
+)
 def test_candidates_equal_the_row_by_row_definition_and_remember_their_grids(monkeypatch, example, down):
     """Every candidate array to the bit (times at every start class, memory, offload choices) is
     that of ``candidates`` as first written, on the exhaustive space and the 1,024-GPU one, with
     whole nodes and with nodes missing GPUs (start classes across segments, ``ANYWHERE``), asked
     twice (the second from the remembered grid, which nothing can write) and again after the
     mini-batch changes (a new grid)."""
-    from nereus.passes.search import space as search_space
     from nereus.passes.cost.cost_model import CostModel
+    from nereus.passes.search import space as search_space
 
     m = nereus.parse(next(p for p in EXAMPLES if p.name == example).read_text())
     (w,), (c,) = m.workloads.values(), m.clusters.values()
     c.unavailable = down
     monkeypatch.setattr(search_space, "_GRIDS", {})
     cost = CostModel(c)
-    small = len(c.available_gpus()) <= search_space.EXHAUSTIVE_GPUS and len(w.model_stages()) <= search_space.FULL_SPACE_MODEL_STAGES
+    small = (
+        len(c.available_gpus()) <= search_space.EXHAUSTIVE_GPUS
+        and len(w.model_stages()) <= search_space.FULL_SPACE_MODEL_STAGES
+    )
     pos = search_space.Positions.of(c, small)
     offload = c.host_link is not None and c.host_memory is not None
-    fields = ("tp", "pp", "dp", "mb", "rc", "zero", "offload", "rho", "gpus", "classes", "times", "peak", "resident", "vpp")
+    fields = (
+        "tp",
+        "pp",
+        "dp",
+        "mb",
+        "rc",
+        "zero",
+        "offload",
+        "rho",
+        "gpus",
+        "classes",
+        "times",
+        "peak",
+        "resident",
+        "vpp",
+    )
     trained = {}  # mini-batch -> the micro-batch counts of its first training model-stage
     for mini in (w.mini_batch, w.mini_batch // 2):
         w.mini_batch = mini
-        for st in w.stages:
-            for ms in st.model_stages():
+        for stage in w.stages:
+            for ms in stage.model_stages():
                 model = m.models[ms.rpartition(".")[0]]
-                want = _candidates_row_by_row(cost, pos, w, model, st.kind, c.gpus_per_node, offload=offload)
+                want = _candidates_row_by_row(cost, pos, w, model, stage.kind, c.gpus_per_node, offload=offload)
                 for _ in range(2):
-                    got = search_space.candidates(cost, pos, w, model, st.kind, c.gpus_per_node, offload=offload)
+                    got = search_space.candidates(cost, pos, w, model, stage.kind, c.gpus_per_node, offload=offload)
                     for f in fields:
                         a, b = getattr(got, f), getattr(want, f)
-                        assert (a == b if f == "offload" else np.array_equal(a, b) and a.dtype == b.dtype), (ms, f)
-                if st.kind == "train":
+                        assert a == b if f == "offload" else np.array_equal(a, b) and a.dtype == b.dtype, (ms, f)
+                if stage.kind == "train":
                     with pytest.raises(ValueError):
                         got.tp[0] = 7
                     trained.setdefault(mini, sorted(set(want.mb.tolist())))
-    assert len(trained) == 2 and len({tuple(v) for v in trained.values()}) == 2  # the second mini-batch has a grid of its own
+    assert (
+        len(trained) == 2 and len({tuple(v) for v in trained.values()}) == 2
+    )  # the second mini-batch has a grid of its own

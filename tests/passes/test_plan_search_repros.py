@@ -85,8 +85,10 @@ def test_no_fit_together_says_each_fits_alone_with_what_each_needs():
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.run_pipeline(m, "plan-search{offload=false,headroom=0}")
     (d,) = e.value.diagnostics
-    assert d.message.startswith("no plan fits: each model-stage fits on its own, but no placement of them together "
-                                "fits in 1GiB per GPU on 4 GPUs")
+    assert d.message.startswith(
+        "no plan fits: each model-stage fits on its own, but no placement of them together "
+        "fits in 1GiB per GPU on 4 GPUs"
+    )
     needs = re.findall(r"(actor\.\w+) at least ([\d.]+) GiB while it runs, ([\d.]+) GiB kept", d.message)
     assert {ms for ms, _, _ in needs} == {"actor.infer", "actor.train"}
     assert all(float(run) <= 1.0 and float(kept) <= float(run) for _, run, kept in needs)

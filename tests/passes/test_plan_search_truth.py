@@ -41,6 +41,7 @@ TIME_LIMIT = 120  # seconds per plan-search; small jobs are proven in well under
 
 # ---------------------------------------------------------------------------- random jobs
 
+
 def random_job(rng: np.random.Generator) -> Module:
     # mostly up to 8 GPUs (CP-SAT proves those in well under a second), some 12 to 16
     sizes = [(1, 4), (1, 6), (1, 8), (2, 2), (2, 3), (2, 4), (2, 6), (2, 8)]
@@ -51,17 +52,26 @@ def random_job(rng: np.random.Generator) -> Module:
         down = sorted(int(g) for g in rng.choice(total, size=int(rng.integers(1, 3)), replace=False))
     if total - len(down) < 3:
         down = []
-    cluster = Cluster(name="c", nodes=nodes, gpus_per_node=per_node,
-                      gpu_memory=int(rng.choice([0.5, 1, 2, 4, 8, 24], p=[0.15, 0.2, 0.2, 0.15, 0.1, 0.2]) * GIB),
-                      peak_flops=float(rng.choice([312e12, 989e12])), hbm_bandwidth=2e12,
-                      intra_node=Link(300e9, 2e-6), inter_node=Link(25e9, 5e-6), host_link=Link(25e9, 10e-6),
-                      host_memory=1024 * GIB, unavailable=down)
+    cluster = Cluster(
+        name="c",
+        nodes=nodes,
+        gpus_per_node=per_node,
+        gpu_memory=int(rng.choice([0.5, 1, 2, 4, 8, 24], p=[0.15, 0.2, 0.2, 0.15, 0.1, 0.2]) * GIB),
+        peak_flops=float(rng.choice([312e12, 989e12])),
+        hbm_bandwidth=2e12,
+        intra_node=Link(300e9, 2e-6),
+        inter_node=Link(25e9, 5e-6),
+        host_link=Link(25e9, 10e-6),
+        host_memory=1024 * GIB,
+        unavailable=down,
+    )
     heads = int(rng.choice([4, 8]))
     hidden = heads * int(rng.choice([64, 128]))
     layers = int(rng.integers(2, 7))
     kv = int(rng.choice([2, 4, heads]))
-    actor = Model(name="actor", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=3 * hidden, vocab=32000,
-                  trained=True)
+    actor = Model(
+        name="actor", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=3 * hidden, vocab=32000, trained=True
+    )
     ref = Model(name="ref", layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=3 * hidden, vocab=32000)
     shape = ["gen-train", "gen-infer-train", "gen-infer2-train"][rng.integers(3)]
     stages = [Stage(name="generate", kind="generate", models=["actor"])]
@@ -74,10 +84,20 @@ def random_job(rng: np.random.Generator) -> Module:
     samples = gb * group
     pmean = int(rng.choice([128, 256, 384]))
     rmean = int(rng.choice([128, 256, 512]))
-    w = Workload(name="w", algorithm="grpo", roles=["actor", "ref"] if shape != "gen-train" else ["actor"],
-                 global_batch=gb, group_size=group, prompt_len_mean=pmean, prompt_len_max=512,
-                 response_len_mean=rmean, response_len_max=2 * rmean, micro_batch=int(rng.choice([1, 2])),
-                 mini_batch=None if rng.random() < 0.5 else samples // 2, stages=stages)
+    w = Workload(
+        name="w",
+        algorithm="grpo",
+        roles=["actor", "ref"] if shape != "gen-train" else ["actor"],
+        global_batch=gb,
+        group_size=group,
+        prompt_len_mean=pmean,
+        prompt_len_max=512,
+        response_len_mean=rmean,
+        response_len_max=2 * rmean,
+        micro_batch=int(rng.choice([1, 2])),
+        mini_batch=None if rng.random() < 0.5 else samples // 2,
+        stages=stages,
+    )
     models = {"actor": actor, "ref": ref} if shape != "gen-train" else {"actor": actor}
     return Module(clusters={"c": cluster}, models=models, workloads={"w": w})
 
@@ -89,18 +109,26 @@ def random_knobs(rng: np.random.Generator, gpus: int) -> dict:
     if [] not in train_offload and rng.random() < 0.6:  # often the fastest choice is within reach, so ties are common
         train_offload = [[]] + train_offload[:1]
     if rng.random() < 0.35 and gpus <= 8:  # every value but offload sets: the enumerator then reaches the optimum
-        return {"zero": [0, 1, 2, 3], "recompute": [False, True], "train_offload": [[]] + train_offload[-1:],
-                "fwd_offload": [[], ["weights"]], "mb": [1, 2, 3, 4, 6, 8, 16, 64]}
+        return {
+            "zero": [0, 1, 2, 3],
+            "recompute": [False, True],
+            "train_offload": [[]] + train_offload[-1:],
+            "fwd_offload": [[], ["weights"]],
+            "mb": [1, 2, 3, 4, 6, 8, 16, 64],
+        }
     return {
         "zero": sorted(int(z) for z in rng.choice(4, size=int(rng.integers(1, 3)), replace=False)),
         "recompute": [[False], [True], [False, True]][rng.integers(3)],
         "train_offload": train_offload,
         "fwd_offload": [[[]], [["weights"]], [[], ["weights"]]][rng.choice(3, p=[0.4, 0.2, 0.4])],
-        "mb": sorted(int(v) for v in rng.choice([1, 2, 3, 4, 6, 8, 16, 64], size=int(rng.integers(2, 4)), replace=False)),
+        "mb": sorted(
+            int(v) for v in rng.choice([1, 2, 3, 4, 6, 8, 16, 64], size=int(rng.integers(2, 4)), replace=False)
+        ),
     }
 
 
 # ---------------------------------------------------------------------------- the enumerator
+
 
 def gpu_line(cluster: Cluster) -> list[int]:
     """Available GPUs in a line: whole nodes first, then nodes with failed GPUs, ids in order."""
@@ -137,8 +165,8 @@ def shapes(model: Model, kind: str, w: Workload, cluster: Cluster, n: int, knobs
                         continue
                     mbs = sorted({min(v, most) for v in knobs["mb"]})
                 for mb in mbs:
-                    for rc in (knobs["recompute"] if kind == "train" else [False]):
-                        for z in (knobs["zero"] if kind == "train" and dp > 1 else [0]):
+                    for rc in knobs["recompute"] if kind == "train" else [False]:
+                        for z in knobs["zero"] if kind == "train" and dp > 1 else [0]:
                             yield tp, pp, dp, mb, rc, z
 
 
@@ -157,8 +185,18 @@ class Enumerator:
     def layout(self, ms: str, start: int, tp, pp, dp, mb, rc, z, off) -> Layout:
         model = self.m.models[ms.rpartition(".")[0]]
         ranges = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-        return Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=ranges, mesh=self.line[start:start + tp * pp * dp],
-                      micro_batches=mb, zero=z, recompute=rc, offload=list(off))
+        return Layout(
+            model_stage=ms,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            layers=ranges,
+            mesh=self.line[start : start + tp * pp * dp],
+            micro_batches=mb,
+            zero=z,
+            recompute=rc,
+            offload=list(off),
+        )
 
     def candidates(self, ms: str, start: int) -> list[dict]:
         """Every layout of ``ms`` whose run begins at line position ``start``, costed alone
@@ -186,9 +224,19 @@ class Enumerator:
                     if off_bytes:
                         feat, lat = self.cost.offload_time(off_bytes)
                         extra = feat * self.coeffs[C_PCIE] + lat
-                    out.append(dict(ms=ms, start=start, shape=s, off=tuple(off), g=s[0] * s[1] * s[2],
-                                    time=float(times[i]) + extra, own=float(own[i]), offx=extra,
-                                    kept=float(sc.resident_state[i]) - off_bytes))
+                    out.append(
+                        dict(
+                            ms=ms,
+                            start=start,
+                            shape=s,
+                            off=tuple(off),
+                            g=s[0] * s[1] * s[2],
+                            time=float(times[i]) + extra,
+                            own=float(own[i]),
+                            offx=extra,
+                            kept=float(sc.resident_state[i]) - off_bytes,
+                        )
+                    )
         if kind != "generate":
             out = [o for o in out if o["own"] <= self.cluster.gpu_memory and np.isfinite(o["time"])]
             out = self.pareto(out)
@@ -264,7 +312,7 @@ class Enumerator:
         for i, o in enumerate(chosen):
             if self.kinds[o["ms"]] == "generate":
                 continue  # its peak depends on the resident state: checked in ``leaf``
-            if o["own"] + self.resident_of(o, chosen[:i] + chosen[i + 1:]) > M:
+            if o["own"] + self.resident_of(o, chosen[:i] + chosen[i + 1 :]) > M:
                 return False
         return True
 
@@ -302,7 +350,7 @@ class Enumerator:
             if level == len(rest):
                 leaf(members, colocate, t_acc)
                 return
-            tail = sum(mins[level + 1:])
+            tail = sum(mins[level + 1 :])
             for t, mem, col in rest[level]:
                 if t_acc + t + tail + lb_gen >= best[0]:
                     return
@@ -321,6 +369,7 @@ class Enumerator:
 
 
 # ---------------------------------------------------------------------------- the property
+
 
 def job_text(m: Module, *plans: Plan) -> str:
     shown = copy.deepcopy(m)
@@ -360,8 +409,9 @@ def _check(m: Module, knobs: dict, counts: dict) -> None:
         probe.plans[enum_plan.name] = enum_plan
         nereus.verify(probe)
         assert estimate_plan(probe, enum_plan) == [], "enumerator's plan does not fit:\n" + job_text(m, enum_plan)
-        assert enum_plan.step_time == pytest.approx(t_enum, rel=1e-4), \
+        assert enum_plan.step_time == pytest.approx(t_enum, rel=1e-4), (
             "enumerator's arithmetic differs from estimate:\n" + job_text(m, enum_plan)
+        )
         counts["feasible"] += 1
         counts["colocated"] += bool(enum_plan.colocate)
         # memory-bound: the fastest choice stage by stage, memory aside, does not fit
@@ -375,12 +425,16 @@ def _check(m: Module, knobs: dict, counts: dict) -> None:
     try:
         # a generous time limit: the property is about the optimum, not about the solver's speed
         # (a loaded machine must not turn a proof into a time-out)
-        nereus.run_pipeline(searched, f"plan-search{{time_limit={TIME_LIMIT},headroom=0}}")  # the enumerator fills GPUs to 100%
+        nereus.run_pipeline(
+            searched, f"plan-search{{time_limit={TIME_LIMIT},headroom=0}}"
+        )  # the enumerator fills GPUs to 100%
     except nereus.DiagnosticError as err:
         text = str(err) + " " + " ".join(d.message for d in getattr(err, "diagnostics", []))
         assert "no plan fits" in text, f"plan-search failed otherwise: {text}\n" + job_text(m, enum_plan)
-        assert enum_plan is None, (f"plan-search says no plan fits, but the enumerator found one with step_time "
-                                   f"{enum_plan.step_time}:\n{job_text(m, enum_plan)}\nknobs: {knobs}\n{text}")
+        assert enum_plan is None, (
+            f"plan-search says no plan fits, but the enumerator found one with step_time "
+            f"{enum_plan.step_time}:\n{job_text(m, enum_plan)}\nknobs: {knobs}\n{text}"
+        )
         return
     s = searched.plans["w_searched"]
     assert s.search is not None
@@ -388,15 +442,18 @@ def _check(m: Module, knobs: dict, counts: dict) -> None:
         # the solver's bound is a lower bound on every plan's step time, the enumerator's included
         assert s.search.bound <= enum_plan.step_time * (1 + 1e-4), (
             f"plan-search's bound ({s.search.bound} s) exceeds the enumerator's plan ({enum_plan.step_time} s):\n"
-            f"{job_text(searched, enum_plan)}\nknobs: {knobs}")
+            f"{job_text(searched, enum_plan)}\nknobs: {knobs}"
+        )
         assert s.step_time <= enum_plan.step_time * (1 + 1e-4), (
             f"plan-search's plan ({s.step_time} s) is slower than the enumerator's ({enum_plan.step_time} s):\n"
-            f"{job_text(searched, enum_plan)}\nknobs: {knobs}")
+            f"{job_text(searched, enum_plan)}\nknobs: {knobs}"
+        )
         counts["tied"] += s.step_time >= enum_plan.step_time * (1 - 1e-4)  # the enumerator reached the optimum
     assert estimate_plan(searched, s) == [], job_text(searched, enum_plan)
     nereus.verify(searched)
-    assert s.search.estimate_gap is not None and abs(s.search.estimate_gap) < 1e-3, \
+    assert s.search.estimate_gap is not None and abs(s.search.estimate_gap) < 1e-3, (
         f"estimate_gap {s.search and s.search.estimate_gap}:\n" + job_text(searched, enum_plan)
+    )
 
 
 def test_plan_search_is_never_beaten_by_an_independent_enumerator():

@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nereus
-from nereus.testing.cases import case_module
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.passes.transition.remap import best_permutation
 from nereus.runtime.reference_executor import simulate
+from nereus.testing.cases import case_module
 
 
 def brute_force(value, per_node, can_host, used):
@@ -52,8 +52,9 @@ def test_best_permutation_equals_brute_force(shape, seed, holes):
     assert sum(value[pi[j], j] for j in range(gpus)) == best
 
 
-@pytest.mark.parametrize("case,n,after", [("tp4-tp2x2", 4, 2 / 3), ("tp2x2-tp4", 8, 0.0), ("pp2-pp4", 4, 0.0),
-                                          ("train-gen", 4, 1.0)])
+@pytest.mark.parametrize(
+    "case,n,after", [("tp4-tp2x2", 4, 2 / 3), ("tp2x2-tp4", 8, 0.0), ("pp2-pp4", 4, 0.0), ("train-gen", 4, 1.0)]
+)
 def test_remap_moves_fewer_bytes_and_keeps_the_plan_cost(case, n, after):
     m = case_module(case, n, hidden=64, layers=4)
     nereus.run_pipeline(m, "estimate")
@@ -129,10 +130,15 @@ def test_reuse_matrix_equals_box_arithmetic_per_gpu_pair(case, n):
                     continue
                 have = frozenset(boxes["a"].get((i, model, state, family), ()))
                 size = state_dtype_bytes(m.models[model], state)
-                want += (missing_volume(frozenset(regions), frozenset()) - missing_volume(frozenset(regions), have)) * size
+                want += (
+                    missing_volume(frozenset(regions), frozenset()) - missing_volume(frozenset(regions), have)
+                ) * size
             assert value[i, j] == want, (i, j)
-        assert need[j] == sum(missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
-                              for k, r in boxes["b"].items() if k[0] == j)
+        assert need[j] == sum(
+            missing_volume(frozenset(r), frozenset()) * state_dtype_bytes(m.models[k[1]], k[2])
+            for k, r in boxes["b"].items()
+            if k[0] == j
+        )
 
 
 def test_holdings_remembered_only_for_the_emus_they_were_read_from():
@@ -185,8 +191,8 @@ def test_families_that_lie_alike_add_their_bytes_and_others_keep_their_own():
     ``gapped`` has the same GPUs, slice pattern and number of cuts but other spans (its middle
     cell is on no GPU of plan A), so it must not share them."""
     from nereus.ir import ShardRef
-    from nereus.passes.transition.remap import reuse_of
     from nereus.passes.transition.grid import Holding
+    from nereus.passes.transition.remap import reuse_of
 
     def pieces(regions, ms):
         return [Holding(ShardRef(ms, i, 0, 0), gpu, (r,), i) for i, (gpu, r) in enumerate(regions)]

@@ -73,8 +73,12 @@ def test_list_schedules_respect_ports_and_precedences(inst):
 def test_insertion_fills_the_gaps_broadcasts_leave():
     # receive port 5 carries 8 ticks of work; appending to ports, greedy leaves it idle while the
     # broadcast from GPU 3 waits for ports 4 and 6, and ends at 11
-    buckets = [Bucket(1, (7,), "nic", [], duration=4), Bucket(2, (5,), "nic", [], duration=4),
-               Bucket(1, (4, 6, 7), "nic", [], duration=3), Bucket(3, (4, 5, 6), "nic", [], duration=4)]
+    buckets = [
+        Bucket(1, (7,), "nic", [], duration=4),
+        Bucket(2, (5,), "nic", [], duration=4),
+        Bucket(1, (4, 6, 7), "nic", [], duration=3),
+        Bucket(3, (4, 5, 6), "nic", [], duration=4),
+    ]
     assert port_bound(buckets) == 8
     assert max(s + b.duration for s, b in zip(greedy(buckets, set()), buckets)) == 11
     starts = insertion(buckets, set())
@@ -88,9 +92,14 @@ def test_no_search_above_search_max_buckets(monkeypatch):
     """Six buckets whose list schedules end at 12 and CP-SAT's at 11 (the bound): searched up to
     ``SEARCH_MAX`` buckets; with the cap one bucket lower, the list schedule comes back as it is,
     marked feasible and not searched, and CP-SAT is never called."""
-    buckets = [Bucket(1, (4, 5, 7), "nic", [], duration=2), Bucket(3, (5,), "nic", [], duration=4),
-               Bucket(1, (4, 6, 7), "nic", [], duration=1), Bucket(1, (5,), "nic", [], duration=2),
-               Bucket(3, (4, 6), "nic", [], duration=5), Bucket(0, (6,), "nic", [], duration=5)]
+    buckets = [
+        Bucket(1, (4, 5, 7), "nic", [], duration=2),
+        Bucket(3, (5,), "nic", [], duration=4),
+        Bucket(1, (4, 6, 7), "nic", [], duration=1),
+        Bucket(1, (5,), "nic", [], duration=2),
+        Bucket(3, (4, 6), "nic", [], duration=5),
+        Bucket(0, (6,), "nic", [], duration=5),
+    ]
     assert min(max(s + b.duration for s, b in zip(f(buckets, set()), buckets)) for f in (greedy, insertion)) == 12
     monkeypatch.setattr(sb, "SEARCH_MAX", len(buckets))
     sched = solve_schedule(buckets, set(), time_limit=1.0)
@@ -124,7 +133,9 @@ def insertion_by_buckets(buckets, prec, chains):
     search stepping over them one by one."""
     preds, succs, ports, busy = _graph(buckets, prec)
     tail = _tails(buckets, succs) if chains else [0] * len(buckets)
-    prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
+    prio = [
+        (-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))
+    ]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
@@ -276,8 +287,10 @@ def port_bound_by_ports(buckets, prec):
     preds = defaultdict(list)
     for a, b in prec:
         preds[b].append(a)
-    head = [t - b.duration for t, b in zip(bottom_levels_by_dfs([b.duration for b in buckets],
-                                                                 {(b, a) for a, b in prec}), buckets)]
+    head = [
+        t - b.duration
+        for t, b in zip(bottom_levels_by_dfs([b.duration for b in buckets], {(b, a) for a, b in prec}), buckets)
+    ]
     on_port = defaultdict(list)
     for i, b in enumerate(buckets):
         for p in _ports(b):
@@ -301,7 +314,9 @@ def test_bottom_levels_and_port_bound_by_levels_equal_their_definitions(inst):
     buckets, prec = inst
     durations = [b.duration for b in buckets]
     pairs = np.array(sorted(prec), dtype=np.int64).reshape(-1, 2)
-    assert bottom_levels(np.array(durations), pairs[:, 0], pairs[:, 1]).tolist() == bottom_levels_by_dfs(durations, prec)
+    assert bottom_levels(np.array(durations), pairs[:, 0], pairs[:, 1]).tolist() == bottom_levels_by_dfs(
+        durations, prec
+    )
     assert _tails(buckets, _graph(buckets, prec)[1]) == bottom_levels_by_dfs(durations, prec)
     assert sb.port_bound(buckets, prec) == sb.port_bound(buckets, pairs) == port_bound_by_ports(buckets, prec)
 
@@ -314,8 +329,10 @@ def test_bottom_levels_of_a_cycle_is_an_error():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**20), st.integers(1, 2**20)), min_size=1, max_size=60),
-       st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2**20), st.integers(1, 2**20)), min_size=1, max_size=60),
+    st.booleans(),
+)
 def test_entries_by_port_and_head_are_sorted_as_by_a_lexsort(rows, huge):
     """``by_port_and_head``: the entries sorted by port, then head, by packed keys where they fit
     in an int64 (these rows: at most 41 x 2**20 x 2**20) and by a lexsort where they do not

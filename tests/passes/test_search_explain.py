@@ -9,13 +9,12 @@ from hypothesis import HealthCheck, assume, given, settings
 
 import nereus
 from nereus.passes.cost.estimate import estimate_plan
+from nereus.passes.search.explain import explain, without
 from nereus.passes.search.plan_search import solve, to_plan
-from nereus.passes.search.explain import without, explain
 from nereus.passes.search.space import build_problem
 
-from ..support.brute_force import brute_force
-
 from ..support import example
+from ..support.brute_force import brute_force
 from .test_plan_search import _module, small_instances
 
 GIB = 2**30
@@ -82,7 +81,9 @@ def test_offload_is_not_searched_without_a_host_and_says_why():
 
 
 def test_offload_without_host_link_is_refused_at_its_line():
-    text = JOB + """plan @p {
+    text = (
+        JOB
+        + """plan @p {
   workload = @grpo
   cluster = @c
   layout actor.generate { tp = 4, pp = 1, dp = 8, layers = [0..47], mesh = [0..31] }
@@ -95,6 +96,7 @@ def test_offload_without_host_link_is_refused_at_its_line():
   }
 }
 """
+    )
     with pytest.raises(nereus.DiagnosticError) as e:
         nereus.verify(nereus.parse(text, "job.nir"))
     d = e.value.diagnostics[0]
@@ -135,7 +137,9 @@ def test_runner_ups_equal_brute_force(inst):
     plan = to_plan(problem, sol, "p", w.name, cluster.name)
     m.plans["p"] = plan
     assert estimate_plan(m, plan) == []
-    why = explain(m, plan, problem, sol.choice, sol.objective * problem.unit_s, lambda p, t: solve(p, 30), time_limit=120)
+    why = explain(
+        m, plan, problem, sol.choice, sol.objective * problem.unit_s, lambda p, t: solve(p, 30), time_limit=120
+    )
     for ms, c in sol.choice.items():
         o = problem.spaces[ms].options[c]
         sizes = (o.tp, o.pp, o.dp)
@@ -153,8 +157,12 @@ def test_explain_is_recorded_in_the_ir_and_printed_by_opt(tmp_path):
     src = tmp_path / "job.nir"
     src.write_text(JOB)
     out = tmp_path / "searched.nir"
-    r = subprocess.run([sys.executable, "-m", "nereus", "opt", str(src), "-p", "plan-search", "--explain", "-o", str(out)],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "nereus", "opt", str(src), "-p", "plan-search", "--explain", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "bottleneck" in r.stderr and "runner-up TP" in r.stderr and "headroom kept free" in r.stderr
     m = nereus.verify(nereus.parse(out.read_text(), str(out)))  # the record round-trips
     plan = m.plans["grpo_searched"]
@@ -173,8 +181,11 @@ def test_the_controllers_memory_trigger_agrees_with_the_search(headroom, fires):
     from nereus.control.triggers import measured_triggers
 
     m, plan = _searched(JOB, f"plan-search{{headroom={headroom}}}")
-    record = StepRecord(step=0, seconds={ms: lay.time for ms, lay in plan.layouts.items()},
-                        memory={ms: lay.memory for ms, lay in plan.layouts.items()})
+    record = StepRecord(
+        step=0,
+        seconds={ms: lay.time for ms, lay in plan.layouts.items()},
+        memory={ms: lay.memory for ms, lay in plan.layouts.items()},
+    )
     memory = [t for t in measured_triggers(m, plan, [record], 0.0, ControlOptions()) if t.kind == "memory"]
     assert bool(memory) is fires
 

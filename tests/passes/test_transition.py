@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import nereus
 from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
-from nereus.passes.transition.derive_emus import derive_missing_emus
 from nereus.passes.transition import holdings
+from nereus.passes.transition.derive_emus import derive_missing_emus
 from nereus.runtime.reference_executor import simulate
 
 from ..support.jobs import job, zero3_gather
@@ -49,8 +49,10 @@ def plan_pairs(draw):
     for name in ("a", "b"):
         # GPUs added and removed: each plan sees its own subset of the cluster
         avail = sorted(draw(st.sets(st.sampled_from(all_gpus), min_size=2, max_size=8)))
-        lays = {ms: draw(layouts(ms, m.models["actor"].layers, avail, ms == "actor.train"))
-                for ms in ("actor.generate", "ref.infer", "actor.train")}
+        lays = {
+            ms: draw(layouts(ms, m.models["actor"].layers, avail, ms == "actor.train"))
+            for ms in ("actor.generate", "ref.infer", "actor.train")
+        }
         plans.append(Plan(name=name, workload="w", cluster="c", layouts=lays))
     for p in plans:
         m.plans[p.name] = p
@@ -122,9 +124,9 @@ def test_each_part_of_a_cells_receivers_gets_it_from_one_holder_by_load_and_run(
     part's fair share (its largest slice's bytes times its GPUs), otherwise from the least loaded,
     ties to the lowest (GPU, model-stage, piece); the load grows by the cell's bytes times the
     part's GPUs."""
+    from nereus.passes.transition.grid import Grid
     from nereus.passes.transition.holdings import plan_holdings
     from nereus.passes.transition.plan_transition import group_optimizer_states
-    from nereus.passes.transition.grid import Grid
     from nereus.passes.transition.planner import Planner, decide_structure, family_spec
 
     def volume(region):
@@ -192,8 +194,22 @@ def test_families_that_lie_alike_decide_once_and_plan_as_if_each_decided_alone(m
     import nereus.passes.transition.planner as tp
 
     def ops(t):
-        return [(op.id, op.kind, op.state, op.family, op.layers, op.box, [str(r) for r in op.src],
-                 [str(r) for r in op.dst], op.bytes, op.link, op.deps) for op in t.ops]
+        return [
+            (
+                op.id,
+                op.kind,
+                op.state,
+                op.family,
+                op.layers,
+                op.box,
+                [str(r) for r in op.src],
+                [str(r) for r in op.dst],
+                op.bytes,
+                op.link,
+                op.deps,
+            )
+            for op in t.ops
+        ]
 
     alone, calls = copy.deepcopy(m), []
     decide, expect = tp.decide_structure, tp.Planner.expect
@@ -253,18 +269,33 @@ def test_inference_replicas_take_a_slice_in_one_run_apart_from_the_zero3_slices_
     def lay(ms, dp, mesh, zero=0, offload=()):
         return Layout(model_stage=ms, tp=1, pp=1, dp=dp, layers=[(0, 2)], mesh=mesh, zero=zero, offload=list(offload))
 
-    m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts={
-        "actor.generate": lay("actor.generate", 1, [1]), "ref.infer": lay("ref.infer", 1, [2]),
-        "actor.train": lay("actor.train", 1, [0])})
-    m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts={
-        "actor.generate": lay("actor.generate", 2, [2, 3], offload=["weights"]), "ref.infer": lay("ref.infer", 1, [2]),
-        "actor.train": lay("actor.train", 4, [4, 5, 6, 7], zero=3)})
+    m.plans["a"] = Plan(
+        name="a",
+        workload="w",
+        cluster="c",
+        layouts={
+            "actor.generate": lay("actor.generate", 1, [1]),
+            "ref.infer": lay("ref.infer", 1, [2]),
+            "actor.train": lay("actor.train", 1, [0]),
+        },
+    )
+    m.plans["b"] = Plan(
+        name="b",
+        workload="w",
+        cluster="c",
+        layouts={
+            "actor.generate": lay("actor.generate", 2, [2, 3], offload=["weights"]),
+            "ref.infer": lay("ref.infer", 1, [2]),
+            "actor.train": lay("actor.train", 4, [4, 5, 6, 7], zero=3),
+        },
+    )
     nereus.run_pipeline(m, "plan-transition{to=@b}")
     t = m.transitions["a_to_b"]
     assert t.bytes_moved == t.lower_bound > 0
     assert simulate(m, t).mismatches == []
-    writes = Counter((op.family, r.dp) for op in t.ops if op.spec.delivers for r in op.dst
-                     if r.model_stage == "actor.generate")
+    writes = Counter(
+        (op.family, r.dp) for op in t.ops if op.spec.delivers for r in op.dst if r.model_stage == "actor.generate"
+    )
     families = {op.family for op in t.ops if op.state == "weight"}
     assert set(writes) == {(f, dp) for f in families for dp in (0, 1)} and set(writes.values()) == {1}
     assert all({r.model_stage for r in op.dst} == {"actor.generate"} for op in t.ops if op.kind == "broadcast")
@@ -274,10 +305,14 @@ def test_inference_replicas_take_a_slice_in_one_run_apart_from_the_zero3_slices_
 
 def test_unchanged_plan_moves_nothing():
     m = job()
-    lay = {ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[0, 1, 2, 3])
-           for ms in ("actor.generate", "ref.infer", "actor.train")}
+    lay = {
+        ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[0, 1, 2, 3])
+        for ms in ("actor.generate", "ref.infer", "actor.train")
+    }
     m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts=lay)
-    m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts={k: Layout(**{**vars(v), "loc": v.loc}) for k, v in lay.items()})
+    m.plans["b"] = Plan(
+        name="b", workload="w", cluster="c", layouts={k: Layout(**{**vars(v), "loc": v.loc}) for k, v in lay.items()}
+    )
     nereus.run_pipeline(m, "plan-transition{to=@b}")
     t = m.transitions["a_to_b"]
     assert t.bytes_moved == t.lower_bound == 0
@@ -286,10 +321,24 @@ def test_unchanged_plan_moves_nothing():
 
 def test_a_missing_delivery_is_caught_by_the_verifier():
     m = job()
-    m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts={
-        ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[0, 1, 2, 3]) for ms in ("actor.generate", "ref.infer", "actor.train")})
-    m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts={
-        ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[4, 5, 6, 7]) for ms in ("actor.generate", "ref.infer", "actor.train")})
+    m.plans["a"] = Plan(
+        name="a",
+        workload="w",
+        cluster="c",
+        layouts={
+            ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[0, 1, 2, 3])
+            for ms in ("actor.generate", "ref.infer", "actor.train")
+        },
+    )
+    m.plans["b"] = Plan(
+        name="b",
+        workload="w",
+        cluster="c",
+        layouts={
+            ms: Layout(model_stage=ms, tp=2, pp=1, dp=2, layers=[(0, 4)], mesh=[4, 5, 6, 7])
+            for ms in ("actor.generate", "ref.infer", "actor.train")
+        },
+    )
     nereus.run_pipeline(m, "plan-transition{to=@b}")
     t = m.transitions["a_to_b"]
     victim = next(op for op in t.ops if op.kind in ("send", "broadcast"))
@@ -326,10 +375,18 @@ def _swap(memory: int):
     m = job()
     m.clusters["c"].gpu_memory = memory
     mss = ("actor.generate", "ref.infer", "actor.train")
-    m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts={
-        ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[0, 1, 2, 3]) for ms in mss})
-    m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts={
-        ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[1, 2, 3, 0]) for ms in mss})
+    m.plans["a"] = Plan(
+        name="a",
+        workload="w",
+        cluster="c",
+        layouts={ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[0, 1, 2, 3]) for ms in mss},
+    )
+    m.plans["b"] = Plan(
+        name="b",
+        workload="w",
+        cluster="c",
+        layouts={ms: Layout(model_stage=ms, tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[1, 2, 3, 0]) for ms in mss},
+    )
     return m
 
 
@@ -359,7 +416,9 @@ def test_a_plan_that_does_not_fit_is_a_diagnostic_naming_the_gpu():
     m = _swap(80 * GIB)
     need = max(state_bytes(m, "a").values())
     m.clusters["c"].gpu_memory = need // 2
-    with pytest.raises(nereus.DiagnosticError, match=r"no order fits on GPU \d: plan A's state alone would take [\d,]+ bytes more"):
+    with pytest.raises(
+        nereus.DiagnosticError, match=r"no order fits on GPU \d: plan A's state alone would take [\d,]+ bytes more"
+    ):
         nereus.run_pipeline(m, "plan-transition{to=@b}")
 
 
@@ -369,8 +428,9 @@ def test_state_that_stays_in_host_memory_takes_no_gpu_memory():
     reference model's too can still swap the actor's shards."""
     m = _swap(80 * GIB)
     for name in ("a", "b"):
-        m.plans[name].layouts["ref.infer"] = Layout(model_stage="ref.infer", tp=4, pp=1, dp=1, layers=[(0, 4)],
-                                                    mesh=[0, 1, 2, 3], offload=["weights"])
+        m.plans[name].layouts["ref.infer"] = Layout(
+            model_stage="ref.infer", tp=4, pp=1, dp=1, layers=[(0, 4)], mesh=[0, 1, 2, 3], offload=["weights"]
+        )
     resident = max(max(state_bytes(m, p, offloaded=False).values()) for p in ("a", "b"))
     assert max(state_bytes(m, "a").values()) > resident + resident // 20  # counted on the GPU, it would not fit
     m.clusters["c"].gpu_memory = resident + resident // 20
@@ -388,7 +448,7 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
     precedences, gathered once per bucket, equal those derived operation by operation through
     the non-bucket operations (frees, copies); an unstage's bucket is on the GPU of its shards."""
     from nereus.passes.cost.cost_model import CostModel
-    from nereus.passes.schedule.schedule_transfers import endpoint_gpu, bucket_precedences, buckets_of
+    from nereus.passes.schedule.schedule_transfers import bucket_precedences, buckets_of, endpoint_gpu
 
     a, b = state_bytes(m, "a"), state_bytes(m, "b")
     m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
@@ -437,16 +497,31 @@ def test_a_broadcast_waits_for_the_dead_frees_of_every_gpu_it_writes():
     one = {"actor.generate": [0], "actor.train": [0], "ref.infer": [1, 2, 3]}
     two = {"actor.generate": [1, 2], "actor.train": [1, 2], "ref.infer": [3]}
     for name, meshes in (("a", one), ("b", two)):
-        m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts={
-            ms: Layout(model_stage=ms, tp=1, pp=1, dp=len(mesh), layers=[(0, 4)], mesh=mesh) for ms, mesh in meshes.items()})
+        m.plans[name] = Plan(
+            name=name,
+            workload="w",
+            cluster="c",
+            layouts={
+                ms: Layout(model_stage=ms, tp=1, pp=1, dp=len(mesh), layers=[(0, 4)], mesh=mesh)
+                for ms, mesh in meshes.items()
+            },
+        )
     a, b = state_bytes(m, "a"), state_bytes(m, "b")
     m.clusters["c"].gpu_memory = cap = max(max(a.values()), max(b.values()))
     assert a[1] + b[1] > cap  # the actor does not fit beside the reference replica
     nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
     t = m.transitions["a_to_b"]
-    frees_on = {g: {op.id for op in t.ops if op.kind == "free" and op.src[0].model_stage == "ref.infer"
-                    and op.src[0].dp == g - 1} for g in (1, 2)}
-    waiting = [op for op in t.ops if op.kind == "broadcast" and set(op.deps) & frees_on[1] and set(op.deps) & frees_on[2]]
+    frees_on = {
+        g: {
+            op.id
+            for op in t.ops
+            if op.kind == "free" and op.src[0].model_stage == "ref.infer" and op.src[0].dp == g - 1
+        }
+        for g in (1, 2)
+    }
+    waiting = [
+        op for op in t.ops if op.kind == "broadcast" and set(op.deps) & frees_on[1] and set(op.deps) & frees_on[2]
+    ]
     assert waiting and all(op.deps == sorted(set(op.deps), key=lambda d: int(d[1:])) for op in t.ops)
     result = simulate(m, t)
     assert result.mismatches == [] and max(result.peak.values()) <= cap
@@ -484,8 +559,9 @@ def test_an_unstage_its_dependencies_do_not_fill_is_a_diagnostic():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 3), min_size=1, max_size=3),
-       st.data())
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=4), st.lists(st.integers(1, 3), min_size=1, max_size=3), st.data()
+)
 def test_merge_boxes_keeps_exactly_the_cells_it_is_given(rows, cols, data):
     """Disjoint boxes cut from a grid (a random subset of its cells): each merged box is the
     union of the boxes it names, which lie inside it, and every box is named once."""

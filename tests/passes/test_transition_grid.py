@@ -55,6 +55,7 @@ def _gpu(draw):
             a = draw(st.integers(0, n - 1))
             out.append((a, draw(st.integers(a + 1, n))))
         return tuple(out)
+
     stages = ["m.train", "m.infer", "m.generate"]
     srcs = [(draw(st.sampled_from(stages)), box()) for _ in range(draw(st.integers(0, 3)))]
     dsts = []
@@ -107,8 +108,9 @@ def test_boxes_merge_cells_as_the_greedy_merge_does_and_cover_them_exactly(case,
     every = sorted({c for _, r in srcs + dsts for c in grid.cells(r)})
     cells = sorted(data.draw(st.sets(st.sampled_from(every), min_size=1)))
     boxes = grid.boxes(cells)
-    assert boxes == [tuple((c[a], c[b]) for c, (a, b) in zip(grid.cuts, box))
-                     for box in merge([grid.index(x) for x in cells])]
+    assert boxes == [
+        tuple((c[a], c[b]) for c, (a, b) in zip(grid.cuts, box)) for box in merge([grid.index(x) for x in cells])
+    ]
     covered = sorted(c for b in boxes for c in grid.cells(b))
     assert covered == cells
 

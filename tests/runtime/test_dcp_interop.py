@@ -14,7 +14,6 @@ import torch
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.tensor import Replicate, Shard
 
-from nereus.testing.cases import CASES, case_module
 from nereus.runtime.dcp import METADATA_FILE, dcp_reshard, fqn, save
 from nereus.runtime.dtensor import device_mesh, family_and_layer, placements, to_dtensor
 from nereus.runtime.launch import init_from_env, run_local
@@ -26,6 +25,7 @@ from nereus.runtime.state import (
     plan_layout,
     synthetic_state,
 )
+from nereus.testing.cases import CASES, case_module
 
 WORLD = 4
 SMALL = {"hidden": 64, "layers": 4}
@@ -47,8 +47,11 @@ def worker(rank: int, world: int, root: str) -> dict:
         a, b = plan_layout(m, "a"), plan_layout(m, "b")
         dst, written = dcp_reshard(synthetic_state(a.get(rank, [])), a, b, rank, world, os.path.join(root, case))
         specs = b.get(rank, [])
-        out[case] = {"written": written, "checked": len(specs),
-                     "bad": [str(s.key) for s in specs if not torch.equal(dst[s.key], cut(full_tensor(s), s.box))]}
+        out[case] = {
+            "written": written,
+            "checked": len(specs),
+            "bad": [str(s.key) for s in specs if not torch.equal(dst[s.key], cut(full_tensor(s), s.box))],
+        }
     for case, plan in DTENSOR_LAYOUTS:
         m = case_module(case, WORLD, **SMALL)
         layout, model = _layout(m, plan), m.models["actor"]

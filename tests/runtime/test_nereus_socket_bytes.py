@@ -72,10 +72,20 @@ def worker(rank: int, world: int, cases: tuple[str, ...], modes: tuple[str, ...]
             sum_sends = sum(len({msg.receiver for msg in s.sends}) for s in rounds)  # checksum vectors out
             sum_recvs = sum(len({msg.sender for msg in s.recvs}) for s in rounds)  # and in
             written, counted = _measure(prog, rank)
-            out.append({"case": case, "mode": mode, "written": written, "counter": prog.sent_bytes(rank),
-                        "stats_sent": counted, "groups": len(prog.groups), "fixed": fixed,
-                        "overhead": CHECKSUM * data_sends + 2 * NOTICE * (data_sends + sum_sends)
-                        + NOTICE * (data_recvs + sum_recvs)})
+            out.append(
+                {
+                    "case": case,
+                    "mode": mode,
+                    "written": written,
+                    "counter": prog.sent_bytes(rank),
+                    "stats_sent": counted,
+                    "groups": len(prog.groups),
+                    "fixed": fixed,
+                    "overhead": CHECKSUM * data_sends
+                    + 2 * NOTICE * (data_sends + sum_sends)
+                    + NOTICE * (data_recvs + sum_recvs),
+                }
+            )
     return out
 
 

@@ -3,16 +3,18 @@
 import pytest
 
 import nereus
+from nereus.ir import Layout, Plan
 from nereus.runtime.reference_executor import simulate
 
 from ..support.jobs import job
-from nereus.ir import Layout, Plan
 
 
 def _pair():
     m = job()
-    mk = lambda mesh: {ms: Layout(model_stage=ms, tp=2, pp=1, dp=1, layers=[(0, 4)], mesh=mesh)
-                       for ms in ("actor.generate", "ref.infer", "actor.train")}
+    mk = lambda mesh: {
+        ms: Layout(model_stage=ms, tp=2, pp=1, dp=1, layers=[(0, 4)], mesh=mesh)
+        for ms in ("actor.generate", "ref.infer", "actor.train")
+    }
     m.plans["a"] = Plan(name="a", workload="w", cluster="c", layouts=mk([0, 1]))
     m.plans["b"] = Plan(name="b", workload="w", cluster="c", layouts=mk([2, 3]))
     return nereus.run_pipeline(m, "plan-transition{to=@b}")

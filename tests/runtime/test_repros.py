@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from nereus.ir.model import DTYPE_BYTES
 from nereus.runtime.launch import LaunchError, run_local
 from nereus.runtime.state import TORCH_DTYPES
-from nereus.ir.model import DTYPE_BYTES
 
 from ..support import repro_workers as w
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.testing.cases import CASES, case_module
 from nereus.bench.baselines.peers import (
     BUCKET_BYTES,
     _tree_sends,
@@ -23,6 +22,7 @@ from nereus.bench.baselines.peers import (
 )
 from nereus.runtime.launch import init_from_env, run_local
 from nereus.runtime.state import cut, full_tensor, plan_layout, synthetic_state
+from nereus.testing.cases import CASES, case_module
 
 PEERS = (allgather_slice, gather_broadcast)
 HAVE_IO = os.path.exists("/proc/self/io")
@@ -37,8 +37,13 @@ def _written() -> int:
 
 
 def _same(got: torch.Tensor | None, want: torch.Tensor) -> bool:
-    return (got is not None and got.is_contiguous() and got.dtype == want.dtype and got.shape == want.shape
-            and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)))
+    return (
+        got is not None
+        and got.is_contiguous()
+        and got.dtype == want.dtype
+        and got.shape == want.shape
+        and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+    )
 
 
 def worker(rank: int, world: int, cases: tuple[str, ...], bucket_bytes: int) -> tuple[list[dict], float]:
@@ -55,9 +60,17 @@ def worker(rank: int, world: int, cases: tuple[str, ...], bucket_bytes: int) -> 
             before = _written()
             got, sent = peer(src, src_layout, dst_layout, rank, world, bucket_bytes=bucket_bytes)
             written = _written() - before
-            report.append({"case": case, "peer": peer.__name__, "sent": sent, "written": written,
-                           "full": sum(needed.values()), "extra": sorted(map(str, set(got) - set(want))),
-                           "wrong": sorted(str(k) for k in want if not _same(got.get(k), want[k]))})
+            report.append(
+                {
+                    "case": case,
+                    "peer": peer.__name__,
+                    "sent": sent,
+                    "written": written,
+                    "full": sum(needed.values()),
+                    "extra": sorted(map(str, set(got) - set(want))),
+                    "wrong": sorted(str(k) for k in want if not _same(got.get(k), want[k])),
+                }
+            )
     return report, ring_bandwidth(1 << 20, rank, world)
 
 

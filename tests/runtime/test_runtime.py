@@ -13,11 +13,11 @@ import random
 import pytest
 
 import nereus
-from nereus.testing.cases import CASES
 from nereus.ir import Layout, Plan
 from nereus.ir.model import even_split
 from nereus.runtime.execute import Fault
 from nereus.runtime.launch import LaunchError, run_local
+from nereus.testing.cases import CASES
 
 from ..support import runtime_workers as w
 from ..support.jobs import job, zero3_gather
@@ -60,8 +60,9 @@ def random_pairs(n: int, seed: int = 0) -> list[str]:
                 ranges = [(lo, hi - 1) for lo, hi in (even_split(layers, pp, r) for r in range(pp))]
                 zero = rng.randint(0, 3) if train and dp * cp > 1 else 0
                 offload = rng.choice([[], ["weights"]] + ([["optimizer"], ["weights", "optimizer"]] if train else []))
-                lays[ms] = Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, cp=cp, layers=ranges, mesh=mesh, zero=zero,
-                                  offload=offload)
+                lays[ms] = Layout(
+                    model_stage=ms, tp=tp, pp=pp, dp=dp, cp=cp, layers=ranges, mesh=mesh, zero=zero, offload=offload
+                )
             m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts=lays)
         try:
             nereus.verify(m)
@@ -101,8 +102,9 @@ def test_random_plan_pairs_run_for_real_on_8_processes():
         assert problems == [], f"pair {i}: {problems[:5]}\n{texts[i]}"
 
 
-@pytest.mark.parametrize("fault", [Fault("raise", rank=1), Fault("corrupt", rank=2), Fault("exit", rank=3)],
-                         ids=lambda f: f.kind)
+@pytest.mark.parametrize(
+    "fault", [Fault("raise", rank=1), Fault("corrupt", rank=2), Fault("exit", rank=3)], ids=lambda f: f.kind
+)
 def test_a_failure_on_one_rank_leaves_every_survivor_with_plan_a_state(fault):
     try:
         results = run_local(w.run_fault, 4, "tp4-tp2x2", fault, timeout=120)

@@ -10,9 +10,9 @@ import pytest
 import nereus
 from nereus.ir import DiagnosticError
 from nereus.passes.cost.estimate import estimate_plan
-from nereus.sim.simulated_cluster import SimCluster
 from nereus.sim.generate import length_shares
 from nereus.sim.simulate import simulate
+from nereus.sim.simulated_cluster import SimCluster
 from nereus.sim.trace import Trace, TraceStep
 from nereus.testing.jobs import ppo_8b_16gpu
 
@@ -74,12 +74,18 @@ def test_policies_run_in_worker_processes_give_the_same_runs(result):
     assert list(par["runs"]) == list(result["runs"])
     for name, run in result["runs"].items():
         other = par["runs"][name]
-        assert (other.step, other.sync, other.moves, other.failures, other.lost_s) == \
-            (run.step, run.sync, run.moves, run.failures, run.lost_s), name
+        assert (other.step, other.sync, other.moves, other.failures, other.lost_s) == (
+            run.step,
+            run.sync,
+            run.moves,
+            run.failures,
+            run.lost_s,
+        ), name
         if name != "nereus":
             assert other.latency == run.latency, name
-    assert [d.action for d in par["policies"]["nereus"].core.decisions] == \
-        [d.action for d in result["policies"]["nereus"].core.decisions]
+    assert [d.action for d in par["policies"]["nereus"].core.decisions] == [
+        d.action for d in result["policies"]["nereus"].core.decisions
+    ]
 
 
 def test_the_decision_core_learns_to_predict_the_hidden_truth(result):
@@ -133,17 +139,27 @@ def test_the_papers_baseline_rescales_only_dp(result):
     assert {8, 21} <= set(result["runs"]["fixed-dp"].moves)  # it restarts when the GPUs change
     for ms, lay in p.plan.layouts.items():
         first = start.layouts[ms]
-        assert (lay.tp, lay.pp, lay.vpp, lay.recompute, lay.zero, sorted(lay.offload)) == \
-            (first.tp, first.pp, first.vpp, first.recompute, first.zero, sorted(first.offload)), ms
+        assert (lay.tp, lay.pp, lay.vpp, lay.recompute, lay.zero, sorted(lay.offload)) == (
+            first.tp,
+            first.pp,
+            first.vpp,
+            first.recompute,
+            first.zero,
+            sorted(first.offload),
+        ), ms
     assert {ms: lay.dp for ms, lay in p.plan.layouts.items()} != {ms: lay.dp for ms, lay in start.layouts.items()}
 
 
 def test_a_restarting_policy_whose_tp_pp_no_longer_fit_restarts_with_new_ones():
     """Responses grow 1k -> 4k tokens at step 2 on 8 GPUs: the OpenRLHF-like pools' step-0 TP/PP no
     longer fit. It used to fail every later step; like a user, it now restarts with new TP/PP."""
-    steps = [TraceStep(i, length_shares(1000 if i < 2 else 4000, 8000), frozenset(range(8, 16)), frozenset())
-             for i in range(4)]
-    r = simulate(_job(), Trace("grow", "ppo_8b_16gpu", 16, steps), policies=["fixed", "verl", "openrlhf"], progress=False)
+    steps = [
+        TraceStep(i, length_shares(1000 if i < 2 else 4000, 8000), frozenset(range(8, 16)), frozenset())
+        for i in range(4)
+    ]
+    r = simulate(
+        _job(), Trace("grow", "ppo_8b_16gpu", 16, steps), policies=["fixed", "verl", "openrlhf"], progress=False
+    )
     for name, run in r["runs"].items():
         assert run.summary()["completed"] == 4 and run.moves == [2], name
 
@@ -183,7 +199,9 @@ def test_the_gantt_chart_finds_every_operation_on_its_gpu_in_the_plan_it_names()
     assert old in text
     text = text.replace(old, old[:-2] + ", offload = [optimizer] }")
     link = next(line for line in text.splitlines() if line.strip().startswith("inter_node"))
-    m = nereus.parse(text.replace(link, link + "\n  host_link = link(bandwidth = 55GB/s, latency = 10us)\n  host_memory = 2TiB"))
+    m = nereus.parse(
+        text.replace(link, link + "\n  host_link = link(bandwidth = 55GB/s, latency = 10us)\n  host_memory = 2TiB")
+    )
     nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
     (t,) = m.transitions.values()
     loads = [op for op in t.ops if op.kind == "load"]
@@ -208,8 +226,12 @@ def test_a_policy_that_fails_in_a_worker_ends_the_run_at_once_with_its_diagnosti
     steps = [TraceStep(i, length_shares(400000, 1000000), frozenset()) for i in range(3)]
     path = tmp_path / "too_long.jsonl"
     write_trace(Trace("too_long", "ppo_70b_1024gpu", 1024, steps), path)
-    run = subprocess.run([sys.executable, "-m", "nereus", "simulate", str(path), "--jobs", "2", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "nereus", "simulate", str(path), "--jobs", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1
     assert "cannot run on the trace's first step" in run.stderr and "Traceback" not in run.stderr
 

@@ -45,8 +45,10 @@ def test_a_dumped_move_is_rebuilt_with_the_runs_operations(tmp_path, capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["pass"] for x in lines] == ["remap", "plan-transition", "schedule-transfers"]
     remapped, planned, scheduled = lines
-    assert (remapped["bytes_before"], remapped["bytes_after"]) == (d.numbers["remap_bytes_before"],
-                                                                   d.numbers["remap_bytes_after"])
+    assert (remapped["bytes_before"], remapped["bytes_after"]) == (
+        d.numbers["remap_bytes_before"],
+        d.numbers["remap_bytes_after"],
+    )
     meshes = sorted((ms, lay.mesh) for ms, lay in core.m.plans[d.target].layouts.items())
     assert remapped["hash"] == hashlib.sha256(repr(meshes).encode()).hexdigest()[:16]  # the run's placement
     assert planned["ops"] == scheduled["ops"] > 0

@@ -33,10 +33,13 @@ def test_length_shares_have_the_asked_mean_under_the_cap(mean, cap):
 BAD = [
     ('{"step": 1, "response_len_dist": [5]}', "step 1 out of order: expected 0"),
     ('{"step": 0, "response_len_dist": [9, 5]}', "response_len_dist must be positive integers in increasing order"),
-    ('{"step": 0, "response_len_dist": [5], "unavailable": [[60, 70]]}', "unavailable range [60, 70] is outside GPUs 0..63"),
+    (
+        '{"step": 0, "response_len_dist": [5], "unavailable": [[60, 70]]}',
+        "unavailable range [60, 70] is outside GPUs 0..63",
+    ),
     ('{"step": 0, "response_len_dist": [5], "gpu": 3}', "unknown keys ['gpu']"),
     ('{"step": 0, "response_len_dist": [5]', "not JSON"),
-    ('[1, 2]', "a trace line is a JSON object"),
+    ("[1, 2]", "a trace line is a JSON object"),
 ]
 
 

@@ -9,12 +9,21 @@ import math
 from nereus.passes.search.space import SearchProblem
 
 
-def brute_force(problem: SearchProblem, limit: int = 2_000_000) -> tuple[int | None, dict | None, dict | None, dict | None]:
+def brute_force(
+    problem: SearchProblem, limit: int = 2_000_000
+) -> tuple[int | None, dict | None, dict | None, dict | None]:
     """The optimum by trying every option, start and grouping (small instances), through
     ``evaluate``. Independent of the CP-SAT model. Returns (objective, choice, start, partition)."""
     names = list(problem.spaces)
-    per_ms = [[(c, s) for c, o in enumerate(problem.spaces[ms].options) for k in o.times
-               for s in problem.positions.starts(k, o.gpus)] for ms in names]
+    per_ms = [
+        [
+            (c, s)
+            for c, o in enumerate(problem.spaces[ms].options)
+            for k in o.times
+            for s in problem.positions.starts(k, o.gpus)
+        ]
+        for ms in names
+    ]
     if not all(per_ms):
         return None, None, None, None
     parts = list(itertools.product(*(range(len(problem.partitions[s])) for s, _ in problem.stages)))

@@ -52,11 +52,25 @@ def run_repro(rank: int, world: int, path: str, dead: int | None, timeout: float
     elapsed = time.perf_counter() - t0
     intact = all(torch.equal(as_bytes(state[k]), b) for k, b in before.items())
     exact = new is not None and all(
-        new[s.key].dtype == cut(full_tensor(s), s.box).dtype and torch.equal(as_bytes(new[s.key]), as_bytes(cut(full_tensor(s), s.box)))
-        for s in prog.dst.get(rank, []))
-    return {"elapsed": elapsed, "groups": len(prog.groups), "intact": intact, "exact": exact,
-            "error": None if error is None else {"text": str(error), "rank": error.rank, "failed": error.failed_ranks,
-                                                 "unresponsive": error.unresponsive, "intact": error.state_intact}}
+        new[s.key].dtype == cut(full_tensor(s), s.box).dtype
+        and torch.equal(as_bytes(new[s.key]), as_bytes(cut(full_tensor(s), s.box)))
+        for s in prog.dst.get(rank, [])
+    )
+    return {
+        "elapsed": elapsed,
+        "groups": len(prog.groups),
+        "intact": intact,
+        "exact": exact,
+        "error": None
+        if error is None
+        else {
+            "text": str(error),
+            "rank": error.rank,
+            "failed": error.failed_ranks,
+            "unresponsive": error.unresponsive,
+            "intact": error.state_intact,
+        },
+    }
 
 
 def run_mismatched_programs(rank: int, world: int, path: str) -> dict:

@@ -65,7 +65,9 @@ def run_lines(path: Path) -> list[RunLine]:
             continue
         stages = [shlex.split(s) for s in m.group(1).split(" | ")]
         if not 1 <= len(stages) <= 2 or stages[0][:1] != ["nereus"] or "%s" not in stages[0]:
-            raise RunError(f"{path}: RUN line {line!r}: expected 'nereus COMMAND %s ...' and at most one '| filecheck %s'")
+            raise RunError(
+                f"{path}: RUN line {line!r}: expected 'nereus COMMAND %s ...' and at most one '| filecheck %s'"
+            )
         check = None
         if len(stages) == 2:
             if stages[1][:2] != ["filecheck", "%s"]:
@@ -100,8 +102,13 @@ def run_nereus(argv: tuple[str, ...]) -> str:
 
 def filecheck(check_file: Path, text: str, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Pipe ``text`` to ``filecheck CHECK_FILE OPTIONS`` (the filecheck package, in a subprocess)."""
-    return subprocess.run([sys.executable, "-m", "filecheck", str(check_file), *options], input=text,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "filecheck", str(check_file), *options],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def filecheck_quietly(check_file: Path, text: str, options: tuple[str, ...] = ()) -> int:
@@ -126,8 +133,10 @@ def run_case(path: Path) -> list[tuple[RunLine, str]]:
         out = run_nereus(run.argv)
         r = filecheck(path, out, run.filecheck)
         if r.returncode != 0:
-            raise RunError(f"filecheck {path.name} {' '.join(run.filecheck)} failed on the output of "
-                           f"nereus {shlex.join(run.argv)}:\n{r.stdout}{r.stderr}")
+            raise RunError(
+                f"filecheck {path.name} {' '.join(run.filecheck)} failed on the output of "
+                f"nereus {shlex.join(run.argv)}:\n{r.stdout}{r.stderr}"
+            )
         done.append((run, out))
     return done
 

@@ -11,11 +11,11 @@ import torch
 
 import nereus
 from nereus.backend.lower import lower
-from nereus.testing.cases import case_module
 from nereus.passes.transition.plan_transition import plan_transition
 from nereus.runtime.execute import Fault, Stats, TransitionError, execute
 from nereus.runtime.launch import init_from_env
 from nereus.runtime.state import cut, full_tensor, synthetic_state, torch_dtype
+from nereus.testing.cases import case_module
 
 
 def check(prog, rank: int, new) -> list[str]:
@@ -42,8 +42,12 @@ def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[
             prog = lower(m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024, chunk_bytes=256 * 1024)
             stats = Stats()
             new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, stats=stats)
-            out[(case, mode)] = (check(prog, rank, new), stats.sent, prog.sent_bytes(rank),
-                                 m.transitions["t"].bytes_moved)
+            out[(case, mode)] = (
+                check(prog, rank, new),
+                stats.sent,
+                prog.sent_bytes(rank),
+                m.transitions["t"].bytes_moved,
+            )
     return out
 
 
@@ -57,8 +61,9 @@ def run_modules(rank: int, world: int, texts: list[str]) -> list[list[str]]:
         m = nereus.parse(text)
         nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
         mode = ("p2p", "chain", "collective")[i % 3]
-        prog = lower(m, "a_to_b", gpus=list(range(world)), direct_bytes=256, bucket_bytes=4096, broadcast=mode,
-                     chunk_bytes=2048)
+        prog = lower(
+            m, "a_to_b", gpus=list(range(world)), direct_bytes=256, bucket_bytes=4096, broadcast=mode, chunk_bytes=2048
+        )
         stats = Stats()
         limit = 1 if i % 2 else None
         new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, stats=stats, memory_limit=limit)
@@ -82,8 +87,9 @@ def run_fault(rank: int, world: int, case: str, fault: Fault) -> dict:
         raised = None
     except TransitionError as e:
         raised = str(e)
-    intact = set(state) == set(before) and all(id(state[k]) == i and torch.equal(state[k], c)
-                                               for k, (i, c) in before.items())
+    intact = set(state) == set(before) and all(
+        id(state[k]) == i and torch.equal(state[k], c) for k, (i, c) in before.items()
+    )
     full = all(torch.equal(v, cut(full_tensor(s), s.box)) for s in prog.src.get(rank, []) for v in [state[s.key]])
     return {"raised": raised, "intact": intact and full, "held": len(state)}
 
@@ -135,7 +141,9 @@ def run_plain_reshard(rank: int, world: int, pairs: list[tuple[dict, dict]], tra
         new = nereus.reshard(state, model, src, dst, timeout=30)
         want = nereus.reshard_shards(model, dst, rank)
         bad = [f"keys {sorted(set(new) ^ set(want))[:3]}"] if set(new) != set(want) else []
-        bad += [f"wrong {n}" for n, s in want.items() if n in new and not torch.equal(new[n], cut(full_tensor(s), s.box))]
+        bad += [
+            f"wrong {n}" for n, s in want.items() if n in new and not torch.equal(new[n], cut(full_tensor(s), s.box))
+        ]
         bad += [f"source changed {n}" for n, t in state.items() if not torch.equal(t, before[n])]
         out.append(bad)
     return out

@@ -24,28 +24,80 @@ from dataclasses import replace
 from hypothesis import strategies as st
 
 from nereus.ir import (
-    Cluster, Emu, HostRef, Layout, Link, Model, Module, Op, Plan, Shard, ShardRef, SliceEntry, Stage,
-    Transition, Workload,
+    Cluster,
+    DiagnosticError,
+    Emu,
+    HostRef,
+    Layout,
+    Link,
+    Model,
+    Module,
+    Op,
+    Plan,
+    Shard,
+    ShardRef,
+    SliceEntry,
+    Stage,
+    Transition,
+    Workload,
 )
 from nereus.ir import cluster as _cluster_mod
 from nereus.ir import model as _model_mod
 from nereus.ir import plan as _plan_mod
-from nereus.ir import DiagnosticError
 from nereus.ir import transition as _transition_mod
 from nereus.ir import workload as _workload_mod
+from nereus.ir.model import state_dtype_bytes
 from nereus.ir.sharding import derive_emus
 from nereus.ir.units import Dim, UnitError, parse_quantity
-from nereus.ir.model import state_dtype_bytes
 
 # ---------------------------------------------------------------------------- names
 
 # Words that are keywords or meaningful values somewhere in the language: they must still work
 # as names of declarations and stages wherever the grammar expects a NAME or a SYMBOL.
 KEYWORDS = [
-    "cluster", "model", "workload", "stage", "plan", "layout", "emu", "shard", "gpus", "transition",
-    "from", "to", "host", "grad", "master", "exp_avg", "exp_avg_sq", "weight", "true", "false", "link",
-    "layers", "ppo", "grpo", "generate", "infer", "train", "bf16", "local", "nvlink", "pcie", "lm", "value",
-    "time", "memory", "efficiency", "calibration", "gated", "plain", "score", "norm", "mlp", "self_attn",
+    "cluster",
+    "model",
+    "workload",
+    "stage",
+    "plan",
+    "layout",
+    "emu",
+    "shard",
+    "gpus",
+    "transition",
+    "from",
+    "to",
+    "host",
+    "grad",
+    "master",
+    "exp_avg",
+    "exp_avg_sq",
+    "weight",
+    "true",
+    "false",
+    "link",
+    "layers",
+    "ppo",
+    "grpo",
+    "generate",
+    "infer",
+    "train",
+    "bf16",
+    "local",
+    "nvlink",
+    "pcie",
+    "lm",
+    "value",
+    "time",
+    "memory",
+    "efficiency",
+    "calibration",
+    "gated",
+    "plain",
+    "score",
+    "norm",
+    "mlp",
+    "self_attn",
 ]
 
 identifiers = st.one_of(
@@ -116,8 +168,9 @@ def value_for(spec):
     if k in ("int", "natural"):
         return st.integers(0, 64)
     if k == "float":
-        return st.one_of(st.floats(0.0, 1.0, allow_nan=False), st.sampled_from(AWKWARD_FLOATS),
-                         st.floats(0.0, 1e6, allow_nan=False))
+        return st.one_of(
+            st.floats(0.0, 1.0, allow_nan=False), st.sampled_from(AWKWARD_FLOATS), st.floats(0.0, 1e6, allow_nan=False)
+        )
     if k == "bool":
         return st.booleans()
     if k == "choice":
@@ -151,16 +204,65 @@ def fill_optional(draw, node, specs, handled) -> None:
 
 
 HANDLED = {
-    "cluster": {"nodes", "gpus_per_node", "gpu_memory", "peak_flops", "hbm_bandwidth", "intra_node", "inter_node",
-                "host_link", "host_memory", "unavailable"},
-    "model": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "head_dim", "dtype", "tied_embeddings", "head",
-              "trained"},
-    "workload": {"algorithm", "roles", "global_batch", "group_size", "prompt_len_mean", "prompt_len_max",
-                 "response_len_mean", "response_len_max", "ppo_epochs", "mini_batch", "micro_batch", "steps"},
+    "cluster": {
+        "nodes",
+        "gpus_per_node",
+        "gpu_memory",
+        "peak_flops",
+        "hbm_bandwidth",
+        "intra_node",
+        "inter_node",
+        "host_link",
+        "host_memory",
+        "unavailable",
+    },
+    "model": {
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "ffn",
+        "vocab",
+        "head_dim",
+        "dtype",
+        "tied_embeddings",
+        "head",
+        "trained",
+    },
+    "workload": {
+        "algorithm",
+        "roles",
+        "global_batch",
+        "group_size",
+        "prompt_len_mean",
+        "prompt_len_max",
+        "response_len_mean",
+        "response_len_max",
+        "ppo_epochs",
+        "mini_batch",
+        "micro_batch",
+        "steps",
+    },
     "stage": {"kind", "models"},
     "plan": {"workload", "cluster", "colocate"},
-    "layout": {"tp", "pp", "dp", "layers", "mesh", "micro_batches", "zero", "recompute", "offload", "time", "memory",
-               "sp", "vpp", "grad_dtype", "fp8", "cp"},  # vpp, fp8, cp: tests/ir/test_layout_features.py
+    "layout": {
+        "tp",
+        "pp",
+        "dp",
+        "layers",
+        "mesh",
+        "micro_batches",
+        "zero",
+        "recompute",
+        "offload",
+        "time",
+        "memory",
+        "sp",
+        "vpp",
+        "grad_dtype",
+        "fp8",
+        "cp",
+    },  # vpp, fp8, cp: tests/ir/test_layout_features.py
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -208,8 +310,11 @@ def divisors(n: int) -> list[int]:
 
 def valid_tps(model: Model) -> list[int]:
     """TP degrees the verifier accepts for ``model``: divide heads, compatible with kv_heads."""
-    return [t for t in divisors(model.heads)
-            if (t > model.kv_heads and t % model.kv_heads == 0) or (t <= model.kv_heads and model.kv_heads % t == 0)]
+    return [
+        t
+        for t in divisors(model.heads)
+        if (t > model.kv_heads and t % model.kv_heads == 0) or (t <= model.kv_heads and model.kv_heads % t == 0)
+    ]
 
 
 @st.composite
@@ -306,8 +411,11 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
     tp = draw(st.sampled_from([t for t in valid_tps(model) if t <= len(pool)]))
     pp = draw(st.integers(1, min(model.layers, len(pool) // tp)))
     dp = draw(st.integers(1, len(pool) // (tp * pp)))
-    cuts = sorted(draw(st.lists(st.integers(1, model.layers - 1), unique=True, min_size=pp - 1, max_size=pp - 1))) \
-        if pp > 1 else []
+    cuts = (
+        sorted(draw(st.lists(st.integers(1, model.layers - 1), unique=True, min_size=pp - 1, max_size=pp - 1)))
+        if pp > 1
+        else []
+    )
     bounds = [0] + cuts + [model.layers]
     layer_ranges = [(bounds[i], bounds[i + 1] - 1) for i in range(pp)]
     mesh = draw(st.permutations(pool))[: tp * pp * dp]
@@ -346,7 +454,7 @@ def fit_flush(lay: Layout, w: Workload, kind: str) -> Layout:
     else:
         lay.dp = min(lay.dp, flush // w.micro_batch)
         lay.micro_batches = min(lay.micro_batches, flush // (w.micro_batch * lay.dp))
-    lay.mesh = lay.mesh[:lay.tp * lay.pp * lay.dp]
+    lay.mesh = lay.mesh[: lay.tp * lay.pp * lay.dp]
     return lay
 
 
@@ -364,11 +472,20 @@ def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[s
         groups = [[ms for ms, g in zip(mss, assign) if g == i] for i in range(ngroups)]
         groups = [g for g in groups if g]
         shuffled = draw(st.permutations(avail))
-        cuts = sorted(draw(st.lists(st.integers(1, len(avail) - 1), unique=True,
-                                    min_size=len(groups) - 1, max_size=len(groups) - 1))) if len(groups) > 1 else []
+        cuts = (
+            sorted(
+                draw(
+                    st.lists(
+                        st.integers(1, len(avail) - 1), unique=True, min_size=len(groups) - 1, max_size=len(groups) - 1
+                    )
+                )
+            )
+            if len(groups) > 1
+            else []
+        )
         bounds = [0] + cuts + [len(avail)]
         for i, group in enumerate(groups):
-            pool = shuffled[bounds[i]:bounds[i + 1]]
+            pool = shuffled[bounds[i] : bounds[i + 1]]
             for ms in group:
                 model = by_name[ms.rpartition(".")[0]]
                 lays[ms] = fit_flush(draw(layouts(ms, model, pool, stage.kind == "train")), workload, stage.kind)
@@ -377,8 +494,13 @@ def plans(draw, name: str, workload: Workload, cluster: Cluster, by_name: dict[s
             if len(group) > 1 or draw(st.integers(0, 5)) == 0:  # singleton groups are legal too
                 colocate.append(list(group))
     order = draw(st.permutations(list(lays)))
-    plan = Plan(name=name, workload=workload.name, cluster=cluster.name, colocate=colocate,
-                layouts={ms: lays[ms] for ms in order})
+    plan = Plan(
+        name=name,
+        workload=workload.name,
+        cluster=cluster.name,
+        colocate=colocate,
+        layouts={ms: lays[ms] for ms in order},
+    )
     fill_optional(draw, plan, _plan_mod.PLAN_ATTRS, HANDLED["plan"])
     return plan
 
@@ -391,16 +513,20 @@ def _split_entry(model: Model, e: SliceEntry, how: str) -> list[SliceEntry] | No
     if how == "layers" and e.layers is not None and e.layers[1] > e.layers[0]:
         lo, hi = e.layers
         mid = (lo + hi) // 2
-        return [SliceEntry(family=e.family, layers=(lo, mid), box=e.box, state=e.state),
-                SliceEntry(family=e.family, layers=(mid + 1, hi), box=e.box, state=e.state)]
+        return [
+            SliceEntry(family=e.family, layers=(lo, mid), box=e.box, state=e.state),
+            SliceEntry(family=e.family, layers=(mid + 1, hi), box=e.box, state=e.state),
+        ]
     d = model.tensors[e.family].tp_dim
     if how == "box" and d is not None and e.box[d][1] - e.box[d][0] >= 2:
         a, b = e.box[d]
         mid = (a + b) // 2
         left = tuple((a, mid) if i == d else s for i, s in enumerate(e.box))
         right = tuple((mid, b) if i == d else s for i, s in enumerate(e.box))
-        return [SliceEntry(family=e.family, layers=e.layers, box=left, state=e.state),
-                SliceEntry(family=e.family, layers=e.layers, box=right, state=e.state)]
+        return [
+            SliceEntry(family=e.family, layers=e.layers, box=left, state=e.state),
+            SliceEntry(family=e.family, layers=e.layers, box=right, state=e.state),
+        ]
     return None
 
 
@@ -418,8 +544,9 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
         states += draw(st.lists(st.sampled_from(["grad", "master", "exp_avg", "exp_avg_sq"]), unique=True, max_size=4))
         states = draw(st.permutations(states))
     emus = derive_emus(plan.name, model, layout, tuple(states))
-    keep = draw(st.one_of(st.just(list(range(layout.dp))),
-                          st.lists(st.sampled_from(range(layout.dp)), unique=True, min_size=1)))
+    keep = draw(
+        st.one_of(st.just(list(range(layout.dp))), st.lists(st.sampled_from(range(layout.dp)), unique=True, min_size=1))
+    )
     emus = [e for e in emus if e.replica in keep]
     for n, emu in enumerate(emus):
         change = draw(st.sampled_from(["none", "none", "none", "reorder", "layers", "box"]))
@@ -434,7 +561,7 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
             i = draw(st.integers(0, len(entries) - 1))
             parts = _split_entry(model, entries[i], change)
             if parts is not None:
-                entries[i:i + 1] = parts
+                entries[i : i + 1] = parts
         shards = list(emu.shards)
         shards[which] = replace(shard, entries=entries)  # EMUs are frozen: a changed one is a new one
         emus[n] = replace(emu, shards=shards)
@@ -451,7 +578,9 @@ def emus_of(draw, plan: Plan, layout: Layout, model: Model, trains: bool, valid:
             if draw(st.integers(0, 2)) == 0:
                 extra = replace(extra, shards=())  # an emu block with no shard at all
             elif draw(st.booleans()):
-                extra = replace(extra, shards=(replace(extra.shards[0], entries=()), *extra.shards[1:]))  # a shard with no slice
+                extra = replace(
+                    extra, shards=(replace(extra.shards[0], entries=()), *extra.shards[1:])
+                )  # a shard with no slice
             emus.append(extra)
     return emus
 
@@ -557,7 +686,9 @@ def _link(cluster: Cluster, gpus: list[int]) -> str:
 
 
 @st.composite
-def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, opid: str, earlier: list[str]) -> Op | None:
+def ops(
+    draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, opid: str, earlier: list[str]
+) -> Op | None:
     kind = draw(st.sampled_from(["send", "copy", "broadcast", "free", "offload", "load"]))
     if kind == "load" or not src_slots:
         if not dst_slots:
@@ -582,16 +713,22 @@ def ops(draw, src_slots: list[Slot], dst_slots: list[Slot], cluster: Cluster, op
             layers, box = draw(sub_region(r))
             targets = [d]
             if kind == "broadcast":
-                more = [c for c, _ in _holders(dst_slots, model, e.state, e.family, (layers, box))
-                        if c.ref != d.ref and _contained(c, e.state, e.family, (layers, box))]
+                more = [
+                    c
+                    for c, _ in _holders(dst_slots, model, e.state, e.family, (layers, box))
+                    if c.ref != d.ref and _contained(c, e.state, e.family, (layers, box))
+                ]
                 if more:
                     targets += draw(st.lists(st.sampled_from(more), unique_by=lambda c: c.ref, max_size=3))
             src, dsts = [s.ref], [x.ref for x in targets]
             link = _link(cluster, [s.gpu] + [x.gpu for x in targets])
         if kind == "free":
             layers, box = draw(sub_region(region))
-            more = [c for c in src_slots if c.ref != s.ref and c.model.name == model.name
-                    and _contained(c, e.state, e.family, (layers, box))]
+            more = [
+                c
+                for c in src_slots
+                if c.ref != s.ref and c.model.name == model.name and _contained(c, e.state, e.family, (layers, box))
+            ]
             extra = draw(st.lists(st.sampled_from(more), unique_by=lambda c: c.ref, max_size=2)) if more else []
             src, dsts, link = [s.ref] + [c.ref for c in extra], [], "local"
         elif kind == "offload":
@@ -648,8 +785,14 @@ def modules(draw, valid: bool = True, tiny_dims: bool = False) -> Module:
     n_clusters = draw(st.integers(1, 2))
     n_plans = draw(st.integers(1, 2))
     n_trans = draw(st.integers(0, 2))
-    names = draw(st.lists(identifiers, unique=True, min_size=n_models + n_clusters + 1 + n_plans + n_trans,
-                          max_size=n_models + n_clusters + 1 + n_plans + n_trans))
+    names = draw(
+        st.lists(
+            identifiers,
+            unique=True,
+            min_size=n_models + n_clusters + 1 + n_plans + n_trans,
+            max_size=n_models + n_clusters + 1 + n_plans + n_trans,
+        )
+    )
     model_names, names = names[:n_models], names[n_models:]
     cluster_names, names = names[:n_clusters], names[n_clusters:]
     workload_name, names = names[0], names[1:]

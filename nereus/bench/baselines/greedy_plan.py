@@ -66,14 +66,19 @@ def place_blocks(gpus: list[int], per_node: int, blocks: list[tuple[int, int]]) 
 def tp_sizes(model: Model, cluster: Cluster) -> list[int]:
     """TP sizes the frameworks accept for ``model`` inside one node of ``cluster``."""
     n = len(cluster.available_gpus())
-    return [t for t in range(1, min(cluster.gpus_per_node, n) + 1)
-            if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)]
+    return [
+        t
+        for t in range(1, min(cluster.gpus_per_node, n) + 1)
+        if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)
+    ]
 
 
 def pp_sizes(model: Model) -> list[int]:
     """PP sizes: divisors of the layers and powers of two up to the layers."""
-    return sorted({p for p in range(1, model.layers + 1) if model.layers % p == 0}
-                  | {1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers})
+    return sorted(
+        {p for p in range(1, model.layers + 1) if model.layers % p == 0}
+        | {1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers}
+    )
 
 
 def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_stage: str, kind: str) -> list[Layout]:
@@ -100,8 +105,19 @@ def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_sta
                 continue  # dp replicas of one micro-batch each exceed a pipeline flush
             mb = min(4 * pp, micro) if pp > 1 and kind != "generate" else 1
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-            out.append(Layout(model_stage=model_stage, tp=tp, pp=pp, dp=dp, layers=layers, mesh=mesh, micro_batches=mb,
-                              zero=1 if train and dp > 1 else 0, recompute=train))
+            out.append(
+                Layout(
+                    model_stage=model_stage,
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    layers=layers,
+                    mesh=mesh,
+                    micro_batches=mb,
+                    zero=1 if train and dp > 1 else 0,
+                    recompute=train,
+                )
+            )
     return out
 
 
@@ -111,9 +127,23 @@ class _Scorer:
     layout's mesh analysis done once: the baseline scores thousands of plans that differ in one
     layout. ``greedy_plan`` checks the result against ``estimate_plan`` itself."""
 
-    def __init__(self, m: Module, workload: Workload, cluster: Cluster, options: dict[str, list[Layout]],
-                 kinds: dict[str, str], name: str):
-        self.m, self.workload, self.cluster, self.options, self.kinds, self.name = m, workload, cluster, options, kinds, name
+    def __init__(
+        self,
+        m: Module,
+        workload: Workload,
+        cluster: Cluster,
+        options: dict[str, list[Layout]],
+        kinds: dict[str, str],
+        name: str,
+    ):
+        self.m, self.workload, self.cluster, self.options, self.kinds, self.name = (
+            m,
+            workload,
+            cluster,
+            options,
+            kinds,
+            name,
+        )
         self.cm = CostModel(cluster)
         self.coeffs = self.cm.coeffs
         self.cand: dict[tuple[str, int], Candidates] = {}
@@ -145,7 +175,9 @@ class _Scorer:
     def plan(self, choice: dict[str, int]) -> Plan:
         layouts = {ms: copy.copy(self.options[ms][i]) for ms, i in choice.items()}
         colocate = [list(st.model_stages()) for st in self.workload.stages if len(st.model_stages()) > 1]
-        return Plan(name=self.name, workload=self.workload.name, cluster=self.cluster.name, colocate=colocate, layouts=layouts)
+        return Plan(
+            name=self.name, workload=self.workload.name, cluster=self.cluster.name, colocate=colocate, layouts=layouts
+        )
 
     def score(self, choice: dict[str, int]) -> tuple[int, float, float]:
         """(does not fit, bytes over the GPU memory, step time): smaller is better."""

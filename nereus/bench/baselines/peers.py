@@ -124,7 +124,7 @@ def _pack(src: LocalState, specs: list[ShardSpec], buf: torch.Tensor) -> torch.T
     """This rank's shards ``specs`` packed into the uint8 ``buf`` (the padding is never read)."""
     off = 0
     for s in specs:
-        buf[off:off + s.nbytes].copy_(src[s.key].reshape(-1).view(torch.uint8))
+        buf[off : off + s.nbytes].copy_(src[s.key].reshape(-1).view(torch.uint8))
         off += _padded(s.nbytes)
     return buf
 
@@ -133,7 +133,7 @@ def _unpack(buf: torch.Tensor, specs: list[ShardSpec]) -> Iterator[tuple[ShardSp
     """The shards packed by ``_pack``, as views of ``buf`` in their dtype and local shape."""
     off = 0
     for s in specs:
-        yield s, buf[off:off + s.nbytes].view(torch_dtype(s.dtype)).view(s.local_shape)
+        yield s, buf[off : off + s.nbytes].view(torch_dtype(s.dtype)).view(s.local_shape)
         off += _padded(s.nbytes)
 
 
@@ -154,8 +154,9 @@ def _tree_sends(rank: int, world: int, root: int = 0) -> int:
     return sends
 
 
-def allgather_slice(src: LocalState, src_layout: Layout, dst_layout: Layout, rank: int, world: int, *,
-                    bucket_bytes: int = BUCKET_BYTES) -> tuple[LocalState, int]:
+def allgather_slice(
+    src: LocalState, src_layout: Layout, dst_layout: Layout, rank: int, world: int, *, bucket_bytes: int = BUCKET_BYTES
+) -> tuple[LocalState, int]:
     """verl: all-gather every tensor's source shards, assemble the full tensors, slice plan B's box.
 
     Per bucket, each rank packs the distinct boxes it is chosen to send (holders balanced by bytes)
@@ -174,11 +175,11 @@ def allgather_slice(src: LocalState, src_layout: Layout, dst_layout: Layout, ran
     out: LocalState = {}
     sent = 0
     for bucket, senders, chunk in steps:
-        _all_gather_equal(gathered[:world * chunk], _pack(src, senders[rank], packed[:chunk]))
+        _all_gather_equal(gathered[: world * chunk], _pack(src, senders[rank], packed[:chunk]))
         sent += (world - 1) * chunk
         fulls = {k: torch.empty(mine[k].shape, dtype=torch_dtype(mine[k].dtype)) for k in bucket if k in mine}
         for r, specs in enumerate(senders):
-            for s, t in _unpack(gathered[r * chunk:(r + 1) * chunk], specs):
+            for s, t in _unpack(gathered[r * chunk : (r + 1) * chunk], specs):
                 if s.key in fulls:
                     cut(fulls[s.key], s.box).copy_(t)
         for key, full in fulls.items():
@@ -186,8 +187,16 @@ def allgather_slice(src: LocalState, src_layout: Layout, dst_layout: Layout, ran
     return out, sent
 
 
-def gather_broadcast(src: LocalState, src_layout: Layout, dst_layout: Layout, rank: int, world: int, *,
-                     bucket_bytes: int = BUCKET_BYTES, timeout: float = 300.0) -> tuple[LocalState, int]:
+def gather_broadcast(
+    src: LocalState,
+    src_layout: Layout,
+    dst_layout: Layout,
+    rank: int,
+    world: int,
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
+    timeout: float = 300.0,
+) -> tuple[LocalState, int]:
     """OpenRLHF: rank 0 collects the full tensors, broadcasts them to every rank, which slice their box.
 
     Per bucket, every holder chosen for a distinct box rank 0 lacks sends its packed boxes to rank 0
@@ -199,8 +208,14 @@ def gather_broadcast(src: LocalState, src_layout: Layout, dst_layout: Layout, ra
     """
     sources, buckets = _plan(src_layout, dst_layout, bucket_bytes)
     mine = {s.key: s for s in dst_layout.get(rank, [])}
-    steps = [(bucket, _senders(sources, bucket, world, prefer=0),
-              [_whole(next(iter(sources[k].values()))[0]) for k in bucket]) for bucket in buckets]
+    steps = [
+        (
+            bucket,
+            _senders(sources, bucket, world, prefer=0),
+            [_whole(next(iter(sources[k].values()))[0]) for k in bucket],
+        )
+        for bucket in buckets
+    ]
     # buffers are reused from bucket to bucket: no page faults per bucket
     flat = torch.empty(max((_span(wholes) for *_, wholes in steps), default=0), dtype=torch.uint8)
     # rank 0 receives the holders' boxes into the staging buffer; a holder packs its boxes into it
@@ -213,15 +228,15 @@ def gather_broadcast(src: LocalState, src_layout: Layout, dst_layout: Layout, ra
         if rank == 0:  # one receive per holder, into consecutive slices of the staging buffer
             for r in range(1, world):
                 if senders[r]:
-                    ops.append(dist.P2POp(dist.irecv, staging[off:off + _span(senders[r])], r))
-                    boxes += _unpack(staging[off:off + _span(senders[r])], senders[r])
+                    ops.append(dist.P2POp(dist.irecv, staging[off : off + _span(senders[r])], r))
+                    boxes += _unpack(staging[off : off + _span(senders[r])], senders[r])
                     off += _span(senders[r])
         elif senders[rank]:
-            ops.append(dist.P2POp(dist.isend, _pack(src, senders[rank], staging[:_span(senders[rank])]), 0))
+            ops.append(dist.P2POp(dist.isend, _pack(src, senders[rank], staging[: _span(senders[rank])]), 0))
             sent += _span(senders[rank])
         _exchange(ops, timeout)
 
-        bucket_flat = flat[:_span(wholes)]
+        bucket_flat = flat[: _span(wholes)]
         fulls = {s.key: t for s, t in _unpack(bucket_flat, wholes)}
         if rank == 0:
             for s, t in [(s, src[s.key]) for s in senders[0]] + boxes:
@@ -317,9 +332,9 @@ def p2p_floor(src: LocalState, plan: FloorPlan, *, timeout: float = 300.0) -> tu
         for s, d, part, nbytes in pieces:
             if send:
                 v = _view(src[s.key], s, part)
-                buf[off:off + nbytes].view(v.dtype).view(v.shape).copy_(v)
+                buf[off : off + nbytes].view(v.dtype).view(v.shape).copy_(v)
             else:
-                unpack.append((buf[off:off + nbytes], _view(out[d.key], d, part)))
+                unpack.append((buf[off : off + nbytes], _view(out[d.key], d, part)))
             off += _padded(nbytes)
         ops.append(dist.P2POp(dist.isend if send else dist.irecv, buf, peer))
         sent += buf.numel() if send else 0
@@ -342,8 +357,10 @@ def ring_bandwidth(nbytes: int, rank: int, world: int, repeats: int = 3, *, time
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        _exchange([dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)],
-                  timeout)
+        _exchange(
+            [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)],
+            timeout,
+        )
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         best = min(best, elapsed.item())

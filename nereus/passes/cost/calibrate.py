@@ -12,7 +12,8 @@ Each predicted time is linear in the coefficients (``cost_model``), so the fit i
 least-squares problem on relative errors (every measurement counts the same, whatever its
 size), bounded (no achieved fraction above 1: nothing runs faster than its peak; overhead
 non-negative) and pulled lightly toward the prior (``RIDGE``), so that a coefficient the
-measurements cannot separate from the others stays near its prior. Generation's decode is compute- or HBM-bound depending on the
+measurements cannot separate from the others stays near its prior. Generation's decode is compute- or HBM-bound
+depending on the
 coefficients, and data-parallel communication is hidden up to a share or up to the compute
 beside it, so the fit re-assigns both and solves again until the assignment is stable; the
 hidden share itself (``overlap``) is chosen from a grid of 0.05 by the error after the fit.
@@ -33,9 +34,9 @@ import numpy as np
 from ...ir import Diagnostic, DiagnosticError, Loc, Module
 from ...ir.cluster import Calibration, Efficiency
 from ...ir.printer import printed_precision
+from ..infra.pass_manager import ModulePass, api_option, register
 from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
 from .layout_costs import LayoutCost, layout_costs
-from ..infra.pass_manager import ModulePass, api_option, register
 
 
 @dataclass
@@ -98,14 +99,21 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
         for o, ov in zip(with_overlap, saved):
             o.cost.cost.overlap = ov
     assert best is not None  # OVERLAP_GRID is not empty
-    return FitResult(best.efficiency, _mape(obs, coefficient_vector(prior)), best.error_after,
-                     best.used + ("overlap",), best.iterations)
+    return FitResult(
+        best.efficiency,
+        _mape(obs, coefficient_vector(prior)),
+        best.error_after,
+        best.used + ("overlap",),
+        best.iterations,
+    )
 
 
 RIDGE = 0.003  # weight of the prior: a coefficient 10% off its prior costs as much as a 0.03% error on one measurement
 
 
-def _bounded_fit(A: np.ndarray, b: np.ndarray, cols: np.ndarray, scale: np.ndarray, prior: np.ndarray, lsq_linear) -> np.ndarray:
+def _bounded_fit(
+    A: np.ndarray, b: np.ndarray, cols: np.ndarray, scale: np.ndarray, prior: np.ndarray, lsq_linear
+) -> np.ndarray:
     """Least squares on the scaled columns with every achieved fraction at most 1 (a coefficient
     1 / efficiency of at least 1: nothing beats its peak) and the overhead non-negative, pulled
     toward the prior by ``RIDGE`` so that what the measurements cannot tell apart (one plan's
@@ -145,11 +153,16 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -
         b_free = b - A[:, fixed] @ x[fixed]
         scale = np.linalg.norm(A[:, used], axis=0)
         x = x.copy()
-        x[used] = _bounded_fit(A[:, used] / scale, b_free, np.flatnonzero(used), scale, coefficient_vector(prior)[used],
-                               lsq_linear)
-        assigned = _per_cost(obs, lambda cost: (bool(cost.cost.decode is not None and
-                                                     cost.cost.decode[0][0] * x[0] >= cost.cost.decode[1][0] * x[1]),
-                                                tuple(np.round(cost.cost.hidden_features(x)[0], 12)) if cost.cost.overlap else ()))
+        x[used] = _bounded_fit(
+            A[:, used] / scale, b_free, np.flatnonzero(used), scale, coefficient_vector(prior)[used], lsq_linear
+        )
+        assigned = _per_cost(
+            obs,
+            lambda cost: (
+                bool(cost.cost.decode is not None and cost.cost.decode[0][0] * x[0] >= cost.cost.decode[1][0] * x[1]),
+                tuple(np.round(cost.cost.hidden_features(x)[0], 12)) if cost.cost.overlap else (),
+            ),
+        )
         new_assignment = tuple(assigned[id(o.cost)] for o in obs)
         if new_assignment == assignment:
             break
@@ -179,8 +192,13 @@ def read_profile(path: str | Path) -> list[tuple[str, str, float, int | None, in
                     raise ValueError("seconds must be positive")
                 out.append((str(rec["plan"]).lstrip("@"), ms, seconds, v.get("memory"), n))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            problems.append(Diagnostic(Loc(n, 1, str(path)), f"bad profile record: {e}",
-                                       'expected {"plan": ..., "model_stage": ..., "seconds": ...}'))
+            problems.append(
+                Diagnostic(
+                    Loc(n, 1, str(path)),
+                    f"bad profile record: {e}",
+                    'expected {"plan": ..., "model_stage": ..., "seconds": ...}',
+                )
+            )
     if problems:
         raise DiagnosticError(problems)
     return out
@@ -239,8 +257,9 @@ def calibrate_records(module: Module, records) -> dict[str, FitResult]:
         cluster = module.clusters[cluster_name]
         result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency())
         cluster.efficiency = Efficiency(**{k: printed_precision(v, 4) for k, v in vars(result.efficiency).items()})
-        cluster.calibration = Calibration(len(obs), printed_precision(result.error_before, 4),
-                                          printed_precision(result.error_after, 4))
+        cluster.calibration = Calibration(
+            len(obs), printed_precision(result.error_before, 4), printed_precision(result.error_after, 4)
+        )
     return results
 
 

@@ -61,7 +61,9 @@ def coefficient_vector(eff: Efficiency) -> np.ndarray:
 
 
 def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
-    inv = [1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))]
+    inv = [
+        1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))
+    ]
     # the five positional efficiencies: mypy cannot count a starred generator
     return Efficiency(*(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap)  # type: ignore[misc]
 
@@ -92,30 +94,70 @@ class Candidates:
 
     def __post_init__(self):
         n = len(self.tp)
-        for name, value, dtype in (("resident", 0.0, float), ("sp", False, bool), ("vpp", 1, np.int64), ("grad_bytes", 2, float),
-                                         ("fp8", False, bool), ("cp", 1, np.int64), ("cp_link", NVLINK, np.int64)):
+        for name, value, dtype in (
+            ("resident", 0.0, float),
+            ("sp", False, bool),
+            ("vpp", 1, np.int64),
+            ("grad_bytes", 2, float),
+            ("fp8", False, bool),
+            ("cp", 1, np.int64),
+            ("cp_link", NVLINK, np.int64),
+        ):
             v = getattr(self, name)
-            setattr(self, name, np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)))
+            setattr(
+                self,
+                name,
+                np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)),
+            )
 
     def __len__(self) -> int:
         return len(self.tp)
 
     @classmethod
-    def grid(cls, cluster: Cluster, layers: int, tp, pp, dp, micro_batches=1, recompute=False, zero=0, sp=False, vpp=1,
-             grad_bytes=2, cp=1) -> "Candidates":
+    def grid(
+        cls,
+        cluster: Cluster,
+        layers: int,
+        tp,
+        pp,
+        dp,
+        micro_batches=1,
+        recompute=False,
+        zero=0,
+        sp=False,
+        vpp=1,
+        grad_bytes=2,
+        cp=1,
+    ) -> "Candidates":
         """Candidates placed canonically (tp fastest on consecutive GPUs, then pp, cp, dp), layers
         split by tensor_split's rule."""
-        tp, pp, dp, mb, rc, z, sp, vpp, gb, cp = np.broadcast_arrays(*(np.atleast_1d(v) for v in (
-            tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes, cp)))
+        tp, pp, dp, mb, rc, z, sp, vpp, gb, cp = np.broadcast_arrays(
+            *(np.atleast_1d(v) for v in (tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes, cp))
+        )
         tp, pp, dp, cp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64), cp.astype(np.int64)
         g = cluster.gpus_per_node
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
         last = np.where(pp == 1, layers, layers // pp)
-        return cls(tp=tp, pp=pp, dp=dp, micro_batches=mb.astype(np.int64), recompute=rc.astype(bool), zero=z.astype(np.int64),
-                   first_layers=first, last_layers=last, max_layers=first,
-                   tp_link=np.where(tp <= g, NVLINK, NIC), pp_link=np.where(tp * pp <= g, NVLINK, NIC),
-                   dp_link=np.where(tp * pp * cp * dp <= g, NVLINK, NIC), resident=np.zeros(len(tp)), sp=sp, vpp=vpp,
-                   grad_bytes=gb, cp=cp, cp_link=np.where(tp * pp * cp <= g, NVLINK, NIC))
+        return cls(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batches=mb.astype(np.int64),
+            recompute=rc.astype(bool),
+            zero=z.astype(np.int64),
+            first_layers=first,
+            last_layers=last,
+            max_layers=first,
+            tp_link=np.where(tp <= g, NVLINK, NIC),
+            pp_link=np.where(tp * pp <= g, NVLINK, NIC),
+            dp_link=np.where(tp * pp * cp * dp <= g, NVLINK, NIC),
+            resident=np.zeros(len(tp)),
+            sp=sp,
+            vpp=vpp,
+            grad_bytes=gb,
+            cp=cp,
+            cp_link=np.where(tp * pp * cp <= g, NVLINK, NIC),
+        )
 
     @classmethod
     def of_layout(cls, cluster: Cluster, layout: Layout, resident: float = 0.0) -> "Candidates":
@@ -124,7 +166,9 @@ class Candidates:
         # every GPU's node at its state coordinate (replica, pp, tp), as ``Layout.gpu`` places it;
         # a group of GPUs spans nodes where any of its nodes differs from its first
         world = lay.replicas * lay.pp * lay.tp
-        nodes = (np.asarray(lay.mesh[:world], dtype=np.int64) // cluster.gpus_per_node).reshape(lay.replicas, lay.pp, lay.tp)
+        nodes = (np.asarray(lay.mesh[:world], dtype=np.int64) // cluster.gpus_per_node).reshape(
+            lay.replicas, lay.pp, lay.tp
+        )
 
         def spans_nodes(differ: np.ndarray) -> int:
             return NIC if differ.any() else NVLINK
@@ -137,12 +181,27 @@ class Candidates:
         cp_link = spans_nodes(by_cp != by_cp[:, :1])
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
-        return cls(tp=a(lay.tp), pp=a(lay.pp), dp=a(lay.dp), micro_batches=a(lay.micro_batches),
-                   recompute=a(lay.recompute), zero=a(lay.zero), first_layers=a(sizes[0]), last_layers=a(sizes[-1]),
-                   max_layers=a(max(sizes)), tp_link=a(tp_link), pp_link=a(pp_link),
-                   dp_link=a(dp_link), resident=a(float(resident)), sp=a(lay.sp), vpp=a(lay.vpp),
-                   grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0), fp8=a(lay.fp8), cp=a(lay.cp),
-                   cp_link=a(cp_link))
+        return cls(
+            tp=a(lay.tp),
+            pp=a(lay.pp),
+            dp=a(lay.dp),
+            micro_batches=a(lay.micro_batches),
+            recompute=a(lay.recompute),
+            zero=a(lay.zero),
+            first_layers=a(sizes[0]),
+            last_layers=a(sizes[-1]),
+            max_layers=a(max(sizes)),
+            tp_link=a(tp_link),
+            pp_link=a(pp_link),
+            dp_link=a(dp_link),
+            resident=a(float(resident)),
+            sp=a(lay.sp),
+            vpp=a(lay.vpp),
+            grad_bytes=a(4.0 if lay.grad_dtype == "fp32" else 2.0),
+            fp8=a(lay.fp8),
+            cp=a(lay.cp),
+            cp_link=a(cp_link),
+        )
 
 
 @dataclass
@@ -195,8 +254,10 @@ class StageCost:
 
     def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
         # np.isscalar narrows col to numpy's scalar types, which mypy will not take as an index
-        out = {name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]])  # type: ignore[index]
-               for name, (col, feat) in self.parts.items()}
+        out = {
+            name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]])  # type: ignore[index]
+            for name, (col, feat) in self.parts.items()
+        }
         for name, waited in self.waits.items():
             out[name] = out.get(name, 0.0) + float(waited[i])
         if self.overlap is not None:
@@ -424,7 +485,9 @@ class CostModel:
             cp_passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
             cp_bytes = tokens * (cp - 1) / cp * stage_layers * cp_passes * kv_local * ACT_BYTES * (1 + bubble)
             add("cp", cp_col, np.where(c.cp > 1, cp_bytes / cp_bw, 0.0))
-            wait("cp", np.where(c.cp > 1, n_mb_total * (1 + bubble) * stage_layers * cp_passes * (cp - 1) * cp_lat, 0.0))
+            wait(
+                "cp", np.where(c.cp > 1, n_mb_total * (1 + bubble) * stage_layers * cp_passes * (cp - 1) * cp_lat, 0.0)
+            )
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
@@ -453,8 +516,11 @@ class CostModel:
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
                 tok_mb = mbs * s / cp
                 # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
-                stored = np.where(c.recompute, stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
-                                  stage_layers * act_layer(tok_mb))
+                stored = np.where(
+                    c.recompute,
+                    stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
+                    stage_layers * act_layer(tok_mb),
+                )
                 activations = in_flight * stored + tok_mb * V * 4 / tp
             else:
                 activations = 2 * act_layer(mbs * s / cp) + mbs * s / cp * V * 4 / tp
@@ -472,10 +538,14 @@ class CostModel:
             else:  # lengths unknown: waves of sequences, each as long as the longest response
                 steps, draining = waves * R, waves * (R - r)  # each wave drains from the mean length to the longest
             per_seq = lambda f: samples * np.mean([f(x) for x in lengths], axis=0)  # sum over the responses
-            dec_compute = per_seq(lambda x: x * (L * layer_flops(p + x / 2) + self.head_flops(model))) / (tp * pp * peak)
+            dec_compute = per_seq(lambda x: x * (L * layer_flops(p + x / 2) + self.head_flops(model))) / (
+                tp * pp * peak
+            )
             # a token passes the pipeline stages one after another, so PP does not shorten a decode
             # step (it frees memory for a larger batch): each step costs pp stage reads
-            dec_memory = pp * (steps * weights + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
+            dec_memory = (
+                pp * (steps * weights + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
+            )
             decode = (dec_compute, dec_memory, np.clip(draining / np.maximum(steps, 1), 0.0, 1.0))
             tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
@@ -488,9 +558,20 @@ class CostModel:
         else:
             raise ValueError(f"unknown stage kind {kind}")
         resident_state = weights + grads + optimizer
-        return StageCost(features=F, latency=latency, weights=weights, grads=grads, optimizer=optimizer,
-                         activations=np.asarray(activations, dtype=float), kv_cache=np.asarray(kv, dtype=float),
-                         resident_state=resident_state, parts=parts, waits=waits, decode=decode, overlap=overlap)
+        return StageCost(
+            features=F,
+            latency=latency,
+            weights=weights,
+            grads=grads,
+            optimizer=optimizer,
+            activations=np.asarray(activations, dtype=float),
+            kv_cache=np.asarray(kv, dtype=float),
+            resident_state=resident_state,
+            parts=parts,
+            waits=waits,
+            decode=decode,
+            overlap=overlap,
+        )
 
     def offload_time(self, bytes_: float) -> tuple[float, float]:
         """(feature, latency) of moving ``bytes_`` to host after a stage and back before the next use.

@@ -22,9 +22,9 @@ from ...ir import Diagnostic, DiagnosticError, Loc, Module, Plan
 from ...ir.plan import MemoryBreakdown, TimeBreakdown
 from ...ir.printer import printed_precision
 from ...ir.units import Dim, format_bytes, format_quantity
+from ..infra.pass_manager import ModulePass, Ref, no_such, register
 from .cost_model import C_PCIE, CostModel
 from .layout_costs import LayoutCost, layout_costs, step_time
-from ..infra.pass_manager import ModulePass, Ref, no_such, register
 
 
 def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list[Diagnostic]:
@@ -49,19 +49,44 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
         lay.memory = round_bytes(peak)
         lay.time_breakdown = TimeBreakdown(**{k: printed_precision(v) for k, v in parts.items()})
         lay.memory_breakdown = MemoryBreakdown(
-            weights=round_bytes(c.weights[0]), grads=round_bytes(c.grads[0]), optimizer=round_bytes(c.optimizer[0]),
-            activations=round_bytes(c.activations[0]), kv_cache=round_bytes(c.kv_cache[0]), resident=round_bytes(others))
+            weights=round_bytes(c.weights[0]),
+            grads=round_bytes(c.grads[0]),
+            optimizer=round_bytes(c.optimizer[0]),
+            activations=round_bytes(c.activations[0]),
+            kv_cache=round_bytes(c.kv_cache[0]),
+            resident=round_bytes(others),
+        )
         if not np.isfinite(t):
-            problems.append(Diagnostic(lay.loc, f"{ms}: the KV cache of one sequence does not fit on GPU {gpu} after "
-                                                f"{format_quantity(Dim.SIZE, int(c.weights[0] + others))} of weights and resident state",
-                                       "use more TP or PP for generation, or offload the state of other model-stages"))
+            problems.append(
+                Diagnostic(
+                    lay.loc,
+                    f"{ms}: the KV cache of one sequence does not fit on GPU {gpu} after "
+                    f"{format_quantity(Dim.SIZE, int(c.weights[0] + others))} of weights and resident state",
+                    "use more TP or PP for generation, or offload the state of other model-stages",
+                )
+            )
         elif peak > cluster.gpu_memory:
             short = int(round(peak - cluster.gpu_memory))
-            problems.append(Diagnostic(
-                lay.loc, f"{ms} needs {format_bytes(peak)} on GPU {gpu}, {short:,} bytes more than its {format_bytes(cluster.gpu_memory)}",
-                "breakdown: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in (
-                    ("weights", c.weights[0]), ("grads", c.grads[0]), ("optimizer", c.optimizer[0]),
-                    ("activations", c.activations[0]), ("kv_cache", c.kv_cache[0]), ("resident", others)) if v)))
+            problems.append(
+                Diagnostic(
+                    lay.loc,
+                    f"{ms} needs {format_bytes(peak)} on GPU {gpu}, {short:,} bytes more than its "
+                    f"{format_bytes(cluster.gpu_memory)}",
+                    "breakdown: "
+                    + ", ".join(
+                        f"{k} {format_bytes(v)}"
+                        for k, v in (
+                            ("weights", c.weights[0]),
+                            ("grads", c.grads[0]),
+                            ("optimizer", c.optimizer[0]),
+                            ("activations", c.activations[0]),
+                            ("kv_cache", c.kv_cache[0]),
+                            ("resident", others),
+                        )
+                        if v
+                    ),
+                )
+            )
     problems += host_memory_problems(m, plan, costs)
     plan.step_time = printed_precision(step_time(m, plan, times)) if all(np.isfinite(list(times.values()))) else None
     return problems
@@ -85,16 +110,19 @@ def host_memory_problems(m: Module, plan: Plan, costs: dict[str, LayoutCost]) ->
     if need <= cluster.host_memory:
         return []
     lay = plan.layouts[first[node]]
-    return [Diagnostic(lay.loc, f"the plan offloads {format_bytes(need)} to the host memory of node {node}, which has "
-                                f"{format_bytes(cluster.host_memory)} (host_memory of @{cluster.name})",
-                       "offload less state, or spread the offloading model-stages over more nodes")]
+    return [
+        Diagnostic(
+            lay.loc,
+            f"the plan offloads {format_bytes(need)} to the host memory of node {node}, which has "
+            f"{format_bytes(cluster.host_memory)} (host_memory of @{cluster.name})",
+            "offload less state, or spread the offloading model-stages over more nodes",
+        )
+    ]
 
 
 def round_bytes(n: float) -> int:
     """Bytes to whole MiB (estimates are not more precise than that)."""
     return int(round(n / 2**20)) * 2**20
-
-
 
 
 @register
@@ -110,11 +138,20 @@ class Estimate(ModulePass):
 
     def apply(self, module: Module) -> None:
         if self.oom not in ("error", "warn"):
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"estimate: oom is error or warn, got '{self.oom}'")])
+            raise DiagnosticError(
+                [Diagnostic(Loc(0, 0, module.filename), f"estimate: oom is error or warn, got '{self.oom}'")]
+            )
         names = [self.plan] if self.plan else list(module.plans)
         if not names:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "estimate: the module has no plan to estimate",
-                                              "write a plan, or find one with plan-search")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, module.filename),
+                        "estimate: the module has no plan to estimate",
+                        "write a plan, or find one with plan-search",
+                    )
+                ]
+            )
         problems = []
         for name in names:
             plan = module.plans.get(name)

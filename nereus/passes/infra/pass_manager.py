@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import typing
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, NewType
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, print_ir
@@ -102,12 +102,22 @@ def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticE
     table = getattr(module, kind + "s")
     have = ", ".join("@" + n for n in table) or "none"
     if not name:
-        return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name} needs a {kind}: the module's {kind}s: {have}",
-                                           f"{pass_name}{{{'to' if pass_name in ('plan-transition', 'remap') else kind}=@{list(table)[-1] if table else 'name'}}}")])
+        option = "to" if pass_name in ("plan-transition", "remap") else kind
+        example = list(table)[-1] if table else "name"
+        return DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(0, 0, module.filename),
+                    f"{pass_name} needs a {kind}: the module's {kind}s: {have}",
+                    f"{pass_name}{{{option}=@{example}}}",
+                )
+            ]
+        )
     close = closest(name, table)
     hint = f"did you mean @{close}?" if close else None
-    return DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no {kind} @{name}; the module's {kind}s: {have}",
-                                       hint)])
+    return DiagnosticError(
+        [Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no {kind} @{name}; the module's {kind}s: {have}", hint)]
+    )
 
 
 PASSES: dict[str, type[ModulePass]] = {}
@@ -203,7 +213,9 @@ def parse_pipeline(spec: str, registry: Registry | None = None) -> list[ModulePa
     while pos < len(spec):
         m = _ITEM.match(spec, pos)
         if m is None or m.end() == pos:
-            raise PipelineError(f"malformed pipeline at column {pos + 1}: {spec[pos:]!r}; expected name or name{{key=value,...}}")
+            raise PipelineError(
+                f"malformed pipeline at column {pos + 1}: {spec[pos:]!r}; expected name or name{{key=value,...}}"
+            )
         name, _, body, _sep = m.groups()
         cls = registry.get(name)
         if cls is None:
@@ -218,9 +230,13 @@ def parse_pipeline(spec: str, registry: Registry | None = None) -> list[ModulePa
             if not eq:
                 raise PipelineError(f"option '{item.strip()}' of pass {name} needs a value: key=value")
             if key not in fields and key in {f.name for f in dataclasses.fields(cls)}:
-                raise PipelineError(f"option '{key}' of pass {name} takes a Python value: set it from Python, not in a pipeline")
+                raise PipelineError(
+                    f"option '{key}' of pass {name} takes a Python value: set it from Python, not in a pipeline"
+                )
             if key not in fields:
-                raise PipelineError(f"pass {name} has no option '{key}'; options: {', '.join(sorted(fields)) or '(none)'}")
+                raise PipelineError(
+                    f"pass {name} has no option '{key}'; options: {', '.join(sorted(fields)) or '(none)'}"
+                )
             options[key] = _coerce(cls, key, value)
         try:
             passes.append(cls(**options))
@@ -230,9 +246,14 @@ def parse_pipeline(spec: str, registry: Registry | None = None) -> list[ModulePa
     return passes
 
 
-def run_pipeline(module: Module, spec: str | list[ModulePass],
-                 after_each: Callable[[ModulePass, Module], None] | None = None,
-                 registry: Registry | None = None, verify_input: bool = True, verify: str = "each") -> Module:
+def run_pipeline(
+    module: Module,
+    spec: str | list[ModulePass],
+    after_each: Callable[[ModulePass, Module], None] | None = None,
+    registry: Registry | None = None,
+    verify_input: bool = True,
+    verify: str = "each",
+) -> Module:
     """Run the passes of ``spec`` on ``module`` in place; before each pass, the passes it
     ``requires`` (recursively), as steps of their own.
 
@@ -270,8 +291,12 @@ def _run(module: Module, p: ModulePass, ran: list[str], after_each, depth: int, 
     except DiagnosticError as e:  # diagnostics at IR the pass made have no file: they are in this module's
         if all(d.loc.file is not None for d in e.diagnostics):
             raise
-        named = [d if d.loc.file is not None else dataclasses.replace(d, loc=dataclasses.replace(d.loc, file=module.filename))
-                 for d in e.diagnostics]
+        named = [
+            d
+            if d.loc.file is not None
+            else dataclasses.replace(d, loc=dataclasses.replace(d.loc, file=module.filename))
+            for d in e.diagnostics
+        ]
         raise DiagnosticError(named, e.source) from None
     if each:
         _verify_after(module, p.name, ran)
@@ -284,6 +309,8 @@ def _verify_after(module: Module, name: str, before: list[str]) -> None:
     try:
         verify_module(module)
     except DiagnosticError as e:
-        head = Diagnostic(Loc(0, 0, module.filename),
-                          f"IR is invalid after pass {name} (passes before it: {', '.join(before) or 'none'})")
+        head = Diagnostic(
+            Loc(0, 0, module.filename),
+            f"IR is invalid after pass {name} (passes before it: {', '.join(before) or 'none'})",
+        )
         raise DiagnosticError([head, *e.diagnostics], print_ir(module)) from None

@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from operator import itemgetter
 from collections import defaultdict
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import TypeAlias, cast
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from ...ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Shard, Transition
+from ...ir.gc_pause import gc_paused
 from ...ir.printer import printed_precision
 from ..cost.cost_model import CostModel
-from ...ir.gc_pause import gc_paused
 from ..infra.pass_manager import ModulePass, Ref, register
 
 TICK = 1e-6  # schedule resolution: 1 us
@@ -112,7 +112,9 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         # an offload after the unstage share a direction, and one bucket would order them in a
         # cycle. Unstages wait for a growing prefix of their GPU's frees: one bucket per prefix
         # (the number of dependencies tells them apart), so that the first need not wait for all
-        phase = "" if direction == "net" else (op.kind, len(op.deps)) if kind.reads_host and kind.delivers else (op.kind, 0)
+        phase = (
+            "" if direction == "net" else (op.kind, len(op.deps)) if kind.reads_host and kind.delivers else (op.kind, 0)
+        )
         key = (src, dsts, op.link, direction, phase)
         b = groups.get(key)
         if b is None:
@@ -264,7 +266,8 @@ def _pairs(prec) -> np.ndarray:
 
 def _graph(buckets: list[Bucket], prec):
     """Predecessors and successors of every bucket (lists indexed by bucket), its ports, and each
-    port's total busy time (a list indexed by port). The lists are cut from one sort of the pairs (millions at 1,024 GPUs,
+    port's total busy time (a list indexed by port). The lists are cut from one sort of the pairs (millions at 1,024
+    GPUs,
     where one GPU's offload waits for every bucket that delivers to it)."""
     n = len(buckets)
     pairs = _pairs(prec)
@@ -388,8 +391,9 @@ def bottom_levels(duration: np.ndarray, before: np.ndarray, after: np.ndarray) -
     return level
 
 
-def insertion(buckets: list[Bucket], prec: Precedences, chains: bool = False, graph=None,
-              tails: list[int] | None = None) -> list[int]:
+def insertion(
+    buckets: list[Bucket], prec: Precedences, chains: bool = False, graph=None, tails: list[int] | None = None
+) -> list[int]:
     """List schedule with insertion: ready buckets in a fixed priority (the busiest port first,
     then the bucket with more ports, then the longer), each at the earliest time after its
     predecessors at which all its ports are free for its whole duration, in a gap left between
@@ -402,7 +406,9 @@ def insertion(buckets: list[Bucket], prec: Precedences, chains: bool = False, gr
     """
     preds, succs, ports, busy = graph or _graph(buckets, prec)
     tail = (tails or _tails(buckets, succs)) if chains else [0] * len(buckets)
-    prio = [(-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))]
+    prio = [
+        (-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))
+    ]
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
@@ -567,7 +573,9 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
     bound = port_bound(buckets, prec, graph)
     if len(buckets) > LARGE:  # no search on this scale: the better of two list schedules, and the bound
         pairs = _pairs(prec)
-        tails = bottom_levels(_durations(buckets), pairs[:, 0], pairs[:, 1]).tolist()  # both list schedules order by them
+        tails = bottom_levels(
+            _durations(buckets), pairs[:, 0], pairs[:, 1]
+        ).tolist()  # both list schedules order by them
         warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
         # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
@@ -623,8 +631,9 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
     span = int(solver.objective_value)
     if span > horizon:  # never worse than the warm start
         found, span = warm, horizon
-    return Schedule(found, span, bound, "optimal" if status == cp_model.OPTIMAL else "feasible",
-                    int(solver.best_objective_bound))
+    return Schedule(
+        found, span, bound, "optimal" if status == cp_model.OPTIMAL else "feasible", int(solver.best_objective_bound)
+    )
 
 
 def schedule_transition(m: Module, t: Transition, time_limit: float = 5.0, seed: int = 0) -> Schedule:
@@ -702,17 +711,32 @@ class ScheduleTransfers(ModulePass):
     def apply(self, module: Module) -> None:
         names = [self.transition] if self.transition else list(module.transitions)
         if not names:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "schedule-transfers: the module has no transition",
-                                              "run plan-transition{to=@plan_b} first")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, module.filename),
+                        "schedule-transfers: the module has no transition",
+                        "run plan-transition{to=@plan_b} first",
+                    )
+                ]
+            )
         for name in names:
             t = module.transitions[name]
             sched = schedule_transition(module, t, self.time_limit, self.seed)
             if sched.status != "optimal":
                 gap = (sched.makespan - sched.bound) / sched.makespan if sched.makespan else 0.0
-                why = (f"stopped at time_limit={self.time_limit:g} s" if sched.searched else
-                       f"ran no search (a list schedule, above {SEARCH_MAX:,} buckets)")
-                module.warnings.append(Diagnostic(t.loc, f"schedule-transfers {why}: makespan within {gap:.2%} of the "
-                                                         "best possible", severity="warning"))
+                why = (
+                    f"stopped at time_limit={self.time_limit:g} s"
+                    if sched.searched
+                    else f"ran no search (a list schedule, above {SEARCH_MAX:,} buckets)"
+                )
+                module.warnings.append(
+                    Diagnostic(
+                        t.loc,
+                        f"schedule-transfers {why}: makespan within {gap:.2%} of the best possible",
+                        severity="warning",
+                    )
+                )
 
 
 def _printed(x: float) -> float:

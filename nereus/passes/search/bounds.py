@@ -59,10 +59,14 @@ def option_bounds(problem: SearchProblem) -> dict[str, np.ndarray]:
 
 def stage_bounds(problem: SearchProblem, bounds: dict[str, np.ndarray]) -> dict[str, int]:
     """A lower bound (units) on each stage's time: the least of any member's option bounds."""
-    return {stage: max((int(bounds[ms].min()) for ms in mss if len(bounds[ms])), default=0) for stage, mss in problem.stages}
+    return {
+        stage: max((int(bounds[ms].min()) for ms in mss if len(bounds[ms])), default=0) for stage, mss in problem.stages
+    }
 
 
-def restrict(problem: SearchProblem, bounds: dict[str, np.ndarray], cap: int) -> tuple[SearchProblem, dict[str, np.ndarray], bool]:
+def restrict(
+    problem: SearchProblem, bounds: dict[str, np.ndarray], cap: int
+) -> tuple[SearchProblem, dict[str, np.ndarray], bool]:
     """The problem with only the options a plan of step time at most ``cap`` can use, less the
     dominated ones (``prune_rows``); per model-stage the original index of each kept option; and
     whether the cap excluded nothing (the model is then the whole problem's).

@@ -53,21 +53,34 @@ class Explanation:
 
     def lines(self) -> list[str]:
         s = _seconds
-        out = [f"plan @{self.plan}: step {s(self.step_time)}; bottleneck {self.bottleneck} "
-               f"({self.shares[self.bottleneck] / self.step_time:.0%} of the step)"]
+        out = [
+            f"plan @{self.plan}: step {s(self.step_time)}; bottleneck {self.bottleneck} "
+            f"({self.shares[self.bottleneck] / self.step_time:.0%} of the step)"
+        ]
         for ms, r in self.runner_ups.items():
             if r is None:
                 out.append(f"  {ms}: no plan with other TP/PP/DP sizes for it")
             else:
-                out.append(f"  {ms}: runner-up TP {r.tp} x PP {r.pp} x DP {r.dp}"
-                           + (f" ZeRO {r.zero}" if r.zero else "") + f", step {s(r.step_time)} ({self.change(r.step_time)})")
+                out.append(
+                    f"  {ms}: runner-up TP {r.tp} x PP {r.pp} x DP {r.dp}"
+                    + (f" ZeRO {r.zero}" if r.zero else "")
+                    + f", step {s(r.step_time)} ({self.change(r.step_time)})"
+                )
         ms, gpu, used, allowed = self.fullest
-        kept = ("generation keeps vLLM's own 10% free" if self.generation_fullest
-                else f"{self.headroom:.0%} headroom kept free")
-        out.append(f"  memory: fullest GPU {gpu} holds {format_bytes(used)} during {ms}, of {format_bytes(allowed)} allowed ({kept})")
+        kept = (
+            "generation keeps vLLM's own 10% free"
+            if self.generation_fullest
+            else f"{self.headroom:.0%} headroom kept free"
+        )
+        out.append(
+            f"  memory: fullest GPU {gpu} holds {format_bytes(used)} during {ms}, of {format_bytes(allowed)} allowed "
+            f"({kept})"
+        )
         if self.unbounded is not None and self.unbounded < self.objective * (1 - 1e-6):
-            out.append(f"  memory binds: if what model-stages keep on shared GPUs did not count against each "
-                       f"other, the best step would be {s(self.unbounded)} ({self.change(self.unbounded)})")
+            out.append(
+                f"  memory binds: if what model-stages keep on shared GPUs did not count against each "
+                f"other, the best step would be {s(self.unbounded)} ({self.change(self.unbounded)})"
+            )
         else:
             out.append("  memory shared between model-stages does not bind: without that limit no plan is faster")
         out.append(f"  colocation: {self.colocation}")
@@ -82,20 +95,31 @@ def _seconds(x: float) -> str:
 
 def without(problem: SearchProblem, keep) -> SearchProblem:
     """``problem`` with only the options ``keep(model_stage, option)`` accepts."""
-    spaces = {ms: Space(sp.model_stage, sp.kind, [o for o in sp.options if keep(ms, o)], sp.generated)
-              for ms, sp in problem.spaces.items()}
+    spaces = {
+        ms: Space(sp.model_stage, sp.kind, [o for o in sp.options if keep(ms, o)], sp.generated)
+        for ms, sp in problem.spaces.items()
+    }
     return replace(problem, spaces=spaces)
 
 
 def _unshared(problem: SearchProblem) -> SearchProblem:
     """``problem`` where what model-stages keep on shared GPUs does not count against each other."""
-    spaces = {ms: Space(sp.model_stage, sp.kind, [replace(o, rho=NO_RHO) for o in sp.options], sp.generated)
-              for ms, sp in problem.spaces.items()}
+    spaces = {
+        ms: Space(sp.model_stage, sp.kind, [replace(o, rho=NO_RHO) for o in sp.options], sp.generated)
+        for ms, sp in problem.spaces.items()
+    }
     return replace(problem, spaces=spaces, memory=NO_RHO)
 
 
-def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str, int], objective: float, solve,
-            time_limit: float) -> Explanation:
+def explain(
+    module: Module,
+    plan: Plan,
+    problem: SearchProblem,
+    choice: dict[str, int],
+    objective: float,
+    solve,
+    time_limit: float,
+) -> Explanation:
     """Explain ``plan`` (placed from ``choice``, option indices of ``problem``, whose solver
     objective is ``objective`` seconds); ``solve(problem, time_limit)`` is plan-search's solver.
     Each re-solve gets an even share of ``time_limit`` (at least ``MIN_SOLVE_S``)."""
@@ -127,8 +151,9 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
         singles = {st: [p for p in parts if all(len(g) == 1 for g in p)] for st, parts in problem.partitions.items()}
         step, _ = best(replace(problem, partitions=singles), "the step without colocation")
         groups = "; ".join(" + ".join(g) for g in plan.colocate)
-        colocation = (f"{groups} share GPUs; with no two model-stages of a stage sharing GPUs the best step is "
-                      + (f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"))
+        colocation = f"{groups} share GPUs; with no two model-stages of a stage sharing GPUs the best step is " + (
+            f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"
+        )
     elif any(len(mss) > 1 for _, mss in problem.stages):
         colocation = "searched; no plan where model-stages of one stage share GPUs is faster"
     else:
@@ -138,8 +163,9 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
     offloaders = [ms for ms, lay in plan.layouts.items() if lay.offload]
     if offloaders:
         step, _ = best(without(problem, lambda m, x: not x.offload), "the step without offload")
-        offload = (f"{', '.join(offloaders)} offload; without offload the best step is "
-                   + (f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"))
+        offload = f"{', '.join(offloaders)} offload; without offload the best step is " + (
+            f"{_seconds(step)} ({pct(step)})" if step is not None else "none: no plan fits"
+        )
     elif cluster.host_link is None or cluster.host_memory is None:
         missing = " and ".join(k for k in ("host_link", "host_memory") if getattr(cluster, k) is None)
         offload = f"not searched: cluster @{cluster.name} declares no {missing}"
@@ -149,17 +175,28 @@ def explain(module: Module, plan: Plan, problem: SearchProblem, choice: dict[str
         offload = "searched; no plan that offloads is faster"
 
     shares = _critical_shares(module, plan)
-    gpu_of = {ms: max(lc.others.items(), key=lambda kv: (kv[1], -kv[0]))[0] for ms, lc in layout_costs(module, plan).items()}
+    gpu_of = {
+        ms: max(lc.others.items(), key=lambda kv: (kv[1], -kv[0]))[0] for ms, lc in layout_costs(module, plan).items()
+    }
     ms = max(plan.layouts, key=lambda x: plan.layouts[x].memory or 0)
     generating = problem.spaces[ms].kind == "generate"
     allowed = cluster.gpu_memory if generating else cluster.gpu_memory * (1 - problem.headroom)
     assert plan.step_time is not None  # the plan is estimated
-    return Explanation(plan=plan.name, step_time=plan.step_time, objective=objective, shares=shares,
-                       bottleneck=max(shares, key=shares.get), runner_ups=runner_ups,  # type: ignore[arg-type]
-                       fullest=(ms, gpu_of[ms], float(cast(int, plan.layouts[ms].memory)), allowed),
-                       headroom=problem.headroom,
-                       generation_fullest=generating, unbounded=unbounded, colocation=colocation, offload=offload,
-                       notes=notes)
+    return Explanation(
+        plan=plan.name,
+        step_time=plan.step_time,
+        objective=objective,
+        shares=shares,
+        bottleneck=max(shares, key=shares.get),  # type: ignore[arg-type]
+        runner_ups=runner_ups,
+        fullest=(ms, gpu_of[ms], float(cast(int, plan.layouts[ms].memory)), allowed),
+        headroom=problem.headroom,
+        generation_fullest=generating,
+        unbounded=unbounded,
+        colocation=colocation,
+        offload=offload,
+        notes=notes,
+    )
 
 
 def _critical_shares(module: Module, plan: Plan) -> dict[str, float]:

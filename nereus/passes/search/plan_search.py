@@ -38,16 +38,24 @@ from ortools.sat.python import cp_model
 from ...ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
 from ...ir.model import even_split
 from ...ir.plan import SearchRecord
-from ...ir.units import Dim, format_quantity
 from ...ir.printer import printed_precision
+from ...ir.units import Dim, format_quantity
+from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from ..cost.estimate import estimate_plan
 from ..infra.pass_manager import ModulePass, Ref, api_option, no_such, register
-from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from .bounds import option_bounds, restrict, stage_bounds
 from .explain import explain
-from .space import (ANYWHERE, DEFAULT_HEADROOM, KIB, SPAN, SearchProblem, build_problem, columns, layout_grid,
-                           sequence_parallel)
-
+from .space import (
+    ANYWHERE,
+    DEFAULT_HEADROOM,
+    KIB,
+    SPAN,
+    SearchProblem,
+    build_problem,
+    columns,
+    layout_grid,
+    sequence_parallel,
+)
 
 FIRST_SLACK = 64  # the first cap: lb + lb / FIRST_SLACK
 SLACK_GROWTH = 4  # each next cap: lb + SLACK_GROWTH x the slack before
@@ -115,7 +123,9 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
             return sol
         if complete:  # infeasible
             return sol
-        if sol.status == "feasible":  # out of time, with a plan above the cap: a better one is above the model's bound or the cap
+        if (
+            sol.status == "feasible"
+        ):  # out of time, with a plan above the cap: a better one is above the model's bound or the cap
             assert sol.bound is not None  # a plan CP-SAT found comes with its bound
             return _timed_out(sol, max(min(sol.bound, cap + 1), floor))
         floor = cap + 1  # no plan at most cap fast
@@ -141,11 +151,18 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
         if lay is None or not lay.mesh or lay.mesh[0] not in index:
             return None
         s = start[ms] = index[lay.mesh[0]]
-        if list(pos.gpus[s:s + len(lay.mesh)]) != list(lay.mesh):
+        if list(pos.gpus[s : s + len(lay.mesh)]) != list(lay.mesh):
             return None
         col, opts = columns(sp.options), sp.options
-        rows = np.flatnonzero((col["tp"] == lay.tp) & (col["pp"] == lay.pp) & (col["dp"] == lay.dp) & (col["vpp"] == lay.vpp)
-                              & (col["mb"] == lay.micro_batches) & (col["rc"] == bool(lay.recompute)) & (col["zero"] == lay.zero))
+        rows = np.flatnonzero(
+            (col["tp"] == lay.tp)
+            & (col["pp"] == lay.pp)
+            & (col["dp"] == lay.dp)
+            & (col["vpp"] == lay.vpp)
+            & (col["mb"] == lay.micro_batches)
+            & (col["rc"] == bool(lay.recompute))
+            & (col["zero"] == lay.zero)
+        )
         k = pos.class_of(s, len(lay.mesh))
         same = [c for c in rows.tolist() if k in opts[c].times and frozenset(opts[c].offload) == frozenset(lay.offload)]
         if not same:
@@ -195,9 +212,13 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
         m.add_exactly_one(w.values())
         pick[ms] = w
         opts = space.options
-        for table, label, value in ((G, "G", lambda c, k: opts[c].gpus), (t, "t", lambda c, k: opts[c].times[k]),
-                                    (a, "a", lambda c, k: opts[c].extra), (r, "r", lambda c, k: opts[c].resident),
-                                    (rho, "rho", lambda c, k: min(opts[c].rho, problem.memory))):
+        for table, label, value in (
+            (G, "G", lambda c, k: opts[c].gpus),
+            (t, "t", lambda c, k: opts[c].times[k]),
+            (a, "a", lambda c, k: opts[c].extra),
+            (r, "r", lambda c, k: opts[c].resident),
+            (rho, "rho", lambda c, k: min(opts[c].rho, problem.memory)),
+        ):
             vals = {ck: value(*ck) for ck in w}
             var = m.new_int_var(min(vals.values()), max(vals.values()), f"{label}[{ms}]")
             m.add(var == sum(v * w[ck] for ck, v in vals.items()))
@@ -267,7 +288,9 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
         assert hint.choice is not None and hint.start is not None and hint.partition is not None  # a plan
         for ms, w in pick.items():
             for (c, k), b in w.items():
-                m.add_hint(b, c == hint.choice[ms] and k == pos.class_of(hint.start[ms], problem.spaces[ms].options[c].gpus))
+                m.add_hint(
+                    b, c == hint.choice[ms] and k == pos.class_of(hint.start[ms], problem.spaces[ms].options[c].gpus)
+                )
             m.add_hint(s[ms], hint.start[ms])
         for st, ys in y.items():
             for k, b in enumerate(ys):
@@ -291,7 +314,9 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
     solver.parameters.find_big_linear_overlap = False
     solver.parameters.symmetry_level = 0
     status = solver.solve(m)
-    name = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}.get(status, "unknown")
+    name = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}.get(
+        status, "unknown"
+    )
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Solution(name, None, None, None, None, None)
     choice = {ms: next(c for (c, _), v in w.items() if solver.boolean_value(v)) for ms, w in pick.items()}
@@ -306,8 +331,11 @@ def _break_symmetry(m, problem: SearchProblem, s, t) -> None:
     """Two model-stages of one stage with the same candidates (a reference and the actor it
     copies, say) can swap options and runs without changing anything: keep only the swap whose
     (start, time) is lexicographically ordered."""
+
     def signature(ms):
-        return tuple((o.gpus, tuple(sorted(o.times.items())), o.extra, o.resident, o.rho) for o in problem.spaces[ms].options)
+        return tuple(
+            (o.gpus, tuple(sorted(o.times.items())), o.extra, o.resident, o.rho) for o in problem.spaces[ms].options
+        )
 
     for stage, mss in problem.stages:
         for i, j in itertools.combinations(mss, 2):
@@ -358,13 +386,25 @@ def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, clu
                 o = problem.spaces[ms].options[sol.choice[ms]]
                 layers = problem.models[ms.rpartition(".")[0]].layers
                 ranges = [(lo, hi - 1) for lo, hi in (even_split(layers, o.pp, r) for r in range(o.pp))]
-                mesh = problem.positions.gpus[sol.start[ms]:sol.start[ms] + o.gpus]
-                layouts[ms] = Layout(model_stage=ms, tp=o.tp, pp=o.pp, dp=o.dp, layers=ranges, mesh=list(mesh),
-                                     micro_batches=o.micro_batches, zero=o.zero, recompute=o.recompute,
-                                     sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)), vpp=o.vpp,
-                                     offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload])
+                mesh = problem.positions.gpus[sol.start[ms] : sol.start[ms] + o.gpus]
+                layouts[ms] = Layout(
+                    model_stage=ms,
+                    tp=o.tp,
+                    pp=o.pp,
+                    dp=o.dp,
+                    layers=ranges,
+                    mesh=list(mesh),
+                    micro_batches=o.micro_batches,
+                    zero=o.zero,
+                    recompute=o.recompute,
+                    sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)),
+                    vpp=o.vpp,
+                    offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload],
+                )
     order = [ms for _, mss in problem.stages for ms in mss]
-    return Plan(name=name, workload=workload, cluster=cluster, colocate=colocate, layouts={ms: layouts[ms] for ms in order})
+    return Plan(
+        name=name, workload=workload, cluster=cluster, colocate=colocate, layouts={ms: layouts[ms] for ms in order}
+    )
 
 
 def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
@@ -374,26 +414,48 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
     gib = lambda b: format_quantity(Dim.SIZE, int(b)) if b % 2**30 == 0 else f"{b / 2**30:.3f} GiB"
     have = gib(problem.cluster.gpu_memory)
     if problem.headroom:  # what training and inference may use
-        have += (f" of which training and inference may use {gib(problem.cluster.gpu_memory * (1 - problem.headroom))} "
-                 f"(headroom={problem.headroom:g} keeps the rest free)")
+        have += (
+            f" of which training and inference may use {gib(problem.cluster.gpu_memory * (1 - problem.headroom))} "
+            f"(headroom={problem.headroom:g} keeps the rest free)"
+        )
     empty = [ms for ms, sp in problem.spaces.items() if not sp.options]
     if empty:
         ms = empty[0]
         need = min_need(problem, ms)
-        what = f"at least {gib(need)} per GPU at its smallest layout" if need is not None else "more GPUs than the cluster has"
-        return Diagnostic(loc, f"no plan fits: {ms} needs {what} on {problem.n} available GPUs, the GPUs have {have}",
-                          "add GPUs, use GPUs with more memory, or shorten the responses"
-                          + (", or lower plan-search{headroom=...}" if problem.headroom else ""))
-    reserve = int(np.ceil(problem.headroom * problem.cluster.gpu_memory / KIB))  # counted in training and inference peaks
-    alone = "; ".join(f"{ms} at least {gib((min(o.peak for o in sp.options) - reserve) * KIB)} while it runs, "
-                      f"{gib(min(o.resident for o in sp.options) * KIB)} kept between stages"
-                      for ms, sp in problem.spaces.items() if sp.kind != "generate")
+        what = (
+            f"at least {gib(need)} per GPU at its smallest layout"
+            if need is not None
+            else "more GPUs than the cluster has"
+        )
+        return Diagnostic(
+            loc,
+            f"no plan fits: {ms} needs {what} on {problem.n} available GPUs, the GPUs have {have}",
+            "add GPUs, use GPUs with more memory, or shorten the responses"
+            + (", or lower plan-search{headroom=...}" if problem.headroom else ""),
+        )
+    reserve = int(
+        np.ceil(problem.headroom * problem.cluster.gpu_memory / KIB)
+    )  # counted in training and inference peaks
+    alone = "; ".join(
+        f"{ms} at least {gib((min(o.peak for o in sp.options) - reserve) * KIB)} while it runs, "
+        f"{gib(min(o.resident for o in sp.options) * KIB)} kept between stages"
+        for ms, sp in problem.spaces.items()
+        if sp.kind != "generate"
+    )
     gen = [ms for ms, sp in problem.spaces.items() if sp.kind == "generate"]
-    return Diagnostic(loc, f"no plan fits: each model-stage fits on its own, but no placement of them together fits "
-                           f"in {have} per GPU on {problem.n} GPUs ({alone}"
-                           + (f"; {', '.join(gen)} also {'needs' if len(gen) == 1 else 'need'} room for the KV cache of "
-                                 "at least one sequence" if gen else "")
-                           + ")", "offload state between stages, add GPUs, or shorten the responses")
+    return Diagnostic(
+        loc,
+        f"no plan fits: each model-stage fits on its own, but no placement of them together fits "
+        f"in {have} per GPU on {problem.n} GPUs ({alone}"
+        + (
+            f"; {', '.join(gen)} also {'needs' if len(gen) == 1 else 'need'} room for the KV cache of "
+            "at least one sequence"
+            if gen
+            else ""
+        )
+        + ")",
+        "offload state between stages, add GPUs, or shorten the responses",
+    )
 
 
 def min_need(problem: SearchProblem, ms: str) -> float | None:
@@ -402,17 +464,37 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
     kind = problem.spaces[ms].kind
     model = problem.models[ms.rpartition(".")[0]]
     cost = CostModel(problem.cluster)
-    rows = layout_grid(model, problem.workload, kind, problem.n, problem.positions.per_node, problem.cluster.gpus_per_node)
+    rows = layout_grid(
+        model, problem.workload, kind, problem.n, problem.positions.per_node, problem.cluster.gpus_per_node
+    )
     if not rows:
         return None
     tp, pp, dp, mb, rc, z, _, v = (list(col) for col in zip(*rows))
-    sc = cost.stage(model, problem.workload, kind, Candidates.grid(problem.cluster, model.layers, tp, pp, dp,
-                                                                    micro_batches=mb, recompute=rc, zero=z,
-                                                                    sp=sequence_parallel(tp, kind), vpp=v))
+    sc = cost.stage(
+        model,
+        problem.workload,
+        kind,
+        Candidates.grid(
+            problem.cluster,
+            model.layers,
+            tp,
+            pp,
+            dp,
+            micro_batches=mb,
+            recompute=rc,
+            zero=z,
+            sp=sequence_parallel(tp, kind),
+            vpp=v,
+        ),
+    )
     if kind == "generate":
         layers = np.ceil(model.layers / np.array(pp))
         seq = problem.workload.prompt_len_mean + problem.workload.response_len_mean
-        need = sc.weights + seq * CostModel.kv_bytes_per_token(model, np.array(tp), layers) + model.vocab * 4 / np.array(tp)
+        need = (
+            sc.weights
+            + seq * CostModel.kv_bytes_per_token(model, np.array(tp), layers)
+            + model.vocab * 4 / np.array(tp)
+        )
         return float(need.min() / VLLM_GPU_MEMORY_UTILIZATION)
     return float(sc.memory().min())
 
@@ -450,16 +532,37 @@ class PlanSearch(ModulePass):
 
     def apply(self, module: Module) -> None:
         if self.objective != "step-time":
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"plan-search: unknown objective '{self.objective}'",
-                                              "objectives: step-time")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, module.filename),
+                        f"plan-search: unknown objective '{self.objective}'",
+                        "objectives: step-time",
+                    )
+                ]
+            )
         if not 0 <= self.headroom < 0.5:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                              f"plan-search: headroom is a fraction of GPU memory in [0, 0.5), got {self.headroom:g}",
-                                              f"the default is {DEFAULT_HEADROOM:g}")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, module.filename),
+                        f"plan-search: headroom is a fraction of GPU memory in [0, 0.5), got {self.headroom:g}",
+                        f"the default is {DEFAULT_HEADROOM:g}",
+                    )
+                ]
+            )
         w = _pick(module, "workload", self.workload)
         c = _pick(module, "cluster", self.cluster)
-        problem = build_problem(c, w, module.models, max_pp=self.max_pp, max_zero=self.max_zero, offload=self.offload,
-                                prune=False, headroom=self.headroom)  # solve prunes what each of its models holds
+        problem = build_problem(
+            c,
+            w,
+            module.models,
+            max_pp=self.max_pp,
+            max_zero=self.max_zero,
+            offload=self.offload,
+            prune=False,
+            headroom=self.headroom,
+        )  # solve prunes what each of its models holds
         if self.keep is not None:
             for ms, sp in problem.spaces.items():
                 sp.options = self.keep(ms, sp.options, problem.n)
@@ -470,14 +573,29 @@ class PlanSearch(ModulePass):
             known = placed(problem, module.plans[self.incumbent])
         sol = solve(problem, self.time_limit, self.seed, known)
         if sol.status == "unknown":
-            raise DiagnosticError([Diagnostic(w.loc, f"plan-search found no plan within time_limit={self.time_limit:g} s "
-                                                     "(and could not prove there is none)", "raise time_limit")], module.source)
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        w.loc,
+                        f"plan-search found no plan within time_limit={self.time_limit:g} s "
+                        "(and could not prove there is none)",
+                        "raise time_limit",
+                    )
+                ],
+                module.source,
+            )
         if sol.choice is None:
             raise DiagnosticError([infeasible_diagnostic(problem, w.loc)], module.source)
         if sol.status != "optimal":
-            module.warnings.append(Diagnostic(w.loc, f"plan-search stopped at time_limit={self.time_limit:g} s without proving "
-                                                     f"optimality: the plan is within {sol.gap:.2%} of the best possible",
-                                              "raise time_limit for a proof", severity="warning"))
+            module.warnings.append(
+                Diagnostic(
+                    w.loc,
+                    f"plan-search stopped at time_limit={self.time_limit:g} s without proving "
+                    f"optimality: the plan is within {sol.gap:.2%} of the best possible",
+                    "raise time_limit for a proof",
+                    severity="warning",
+                )
+            )
         name = self.into or f"{w.name}_searched"
         plan = to_plan(problem, sol, name, w.name, c.name)
         module.plans[name] = plan
@@ -487,18 +605,27 @@ class PlanSearch(ModulePass):
         assert sol.objective is not None and sol.bound is not None  # sol is a plan
         assert plan.step_time is not None  # estimate_plan leaves it None only with a problem
         objective = sol.objective * problem.unit_s
-        plan.search = SearchRecord(status=sol.status, objective=printed_precision(objective),
-                                   bound=printed_precision(sol.bound * problem.unit_s), gap=printed_precision(sol.gap, 4),
-                                   candidates=sum(len(s.options) for s in problem.spaces.values()),
-                                   estimate=plan.step_time,
-                                   estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4),
-                                   headroom=self.headroom)
+        plan.search = SearchRecord(
+            status=sol.status,
+            objective=printed_precision(objective),
+            bound=printed_precision(sol.bound * problem.unit_s),
+            gap=printed_precision(sol.gap, 4),
+            candidates=sum(len(s.options) for s in problem.spaces.values()),
+            estimate=plan.step_time,
+            estimate_gap=printed_precision((objective - plan.step_time) / plan.step_time, 4),
+            headroom=self.headroom,
+        )
         if self.explain:
-            why = explain(module, plan, problem, sol.choice, objective, lambda p, t: solve(p, t, self.seed), self.time_limit)
+            why = explain(
+                module, plan, problem, sol.choice, objective, lambda p, t: solve(p, t, self.seed), self.time_limit
+            )
             for ms, r in why.runner_ups.items():
                 plan.layouts[ms].runner_up = r and replace(r, step_time=printed_precision(r.step_time))
-            plan.search = replace(plan.search, bottleneck=why.bottleneck,
-                                  unbounded=None if why.unbounded is None else printed_precision(why.unbounded))
+            plan.search = replace(
+                plan.search,
+                bottleneck=why.bottleneck,
+                unbounded=None if why.unbounded is None else printed_precision(why.unbounded),
+            )
             module.explanations.extend(why.lines())
 
 
@@ -509,6 +636,11 @@ def _pick(module: Module, kind: str, name: str):
             raise no_such(module, "plan-search", kind, name)
         return table[name]
     if len(table) != 1:
-        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                          f"plan-search needs {kind}=@name: the module has {len(table)} {kind}s")])
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(0, 0, module.filename), f"plan-search needs {kind}=@name: the module has {len(table)} {kind}s"
+                )
+            ]
+        )
     return next(iter(table.values()))

@@ -53,14 +53,16 @@ import numpy as np
 
 from ...ir import Cluster, Model, Workload
 from ...ir.verifier import flush_samples, replicas_share_steps
-from ..cost.cost_model import C_PCIE, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel, NIC, NVLINK
+from ..cost.cost_model import C_PCIE, NIC, NVLINK, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 
 KIB = 1024
 NO_RHO = 1 << 50  # not a generation candidate: any resident state of others is fine
 STATE = ("weights", "grads", "optimizer")
-OFFLOAD_CHOICES = {"train": tuple(tuple(k for k, on in zip(STATE, bits) if on)
-                                  for bits in itertools.product((0, 1), repeat=3)),
-                   "infer": ((), ("weights",)), "generate": ((), ("weights",))}
+OFFLOAD_CHOICES = {
+    "train": tuple(tuple(k for k, on in zip(STATE, bits) if on) for bits in itertools.product((0, 1), repeat=3)),
+    "infer": ((), ("weights",)),
+    "generate": ((), ("weights",)),
+}
 EXHAUSTIVE_GPUS = 16  # up to this many available GPUs and
 FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every start
 # Memory plan-search keeps free on every GPU beyond what the cost model counts: the CUDA context
@@ -70,8 +72,11 @@ FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every 
 DEFAULT_HEADROOM = 0.1
 MAX_WAVE_POINTS = 48  # (8 on large clusters)
 VIRTUAL_STAGES = (2, 3, 4)  # interleaved pipeline schedules tried (besides plain 1F1B)
-LEAN_OFFLOAD = {"train": ((), ("optimizer",), ("grads", "optimizer")), "infer": ((), ("weights",)),
-                "generate": ((), ("weights",))}  # generation allowances per layout (geometric beyond this many wave counts)
+LEAN_OFFLOAD = {
+    "train": ((), ("optimizer",), ("grads", "optimizer")),
+    "infer": ((), ("weights",)),
+    "generate": ((), ("weights",)),
+}  # generation allowances per layout (geometric beyond this many wave counts)
 
 
 ANYWHERE = -1  # start class of a run costed for any start (links that may cross nodes taken as crossing)
@@ -113,8 +118,13 @@ class Positions:
             size = f * len(list(group))
             segments.append((at, at + size, f))
             at += size
-        return cls(gpus, np.array([cluster.node_of(g) for g in gpus], dtype=np.int64), cluster.gpus_per_node,
-                   segments, exhaustive)
+        return cls(
+            gpus,
+            np.array([cluster.node_of(g) for g in gpus], dtype=np.int64),
+            cluster.gpus_per_node,
+            segments,
+            exhaustive,
+        )
 
     @property
     def n(self) -> int:
@@ -176,11 +186,13 @@ class Positions:
         if cls == ANYWHERE:
             return cast("tuple[int, int, int]", tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp)))
         start = self.starts(cls, tp * pp * dp)[0]
-        nodes = self.node[start:start + tp * pp * dp].reshape(dp, pp, tp)
+        nodes = self.node[start : start + tp * pp * dp].reshape(dp, pp, tp)
         code = lambda crosses: NIC if crosses else NVLINK
-        return (code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
-                code(pp > 1 and np.any(nodes[:, 1:, :] != nodes[:, :-1, :])),
-                code(np.any(nodes.max(axis=0) != nodes.min(axis=0))))
+        return (
+            code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
+            code(pp > 1 and np.any(nodes[:, 1:, :] != nodes[:, :-1, :])),
+            code(np.any(nodes.max(axis=0) != nodes.min(axis=0))),
+        )
 
 
 @dataclass
@@ -213,8 +225,14 @@ class OptionRows(Sequence):
     at 1,024 GPUs generates tens of thousands, of which ``restrict`` keeps a few percent, so
     most are never made. ``columns`` are the arrays bounds and look-ups read instead."""
 
-    def __init__(self, columns: dict[str, np.ndarray], offload: list[tuple[str, ...]], classes: list[int],
-                 times_s: np.ndarray, units: np.ndarray) -> None:
+    def __init__(
+        self,
+        columns: dict[str, np.ndarray],
+        offload: list[tuple[str, ...]],
+        classes: list[int],
+        times_s: np.ndarray,
+        units: np.ndarray,
+    ) -> None:
         self.columns = columns  # tp pp dp mb rc zero rho gpus peak resident vpp fastest (units), one row per option
         self.offload, self.classes, self.times_s, self.units = offload, classes, times_s, units
         self._made: dict[int, Option] = {}
@@ -233,10 +251,22 @@ class OptionRows(Sequence):
             c = self.columns
             row_t, row_u = self.times_s[i].tolist(), self.units[i].tolist()
             at = [j for j, u in enumerate(row_u) if u != np.inf]
-            o = self._made[i] = Option(int(c["tp"][i]), int(c["pp"][i]), int(c["dp"][i]), int(c["mb"][i]), bool(c["rc"][i]),
-                                       int(c["zero"][i]), self.offload[i], int(c["rho"][i]), int(c["gpus"][i]),
-                                       {self.classes[j]: row_t[j] for j in at}, {self.classes[j]: int(row_u[j]) for j in at},
-                                       int(c["peak"][i]), int(c["resident"][i]), int(c["vpp"][i]))
+            o = self._made[i] = Option(
+                int(c["tp"][i]),
+                int(c["pp"][i]),
+                int(c["dp"][i]),
+                int(c["mb"][i]),
+                bool(c["rc"][i]),
+                int(c["zero"][i]),
+                self.offload[i],
+                int(c["rho"][i]),
+                int(c["gpus"][i]),
+                {self.classes[j]: row_t[j] for j in at},
+                {self.classes[j]: int(row_u[j]) for j in at},
+                int(c["peak"][i]),
+                int(c["resident"][i]),
+                int(c["vpp"][i]),
+            )
         return o
 
 
@@ -244,9 +274,22 @@ def columns(options) -> dict[str, np.ndarray]:
     """The arrays of ``OptionRows.columns`` for any sequence of options."""
     if isinstance(options, OptionRows):
         return options.columns
-    names = {"tp": "tp", "pp": "pp", "dp": "dp", "mb": "micro_batches", "rc": "recompute", "zero": "zero", "rho": "rho",
-             "gpus": "gpus", "peak": "peak", "resident": "resident", "vpp": "vpp"}
-    out = {k: np.array([getattr(o, a) for o in options], dtype=bool if k == "rc" else np.int64) for k, a in names.items()}
+    names = {
+        "tp": "tp",
+        "pp": "pp",
+        "dp": "dp",
+        "mb": "micro_batches",
+        "rc": "recompute",
+        "zero": "zero",
+        "rho": "rho",
+        "gpus": "gpus",
+        "peak": "peak",
+        "resident": "resident",
+        "vpp": "vpp",
+    }
+    out = {
+        k: np.array([getattr(o, a) for o in options], dtype=bool if k == "rc" else np.int64) for k, a in names.items()
+    }
     out["fastest"] = np.array([min(o.times.values()) for o in options], dtype=np.int64)
     return out
 
@@ -268,7 +311,7 @@ def set_partitions(items: list[str]) -> list[list[list[str]]]:
     for part in set_partitions(rest):
         out.append([[first]] + part)
         for i in range(len(part)):
-            out.append(part[:i] + [[first] + part[i]] + part[i + 1:])
+            out.append(part[:i] + [[first] + part[i]] + part[i + 1 :])
     return out
 
 
@@ -317,18 +360,28 @@ class SearchProblem:
             total += max(sum(cast(int, time[ms]) for ms in g) for g in groups)
         load = np.zeros(pos.n, dtype=np.int64)
         for ms, o in opt.items():
-            load[span[ms][0]:span[ms][1]] += o.resident
+            load[span[ms][0] : span[ms][1]] += o.resident
         for ms, o in opt.items():
-            here = int(load[span[ms][0]:span[ms][1]].max())
+            here = int(load[span[ms][0] : span[ms][1]].max())
             if o.extra + here > self.memory or here - o.resident > o.rho:
                 return None
         return total
 
 
-def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model], cost: CostModel | None = None,
-                  max_tp: int | None = None, time_units: int = 1_000_000, max_pp: int = 0, max_zero: int = 3,
-                  offload: bool = True, exhaustive: bool | None = None, prune: bool = True,
-                  headroom: float = DEFAULT_HEADROOM) -> SearchProblem:
+def build_problem(
+    cluster: Cluster,
+    workload: Workload,
+    models: dict[str, Model],
+    cost: CostModel | None = None,
+    max_tp: int | None = None,
+    time_units: int = 1_000_000,
+    max_pp: int = 0,
+    max_zero: int = 3,
+    offload: bool = True,
+    exhaustive: bool | None = None,
+    prune: bool = True,
+    headroom: float = DEFAULT_HEADROOM,
+) -> SearchProblem:
     """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
 
     ``max_pp`` (0: no limit), ``max_zero`` and ``offload`` keep only layouts the job can run
@@ -349,8 +402,20 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
     raw = {}
     for st in workload.stages:
         for ms in st.model_stages():
-            raw[ms] = (st.kind, candidates(cost, pos, workload, models[ms.rpartition(".")[0]], st.kind,
-                                           max_tp or cluster.gpus_per_node, max_pp, max_zero, offload))
+            raw[ms] = (
+                st.kind,
+                candidates(
+                    cost,
+                    pos,
+                    workload,
+                    models[ms.rpartition(".")[0]],
+                    st.kind,
+                    max_tp or cluster.gpus_per_node,
+                    max_pp,
+                    max_zero,
+                    offload,
+                ),
+            )
     # time unit: a step of the fastest candidates takes ``time_units`` units (the slowest ones
     # many more; CP-SAT's integers are 64-bit)
     best = sum(float(np.min(c.times, initial=np.inf)) for _, c in raw.values() if np.isfinite(c.times).any())
@@ -363,12 +428,20 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
         units = np.where(np.isfinite(c.times), np.ceil(c.times / unit), np.inf)
         keep = np.flatnonzero(ok)
         if prune:
-            keep = keep[prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])]
-        cols = {k: np.asarray(getattr(c, k))[keep] for k in ("tp", "pp", "dp", "mb", "rc", "zero", "rho", "gpus", "peak",
-                                                              "resident", "vpp")}
+            keep = keep[
+                prune_rows(c.gpus[keep], units[keep], c.peak[keep] - c.resident[keep], c.resident[keep], c.rho[keep])
+            ]
+        cols = {
+            k: np.asarray(getattr(c, k))[keep]
+            for k in ("tp", "pp", "dp", "mb", "rc", "zero", "rho", "gpus", "peak", "resident", "vpp")
+        }
         kept_units = units[keep]
-        cols["fastest"] = kept_units.min(axis=1, initial=np.inf).astype(np.int64) if len(keep) else np.zeros(0, np.int64)
-        opts = OptionRows(cols, [c.offload[i] for i in keep.tolist()], np.asarray(c.classes).tolist(), c.times[keep], kept_units)
+        cols["fastest"] = (
+            kept_units.min(axis=1, initial=np.inf).astype(np.int64) if len(keep) else np.zeros(0, np.int64)
+        )
+        opts = OptionRows(
+            cols, [c.offload[i] for i in keep.tolist()], np.asarray(c.classes).tolist(), c.times[keep], kept_units
+        )
         spaces[ms] = Space(ms, kind, opts, len(c.tp))
     stages = [(st.name, st.model_stages()) for st in workload.stages]
     problem = SearchProblem(cluster, workload, models, pos, unit, mem_kib, stages, spaces, headroom=headroom)
@@ -376,12 +449,25 @@ def build_problem(cluster: Cluster, workload: Workload, models: dict[str, Model]
     return problem
 
 
-def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: int, max_tp: int, max_pp: int = 0,
-                max_zero: int = 3, offload: bool = True, full: bool = True) -> list[tuple]:
+def layout_grid(
+    model: Model,
+    workload: Workload,
+    kind: str,
+    n: int,
+    per_node: int,
+    max_tp: int,
+    max_pp: int = 0,
+    max_zero: int = 3,
+    offload: bool = True,
+    full: bool = True,
+) -> list[tuple]:
     """(tp, pp, dp, micro_batches, recompute, zero, offload, vpp) of every candidate layout
     (module docs); ``full=False`` is the large-cluster space."""
-    tps = [t for t in range(1, min(max_tp, model.heads) + 1) if model.heads % t == 0
-           and (t % model.kv_heads == 0 or model.kv_heads % t == 0) and t <= n]
+    tps = [
+        t
+        for t in range(1, min(max_tp, model.heads) + 1)
+        if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0) and t <= n
+    ]
     top_pp = min(model.layers, n, max_pp or model.layers)
     pps = [p for p in range(1, top_pp + 1) if p <= 16 or model.layers % p == 0]
     # ZeRO 0 and 1 take the same time as 2 in the model and keep more state: 2 and 3 suffice
@@ -389,8 +475,16 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
     rows = []
     for tp, pp in itertools.product(tps, pps):
         top = n // (tp * pp)
-        dps = sorted({d for d in range(1, top + 1) if tp * pp * d <= 2 * per_node or d & (d - 1) == 0 or d == top
-                      or (tp * pp * d % per_node == 0 and tp * pp * d // per_node <= 8)})
+        dps = sorted(
+            {
+                d
+                for d in range(1, top + 1)
+                if tp * pp * d <= 2 * per_node
+                or d & (d - 1) == 0
+                or d == top
+                or (tp * pp * d % per_node == 0 and tp * pp * d // per_node <= 8)
+            }
+        )
         for dp in dps:
             if dp > workload.samples or not replicas_share_steps(workload, kind, dp):
                 continue  # Megatron-LM and verl cannot split an optimizer step over dp replicas
@@ -405,12 +499,13 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
             # interleaving: v virtual stages when they divide every stage's layers evenly, with
             # the most micro-batches a flush holds that are a multiple of pp (Megatron's rule)
             whole = (flush_samples(workload, kind) // dp // workload.micro_batch) // pp * pp if pp > 1 else 0
-            shapes = [(mb, 1) for mb in mbs] + [(whole, v) for v in VIRTUAL_STAGES
-                                                if kind != "generate" and whole and model.layers % (pp * v) == 0]
+            shapes = [(mb, 1) for mb in mbs] + [
+                (whole, v) for v in VIRTUAL_STAGES if kind != "generate" and whole and model.layers % (pp * v) == 0
+            ]
             for mb, v in shapes:
-                for rc in ((False, True) if kind == "train" else (False,)):
-                    for z in (zeros if kind == "train" and dp > 1 else (0,)):
-                        for off in ((OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),)):
+                for rc in (False, True) if kind == "train" else (False,):
+                    for z in zeros if kind == "train" and dp > 1 else (0,):
+                        for off in (OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),):
                             rows.append((tp, pp, dp, mb, rc, z, off, v))
     return rows
 
@@ -418,14 +513,38 @@ def layout_grid(model: Model, workload: Workload, kind: str, n: int, per_node: i
 _GRIDS: dict[tuple, tuple | None] = {}  # _grid_columns, by what layout_grid reads
 
 
-def _grid_columns(model: Model, workload: Workload, kind: str, n: int, per_node: int, max_tp: int, max_pp: int,
-                  max_zero: int, offload: bool, full: bool) -> tuple | None:
+def _grid_columns(
+    model: Model,
+    workload: Workload,
+    kind: str,
+    n: int,
+    per_node: int,
+    max_tp: int,
+    max_pp: int,
+    max_zero: int,
+    offload: bool,
+    full: bool,
+) -> tuple | None:
     """``layout_grid`` as read-only arrays (tp, pp, dp, mb, rc, zero, vpp), the offload choices
     (a tuple per row, the distinct choices, and each row's choice's index), or None for an
     empty grid. Remembered by what the grid depends on: the model's heads, KV heads and layers,
     and the workload's batch sizes (a search at every step asks for the same grids again)."""
-    key = (model.heads, model.kv_heads, model.layers, workload.samples, workload.mini_batch, workload.micro_batch,
-           kind, n, per_node, max_tp, max_pp, max_zero, offload, full)
+    key = (
+        model.heads,
+        model.kv_heads,
+        model.layers,
+        workload.samples,
+        workload.mini_batch,
+        workload.micro_batch,
+        kind,
+        n,
+        per_node,
+        max_tp,
+        max_pp,
+        max_zero,
+        offload,
+        full,
+    )
     if key in _GRIDS:
         return _GRIDS[key]
     grid = layout_grid(model, workload, kind, n, per_node, max_tp, max_pp, max_zero, offload, full)
@@ -456,7 +575,8 @@ def sequence_parallel(tp, kind: str):
 
 @dataclass
 class Rows:
-    """Candidates of one model-stage as arrays; ``times[i, j]``: seconds at start class ``classes[j]`` (inf: not a start)."""
+    """Candidates of one model-stage as arrays; ``times[i, j]``: seconds at start class ``classes[j]`` (inf: not a "
+    "start)."""
 
     tp: np.ndarray
     pp: np.ndarray
@@ -474,8 +594,17 @@ class Rows:
     vpp: np.ndarray
 
 
-def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model, kind: str, max_tp: int,
-               max_pp: int = 0, max_zero: int = 3, offload: bool = True) -> Rows:
+def candidates(
+    cost: CostModel,
+    pos: Positions,
+    workload: Workload,
+    model: Model,
+    kind: str,
+    max_tp: int,
+    max_pp: int = 0,
+    max_zero: int = 3,
+    offload: bool = True,
+) -> Rows:
     """Every candidate of one model-stage with its time per start class, costed in vectorized calls."""
     cluster = cost.cluster
     g = _grid_columns(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
@@ -485,8 +614,11 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
     tp, pp, dp, mb, rc, zero, vpp, off, choices, code = g
     off = list(off)
     sp = sequence_parallel(tp, kind)
-    weights, grads, optimizer = cost.state(model, kind, Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb,
-                                                                        recompute=rc, zero=zero, sp=sp, vpp=vpp))
+    weights, grads, optimizer = cost.state(
+        model,
+        kind,
+        Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb, recompute=rc, zero=zero, sp=sp, vpp=vpp),
+    )
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
     offloaded = np.zeros(len(tp))  # each row's offloaded state, summed in its choice's order
     for c, o in enumerate(choices):
@@ -519,13 +651,29 @@ def candidates(cost: CostModel, pos: Positions, workload: Workload, model: Model
         _, row_of_mesh, mesh_of = np.unique((tp * base + pp) * base + dp, return_index=True, return_inverse=True)
         keys, key_of = np.unique(mesh_of.reshape(-1)[ex_row] * len(classes) + col, return_inverse=True)
         at, cls = row_of_mesh[keys // len(classes)], classes[keys % len(classes)]
-        lk = np.array([pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
-                      dtype=np.int64).reshape(-1, 3)[key_of.reshape(-1)]
-    return costed_rows(cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk)
+        lk = np.array(
+            [pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
+            dtype=np.int64,
+        ).reshape(-1, 3)[key_of.reshape(-1)]
+    return costed_rows(
+        cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk
+    )
 
 
-def costed_rows(cost: CostModel, workload: Workload, model: Model, kind: str, cols: tuple, off: list, offloaded: np.ndarray,
-            rho: np.ndarray, classes: np.ndarray, ex_row: np.ndarray, col: np.ndarray, lk: np.ndarray) -> Rows:
+def costed_rows(
+    cost: CostModel,
+    workload: Workload,
+    model: Model,
+    kind: str,
+    cols: tuple,
+    off: list,
+    offloaded: np.ndarray,
+    rho: np.ndarray,
+    classes: np.ndarray,
+    ex_row: np.ndarray,
+    col: np.ndarray,
+    lk: np.ndarray,
+) -> Rows:
     """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp: one entry per row)
     expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
     mesh's (tp, pp, dp) links ``lk[i]``. Each expansion is costed for its time; a row's memory is
@@ -537,8 +685,18 @@ def costed_rows(cost: CostModel, workload: Workload, model: Model, kind: str, co
     resident = np.zeros(len(tp))
     if len(ex_row):
         r = ex_row
-        cand = Candidates.grid(cluster, model.layers, tp[r], pp[r], dp[r], micro_batches=mb[r], recompute=rc[r], zero=zero[r],
-                               sp=sequence_parallel(tp[r], kind), vpp=vpp[r])
+        cand = Candidates.grid(
+            cluster,
+            model.layers,
+            tp[r],
+            pp[r],
+            dp[r],
+            micro_batches=mb[r],
+            recompute=rc[r],
+            zero=zero[r],
+            sp=sequence_parallel(tp[r], kind),
+            vpp=vpp[r],
+        )
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
@@ -546,7 +704,9 @@ def costed_rows(cost: CostModel, workload: Workload, model: Model, kind: str, co
         off_time = np.where(offloaded[r] > 0, feat * cost.coeffs[C_PCIE] + lat, 0.0)
         # a node's host memory split evenly over its GPUs and the model-stages that may offload:
         # within its share no placement can overfill a node (estimate checks the plan's sum)
-        host_share = cluster.host_memory / cluster.gpus_per_node / len(workload.model_stages()) if cluster.host_memory else 0.0
+        host_share = (
+            cluster.host_memory / cluster.gpus_per_node / len(workload.model_stages()) if cluster.host_memory else 0.0
+        )
         off_time = np.where(offloaded[r] > host_share, np.inf, off_time)
         with np.errstate(invalid="ignore"):
             t = sc.time(cost.coeffs) + off_time
@@ -555,16 +715,29 @@ def costed_rows(cost: CostModel, workload: Workload, model: Model, kind: str, co
         first = np.unique(r, return_index=True)[1]
         rf = r[first]
         peak[rf] = sc.memory()[first]
-        resident[rf] = (sc.resident_state[first] - offloaded[rf])
+        resident[rf] = sc.resident_state[first] - offloaded[rf]
         if kind == "generate":
             most = _generation_peak_bound(cost, workload, model, sc.weights[first], tp[rf], pp[rf], dp[rf], rho[rf])
             # stated so that own peak + others' state <= memory holds for every state up to rho
             # exactly when the largest one fits: (peak - resident) + (resident + others) <= memory
             peak[rf] = np.where(most <= cluster.gpu_memory, most - rho[rf], np.inf)
     with np.errstate(invalid="ignore"):
-        return Rows(tp, pp, dp, mb, rc, zero, off, np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
-                    tp * pp * dp, classes, times, np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
-                    np.ceil(resident / KIB).astype(np.int64), vpp)
+        return Rows(
+            tp,
+            pp,
+            dp,
+            mb,
+            rc,
+            zero,
+            off,
+            np.where(np.isfinite(rho), np.floor(rho / KIB), NO_RHO).astype(np.int64),
+            tp * pp * dp,
+            classes,
+            times,
+            np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
+            np.ceil(resident / KIB).astype(np.int64),
+            vpp,
+        )
 
 
 def per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -632,7 +805,9 @@ def _generation_peak_bound(cost: CostModel, workload: Workload, model: Model, we
     return np.maximum(worst, f(rho))
 
 
-def prune_rows(gpus: np.ndarray, times: np.ndarray, extra: np.ndarray, resident: np.ndarray, rho: np.ndarray) -> np.ndarray:
+def prune_rows(
+    gpus: np.ndarray, times: np.ndarray, extra: np.ndarray, resident: np.ndarray, rho: np.ndarray
+) -> np.ndarray:
     """Indices of the candidates no other dominates: none with no more GPUs, no more time at any
     start class (inf where it cannot start), no more peak beyond its resident state, no more
     resident state and no less allowance for others' state.
@@ -643,14 +818,16 @@ def prune_rows(gpus: np.ndarray, times: np.ndarray, extra: np.ndarray, resident:
     if not len(gpus):
         return np.zeros(0, dtype=np.int64)
     big = np.float64(1e300)
-    keys = np.column_stack([gpus, np.where(np.isfinite(times), times, big), extra, resident, -rho.astype(float)]).astype(float)
+    keys = np.column_stack(
+        [gpus, np.where(np.isfinite(times), times, big), extra, resident, -rho.astype(float)]
+    ).astype(float)
     # in lexicographic order a row can only be dominated by an earlier one (or an equal one,
     # of which the first is kept); by transitivity, by an earlier one that is kept. Blocks of
     # rows are checked against the rows kept so far and against the earlier rows of the block.
     order = np.lexsort(keys.T[::-1])
     kept = np.zeros(0, dtype=np.int64)
     for lo in range(0, len(order), 256):
-        idx = order[lo:lo + 256]
+        idx = order[lo : lo + 256]
         k = keys[idx]
         dominated = np.all(keys[kept][None, :, :] <= k[:, None, :], axis=2).any(axis=1)
         earlier = np.tril(np.all(k[None, :, :] <= k[:, None, :], axis=2), -1)
@@ -671,12 +848,16 @@ def prune_options(options: Sequence[Option], among: np.ndarray | None = None) ->
     if isinstance(options, OptionRows):
         at = np.arange(len(options)) if among is None else np.asarray(among, dtype=np.int64)
         c = options.columns
-        return prune_rows(c["gpus"][at], options.units[at], (c["peak"] - c["resident"])[at], c["resident"][at], c["rho"][at])
+        return prune_rows(
+            c["gpus"][at], options.units[at], (c["peak"] - c["resident"])[at], c["resident"][at], c["rho"][at]
+        )
     if among is not None:
         options = [options[i] for i in among]
     if not options:
         return np.zeros(0, dtype=np.int64)
     classes = sorted({k for o in options for k in o.times})
-    times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(len(options), -1)
+    times = np.array([[o.times.get(k, np.inf) for k in classes] for o in options], dtype=float).reshape(
+        len(options), -1
+    )
     col = columns(options)
     return prune_rows(col["gpus"], times, col["peak"] - col["resident"], col["resident"], col["rho"])

@@ -18,8 +18,8 @@ from typing import cast
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, Stage
 from ...ir.printer import printed_precision
-from ...ir.units import Dim, format_quantity
 from ...ir.transition import Admission
+from ...ir.units import Dim, format_quantity
 from ..cost.estimate import estimate_plan
 from ..infra.pass_manager import ModulePass, Ref, register
 
@@ -27,8 +27,9 @@ from ..infra.pass_manager import ModulePass, Ref, register
 def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float, engine_restart: float) -> Admission:
     t = m.transitions[name]
     if t.makespan is None:
-        raise DiagnosticError([Diagnostic(t.loc, f"admit: transition @{name} has no schedule",
-                                          "run schedule-transfers before admit")])
+        raise DiagnosticError(
+            [Diagnostic(t.loc, f"admit: transition @{name} has no schedule", "run schedule-transfers before admit")]
+        )
     a, b = m.plans[t.source], m.plans[t.target]
     for plan in (a, b):
         if plan.step_time is None:
@@ -41,9 +42,17 @@ def admission(m: Module, name: str, horizon: int, margin: float, pg_init: float,
     saving = a.step_time - b.step_time
     benefit = saving * horizon
     decision = "accept" if benefit > cost * (1 + margin) else "reject"
-    return Admission(decision=decision, cost=printed_precision(cost), benefit=printed_precision(benefit), saving=printed_precision(saving),
-                     break_even=printed_precision(cost / saving) if saving > 0 else None,
-                     makespan=t.makespan, pg_init=pg, engine_restart=restart, horizon=horizon)
+    return Admission(
+        decision=decision,
+        cost=printed_precision(cost),
+        benefit=printed_precision(benefit),
+        saving=printed_precision(saving),
+        break_even=printed_precision(cost / saving) if saving > 0 else None,
+        makespan=t.makespan,
+        pg_init=pg,
+        engine_restart=restart,
+        horizon=horizon,
+    )
 
 
 def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float, placement: bool = True) -> tuple[float, float]:
@@ -91,16 +100,23 @@ class Admit(ModulePass):
                 raise DiagnosticError([Diagnostic(t.loc, "admit needs horizon=STEPS (the workload sets no steps)")])
             t.admit = admission(module, name, horizon, self.margin, self.pg_init, self.engine_restart)
             if t.admit.decision == "reject":
-                module.warnings.append(Diagnostic(
-                    t.loc, f"transition @{name} rejected: {describe(t.admit)} (margin {self.margin:g})", severity="note"))
+                module.warnings.append(
+                    Diagnostic(
+                        t.loc,
+                        f"transition @{name} rejected: {describe(t.admit)} (margin {self.margin:g})",
+                        severity="note",
+                    )
+                )
 
 
 def describe(a: Admission) -> str:
     """One line: the cost broken down, the saving and the benefit with units, the horizon."""
     s = lambda x: format_quantity(Dim.TIME, x)
-    parts = [f"makespan {s(a.makespan)}" if a.makespan is not None else None,
-             f"process groups {s(a.pg_init)}" if a.pg_init else None,
-             f"engine restart {s(a.engine_restart)}" if a.engine_restart else None]
+    parts = [
+        f"makespan {s(a.makespan)}" if a.makespan is not None else None,
+        f"process groups {s(a.pg_init)}" if a.pg_init else None,
+        f"engine restart {s(a.engine_restart)}" if a.engine_restart else None,
+    ]
     cost = f"costs {s(a.cost)}" + (f" ({' + '.join(p for p in parts if p)})" if any(parts) else "")
     steps = f" over {a.horizon} steps" if a.horizon is not None else ""
     even = f"; breaks even after {a.break_even:g} steps" if a.break_even is not None else "; never breaks even"

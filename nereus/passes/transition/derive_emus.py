@@ -13,9 +13,9 @@ from typing import cast
 
 from ...ir import Diagnostic, DiagnosticError, Module, Stage
 from ...ir.diagnostics import did_you_mean
+from ...ir.gc_pause import gc_paused
 from ...ir.sharding import derive_emus, states_of
 from ..cost.layout_costs import layout_costs
-from ...ir.gc_pause import gc_paused
 from ..infra.pass_manager import ModulePass, Ref, register
 
 
@@ -43,7 +43,9 @@ class DeriveEmus(ModulePass):
         stages = [self.model_stage] if self.model_stage else list(plan.layouts)
         for ms in stages:
             if plan.layouts.get(ms) is None:
-                raise _error(module, f"derive-emus: plan @{plan_name} has no layout {ms}", did_you_mean(ms, plan.layouts))
+                raise _error(
+                    module, f"derive-emus: plan @{plan_name} has no layout {ms}", did_you_mean(ms, plan.layouts)
+                )
         with gc_paused():  # thousands of EMU shards, nothing cyclic (gc_pause.py)
             for ms in stages:
                 if self.only_missing and module.emus_of(plan_name, ms):

@@ -45,8 +45,9 @@ class Grid:
         """``region`` as half-open spans of interval indices, per dimension."""
         out = self._spans.get(region)
         if out is None:
-            out = self._spans[region] = tuple((bisect.bisect_left(c, lo), bisect.bisect_left(c, hi))
-                                              for (lo, hi), c in zip(region, self.cuts))
+            out = self._spans[region] = tuple(
+                (bisect.bisect_left(c, lo), bisect.bisect_left(c, hi)) for (lo, hi), c in zip(region, self.cuts)
+            )
         return out
 
     def pattern(self, pieces: list[Holding], by: str) -> tuple[bytes, bytes, tuple]:
@@ -57,8 +58,9 @@ class Grid:
         cell numbers, lie alike; only their sizes differ."""
         first: dict[Box, int] = {}
         who = np.fromiter((getattr(p, by) for p in pieces), dtype=np.int64, count=len(pieces)).tobytes()
-        slices = np.fromiter((first.setdefault(p.region, len(first)) for p in pieces), dtype=np.int64,
-                             count=len(pieces)).tobytes()
+        slices = np.fromiter(
+            (first.setdefault(p.region, len(first)) for p in pieces), dtype=np.int64, count=len(pieces)
+        ).tobytes()
         return who, slices, tuple(map(self.span, first))
 
     def cells(self, region: Box) -> list[int]:
@@ -227,7 +229,9 @@ def local(grid: Grid, srcs: list[tuple[str, Box]], dsts: list[tuple[str, Box]]) 
         copied, lack = [], []
         for c in cells(dsts[0][1]):
             (copied if c in held else lack).append(c)
-        return Local([], [(0, 0, copied)] if copied else [], (np.asarray(lack, dtype=np.int64), np.zeros(len(lack), np.int64)))
+        return Local(
+            [], [(0, 0, copied)] if copied else [], (np.asarray(lack, dtype=np.int64), np.zeros(len(lack), np.int64))
+        )
     keeps: list[tuple[int, int]] = []
     copies: list[tuple[int, int, int, list[int]]] = []  # (first cell, destination, source, cells)
     miss_cells: list = []  # per destination, the cells it misses (arrays, ascending)

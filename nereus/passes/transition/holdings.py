@@ -30,7 +30,10 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
         model_name, state, _ = key
         itemsize = state_dtype_bytes(m.models[model_name], state)
         for p in pieces:
-            if not offloaded and ("weights" if state == "weight" else "optimizer") in plan.layouts[p.ref.model_stage].offload:
+            if (
+                not offloaded
+                and ("weights" if state == "weight" else "optimizer") in plan.layouts[p.ref.model_stage].offload
+            ):
                 continue
             n = itemsize
             for lo, hi in p.region:
@@ -81,10 +84,16 @@ def plan_pair(module: Module, pass_name: str, source: str, to: str) -> tuple[str
     if not source:
         others = [p for p in module.plans if p != target and module.plans[p].workload == module.plans[target].workload]
         if len(others) != 1:
-            raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename),
-                                              f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job"
-                                              + (f" ({', '.join('@' + p for p in others)})" if others else ""),
-                                              f"{pass_name}{{to=@{target},source=@{others[0]}}}" if others else None)])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        Loc(0, 0, module.filename),
+                        f"{pass_name} needs source=@plan_a: {len(others)} other plans of the job"
+                        + (f" ({', '.join('@' + p for p in others)})" if others else ""),
+                        f"{pass_name}{{to=@{target},source=@{others[0]}}}" if others else None,
+                    )
+                ]
+            )
         source = others[0]
     return source, target
 
@@ -94,8 +103,15 @@ def lost_gpus(module: Module, pass_name: str, target: str, drain: bool, lost) ->
     failed without notice; the others plan B cannot use leave with notice and still send), none
     with ``drain``, otherwise every GPU plan B's cluster marks unavailable."""
     if drain and lost is not None:
-        raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: drain and lost contradict each other",
-                                          "drain=true: no GPU's state is lost; lost=[...]: these GPUs' is")])
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(0, 0, module.filename),
+                    f"{pass_name}: drain and lost contradict each other",
+                    "drain=true: no GPU's state is lost; lost=[...]: these GPUs' is",
+                )
+            ]
+        )
     if lost is not None:
         return set(lost)
     return set() if drain else set(module.clusters[module.plans[target].cluster].unavailable)

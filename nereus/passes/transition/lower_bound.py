@@ -73,7 +73,6 @@ def _lists_on(m: Module, plan: str, lost) -> dict[tuple[int, str], list[tuple]]:
     return out
 
 
-
 def _inside(a: Box, b: Box) -> bool:
     return all(blo <= alo and ahi <= bhi for (alo, ahi), (blo, bhi) in zip(a, b))
 
@@ -99,7 +98,9 @@ def missingvolume(need: frozenset[Box], have: frozenset[Box]) -> int:
     there = np.zeros(shape, dtype=bool)
     for grid, group in ((wanted, need), (there, have)):
         for b in group:
-            grid[tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(cuts, b))] = True
+            grid[
+                tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(cuts, b))
+            ] = True
     sizes = np.ones(shape, dtype=np.int64)
     for d, c in enumerate(cuts):
         widths = np.diff(c).astype(np.int64)

@@ -29,7 +29,8 @@ class Memory:
     does not fit, each copy or receive, in order, waits for the shortest prefix of g's frees of
     slices no one reads (``dead``) that leaves room for it and those before it. Where even all
     dead frees leave too little room, g stages: the loads (whose data is in host memory already),
-    then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a copy over PCIe, a send
+    then the copies, then the receives, go to the GPU while they fit; each of the others writes ``host[g]`` instead (a
+    copy over PCIe, a send
     over its link) and an ``unstage`` moves it onto the GPU; the slices of one tensor staged in
     one wave for the same shards, which together fill a box (a new shard gathered from many
     senders), are moved by one unstage (``merge_boxes``). Unstages go in waves, each after
@@ -70,8 +71,13 @@ class Memory:
         host = self.p.cluster.host_memory
         for node, nbytes in sorted(self.staged_on_node.items()):
             if host is not None and nbytes > host:
-                problems.append(Diagnostic(Loc(0, 0, None), f"staging needs {nbytes:,} bytes of host memory on node {node}, "
-                                                             f"which has {host:,}", "transition in two steps"))
+                problems.append(
+                    Diagnostic(
+                        Loc(0, 0, None),
+                        f"staging needs {nbytes:,} bytes of host memory on node {node}, which has {host:,}",
+                        "transition in two steps",
+                    )
+                )
         return problems
 
     def _after_dead(self, g: int, direct: list[tuple[str, int]], dead: list[Op]) -> None:
@@ -88,16 +94,22 @@ class Memory:
             if prefix:  # the prefix only grows: its length now says which part this one waits for
                 self.waits[op_id].append((prefix, numbers, len(prefix)))
 
-    def _stage(self, g: int, room: int, grow: int, ops: list[tuple[str, int]],
-               problems: list[Diagnostic]) -> list[tuple[str, int]]:
+    def _stage(
+        self, g: int, room: int, grow: int, ops: list[tuple[str, int]], problems: list[Diagnostic]
+    ) -> list[tuple[str, int]]:
         """Stage the copies and receives of GPU g that do not fit in ``room``; returns the others."""
         p = self.p
         kept = self.mem_a[g] - sum(op.bytes for op in self.frees.get(g, []))
         if room < 0 or kept + grow > self.cap:
             a_state = "plan A's state and its loads" if p.load_ops.get(g) else "plan A's state"
             what, short = (a_state, -room) if room < 0 else ("plan B's state", kept + grow - self.cap)
-            problems.append(Diagnostic(Loc(0, 0, None), f"no order fits on GPU {g}: {what} alone would take {short:,} bytes "
-                                                         "more than its memory", "choose a plan that fits"))
+            problems.append(
+                Diagnostic(
+                    Loc(0, 0, None),
+                    f"no order fits on GPU {g}: {what} alone would take {short:,} bytes more than its memory",
+                    "choose a plan that fits",
+                )
+            )
             return []
         direct, staged = [], []
         for op_id, nbytes in ops:
@@ -172,8 +184,19 @@ class Memory:
                 fed = [ops[i] for i in members]
                 nbytes = sum(op.bytes for op in fed)
                 deps = frees if not fed else sorted([*frees, *(op.id for op in fed)], key=op_number)
-                un = Op(id=f"%{len(p.ops)}", kind="unstage", state=state, family=family, layers=layers, box=box,
-                        src=[HostRef(g)], dst=list(mine_of[key]), bytes=nbytes, link="pcie", deps=deps)
+                un = Op(
+                    id=f"%{len(p.ops)}",
+                    kind="unstage",
+                    state=state,
+                    family=family,
+                    layers=layers,
+                    box=box,
+                    src=[HostRef(g)],
+                    dst=list(mine_of[key]),
+                    bytes=nbytes,
+                    link="pcie",
+                    deps=deps,
+                )
                 p.ops.append(un)
                 unstaged = self.unstaged
                 for op in fed:
@@ -245,9 +268,11 @@ def merge_boxes(boxes: list) -> list[tuple[tuple, list[int]]]:
             if merged:
                 q, into = merged[-1]
                 if q[axis][1] == b[axis][0] and all(q[k] == b[k] for k in range(len(b)) if k != axis):
-                    merged[-1] = (tuple((q[k][0], b[k][1]) if k == axis else q[k] for k in range(len(b))), into + members)
+                    merged[-1] = (
+                        tuple((q[k][0], b[k][1]) if k == axis else q[k] for k in range(len(b))),
+                        into + members,
+                    )
                     continue
             merged.append((b, members))
         items = merged
     return [(b, sorted(members)) for b, members in items]
-

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from ...ir import DiagnosticError, Module, Transition
 from ...ir.emu import STATE_GROUPS
 from ...ir.gc_pause import gc_paused
-from .lower_bound import lower_bound
-from .derive_emus import emus_required
 from ..infra.pass_manager import Gpus, ModulePass, Ref, register
+from .derive_emus import emus_required
 from .holdings import lost_gpus, plan_holdings, plan_pair
+from .lower_bound import lower_bound
 from .planner import Planner
 
 __all__ = ["group_optimizer_states", "plan_transition"]
@@ -81,8 +81,9 @@ def group_optimizer_states(src_all: dict, dst_all: dict) -> tuple[dict, dict]:
     return src, dst
 
 
-def plan_transition(m: Module, source: str, target: str, name: str, lost: set[int] | None = None,
-                    bound: int | None = None) -> Transition:
+def plan_transition(
+    m: Module, source: str, target: str, name: str, lost: set[int] | None = None, bound: int | None = None
+) -> Transition:
     """Build the transition graph; see the module docstring. Needs both plans' EMUs
     (``derive-emus``; the pass declares it and the pass manager runs it).
 

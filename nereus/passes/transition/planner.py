@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from itertools import chain
 from collections.abc import Collection, Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import cast
 
 import numpy as np
 
 from ...ir import Diagnostic, DiagnosticError, HostRef, Module, Op
-from ...ir.model import state_dtype_bytes
 from ...ir.emu import Box, volume
+from ...ir.model import state_dtype_bytes
 from .grid import Grid, Holding, local
 from .memory import Memory, op_number
-
 
 NO_DEPS: list = []  # shared by every operation planned without dependencies
 NO_ENDPOINTS: list = []  # shared by every free's destinations
@@ -91,8 +90,19 @@ class Planner:
             layers = (l0, l1 - 1)
         else:
             layers, box = None, region
-        op = Op(id=f"%{len(self.ops)}", kind=kind, state=state, family=family, layers=layers, box=tuple(box), src=src,
-                dst=dst, bytes=nbytes, link=link, deps=NO_DEPS)
+        op = Op(
+            id=f"%{len(self.ops)}",
+            kind=kind,
+            state=state,
+            family=family,
+            layers=layers,
+            box=tuple(box),
+            src=src,
+            dst=dst,
+            bytes=nbytes,
+            link=link,
+            deps=NO_DEPS,
+        )
         self.ops.append(op)
         return op
 
@@ -115,9 +125,16 @@ class Planner:
         model_name, state, family = key
         _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
         if not srcs:
-            raise DiagnosticError([Diagnostic(self.plan_a.loc, f"plan @{self.source} holds no {state} of {family} of "
-                                                               f"@{model_name}, which plan @{self.target} needs",
-                                              "both plans must carry the same state")])
+            raise DiagnosticError(
+                [
+                    Diagnostic(
+                        self.plan_a.loc,
+                        f"plan @{self.source} holds no {state} of {family} of "
+                        f"@{model_name}, which plan @{self.target} needs",
+                        "both plans must carry the same state",
+                    )
+                ]
+            )
         # mypy takes pop's overload without a default type from the unpacking's context
         grid, sig = self.prepared.pop(key, None) or self._prepare(srcs, dsts)  # type: ignore[arg-type]
         st = self._structure(grid, srcs, dsts, sig)
@@ -132,8 +149,17 @@ class Planner:
         for si, dj, cells in copies:
             s, d = srcs[si], dsts[dj]
             for region in grid.boxes(cells):
-                o = op("copy", state, family, region, self.src_of(s), self.dst_of(d), volume(region) * itemsize,
-                       "local", per_layer)
+                o = op(
+                    "copy",
+                    state,
+                    family,
+                    region,
+                    self.src_of(s),
+                    self.dst_of(d),
+                    volume(region) * itemsize,
+                    "local",
+                    per_layer,
+                )
                 reads[sbase + si].append(o.id)
                 if delivers is not None:
                     delivers[(dbase, d.rid)].append(o.id)
@@ -152,8 +178,17 @@ class Planner:
                 d = dsts[receivers[0]]
                 region, n = grid.info(cells[0])
                 nbytes = n * itemsize
-                oid = op("send", state, family, region, src_of(s), dst_of(d), nbytes,
-                         "nvlink" if d.gpu // per_node == node else "nic", per_layer).id
+                oid = op(
+                    "send",
+                    state,
+                    family,
+                    region,
+                    src_of(s),
+                    dst_of(d),
+                    nbytes,
+                    "nvlink" if d.gpu // per_node == node else "nic",
+                    per_layer,
+                ).id
                 reads[sbase + si].append(oid)
                 if delivers is not None:
                     delivers[(dbase, d.rid)].append(oid)
@@ -200,7 +235,9 @@ class Planner:
 
     def received(self, g: int) -> list[tuple[str, int]]:
         """The sends and broadcasts writing GPU g, in the order they were made: (id, bytes on g)."""
-        lists = [self.recv_ops.get(g, [])] + [[(o.id, o.bytes * k) for o in sent] for k, sent in self.fans_on.get(g, ())]
+        lists = [self.recv_ops.get(g, [])] + [
+            [(o.id, o.bytes * k) for o in sent] for k, sent in self.fans_on.get(g, ())
+        ]
         if len(lists) == 1:
             return list(lists[0])
         return list(heapq.merge(*lists, key=lambda e: op_number(e[0])))
@@ -237,8 +274,9 @@ class Planner:
             self.structures.pop(sig, None)
         return st
 
-    def _senders(self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], st: Structure,
-                 itemsize: int) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    def _senders(
+        self, key, grid: Grid, srcs: list[Holding], dsts: list[Holding], st: Structure, itemsize: int
+    ) -> dict[tuple[int, tuple[int, ...]], list[int]]:
         """Senders for the missing cells (``st.missing``: the cells ascending, each cell's parts of
         its receivers, and the parts, as ``decide_structure`` finds them): (sender, receivers) -> cells.
 
@@ -273,8 +311,15 @@ class Planner:
             gs = holders.get(c)
             if not gs:
                 model_name, state, family = key
-                raise DiagnosticError([Diagnostic(self.plan_b.loc, f"no GPU of plan @{self.source} holds part of {state} "
-                                                                   f"{family} of @{model_name} that plan @{self.target} needs")])
+                raise DiagnosticError(
+                    [
+                        Diagnostic(
+                            self.plan_b.loc,
+                            f"no GPU of plan @{self.source} holds part of {state} "
+                            f"{family} of @{model_name} that plan @{self.target} needs",
+                        )
+                    ]
+                )
             nbytes = size * itemsize
             if len(gs) == 1 and len(members[gs[0]]) == 1:
                 r = None
@@ -316,8 +361,10 @@ class Planner:
                         least = r[1] = min(r[0](load))  # bytes x span + GPU: the least loaded GPU of lowest number
                         if mine is None or mine > least // span + share_of[pid]:
                             g = least % span  # its piece of lowest (model-stage, piece) among the groups'
-                            best = min([on[g] for on in map(first_on.__getitem__, gs) if g in on],
-                                       key=lambda i: (srcs[i].ref.model_stage, i))
+                            best = min(
+                                [on[g] for on in map(first_on.__getitem__, gs) if g in on],
+                                key=lambda i: (srcs[i].ref.model_stage, i),
+                            )
                 last[pid] = best
                 load[srcs[best].gpu] += nbytes * gpus_of[pid] * span
                 t = transfers.get((best, pid))
@@ -352,8 +399,17 @@ class Planner:
                 readers = reads.get(n, [])
                 if not readers and (n not in self.kept or stays_on_host):
                     continue
-                op = self.op("load", state, family, p.region, [HostRef(p.gpu)], [p.ref], volume(p.region) * itemsize,
-                             "pcie", per_layer)
+                op = self.op(
+                    "load",
+                    state,
+                    family,
+                    p.region,
+                    [HostRef(p.gpu)],
+                    [p.ref],
+                    volume(p.region) * itemsize,
+                    "pcie",
+                    per_layer,
+                )
                 self.loaded.add(n)
                 self.load_ops[p.gpu].append((op.id, op.bytes))
                 for reader in readers:
@@ -372,8 +428,17 @@ class Planner:
                     continue
                 if base + j in self.kept_b and ms in plan_a.layouts and _offloaded(plan_a, ms, state):
                     continue  # already in host memory, and stays there
-                op = self.op("offload", state, family, p.region, self.dst_of(p), [HostRef(p.gpu)],
-                             volume(p.region) * itemsize, "pcie", per_layer)
+                op = self.op(
+                    "offload",
+                    state,
+                    family,
+                    p.region,
+                    self.dst_of(p),
+                    [HostRef(p.gpu)],
+                    volume(p.region) * itemsize,
+                    "pcie",
+                    per_layer,
+                )
                 op.deps = list(self.delivers.get((base, p.rid), []))
 
     def frees_and_memory(self) -> list[Diagnostic]:
@@ -407,7 +472,6 @@ class Planner:
         gpu_b = {p.ref: p.gpu for pieces in self.dst_all.values() for p in pieces}
         self._count_broadcasts()
         return Memory(self, mem_a, freeable, frees, gpu_b).order()
-
 
 
 def structure_signature(grid: Grid, srcs: list[Holding], dsts: list[Holding]) -> tuple:
@@ -520,7 +584,9 @@ def decide_structure(grid: Grid, srcs: list[Holding], dsts: list[Holding], share
     return Structure(keeps, copies, _by_cell(miss_cells, miss_pieces, dsts), members, group_of, holders)
 
 
-def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int], list[tuple[int, ...]], list[tuple[int, ...]]]:
+def _by_cell(
+    cells: list, pieces: list, dsts: list[Holding]
+) -> tuple[list[int], list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Chunks of (cell, destination piece) pairs, in the order they were found, as the missing
     cells ascending and, for each, the pieces needing it split into parts: the pieces of one
     slice (a region) form a part, in the order they were found (a stable sort by cell), and the
@@ -558,7 +624,7 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
 
     firsts = np.unique(part_k[whole], return_index=True)[1]
     for i in np.flatnonzero(whole)[firsts].tolist():
-        part = pieces_of[part_k[i]] = tuple(pl[part_starts[i]:part_ends[i]])
+        part = pieces_of[part_k[i]] = tuple(pl[part_starts[i] : part_ends[i]])
         numbers[part] = int(part_k[i])
     for i, a, b in zip(np.flatnonzero(~whole).tolist(), part_starts[~whole].tolist(), part_ends[~whole].tolist()):
         pid[i] = number(tuple(pl[a:b]))
@@ -585,7 +651,9 @@ def _by_cell(cells: list, pieces: list, dsts: list[Holding]) -> tuple[list[int],
     return c[cell_starts].tolist(), out, pieces_of
 
 
-def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_of: dict) -> tuple[tuple[int, ...], ...]:
+def _join_sharing(
+    parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_of: dict
+) -> tuple[tuple[int, ...], ...]:
     """``parts`` with every two that share a GPU joined (their pieces by GPU, then index, as
     found); ``gpus_of``: each part's GPUs, remembered across cells (a replicas' part recurs)."""
     merged: list[tuple[list, frozenset]] = []
@@ -600,7 +668,9 @@ def _join_sharing(parts: tuple[tuple[int, ...], ...], dsts: list[Holding], gpus_
         merged.append((js, gpus))
     if len(merged) == len(parts):
         return parts
-    return tuple(sorted(tuple(js) if len(js) == 1 else tuple(sorted(js, key=lambda j: (dsts[j].gpu, j))) for js, _ in merged))
+    return tuple(
+        sorted(tuple(js) if len(js) == 1 else tuple(sorted(js, key=lambda j: (dsts[j].gpu, j))) for js, _ in merged)
+    )
 
 
 def family_spec(m: Module, model_name: str, state: str, family: str):
@@ -617,4 +687,3 @@ def _offloaded(plan, model_stage: str, state: str) -> bool:
 def _any_offloaded(plan, model_name: str, state: str) -> bool:
     """Whether the plan keeps this state of any model-stage of the model in host memory."""
     return any(ms.rpartition(".")[0] == model_name and _offloaded(plan, ms, state) for ms in plan.layouts)
-

@@ -35,8 +35,8 @@ from ...ir import Diagnostic, DiagnosticError, Module
 from ...ir.plan import RemapRecord
 from ..infra.pass_manager import Gpus, ModulePass, Ref, register
 from .derive_emus import emus_required
-from .holdings import lost_gpus, plan_holdings, plan_pair
 from .grid import Grid
+from .holdings import lost_gpus, plan_holdings, plan_pair
 
 NEVER = -1e18  # the value of putting plan B's state on a GPU that cannot take it
 
@@ -51,8 +51,15 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
     src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
     outside = sorted({p.gpu for pieces in src_all.values() for p in pieces if p.gpu >= gpus})
     if outside:
-        raise DiagnosticError([Diagnostic(m.plans[source].loc, f"remap: plan @{source} holds state on GPUs {outside}, "
-                                                               f"outside plan @{target}'s cluster of {gpus} GPUs")])
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    m.plans[source].loc,
+                    f"remap: plan @{source} holds state on GPUs {outside}, "
+                    f"outside plan @{target}'s cluster of {gpus} GPUs",
+                )
+            ]
+        )
     itemsize = {key: state_dtype_bytes(m.models[key[0]], key[1]) for key in dst_all}
     return reuse_of(src_all, dst_all, itemsize, gpus, lost)
 
@@ -198,7 +205,7 @@ def best_permutation(value: np.ndarray, per_node: int, can_host: np.ndarray, use
     node_value = np.zeros((nodes, nodes))
     for a in range(nodes):  # physical node a takes plan B's node b
         for b in range(nodes):
-            block = v[a * per_node:(a + 1) * per_node, b * per_node:(b + 1) * per_node]
+            block = v[a * per_node : (a + 1) * per_node, b * per_node : (b + 1) * per_node]
             rows, cols = linear_sum_assignment(block, maximize=True)
             node_value[a, b] = block[rows, cols].sum()
             inner[(a, b)] = (node_value[a, b], rows[np.argsort(cols)])  # part j of b -> GPU rows[..] of a
@@ -237,8 +244,13 @@ def remap(m: Module, source: str, target: str, lost: set[int] | None = None) -> 
     for key, emu in list(m.emus.items()):
         if key[0] == target:
             # a list: Emu.__post_init__ makes it a tuple
-            m.emus[key] = replace(emu, shards=[replace(s, gpu=pi[s.gpu])  # type: ignore[arg-type]
-                                               for s in emu.shards])
+            m.emus[key] = replace(
+                emu,
+                shards=[
+                    replace(s, gpu=pi[s.gpu])  # type: ignore[arg-type]
+                    for s in emu.shards
+                ],
+            )
     return RemapRecord(before, round(need.sum() - gain), sum(int(p != i) for i, p in zip(identity, pi)))
 
 
