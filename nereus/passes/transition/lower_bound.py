@@ -55,7 +55,7 @@ def lower_bound(m: Module, source: str, target: str, lost: Set[int] = frozenset(
                 for e in entries:
                     into[(e.state, e.family)].add(e.region)
         for (state, family), regions in need.items():
-            missing = missingvolume(frozenset(regions), frozenset(held.get((state, family), ())))
+            missing = missing_volume(frozenset(regions), frozenset(held.get((state, family), ())))
             total += missing * state_dtype_bytes(m.models[model], state)
     return total
 
@@ -82,7 +82,7 @@ def _meet(a: Box, b: Box) -> bool:
 
 
 @lru_cache(maxsize=1 << 16)
-def missingvolume(need: frozenset[Box], have: frozenset[Box]) -> int:
+def missing_volume(need: frozenset[Box], have: frozenset[Box]) -> int:
     """Volume of union(need) minus union(have), on the grid of these boxes' own boundaries."""
     if len(need) == 1:  # the common case, a GPU's one slice of a tensor: inside a held box, or apart from all
         (b,) = need
