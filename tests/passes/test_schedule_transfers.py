@@ -10,24 +10,24 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nereus.passes.schedule.schedule_transfers as sb
-from nereus.passes.schedule.schedule_transfers import (
-    Bucket,
-    _graph,
-    _ports,
-    _tails,
+import nereus.passes.schedule.cpsat as cpsat
+from nereus.passes.schedule.buckets import Bucket, bucket_ports
+from nereus.passes.schedule.cpsat import solve_schedule
+from nereus.passes.schedule.list_schedules import (
     bottom_levels,
     greedy,
     insertion,
+    port_graph,
     serial,
-    solve_schedule,
+    tails_of,
 )
+from nereus.passes.schedule.list_schedules import port_bound as list_port_bound
 
 
 def port_bound(buckets):
     busy = defaultdict(int)
     for b in buckets:
-        for p in _ports(b):
+        for p in bucket_ports(b):
             busy[p] += b.duration
     return max(busy.values())
 
@@ -36,7 +36,7 @@ def assert_valid(buckets, prec, starts):
     by_port = defaultdict(list)
     for b, s in zip(buckets, starts):
         assert s >= 0
-        for p in _ports(b):
+        for p in bucket_ports(b):
             by_port[p].append((s, s + b.duration))
     for spans in by_port.values():
         spans.sort()
@@ -101,15 +101,15 @@ def test_no_search_above_search_max_buckets(monkeypatch):
         Bucket(0, (6,), "nic", [], duration=5),
     ]
     assert min(max(s + b.duration for s, b in zip(f(buckets, set()), buckets)) for f in (greedy, insertion)) == 12
-    monkeypatch.setattr(sb, "SEARCH_MAX", len(buckets))
+    monkeypatch.setattr(cpsat, "SEARCH_MAX", len(buckets))
     sched = solve_schedule(buckets, set(), time_limit=1.0)
     assert (sched.makespan, sched.status, sched.searched) == (11, "optimal", True)
 
     def no_search(*args):
         raise AssertionError("CP-SAT ran above SEARCH_MAX")
 
-    monkeypatch.setattr(sb, "SEARCH_MAX", len(buckets) - 1)
-    monkeypatch.setattr(sb.cp_model.CpSolver, "solve", no_search)
+    monkeypatch.setattr(cpsat, "SEARCH_MAX", len(buckets) - 1)
+    monkeypatch.setattr(cpsat.cp_model.CpSolver, "solve", no_search)
     sched = solve_schedule(buckets, set(), time_limit=1.0)
     assert_valid(buckets, set(), sched.starts)
     assert (sched.makespan, sched.bound, sched.status, sched.searched) == (12, 11, "feasible", False)
@@ -119,7 +119,7 @@ def test_a_large_transition_is_scheduled_in_one_pass_not_in_quadratic_time():
     """6,000 buckets all sent by GPU 0 (one port thousands wait for): ``greedy`` re-keys them
     all at every placement; above ``LARGE`` buckets the one-pass schedule is used, still valid
     and here at the port bound (the time it saves is measured by ``nereus simulate``, not here)."""
-    from nereus.passes.schedule.schedule_transfers import LARGE
+    from nereus.passes.schedule.cpsat import LARGE
 
     buckets = [Bucket(0, (1 + i % 7,), "nic", [], duration=1 + i % 3) for i in range(LARGE + 2000)]
     prec = {(i, i + 7) for i in range(0, len(buckets) - 7, 97)}
@@ -131,8 +131,8 @@ def test_a_large_transition_is_scheduled_in_one_pass_not_in_quadratic_time():
 def insertion_by_buckets(buckets, prec, chains):
     """``insertion`` as first written: every placed bucket its own span on a port, the gap
     search stepping over them one by one."""
-    preds, succs, ports, busy = _graph(buckets, prec)
-    tail = _tails(buckets, succs) if chains else [0] * len(buckets)
+    preds, succs, ports, busy = port_graph(buckets, prec)
+    tail = tails_of(buckets, succs) if chains else [0] * len(buckets)
     prio = [
         (-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))
     ]
@@ -173,7 +173,7 @@ def test_insertion_on_merged_spans_places_every_bucket_where_per_bucket_spans_do
 
 def greedy_by_lookups(buckets, prec):
     """``greedy`` as first written: every key read port by port into lists built per call."""
-    preds, succs, ports, left = _graph(buckets, prec)
+    preds, succs, ports, left = port_graph(buckets, prec)
     start, free_at = {}, [0] * len(left)
     waiting = {i: len(preds[i]) for i in range(len(buckets))}
 
@@ -212,8 +212,8 @@ def test_greedy_with_item_getters_places_every_bucket_where_lookups_do(inst):
 
 def serial_by_lookups(buckets, prec):
     """``serial`` as first written: a bucket's start read port by port into a list."""
-    preds, succs, ports, busy = _graph(buckets, prec)
-    tail = _tails(buckets, succs)
+    preds, succs, ports, busy = port_graph(buckets, prec)
+    tail = tails_of(buckets, succs)
     start, free_at = [0] * len(buckets), [0] * len(busy)
     waiting = [len(preds[i]) for i in range(len(buckets))]
     release = [0] * len(buckets)
@@ -293,7 +293,7 @@ def port_bound_by_ports(buckets, prec):
     ]
     on_port = defaultdict(list)
     for i, b in enumerate(buckets):
-        for p in _ports(b):
+        for p in bucket_ports(b):
             on_port[p].append(i)
     best = 0
     for idx in on_port.values():
@@ -317,8 +317,8 @@ def test_bottom_levels_and_port_bound_by_levels_equal_their_definitions(inst):
     assert bottom_levels(np.array(durations), pairs[:, 0], pairs[:, 1]).tolist() == bottom_levels_by_dfs(
         durations, prec
     )
-    assert _tails(buckets, _graph(buckets, prec)[1]) == bottom_levels_by_dfs(durations, prec)
-    assert sb.port_bound(buckets, prec) == sb.port_bound(buckets, pairs) == port_bound_by_ports(buckets, prec)
+    assert tails_of(buckets, port_graph(buckets, prec)[1]) == bottom_levels_by_dfs(durations, prec)
+    assert list_port_bound(buckets, prec) == list_port_bound(buckets, pairs) == port_bound_by_ports(buckets, prec)
 
 
 def test_bottom_levels_of_a_cycle_is_an_error():
@@ -337,7 +337,7 @@ def test_entries_by_port_and_head_are_sorted_as_by_a_lexsort(rows, huge):
     """``by_port_and_head``: the entries sorted by port, then head, by packed keys where they fit
     in an int64 (these rows: at most 41 x 2**20 x 2**20) and by a lexsort where they do not
     (``huge`` makes them not fit); ties by duration, which ``port_bound`` does not depend on."""
-    from nereus.passes.schedule.schedule_transfers import by_port_and_head
+    from nereus.passes.schedule.list_schedules import by_port_and_head
 
     port, head, duration = (np.array(c, dtype=np.int64) for c in zip(*rows))
     if huge:

@@ -448,7 +448,7 @@ def test_schedule_buckets_and_precedences_follow_every_operation(m, slack):
     precedences, gathered once per bucket, equal those derived operation by operation through
     the non-bucket operations (frees, copies); an unstage's bucket is on the GPU of its shards."""
     from nereus.passes.cost.cost_model import CostModel
-    from nereus.passes.schedule.schedule_transfers import bucket_precedences, buckets_of, endpoint_gpu
+    from nereus.passes.schedule.buckets import bucket_precedences, buckets_of, endpoint_gpu
 
     a, b = state_bytes(m, "a"), state_bytes(m, "b")
     m.clusters["c"].gpu_memory = int(max(max(a.get(g, 0), b.get(g, 0)) for g in set(a) | set(b)) * slack)
