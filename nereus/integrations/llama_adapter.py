@@ -1,7 +1,7 @@
 """``LlamaAdapter``: the Controller's adapter for a live HF Llama + AdamW (``hf_llama.LiveLlama``).
 
 It has ``move``: on a transition the controller calls it on every rank (building plan B's model
-creates process groups, a collective) and it runs ``reshard``, keeping the new ``LiveLlama`` in
+creates process groups, a collective) and it runs ``reshard_llama``, keeping the new ``LiveLlama`` in
 ``adapter.live`` (``live.model`` is None on a rank plan B does not use). It has no ``export`` /
 ``load``: building plan B's model is collective over the default group, which the controller's
 load (on plan B's ranks only) is not.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..ir import Module
 from .hf_llama import LiveLlama
-from .llama_reshard import reshard
+from .llama_reshard import reshard_llama
 
 
 class LlamaAdapter:
@@ -33,7 +33,7 @@ class LlamaAdapter:
     ) -> None:
         """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``)
         ``self.live`` is plan A's model, untouched."""
-        self.live = reshard(
+        self.live = reshard_llama(
             self.live, module, source, target, transition=transition, timeout=timeout, faults=faults, seed=self.seed
         )
         self.module, self.plan = module, target

@@ -1,6 +1,6 @@
 """Move a live HF Llama + AdamW from plan A's layout to plan B's with a Nereus transition.
 
-``reshard(live, module, "a", "b")``, on every rank of the default group:
+``reshard_llama(live, module, "a", "b")``, on every rank of the default group:
 
 1. ``check_layout`` on plan B: where the live model cannot take it, a ``DiagnosticError``
    before any state moves (and before any collective: every rank raises the same);
@@ -18,7 +18,7 @@ from the same full state would. On failure in 4 ``execute`` raises ``TransitionE
 surviving rank and ``live`` is untouched (its tensors were only read): the caller goes on with
 it, on its own TP and DP groups (``hf_llama.private_mesh``). The default group is another
 matter: on gloo a receive that timed out closes its connection, so after any failed transition
-the default group must be re-created before the next ``reshard`` (the executor's contract),
+the default group must be re-created before the next ``reshard_llama`` (the executor's contract),
 which this module does not do.
 """
 
@@ -43,7 +43,7 @@ def same_model(live: LiveLlama, module: Module) -> None:
         raise ValueError(f"model @{theirs.name} in the module is not the live model: {', '.join(diff)}")
 
 
-def reshard(
+def reshard_llama(
     live: LiveLlama,
     module: Module,
     plan_a: str,

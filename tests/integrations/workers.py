@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from nereus.backend.shards import plan_layout
 from nereus.integrations.hf_llama import batch, build, ir_model, train_step
 from nereus.integrations.job import layout, training_job
-from nereus.integrations.llama_reshard import reshard
+from nereus.integrations.llama_reshard import reshard_llama
 from nereus.integrations.llama_state import check_layout, export_state, load_state
 from nereus.ir import DiagnosticError
 from nereus.runtime.execute import Fault, TransitionError
@@ -114,7 +114,7 @@ def continuity(
     state_a, step_a = export_state(live, job, "a")
     out = {"a": shards(state_a), "step_a": step_a, "losses_a": losses_a, "dtensor_full": full_by_dtensor(live)}
 
-    moved = reshard(live, job, "a", "b", timeout=30, seed=SEED + 1)  # another init: values must come from A
+    moved = reshard_llama(live, job, "a", "b", timeout=30, seed=SEED + 1)  # another init: values must come from A
     state_b, step_b = export_state(moved, job, "b")
     out.update(b=shards(state_b), step_b=step_b)
 
@@ -130,7 +130,7 @@ def continuity(
     out["end_steps"] = (end_moved[1], end_restart[1])
     if c:
         out["b_end"] = shards(end_moved[0])
-        shrunk = reshard(moved, job, "b", "c", timeout=30)
+        shrunk = reshard_llama(moved, job, "b", "c", timeout=30)
         state_c, step_c = export_state(shrunk, job, "c")
         out.update(
             c=shards(state_c),
@@ -156,12 +156,12 @@ def rollback(live, job, config, steps: int) -> dict:
     planned = sorted(job.transitions)
     out = {"diagnostic": None, "transition_error": None}
     try:
-        reshard(live, job, "a", "bad", timeout=30)
+        reshard_llama(live, job, "a", "bad", timeout=30)
     except DiagnosticError as e:
         out["diagnostic"] = str(e)
     out["nothing_planned"] = sorted(job.transitions) == planned
     try:
-        reshard(live, job, "a", "b", timeout=3, faults=(Fault("raise", rank=1),))
+        reshard_llama(live, job, "a", "b", timeout=3, faults=(Fault("raise", rank=1),))
     except TransitionError as e:
         out["transition_error"] = (str(e), e.failed_ranks, e.unresponsive)
     after, step_after = export_state(live, job, "a")
