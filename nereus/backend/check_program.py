@@ -4,7 +4,7 @@ reads and writes inside the shards of its rank (stage 7 of ``lower``)."""
 from __future__ import annotations
 
 from ..ir import Diagnostic, DiagnosticError, Loc
-from .program import Program
+from .program import STEP_KINDS, Program
 from .shards import ShardSpec, StateKey
 
 
@@ -39,20 +39,26 @@ def check_slices(prog: Program) -> None:
         dst = {s.key: s.box for s in prog.dst.get(r, [])}
         staged: set[tuple] = set()
         for step in steps:
-            if step.kind == "unstage" and (step.piece.src, step.piece.box) not in staged:
+            kind = STEP_KINDS[step.kind]
+            if kind.stages and (step.piece.src, step.piece.box) not in staged:
                 raise _error(
                     f"lower-collectives: rank {r} unstages {step.piece.src} {list(step.piece.box)} before it is staged"
                 )
-            reads = [step.piece] if step.kind == "copy" else [p for m in step.sends for p in m.pieces]
-            writes = [step.piece] if step.kind in ("copy", "unstage") else [p for m in step.recvs for p in m.pieces]
-            if step.kind == "broadcast":
+            # a copy reads and writes its piece; an unstage writes it (it reads a staging buffer)
+            reads = (
+                ([step.piece] if not kind.stages else [])
+                if kind.holds == "piece"
+                else [p for m in step.sends for p in m.pieces]
+            )
+            writes = [step.piece] if kind.holds == "piece" else [p for m in step.recvs for p in m.pieces]
+            if kind.holds == "message":
                 (reads if step.group[0] == r else writes).extend(step.message.pieces)
             for p in reads:
                 held = (dst if p.arrived else src).get(p.src)
                 if held is None or not _inside(p.box, held):
                     raise _error(f"lower-collectives: rank {r} reads {p.src} {list(p.box)}, which it does not hold")
             for p in writes:
-                if p.staged and step.kind != "unstage":
+                if p.staged and not kind.stages:
                     staged.add((p.dst, p.box))
                 if p.dst not in dst or not _inside(p.box, dst[p.dst]):
                     raise _error(f"lower-collectives: rank {r} writes {p.dst} {list(p.box)} outside its shard")

@@ -61,7 +61,35 @@ class Message:
         return sum(p.nbytes for p in self.pieces)
 
 
-STEP_KINDS = ("alloc", "keep", "copy", "round", "broadcast", "load", "unstage", "offload", "release")
+@dataclass(frozen=True)
+class StepKind:
+    """What one kind of program step is, as ``OpKind`` is for transition operations: the
+    printer, the checker and the executor ask this table instead of comparing kind names.
+
+    ``holds`` is the ``Step`` field it acts on: ``keys`` (whole shards), ``piece`` (one slice on
+    this rank), ``messages`` (a round's sends and receives) or ``message`` (a broadcast's bucket);
+    a ``keys`` step's shards are plan B's (``shards = "dst"``) or plan A's (``"src"``)."""
+
+    name: str
+    holds: str
+    shards: str = ""  # keys steps: whose shards the keys name
+    stages: bool = False  # reads a staging buffer an earlier copy or message wrote (unstage)
+
+
+STEP_KINDS: dict[str, StepKind] = {
+    k.name: k
+    for k in (
+        StepKind("alloc", "keys", "dst"),
+        StepKind("keep", "keys", "dst"),
+        StepKind("copy", "piece"),
+        StepKind("round", "messages"),
+        StepKind("broadcast", "message"),
+        StepKind("load", "keys", "src"),
+        StepKind("unstage", "piece", stages=True),
+        StepKind("offload", "keys", "dst"),
+        StepKind("release", "keys", "src"),
+    )
+}
 """Every kind of program step, as the module docstring defines them."""
 
 
@@ -187,14 +215,15 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
             f"  rank {r} {{  // sends {_compact(prog.sent_bytes(r))}, receives {_compact(prog.received_bytes(r))}"
         )
         for s in steps:
-            if s.kind in ("alloc", "keep", "load", "offload", "release"):
-                boxes = dst_box if s.kind in ("alloc", "keep", "offload") else src_box
+            kind = STEP_KINDS[s.kind]
+            if kind.holds == "keys":
+                boxes = dst_box if kind.shards == "dst" else src_box
                 for k in s.keys:
                     box = boxes.get(k, ())
                     out.append(f"    {s.kind} {k} {_box(box)}")
-            elif s.kind in ("copy", "unstage"):
+            elif kind.holds == "piece":
                 out.append(f"    {s.kind} {_piece(s.piece)}")
-            elif s.kind == "round":
+            elif kind.holds == "messages":
                 out.append(f"    round {s.round} {{")
                 for verb, msgs in (("send", s.sends), ("recv", s.recvs)):
                     for msg in msgs:
@@ -205,7 +234,7 @@ def print_program(prog: Program, ranks: list[int] | None = None, fold: bool = Fa
                         for p in msg.pieces:
                             out.append(f"        {_piece(p)}")
                 out.append("    }")
-            elif s.kind == "broadcast":
+            elif kind.holds == "message":
                 msg = s.message
                 out.append(
                     f"    broadcast #{msg.id} round {s.round} root {s.group[0]} in [{', '.join(map(str, s.group))}]: "
