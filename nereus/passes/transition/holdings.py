@@ -42,9 +42,6 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
     return dict(out)
 
 
-_HOLDINGS: list[tuple] = []  # (fingerprint, the entry lists it names, holdings): the last few made
-
-
 def plan_holdings(m: Module, plan_name: str) -> dict[tuple[str, str, str], list[Holding]]:
     """(model, state, family) -> pieces, from the plan's EMUs (read only: shared with later calls).
 
