@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, ShardRef
+from ...ir.emu import volume
 from ...ir.model import state_dtype_bytes
 from ..infra.pass_manager import no_such
 from .grid import Holding
@@ -35,10 +36,7 @@ def state_bytes(m: Module, plan_name: str, offloaded: bool = True) -> dict[int, 
                 and ("weights" if state == "weight" else "optimizer") in plan.layouts[p.ref.model_stage].offload
             ):
                 continue
-            n = itemsize
-            for lo, hi in p.region:
-                n *= hi - lo
-            out[p.gpu] += n
+            out[p.gpu] += itemsize * volume(p.region)
     return dict(out)
 
 
