@@ -432,6 +432,8 @@ class CostModel:
         samples = workload.samples / dp
         s = workload.prompt_len_mean + workload.response_len_mean
         mbs = workload.micro_batch
+        # time at the mean length; memory for the longest micro-batch (its activations must fit)
+        act_tokens = float(workload.longest_micro_batch_tokens())
         n_mb = np.maximum(samples / mbs, 1.0)
         m = c.micro_batches.astype(float)
         v = c.vpp.astype(float)
@@ -514,7 +516,7 @@ class CostModel:
                 # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
                 # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
-                tok_mb = mbs * s / cp
+                tok_mb = act_tokens / cp
                 # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
                 stored = np.where(
                     c.recompute,
@@ -523,7 +525,7 @@ class CostModel:
                 )
                 activations = in_flight * stored + tok_mb * V * 4 / tp
             else:
-                activations = 2 * act_layer(mbs * s / cp) + mbs * s / cp * V * 4 / tp
+                activations = 2 * act_layer(act_tokens / cp) + act_tokens / cp * V * 4 / tp
         elif kind == "generate":
             p, r, R = workload.prompt_len_mean, workload.response_len_mean, workload.response_len_max
             kv_tok = self.kv_bytes_per_token(model, tp, stage_layers)
