@@ -103,7 +103,7 @@ def cmd_show(args) -> int:
         if m is None:
             status = 1
             continue
-        show(m, path)
+        show(m, path, breakdown=args.breakdown)
     return status
 
 
@@ -150,6 +150,29 @@ def cmd_diff(args) -> int:
     where = pa if len(loaded) == 1 else f"{pa} vs {pb}"
     diff(ma, a, mb, b, f"{where}: @{a} -> @{b}")
     return 0
+
+
+def cmd_replan(args) -> int:
+    """What the live controller would decide if the job changed now (``control/what_if.py``)."""
+    from .control import ControlOptions
+    from .control.what_if import Change, what_if
+    from .show import show_decision
+
+    text = Path(args.file).read_text(encoding="utf-8") if Path(args.file).is_file() else None
+    if text is None:
+        _load(args.file)  # its error
+    change = Change(
+        lose=tuple(args.lose or ()), leave=tuple(args.leave or ()), join=args.join, sets=tuple(args.set), step=args.step
+    )
+    options = ControlOptions(search_time_limit=args.time_limit, seed=args.seed)
+    decision, _ = what_if(parse(text, args.file), args.plan, change, options)
+    if args.output and decision.module is not None:
+        _write(args.output, print_ir(decision.module))
+    if args.json:
+        print(json.dumps(decision.to_json(), indent=1, sort_keys=True))
+    else:
+        show_decision(decision, change.notes)
+    return 0 if decision.action != "infeasible" else 2
 
 
 def cmd_opt(args) -> int:
@@ -255,6 +278,18 @@ def _size(text: str) -> int:
         return parse_size(text)
     except UnitError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _gpus(text: str) -> list[int]:
+    """``8..15``, ``3,5`` or ``0..3,8``: GPU ids."""
+    out: list[int] = []
+    try:
+        for part in text.replace(" ", "").strip("[]").split(","):
+            lo, _, hi = part.partition("..")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"GPUs are ids and ranges, e.g. 8..15 or 3,5; got {text!r}") from None
+    return out
 
 
 def _trace_job(trace, path: str):
@@ -376,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fmt)
     s = sub.add_parser("show", help="summarise a module: GPUs, model-stages, layouts, memory")
     s.add_argument("files", nargs="+", metavar="FILE")
+    s.add_argument(
+        "--breakdown", action="store_true", help="each model-stage's time and memory by component (docs/IR.md)"
+    )
     s.set_defaults(func=cmd_show)
     d = sub.add_parser(
         "diff", help="two plans side by side: layouts, times and memory, with the change (estimated if needed)"
@@ -383,6 +421,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("files", nargs="+", metavar="FILE", help="one file with two plans, or two files")
     d.add_argument("--plans", nargs=2, metavar=("@A", "@B"), help="which plans (of the first file, and of the second)")
     d.set_defaults(func=cmd_diff)
+    r = sub.add_parser(
+        "replan",
+        help="what if the job changed: plan B, the move and its cost, and the decision the live controller would make",
+    )
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--plan", required=True, metavar="@NAME", help="the running plan")
+    r.add_argument("--lose", type=_gpus, metavar="GPUS", help="GPUs gone without notice, e.g. 8..15 or 3,5")
+    r.add_argument("--leave", type=_gpus, metavar="GPUS", help="GPUs announced to leave (they still send their state)")
+    r.add_argument("--join", type=int, default=0, metavar="N", help="N GPUs join (unavailable ones first, then nodes)")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="BLOCK.FIELD=VALUE",
+        help="a workload or cluster field as it is now, e.g. workload.response_len_max=16384 (repeatable)",
+    )
+    r.add_argument("--step", type=int, default=0, help="steps done: the rest of the workload's steps is the horizon")
+    r.add_argument("--time-limit", type=float, default=5.0, help="plan-search's time limit (s)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--json", action="store_true", help="print the decision as JSON (as the decision log writes it)")
+    r.add_argument("-o", "--output", metavar="OUT", help="write the job with plans A and B and the transition here")
+    r.set_defaults(func=cmd_replan)
     o = sub.add_parser("opt", help="run a pipeline of passes and print the resulting IR")
     o.add_argument("file", metavar="FILE")
     o.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
@@ -26,32 +27,115 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _estimated(m: Module) -> tuple[Module, dict[str, list[str]]]:
-    """``m`` with every plan that lacks estimates estimated (on a copy: the file is not changed),
-    and per plan the problems estimate found (out of memory), as text."""
+@dataclass
+class Today:
+    """A module as it stands now: every plan estimated again against its cluster and workload
+    (on a copy: the file is not changed), with what that found."""
+
+    module: Module
+    problems: dict[str, list[str]] = field(default_factory=dict)  # plan -> what does not fit
+    stale: dict[str, list[str]] = field(default_factory=dict)  # plan -> stored figures that differ from today's
+    unestimated: set[str] = field(default_factory=set)  # plans the file had no estimates for
+
+
+def today(m: Module) -> Today:
+    """Estimate every plan of ``m`` again. A stored estimate was made for the job as it was when
+    it was written (responses since grown, a cluster edited): displayed as it is, it once showed a
+    plan at 246 s and 60 GiB that needed 130.95 GiB. Today's figures replace it, and what
+    differs is listed as stale."""
     import copy
 
     from .passes.cost.estimate import estimate_plan
 
-    todo = [p for p in m.plans.values() if p.step_time is None or any(lay.time is None for lay in p.layouts.values())]
-    if not todo:
-        return m, {}
-    m = copy.deepcopy(m)
-    problems = {}
-    for p in todo:
+    now = copy.deepcopy(m)
+    out = Today(now)
+    for p in now.plans.values():
+        old = m.plans[p.name]
+        if old.step_time is None and all(lay.time is None for lay in old.layouts.values()):
+            out.unestimated.add(p.name)
         try:
-            problems[p.name] = [d.message for d in estimate_plan(m, m.plans[p.name])]
+            out.problems[p.name] = [d.message for d in estimate_plan(now, p)]
         except (KeyError, ValueError) as e:  # a plan the verifier let through but the cost model cannot cost
-            problems[p.name] = [f"estimate failed: {e}"]
-    return m, problems
+            out.problems[p.name] = [f"estimate failed: {e}"]
+            continue
+        if p.name in out.unestimated:
+            continue
+        changed = []
+        if not _close(old.step_time, p.step_time):
+            changed.append(f"step time {_time(old.step_time)} in the file, {_time(p.step_time)} today")
+        for ms, lay in p.layouts.items():
+            was = old.layouts[ms]
+            if not _close(was.memory, lay.memory, 2**21):
+                changed.append(f"{ms} memory {_size(was.memory) or 'none'} in the file, {_size(lay.memory)} today")
+            elif not _close(was.time, lay.time):
+                changed.append(f"{ms} time {_time(was.time)} in the file, {_time(lay.time)} today")
+        if changed:
+            out.stale[p.name] = changed
+    return out
 
 
-def show(m: Module, title: str, console: Console | None = None) -> None:
+def _close(a: float | None, b: float | None, tol: float = 0.0) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= max(tol, 1e-4 * abs(b))
+
+
+def _time(x: float | None) -> str:
+    return format_quantity(Dim.TIME, x) if x is not None else "none"
+
+
+def memory_flag(m: Module, p, lay) -> str:
+    """'over GPU memory' or 'over the headroom it was searched with', or ''."""
+    if lay.memory is None:
+        return ""
+    cap = m.clusters[p.cluster].gpu_memory
+    if lay.memory > cap:
+        return "over GPU memory"
+    if p.search and p.search.headroom and lay.memory > cap * (1 - p.search.headroom):
+        return f"over the {p.search.headroom:.0%} headroom searched with"
+    return ""
+
+
+def _flagged(m: Module, p, lay) -> str:
+    flag = memory_flag(m, p, lay)
+    return _size(lay.memory) + (f" [red]({flag})[/red]" if flag else "")
+
+
+def breakdown_table(p, console: Console) -> None:
+    """Plan ``p``'s time and memory per model-stage, by component (docs/IR.md, Breakdowns):
+    only the components some model-stage has."""
+    from .ir.plan import MemoryBreakdown, TimeBreakdown
+
+    lays = [lay for lay in p.layouts.values() if lay.time_breakdown is not None]
+    if not lays:
+        return
+    times = [f for f in TimeBreakdown.__dataclass_fields__ if any(getattr(x.time_breakdown, f) for x in lays)]
+    mems = [
+        f
+        for f in MemoryBreakdown.__dataclass_fields__
+        if any(x.memory_breakdown and getattr(x.memory_breakdown, f) for x in lays)
+    ]
+    for what, fields, fmt, get in (
+        ("time", times, lambda x: format_quantity(Dim.TIME, x), lambda x: x.time_breakdown),
+        ("memory per GPU", mems, _size, lambda x: x.memory_breakdown),
+    ):
+        t = Table(title=f"plan @{p.name}: {what} by component (docs/IR.md, Breakdowns)", title_justify="left")
+        t.add_column("model-stage")
+        for f in fields:
+            t.add_column(f, justify="right")
+        for lay in lays:
+            parts = get(lay)
+            t.add_row(lay.model_stage, *(fmt(getattr(parts, f)) if parts and getattr(parts, f) else "" for f in fields))
+        console.print(t)
+
+
+def show(m: Module, title: str, console: Console | None = None, breakdown: bool = False) -> None:
     """Print the module's tables. Plans without estimates are estimated here (the file is not
     changed) and say so; ``nereus opt FILE -p estimate`` writes them into the IR."""
     # Plans are wide; without a terminal rich would wrap at 80 columns.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    m, estimated = _estimated(m)
+    now = today(m)
+    m = now.module
     for c in m.clusters.values():
         t = Table(title=f"{title}: cluster @{c.name}", title_justify="left")
         for col in ("GPUs", "available", "nodes x GPUs", "GPU memory", "peak", "HBM", "NVLink", "NIC"):
@@ -115,10 +199,12 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
                 str(lay.zero),
                 ",".join(lay.offload),
                 format_quantity(Dim.TIME, lay.time) if lay.time is not None else "",
-                _size(lay.memory),
+                _flagged(m, p, lay),
                 _size(held.get((p.name, lay.model_stage))),
             )
         console.print(t)
+        if breakdown:
+            breakdown_table(p, console)
         if p.colocate:
             console.print("  * colocated: " + "; ".join(" + ".join(g) for g in p.colocate))
         step = (
@@ -126,11 +212,16 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
         )
         how = (
             " (estimated by show; `nereus opt FILE -p estimate` writes the estimates into the IR)"
-            if p.name in estimated
+            if p.name in now.unestimated
             else ""
         )
         console.print(f"  step time: {step}{how}")
-        for problem in estimated.get(p.name, []):
+        if p.name in now.stale:
+            console.print(
+                "  [yellow]stale:[/yellow] the file's estimates were made for another job; today's are shown: "
+                + "; ".join(now.stale[p.name])
+            )
+        for problem in now.problems.get(p.name, []):
             console.print(f"  [red]estimate:[/red] {problem}")
         if p.search:
             s = p.search
@@ -148,41 +239,48 @@ def show(m: Module, title: str, console: Console | None = None) -> None:
                 + f", step {format_quantity(Dim.TIME, r.step_time)}"
             )
     for tr in m.transitions.values():
-        t = Table(title=f"transition @{tr.name}: @{tr.source} -> @{tr.target}", title_justify="left")
-        for col in (
-            "operations",
-            "bytes moved",
-            "lower bound",
-            "makespan",
-            "port bound",
-            "schedule",
-            "admit",
-            "cost",
-            "saving/step",
-            "horizon",
-            "break-even",
-        ):
-            t.add_column(col, justify="right")
-        a = tr.admit
-        fmt_t = lambda x: format_quantity(Dim.TIME, x) if x is not None else ""
-        t.add_row(
-            f"{len(tr.ops):,}",
-            _size(tr.bytes_moved),
-            _size(tr.lower_bound),
-            fmt_t(tr.makespan),
-            fmt_t(tr.port_bound),
-            tr.schedule_status or "",
-            a.decision if a else "",
-            fmt_t(a.cost) if a else "",
-            fmt_t(a.saving) if a else "",
-            f"{a.horizon} steps" if a and a.horizon is not None else "",
-            f"{a.break_even:g} steps" if a and a.break_even is not None else ("never" if a else ""),
-        )
-        console.print(t)
-        if a:
-            from .passes.transition.admit import describe
+        transition_table(tr, console)
 
-            console.print(f"  admit: {a.decision}: {describe(a)}")
+
+def transition_table(tr, console: Console) -> None:
+    """A transition's bytes, schedule and admission, as one table and a line."""
+    t = Table(title=f"transition @{tr.name}: @{tr.source} -> @{tr.target}", title_justify="left")
+    for col in (
+        "operations",
+        "bytes moved",
+        "lower bound",
+        "makespan",
+        "port bound",
+        "schedule",
+        "admit",
+        "cost",
+        "saving/step",
+        "horizon",
+        "break-even",
+    ):
+        t.add_column(col, justify="right")
+    a = tr.admit
+    fmt_t = lambda x: format_quantity(Dim.TIME, x) if x is not None else ""
+    t.add_row(
+        f"{len(tr.ops):,}",
+        _size(tr.bytes_moved),
+        _size(tr.lower_bound),
+        fmt_t(tr.makespan),
+        fmt_t(tr.port_bound),
+        tr.schedule_status or "",
+        (f"forced ({a.forced_by})" if a.decision == "forced" else a.decision) if a else "",
+        fmt_t(a.cost) if a else "",
+        fmt_t(a.saving) if a else "",
+        f"{a.horizon} steps" if a and a.horizon is not None else "",
+        f"{a.break_even:g} steps"
+        if a and a.break_even is not None
+        else ("never" if a and a.decision != "forced" else ""),
+    )
+    console.print(t)
+    if a:
+        from .passes.transition.admit import describe
+
+        console.print(f"  admit: {a.decision}: {describe(a)}")
 
 
 def _emu_bytes(m: Module) -> dict[tuple[str, str], int]:
@@ -227,8 +325,9 @@ def diff(ma: Module, a: str, mb: Module, b: str, title: str, console: Console | 
     peak memory per GPU, and the step time, with the change from A to B. Plans without
     estimates are estimated first (the files are not changed)."""
     console = console or Console(width=None if sys.stdout.isatty() else 200)
-    ma, _ = _estimated(ma)
-    mb, _ = _estimated(mb) if mb is not ma else (ma, {})
+    ta = today(ma)
+    tb = today(mb) if mb is not ma else ta
+    ma, mb = ta.module, tb.module
     pa, pb = ma.plans[a], mb.plans[b]
     t = Table(title=title, title_justify="left")
     for col in ("model-stage", f"@{a}", f"@{b}", "time A", "time B", "change", "memory A", "memory B", "change "):
@@ -244,8 +343,8 @@ def diff(ma: Module, a: str, mb: Module, b: str, title: str, console: Console | 
             format_quantity(Dim.TIME, la.time) if la and la.time is not None else "",
             format_quantity(Dim.TIME, lb.time) if lb and lb.time is not None else "",
             _change(la and la.time, lb and lb.time),
-            _size(la and la.memory),
-            _size(lb and lb.memory),
+            _flagged(ma, pa, la) if la else "",
+            _flagged(mb, pb, lb) if lb else "",
             _change(la and la.memory, lb and lb.memory),
         )
     fmt = lambda x: format_quantity(Dim.TIME, x) if x is not None else "none"
@@ -262,6 +361,30 @@ def diff(ma: Module, a: str, mb: Module, b: str, title: str, console: Console | 
         style="bold",
     )
     console.print(t)
+    for name, now in ((a, ta), (b, tb)):
+        if name in now.stale:
+            console.print(
+                f"  [yellow]@{name} stale:[/yellow] today's estimates are shown: " + "; ".join(now.stale[name])
+            )
+        for problem in now.problems.get(name, []):
+            console.print(f"  [red]@{name} does not fit:[/red] {problem}")
     if pa.colocate != pb.colocate:
         for name, p in ((a, pa), (b, pb)):
             console.print(f"  @{name} colocates: " + ("; ".join(" + ".join(g) for g in p.colocate) or "nothing"))
+
+
+def show_decision(decision, notes: list[str] = (), console: Console | None = None) -> None:  # type: ignore[assignment]
+    """What ``nereus replan`` prints: why the core re-planned, plan A beside plan B (today's
+    estimates), the move's bytes, schedule and cost, and the decision."""
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    for note in notes:
+        console.print(f"  {note}")
+    for t in decision.triggers:
+        console.print(f"  trigger {t.kind}{' (forced)' if t.forced else ''}: {t.detail}")
+    m = decision.module
+    if m is not None and decision.target in m.plans:
+        diff(m, decision.source, m, decision.target, f"@{decision.source} -> @{decision.target}", console)
+        if decision.transition in m.transitions:
+            transition_table(m.transitions[decision.transition], console)
+    style = {"transition": "green", "stay": "yellow", "infeasible": "red"}[decision.action]
+    console.print(f"[bold {style}]{decision.action}[/bold {style}]: {decision.message}")

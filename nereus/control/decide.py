@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..ir import Diagnostic, DiagnosticError, Module, Plan
+from ..ir.attributes import compress_ints
+from ..ir.verifier import replicas_share_steps
 from ..passes import ModulePass, run_pipeline
 from ..passes.cost.calibrate import Calibrate
 from ..passes.cost.estimate import Estimate
@@ -114,9 +116,11 @@ class DecisionCore:
         for key in [k for k in self.m.emus if k[0] == plan]:
             del self.m.emus[key]
         p.step_time = None
-        self._run(
-            self.m, [Estimate(plan=f"@{plan}"), DeriveEmus(plan=f"@{plan}", only_missing=True)], verify_input=True
-        )
+        self._run(self.m, [], verify_input=True)
+        # what no longer fits the job as the module states it (``what_if`` weighs such a plan A
+        # as forced to move; a live job's measured peaks are its memory trigger)
+        self.unfit = self._estimate(self.m, plan)
+        self._run(self.m, [DeriveEmus(plan=f"@{plan}", only_missing=True)])
         self.gpus_planned = set(self.m.clusters[p.cluster].available_gpus())
         self.gpus_now = set(self.gpus_planned)
         self.leaving: set[int] = set()
@@ -128,6 +132,7 @@ class DecisionCore:
         self.log = Path(log) if log is not None else None
         self.decisions: list[Decision] = []
         self._pending = None  # what check() found for replan()
+        self._asking = False  # in what_if()
 
     # -- inputs ----------------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> None:
@@ -188,6 +193,27 @@ class DecisionCore:
         decision = self._replan(step, window, triggers, numbers)
         decision.numbers["decide_s"] = round(time.perf_counter() - t0, 4)
         return self._record(decision)
+
+    def what_if(
+        self, gpus: set[int] | None = None, leaving: set[int] | frozenset[int] = frozenset(), step: int = 0
+    ) -> Decision:
+        """Re-plan now, as a trigger would make it re-plan, for the job as the module states it
+        with ``gpus`` available (None: as now) and ``leaving`` announced to leave: the answer to
+        "what do I move to, and what does it cost" (``nereus replan``). GPUs of the running plan
+        missing from ``gpus`` are gone with their state; a plan A that no longer fits is forced
+        to move. ``step``: the steps done (the horizon is what is left of ``total_steps``)."""
+        t0 = time.perf_counter()
+        if gpus is not None:
+            self.gpus_now = set(gpus)
+        self.leaving = set(leaving)
+        triggers = gpu_triggers(self.m.plans[self.plan], self.gpus_now, self.gpus_planned, self.leaving)
+        triggers = triggers or [Trigger("what_if", "asked for a re-plan of the job as it is now")]
+        self._pending = (t0, step, [], triggers, {})
+        self._asking = True  # the decision keeps plan B and the transition to show, whatever it is
+        try:
+            return self.replan()
+        finally:
+            self._asking = False
 
     def follow(self, decision: Decision) -> None:
         """On a rank that did not re-plan (after a ``check()`` whose triggers fired): take the
@@ -261,9 +287,11 @@ class DecisionCore:
         cluster.unavailable = sorted(set(range(cluster.nodes * cluster.gpus_per_node)) - usable)
         m.clusters[cluster.name] = cluster
         lost = self.gpus_planned - self.gpus_now  # gone without notice: their state is lost
-        a_fits = not self._estimate(m, self.plan)
-        if not a_fits:
+        unfit = self._estimate(m, self.plan)
+        if unfit:
             forced = True
+            if not any(t.kind == "memory" and t.forced for t in triggers):
+                triggers = triggers + [Trigger("memory", f"estimate: {unfit[0].message}", forced=True)]
         numbers["step_time_now"] = a.step_time
         target = f"p{step}"
         while target in m.plans:  # a plan of that name exists (the starting plan may be @p0)
@@ -321,7 +349,7 @@ class DecisionCore:
                     benefit=saving * horizon,
                     cost_lower_bound=pg + restart,
                     horizon=horizon,
-                    admitted=False,
+                    admission="reject",
                 )
                 self._weighed(w, window, numbers)
                 why = (
@@ -359,28 +387,33 @@ class DecisionCore:
                 message=f"plan-transition: {why}",
             )
         t = m.transitions[name]
-        moves: list[ModulePass] = [
-            ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed, transition=f"@{name}")
-        ]
-        if a.step_time is not None:
-            moves.append(
+        gpu_kinds = ("gpus_lost", "gpus_leaving")
+        forced_by = "gpus" if any(t.forced and t.kind in gpu_kinds for t in triggers) else "memory" if forced else ""
+        notes = len(m.warnings)
+        self._run(
+            m,
+            [
+                ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed, transition=f"@{name}"),
                 Admit(
                     horizon=horizon,
                     margin=opts.margin,
                     pg_init=opts.pg_init,
                     engine_restart=opts.engine_restart,
                     transition=f"@{name}",
-                )
-            )
-        self._run(m, moves, last=True)
-        if a.step_time is not None:
-            numbers.update(
-                cost=t.admit.cost,
-                benefit=t.admit.benefit,
-                saving=t.admit.saving,
-                break_even=t.admit.break_even,
-                admitted=t.admit.decision == "accept",
-            )
+                    forced=forced_by,
+                ),
+            ],
+            last=True,
+        )
+        adm = t.admit
+        assert adm is not None
+        del m.warnings[notes:]  # admit's note: the decision's message says it
+        forced = adm.decision == "forced"
+        numbers.update(admission=adm.decision, cost=adm.cost)
+        if forced:
+            numbers["forced_by"] = adm.forced_by
+        else:
+            numbers.update(saving=adm.saving, benefit=adm.benefit, break_even=adm.break_even)
         numbers.update(
             horizon=horizon,
             bytes_moved=t.bytes_moved,
@@ -388,13 +421,24 @@ class DecisionCore:
             makespan=t.makespan,
             port_bound=t.port_bound,
         )
+        where = placement(b, usable, w)
+        numbers.update(where)
+        lines = [where_text(where)]
+        leader = min(self.gpus_planned & {g for lay in a.layouts.values() for g in lay.mesh}, default=None)
+        if leader is not None and leader in (self.leaving | lost):
+            after = min(g for lay in b.layouts.values() for g in lay.mesh)
+            numbers["leader"] = after
+            gone = "leaves" if leader in self.leaving else "is gone"
+            lines.append(f"the leader (GPU {leader}) {gone}: GPU {after} leads after the move")
         if forced:
-            action, message = "transition", "forced: the current plan cannot go on"
-        elif t.admit is not None and t.admit.decision == "accept":
+            why = {"gpus": "it uses GPUs that are gone or leaving", "memory": "it does not fit the job as it is now"}
+            action, message = "transition", f"forced: the current plan cannot go on ({why[adm.forced_by or 'memory']})"
+        elif adm.decision == "accept":
             action, message = "transition", "admitted: it pays back within the remaining steps"
         else:
             action, message = "stay", "rejected: it does not pay back within the remaining steps"
             self._weighed(w, window, numbers)
+        message = "; ".join([message, *lines])
         return Decision(
             step,
             action,
@@ -405,7 +449,7 @@ class DecisionCore:
             triggers,
             numbers,
             message,
-            module=m if action == "transition" else None,
+            module=m if action == "transition" or self._asking else None,
             searched=searched if action == "transition" else None,
         )
 
@@ -454,6 +498,43 @@ class DecisionCore:
             with self.log.open("a") as f:
                 f.write(json.dumps(decision.to_json(), sort_keys=True) + "\n")
         return decision
+
+
+def placement(b: Plan, usable: set[int], w) -> dict:
+    """Where plan B goes: its layouts (TP x PP x DP on which GPUs), the usable GPUs it leaves
+    idle, and why, where a reason is known (a DP that would take them all does not divide the
+    mini-batch, as the verifier requires), else that no faster plan uses them."""
+    used = {g for lay in b.layouts.values() for g in lay.mesh}
+    idle = sorted(usable - used)
+    out: dict = {
+        "layouts": {
+            ms: f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}"
+            + (f" x CP {lay.cp}" if lay.cp > 1 else "")
+            + f" on {compress_ints(lay.mesh)}"
+            for ms, lay in b.layouts.items()
+        },
+        "gpus_used": sorted(used),
+        "gpus_idle": idle,
+    }
+    if idle:
+        reasons = []
+        for ms, lay in b.layouts.items():
+            stage = w.stage_of(ms)
+            dp_all = len(usable) // (lay.tp * lay.pp * lay.cp)
+            if stage is not None and dp_all > lay.dp and not replicas_share_steps(w, stage.kind, dp_all):
+                reasons.append(
+                    f"{ms} at DP {dp_all} over all {len(usable)} GPUs: micro_batch {w.micro_batch} x {dp_all} "
+                    f"does not divide mini_batch {w.mini_batch or w.samples}"
+                )
+        out["idle_reason"] = "; ".join(reasons) or "plan-search found no faster plan that uses them"
+    return out
+
+
+def where_text(where: dict) -> str:
+    text = "plan B: " + ", ".join(f"{ms} {lay}" for ms, lay in where["layouts"].items())
+    if where["gpus_idle"]:
+        text += f"; GPUs {compress_ints(where['gpus_idle'])} left idle ({where['idle_reason']})"
+    return text
 
 
 def measured_lengths(w, window: list[StepRecord]) -> None:

@@ -12,8 +12,9 @@ from .options import ControlOptions
 @dataclass(frozen=True)
 class Trigger:
     """Why the core re-plans: ``kind`` is one of ``gpus_lost``, ``gpus_joined``, ``gpus_leaving``,
-    ``response_length``, ``memory``, ``slowdown``; ``forced``: the current plan cannot go on
-    (GPUs it uses are gone or leaving, or it ran out of memory)."""
+    ``response_length``, ``memory``, ``slowdown``, ``what_if`` (asked: ``DecisionCore.what_if``);
+    ``forced``: the current plan cannot go on (GPUs it uses are gone or leaving, or it ran out of
+    memory)."""
 
     kind: str
     detail: str

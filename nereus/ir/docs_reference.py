@@ -83,7 +83,32 @@ def reference() -> str:
     ]:
         parts.append(describe(title, specs))
     parts.append(op_kinds())
+    parts.append(breakdowns())
     return "\n".join(parts)
+
+
+def breakdowns() -> str:
+    """What ``estimate``'s ``time_breakdown`` and ``memory_breakdown`` hold, component by component
+    (``nereus show --breakdown`` prints them)."""
+    from .plan import MEMORY_COMPONENTS, TIME_COMPONENTS
+
+    out = [
+        "## Breakdowns",
+        "",
+        "`estimate` writes each layout's time (`time_breakdown`, seconds per step) and peak memory on its fullest "
+        "GPU (`memory_breakdown`) by component; `nereus show --breakdown` prints them. Time is costed at the mean "
+        "sequence length; memory for the longest micro-batch.",
+        "",
+        "| time component | what it holds |",
+        "| --- | --- |",
+        *(f"| `{k}` | {v} |" for k, v in TIME_COMPONENTS.items()),
+        "",
+        "| memory component | what it holds |",
+        "| --- | --- |",
+        *(f"| `{k}` | {v} |" for k, v in MEMORY_COMPONENTS.items()),
+        "",
+    ]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,43 @@ class MemoryBreakdown:
     resident: int = 0  # state of other model-stages kept on the same GPU
 
 
+# what each component of ``time_breakdown`` and ``memory_breakdown`` holds (docs/IR.md, Breakdowns)
+TIME_COMPONENTS = {
+    "compute": "training and inference: the FLOPs of the forward (and backward, and recomputed forward) passes "
+    "at the cluster's compute efficiency; generation: decode steps while the batch is full, when they are "
+    "compute-bound",
+    "prefill": "generation: the prompts' forward pass",
+    "tail": "generation: decode steps while the batch drains, the longest responses running alone; its share of "
+    "decode is (decode steps while draining) / (all decode steps), by continuous batching over "
+    "response_len_dist; without response_len_dist every wave is taken to run to response_len_max, so the "
+    "share is (response_len_max - response_len_mean) / response_len_max by construction",
+    "bubble": "pipeline bubble: (pp - 1) / (micro_batches x vpp) of compute",
+    "tp": "tensor-parallel all-reduces (or reduce-scatter + all-gather with SP), bytes over the TP link plus "
+    "their latency",
+    "pp": "pipeline sends of activations (and their gradients) between stages",
+    "cp": "context parallelism's ring-attention K/V exchange",
+    "dp": "gradient reduction over the data-parallel replicas (and ZeRO-3's weight gathers), what compute does "
+    "not hide",
+    "optimizer": "the optimizer step, HBM-bound (Adam reads and writes 32 bytes per parameter of its shard)",
+    "memory": "generation: decode steps while the batch is full, when they are HBM-bound (each step reads the "
+    "weights and the KV cache)",
+    "offload": "offloaded state moved to the host after the stage and back before its next use, over host_link",
+    "overhead": "a fixed cost per layer and micro-batch (kernel launches, synchronisation), calibrated",
+}
+MEMORY_COMPONENTS = {
+    "weights": "this model-stage's weights on the GPU (a ZeRO-3 shard)",
+    "grads": "its gradients (ZeRO-2 and 3: a shard), in grad_dtype",
+    "optimizer": "its optimizer state: fp32 master weights and Adam's two moments (ZeRO 1-3: a shard)",
+    "activations": "training and inference: activations kept for the longest micro-batch a replica can see "
+    "(Workload.longest_micro_batch_tokens: micro_batch x the longest sequences by response_len_dist and "
+    "response_len_max, or the micro_batch_tokens budget), x the micro-batches in flight of the pipeline "
+    "schedule; generation: the logits of the running batch",
+    "kv_cache": "generation: the KV cache of the sequences running at once, in vLLM's share of memory "
+    "(gpu_memory_utilization 0.9, less the weights and the resident state)",
+    "resident": "state of other model-stages kept on the same GPU between their stages (weights; grads and "
+    "optimizer state of trained ones), less what they offload",
+}
+
 TIME_BREAKDOWN = RecordSpec(
     "time", tuple(AttrSpec(f, "time", 0.0) for f in TimeBreakdown.__dataclass_fields__), TimeBreakdown
 )

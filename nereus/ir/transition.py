@@ -146,30 +146,36 @@ LINKS = ("local", "nvlink", "nic", "pcie")
 
 @dataclass(frozen=True)
 class Admission:
-    """What admit decided and why: a transition pays when benefit > cost x (1 + margin).
+    """What admit decided and why: a transition pays when benefit > cost x (1 + margin); it is
+    ``forced`` when plan A cannot go on (``forced_by``: ``memory``, it no longer fits the job as
+    it is now; ``gpus``, it uses GPUs that plan B's cluster does not have), whatever it saves.
     Every time is in seconds."""
 
-    decision: str  # accept | reject
+    decision: str  # accept | reject | forced
     cost: float  # makespan + pg_init + engine_restart
-    benefit: float  # saved over the remaining steps: saving x horizon
-    saving: float  # saved per step (negative: plan B is slower)
+    benefit: float | None = None  # saved over the remaining steps: saving x horizon (None: forced)
+    saving: float | None = None  # saved per step (negative: plan B is slower; None: forced, plan A cannot run)
     break_even: float | None = None  # steps until the saving repays the cost (None: it never does)
     makespan: float | None = None  # the scheduled transfers
     pg_init: float | None = None  # process groups re-initialised (0: no layout changes)
     engine_restart: float | None = None  # the generation engine restarted (0: the generation layout stays)
     horizon: int | None = None  # remaining steps the benefit counts
+    forced_by: str | None = None  # memory | gpus: why plan A cannot go on
 
+
+FORCED_BY = ("memory", "gpus")
 
 ADMISSION = RecordSpec(
     "admit",
     (
-        AttrSpec("decision", "choice", choices=("accept", "reject")),
+        AttrSpec("decision", "choice", choices=("accept", "reject", "forced")),
+        AttrSpec("forced_by", "choice", default=None, choices=FORCED_BY),
         AttrSpec("cost", "time"),
         AttrSpec("makespan", "time", default=None),
         AttrSpec("pg_init", "time", default=None),
         AttrSpec("engine_restart", "time", default=None),
-        AttrSpec("benefit", "time", signed=True),
-        AttrSpec("saving", "time", signed=True),
+        AttrSpec("benefit", "time", default=None, signed=True),
+        AttrSpec("saving", "time", default=None, signed=True),
         AttrSpec("horizon", "natural", default=None),
         AttrSpec("break_even", "float", default=None),
     ),

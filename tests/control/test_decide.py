@@ -44,7 +44,7 @@ def test_longer_responses_replan_and_the_move_is_admitted_with_its_numbers():
     d = c.decide()
     assert [t.kind for t in d.triggers] == ["response_length"] and not d.forced
     n = d.numbers
-    assert d.action == "transition" and n["admitted"] and n["step_time_new"] < n["step_time_now"]
+    assert d.action == "transition" and n["admission"] == "accept" and n["step_time_new"] < n["step_time_now"]
     assert n["benefit"] == pytest.approx(n["saving"] * n["horizon"], rel=1e-3)
     assert n["break_even"] == pytest.approx(n["cost"] / n["saving"], rel=1e-3)
     m = nereus.verify(d.module)
@@ -113,7 +113,7 @@ def test_a_move_that_does_not_pay_is_rejected_and_the_cooldown_holds():
     c.total_steps = 2  # one step left: no saving repays a transition
     c.observe(as_planned(c, 0, length=3.0))
     d = c.decide()
-    assert d.action == "stay" and d.triggers and d.numbers["admitted"] is False and d.module is None
+    assert d.action == "stay" and d.triggers and d.numbers["admission"] == "reject" and d.module is None
     assert "rejected" in d.message
     c.observe(as_planned(c, 1, length=3.0))
     again = c.decide()
@@ -137,7 +137,7 @@ def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_th
     full.total_steps = 2
     full.observe(as_planned(full, 0, length=3.0))
     e = full.decide()
-    assert e.action == "stay" and e.numbers["admitted"] is False and e.numbers["bytes_moved"] > 0
+    assert e.action == "stay" and e.numbers["admission"] == "reject" and e.numbers["bytes_moved"] > 0
     assert e.numbers["cost"] >= n["cost_lower_bound"] and e.numbers["saving"] == pytest.approx(n["saving"])
 
 

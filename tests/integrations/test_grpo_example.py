@@ -33,7 +33,7 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
     made, applied = decisions(log)
     moves = [d for d in made if d["action"] == "transition"]
     assert [(d["step"], d["forced"]) for d in moves] == [(0, False), (2, True)], moves
-    assert moves[0]["numbers"]["admitted"] and moves[0]["triggers"][0]["kind"] == "response_length"
+    assert moves[0]["numbers"]["admission"] == "accept" and moves[0]["triggers"][0]["kind"] == "response_length"
     assert any(t["kind"] == "gpus_leaving" for t in moves[1]["triggers"])
     assert [d["applied"] for d in applied] == ["transition", "transition"], applied
 
