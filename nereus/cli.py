@@ -372,6 +372,9 @@ def cmd_export(args) -> int:
 
     m, _ = _load(args.file)
     text = export_plan(m, args.plan, args.to)
+    for line in text.splitlines():  # what the framework runs differs from the plan (``_as_run``)
+        if line.startswith("# warning: "):
+            print(f"nereus export: warning: {line.removeprefix('# warning: ')}", file=sys.stderr)
     if args.output:
         return 0 if _write(args.output, text) else 1
     sys.stdout.write(text)

@@ -40,7 +40,19 @@ def export_plan(module: Module, plan_name: str, target: str) -> str:
 
         raise no_such(module, "export", "plan", name)
     body = {"verl": _verl, "verl-overrides": _verl, "megatron": _megatron, "vllm": _vllm}[target](module, plan, target)
-    return "\n".join(body) + "\n"
+    at = 2 + len(plan.layouts)  # after the header's lines (``_header``)
+    return "\n".join(body[:at] + _as_run(module, plan, target) + body[at:]) + "\n"
+
+
+def _as_run(module: Module, plan: Plan, target: str) -> list[str]:
+    """Comment lines: the step time and memory of what the framework really runs of ``plan``,
+    and ``# warning:`` lines where that differs from the plan (``passes.search.targets``)."""
+    if target not in ("verl", "verl-overrides", "megatron"):
+        return []
+    from .passes.search.targets import run_report
+
+    lines, warnings = run_report(module, plan, target.partition("-")[0])
+    return [f"# {x}" for x in lines] + [f"# warning: {x}" for x in warnings]
 
 
 # ------------------------------------------------------------------- shared

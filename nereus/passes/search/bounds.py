@@ -81,6 +81,9 @@ def restrict(
             under = np.flatnonzero(bounds[ms] + (total - lower[stage]) <= cap)
             complete &= len(under) == len(bounds[ms])
             options = problem.spaces[ms].options
-            keep[ms] = under[prune_options(options, under)]
+            if problem.constraints is not None:  # dominance only among options the framework's ties treat alike
+                keep[ms] = problem.constraints.prune(ms, options, under)
+            else:
+                keep[ms] = under[prune_options(options, under)]
     spaces = {ms: replace(sp, options=[sp.options[i] for i in keep[ms]]) for ms, sp in problem.spaces.items()}
     return replace(problem, spaces=spaces), keep, complete

@@ -283,6 +283,8 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
                         m.add(s[j2] + G[j2] <= s[i2]).only_enforce_if([yk, before[i2, j2].Not()])
     _break_symmetry(m, problem, s, t)
     _exact_memory(m, problem, names, s, G, a, r, rho)
+    if problem.constraints is not None:  # a framework's ties (plan-search{target=...})
+        problem.constraints.add(m, problem, pick, s, G)
     m.minimize(sum(T.values()))
     if hint is not None:
         assert hint.choice is not None and hint.start is not None and hint.partition is not None  # a plan
@@ -337,9 +339,10 @@ def _break_symmetry(m, problem: SearchProblem, s, t) -> None:
             (o.gpus, tuple(sorted(o.times.items())), o.extra, o.resident, o.rho) for o in problem.spaces[ms].options
         )
 
+    tied = problem.constraints.members if problem.constraints is not None else set()
     for stage, mss in problem.stages:
         for i, j in itertools.combinations(mss, 2):
-            if signature(i) == signature(j):
+            if i not in tied and j not in tied and signature(i) == signature(j):  # a tie may tell them apart
                 first = m.new_bool_var(f"first[{i},{j}]")
                 m.add(s[i] + 1 <= s[j]).only_enforce_if(first)
                 m.add(s[i] == s[j]).only_enforce_if(first.Not())
@@ -513,7 +516,13 @@ class PlanSearch(ModulePass):
     problem, on the same GPUs and fitting, the search starts from it and only proves that nothing
     is faster, usually on far fewer candidates; the result is the same optimum). From Python,
     ``keep``: ``keep(model_stage, options, n)`` returns the options of each model-stage's search
-    space that a kind of system can run (the simulator's restarting policies keep their TP/PP)."""
+    space that a kind of system can run (the simulator's restarting policies keep their TP/PP).
+    ``target`` (``verl``, ``openrlhf`` or ``megatron``; default: none, the free search): only
+    plans that framework runs as written, by its own rules (``search.targets``: verl puts every
+    role on all GPUs, runs a stage's model-stages one after another, gives training and
+    inference one set of model-parallel sizes, FSDP's ZeRO-2/3 or Megatron's ZeRO-1, and no
+    rollout PP; OpenRLHF one placement group per model unless colocated, one DeepSpeed TP and
+    ZeRO stage for all, no PP; Megatron-LM ZeRO-1 to 3 and one flush per global batch)."""
 
     name = "plan-search"
     time_limit: float = 10.0
@@ -528,6 +537,7 @@ class PlanSearch(ModulePass):
     headroom: float = DEFAULT_HEADROOM
     explain: bool = False
     incumbent: Ref = ""
+    target: str = ""
     keep: Callable | None = api_option()
 
     def apply(self, module: Module) -> None:
@@ -553,6 +563,24 @@ class PlanSearch(ModulePass):
             )
         w = _pick(module, "workload", self.workload)
         c = _pick(module, "cluster", self.cluster)
+        if self.target:
+            from .targets import TARGETS, unavailable_reason
+
+            if self.target not in TARGETS:
+                raise DiagnosticError(
+                    [
+                        Diagnostic(
+                            Loc(0, 0, module.filename),
+                            f"plan-search: unknown target '{self.target}'",
+                            f"targets: {', '.join(TARGETS)} (or none, the free search)",
+                        )
+                    ]
+                )
+            reason = unavailable_reason(c, self.target)
+            if reason:
+                raise DiagnosticError(
+                    [Diagnostic(c.loc, f"plan-search{{target={self.target}}}: {reason}")], module.source
+                )
         problem = build_problem(
             c,
             w,
@@ -562,7 +590,12 @@ class PlanSearch(ModulePass):
             offload=self.offload,
             prune=False,
             headroom=self.headroom,
+            zeros=_zeros(self.target),
         )  # solve prunes what each of its models holds
+        if self.target:
+            from .targets import apply_target
+
+            apply_target(problem, self.target)
         if self.keep is not None:
             for ms, sp in problem.spaces.items():
                 sp.options = self.keep(ms, sp.options, problem.n)
@@ -585,7 +618,10 @@ class PlanSearch(ModulePass):
                 module.source,
             )
         if sol.choice is None:
-            raise DiagnosticError([infeasible_diagnostic(problem, w.loc)], module.source)
+            d = infeasible_diagnostic(problem, w.loc)
+            if self.target:
+                d = replace(d, message=d.message + f" (within {self.target}'s rules)")
+            raise DiagnosticError([d], module.source)
         if sol.status != "optimal":
             module.warnings.append(
                 Diagnostic(
@@ -627,6 +663,14 @@ class PlanSearch(ModulePass):
                 unbounded=None if why.unbounded is None else printed_precision(why.unbounded),
             )
             module.explanations.extend(why.lines())
+
+
+def _zeros(target: str) -> tuple[int, ...] | None:
+    if not target:
+        return None
+    from .targets import zeros_of
+
+    return zeros_of(target)
 
 
 def _pick(module: Module, kind: str, name: str):

@@ -47,7 +47,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -327,6 +327,9 @@ class SearchProblem:
     spaces: dict[str, Space]
     partitions: dict[str, list[list[list[str]]]] = field(default_factory=dict)
     headroom: float = 0.0  # fraction of GPU memory training and inference options leave free
+    # a framework's rules beyond the candidates (``search.targets.Constraints``): ties between
+    # model-stages' options and meshes; None: the free search
+    constraints: Any = None
 
     @property
     def n(self) -> int:
@@ -365,6 +368,8 @@ class SearchProblem:
             here = int(load[span[ms][0] : span[ms][1]].max())
             if o.extra + here > self.memory or here - o.resident > o.rho:
                 return None
+        if self.constraints is not None and not self.constraints.admits(self, choice, start):
+            return None
         return total
 
 
@@ -381,6 +386,7 @@ def build_problem(
     exhaustive: bool | None = None,
     prune: bool = True,
     headroom: float = DEFAULT_HEADROOM,
+    zeros: tuple[int, ...] | None = None,
 ) -> SearchProblem:
     """Generate, cost and prune the candidates of every model-stage of ``workload`` on ``cluster``.
 
@@ -391,7 +397,8 @@ def build_problem(
     ``plan_search.solve`` prunes the candidates each of its models holds, so it need not be done here.
     ``headroom``: the fraction of every GPU's memory training and inference leave free (see
     ``DEFAULT_HEADROOM``); generation keeps vLLM's own ``1 - gpu_memory_utilization``. Offload is
-    searched only on a cluster that declares a host link and host memory."""
+    searched only on a cluster that declares a host link and host memory. ``zeros``: the ZeRO
+    stages of training candidates (default: 2 and 3, see ``layout_grid``)."""
     cost = cost or CostModel(cluster)
     n_avail = len(cluster.available_gpus())
     small = n_avail <= EXHAUSTIVE_GPUS and len(workload.model_stages()) <= FULL_SPACE_MODEL_STAGES
@@ -414,6 +421,7 @@ def build_problem(
                     max_pp,
                     max_zero,
                     offload,
+                    zeros,
                 ),
             )
     # time unit: a step of the fastest candidates takes ``time_units`` units (the slowest ones
@@ -460,9 +468,11 @@ def layout_grid(
     max_zero: int = 3,
     offload: bool = True,
     full: bool = True,
+    zeros: tuple[int, ...] | None = None,
 ) -> list[tuple]:
     """(tp, pp, dp, micro_batches, recompute, zero, offload, vpp) of every candidate layout
-    (module docs); ``full=False`` is the large-cluster space."""
+    (module docs); ``full=False`` is the large-cluster space; ``zeros``: the ZeRO stages of
+    training layouts (default 2 and 3), each at most ``max_zero``."""
     tps = [
         t
         for t in range(1, min(max_tp, model.heads) + 1)
@@ -471,7 +481,7 @@ def layout_grid(
     top_pp = min(model.layers, n, max_pp or model.layers)
     pps = [p for p in range(1, top_pp + 1) if p <= 16 or model.layers % p == 0]
     # ZeRO 0 and 1 take the same time as 2 in the model and keep more state: 2 and 3 suffice
-    zeros = sorted({min(z, max_zero) for z in (2, 3)})
+    stages = sorted({min(z, max_zero) for z in zeros or (2, 3)})
     rows = []
     for tp, pp in itertools.product(tps, pps):
         top = n // (tp * pp)
@@ -504,7 +514,7 @@ def layout_grid(
             ]
             for mb, v in shapes:
                 for rc in (False, True) if kind == "train" else (False,):
-                    for z in zeros if kind == "train" and dp > 1 else (0,):
+                    for z in stages if kind == "train" and dp > 1 else (0,):
                         for off in (OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),):
                             rows.append((tp, pp, dp, mb, rc, z, off, v))
     return rows
@@ -524,6 +534,7 @@ def _grid_columns(
     max_zero: int,
     offload: bool,
     full: bool,
+    zeros: tuple[int, ...] | None = None,
 ) -> tuple | None:
     """``layout_grid`` as read-only arrays (tp, pp, dp, mb, rc, zero, vpp), the offload choices
     (a tuple per row, the distinct choices, and each row's choice's index), or None for an
@@ -544,10 +555,11 @@ def _grid_columns(
         max_zero,
         offload,
         full,
+        zeros,
     )
     if key in _GRIDS:
         return _GRIDS[key]
-    grid = layout_grid(model, workload, kind, n, per_node, max_tp, max_pp, max_zero, offload, full)
+    grid = layout_grid(model, workload, kind, n, per_node, max_tp, max_pp, max_zero, offload, full, zeros)
     out = None
     if grid:
         cols = list(zip(*grid))
@@ -604,10 +616,13 @@ def candidates(
     max_pp: int = 0,
     max_zero: int = 3,
     offload: bool = True,
+    zeros: tuple[int, ...] | None = None,
 ) -> Rows:
     """Every candidate of one model-stage with its time per start class, costed in vectorized calls."""
     cluster = cost.cluster
-    g = _grid_columns(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
+    g = _grid_columns(
+        model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive, zeros
+    )
     if g is None:
         e = np.zeros(0, dtype=np.int64)
         return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e, e)
