@@ -57,12 +57,15 @@ def _searched(text: str, pipeline: str):
 
 
 def test_headroom_keeps_training_and_inference_under_the_default_share():
-    """The user's job of the report: with no headroom the search filled 99.9% of a GPU; by
-    default training and inference keep 10% free, and the record says so."""
+    """The user's job of the report (there, with no headroom the search filled 99.9% of a GPU).
+    With responses up to 4k, training sized for its longest micro-batch: with no headroom the
+    search takes more than 90% of a GPU; by default training and inference keep 10% free, and the
+    record says so."""
     c = 80 * GIB
-    _, tight = _searched(JOB, "plan-search{headroom=0}")
-    _, kept = _searched(JOB, "plan-search")
-    assert max(lay.memory for lay in tight.layouts.values()) > 0.95 * c  # what the user saw
+    job = JOB.replace("response_len_max = 8192", "response_len_max = 4096")
+    _, tight = _searched(job, "plan-search{headroom=0}")
+    _, kept = _searched(job, "plan-search")
+    assert max(lay.memory for lay in tight.layouts.values()) > 0.9 * c  # what the headroom prevents
     for lay in kept.layouts.values():
         if lay.stage != "generate":  # generation keeps vLLM's own 10%
             assert lay.memory <= 0.9 * c
