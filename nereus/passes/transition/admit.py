@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, Stage
+from ...ir.diagnostics import plural
 from ...ir.printer import printed_precision
 from ...ir.transition import Admission
 from ...ir.units import Dim, format_quantity
@@ -118,6 +119,6 @@ def describe(a: Admission) -> str:
         f"engine restart {s(a.engine_restart)}" if a.engine_restart else None,
     ]
     cost = f"costs {s(a.cost)}" + (f" ({' + '.join(p for p in parts if p)})" if any(parts) else "")
-    steps = f" over {a.horizon} steps" if a.horizon is not None else ""
-    even = f"; breaks even after {a.break_even:g} steps" if a.break_even is not None else "; never breaks even"
+    steps = f" over {plural(a.horizon, 'step')}" if a.horizon is not None else ""
+    even = f"; breaks even after {plural(a.break_even, 'step')}" if a.break_even is not None else "; never breaks even"
     return f"{cost}, saves {s(a.saving)} per step, {s(a.benefit)}{steps}{even}"
