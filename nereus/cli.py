@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from .ir import Diagnostic, DiagnosticError, Loc, parse, print_ir, verify
+from .ir import Diagnostic, DiagnosticError, Loc, bare_name, parse, print_ir, verify
+from .ir.diagnostics import plural
 
 
 def _load(path: str):
@@ -62,6 +63,7 @@ def _report(err: DiagnosticError) -> None:
 
 
 def cmd_check(args) -> int:
+    from .ir.plausible import unit_warnings
     from .ir.verifier import batch_warnings
 
     failed = []
@@ -69,7 +71,8 @@ def cmd_check(args) -> int:
         if m is None:
             failed.append(path)
             continue
-        for w in batch_warnings(m):  # valid IR that a framework would not run as written
+        # valid IR, but a figure whose unit looks like a slip, or a split a framework would not run
+        for w in unit_warnings(m) + batch_warnings(m):
             print(w.render(text), file=sys.stderr)
     return 1 if failed else 0
 
@@ -117,11 +120,11 @@ def cmd_diff(args) -> int:
     loaded = [(path, _load(path)[0]) for path in args.files]
     (pa, ma), (pb, mb) = loaded[0], loaded[-1]
     if args.plans:
-        a, b = (x.lstrip("@") for x in args.plans)
+        a, b = (bare_name(x) for x in args.plans)
     elif len(loaded) == 1:
         if len(ma.plans) != 2:
             print(
-                f"nereus diff: error: {pa} has {len(ma.plans)} plans "
+                f"nereus diff: error: {pa} has {plural(len(ma.plans), 'plan')} "
                 f"({', '.join('@' + n for n in ma.plans) or 'none'}); "
                 "name two with --plans @a @b",
                 file=sys.stderr,
@@ -133,7 +136,8 @@ def cmd_diff(args) -> int:
         if many:
             p, m = many[0]
             print(
-                f"nereus diff: error: {p} has {len(m.plans)} plans ({', '.join('@' + n for n in m.plans) or 'none'}); "
+                f"nereus diff: error: {p} has {plural(len(m.plans), 'plan')} "
+                f"({', '.join('@' + n for n in m.plans) or 'none'}); "
                 "name one of each file with --plans @a @b",
                 file=sys.stderr,
             )

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import math
 
-from .ir import Layout, Module, Plan
+from .ir import Layout, Module, Plan, bare_name
 from .ir.attributes import compress_ints
+from .ir.diagnostics import plural
 
 TARGETS = ("verl", "verl-overrides", "megatron", "vllm")
 _DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -33,7 +34,7 @@ def export_plan(module: Module, plan_name: str, target: str) -> str:
     """The text of ``plan_name`` (with or without ``@``) for ``target`` (one of ``TARGETS``)."""
     if target not in TARGETS:
         raise ValueError(f"unknown export target '{target}'; targets: {', '.join(TARGETS)}")
-    name = plan_name.lstrip("@")
+    name = bare_name(plan_name)
     plan = module.plans.get(name)
     if plan is None:
         from .passes.infra.pass_manager import no_such
@@ -83,7 +84,7 @@ def _flushes(m: Module, plan: Plan, lay: Layout, dp: int, framework: str) -> lis
     return [
         f"not expressible in {framework}: {lay.model_stage} micro_batches = {lay.micro_batches} per pipeline flush; "
         f"{framework} flushes once per optimizer step: mini_batch {w.mini_batch or w.samples} / (dp {dp} x micro_batch "
-        f"{w.micro_batch}) = {n} micro-batches"
+        f"{w.micro_batch}) = {plural(n, 'micro-batch', 'micro-batches')}"
     ]
 
 
@@ -223,7 +224,7 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
         if sorted(lay.mesh) != gpus:
             notes.append(
                 f"not expressible in verl: {ms} runs on GPUs {compress_ints(sorted(lay.mesh))} (dp = {lay.dp}); "
-                f"verl runs every role on all {len(gpus)} GPUs, so these sizes give DP {n} there"
+                f"verl runs every role on all {plural(len(gpus), 'GPU')}, so these sizes give DP {n} there"
             )
         elif n != lay.dp:
             notes.append(f"not expressible in verl: {ms} dp = {lay.dp}; verl derives DP {n} from the GPUs")
@@ -260,7 +261,8 @@ def _verl(m: Module, plan: Plan, target: str) -> list[str]:
             n = len(gpus) // (lay.tp * lay.pp)
             if sorted(lay.mesh) != gpus or n != lay.dp:
                 notes.append(
-                    f"not expressible in verl: {ms} {_desc(lay)}; verl's rollout runs on all {len(gpus)} GPUs, "
+                    f"not expressible in verl: {ms} {_desc(lay)}; "
+                    f"verl's rollout runs on all {plural(len(gpus), 'GPU')}, "
                     f"{n} engines of TP {lay.tp} x PP {lay.pp}"
                 )
             for what, bad in (("cp", lay.cp > 1), ("sp", lay.sp), ("offload", lay.offload), ("fp8", lay.fp8)):

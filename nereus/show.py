@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .ir import Module
 from .ir.attributes import compress_ints
+from .ir.diagnostics import plural
 from .ir.model import state_dtype_bytes
 from .ir.units import Dim, format_bytes, format_quantity
 
@@ -227,7 +228,7 @@ def show(m: Module, title: str, console: Console | None = None, breakdown: bool 
             s = p.search
             console.print(
                 f"  plan-search: {s.status}, objective {format_quantity(Dim.TIME, s.objective)}, bound "
-                f"{format_quantity(Dim.TIME, s.bound)}, gap {s.gap:.2%}, {s.candidates:,} candidates"
+                f"{format_quantity(Dim.TIME, s.bound)}, gap {s.gap:.2%}, {plural(s.candidates, 'candidate', fmt=',')}"
                 + (f", headroom {s.headroom:.0%}" if s.headroom is not None else "")
                 + (f", bottleneck {s.bottleneck}" if s.bottleneck else "")
             )
@@ -271,8 +272,8 @@ def transition_table(tr, console: Console) -> None:
         (f"forced ({a.forced_by})" if a.decision == "forced" else a.decision) if a else "",
         fmt_t(a.cost) if a else "",
         fmt_t(a.saving) if a else "",
-        f"{a.horizon} steps" if a and a.horizon is not None else "",
-        f"{a.break_even:g} steps"
+        plural(a.horizon, "step") if a and a.horizon is not None else "",
+        plural(a.break_even, "step")
         if a and a.break_even is not None
         else ("never" if a and a.decision != "forced" else ""),
     )

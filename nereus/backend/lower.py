@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef
+from ..ir import Diagnostic, DiagnosticError, HostRef, Loc, Module, Op, ShardRef, bare_name
 from ..ir.diagnostics import did_you_mean
 from ..ir.gc_pause import gc_paused
 from ..ir.transition import unstage_feeders
@@ -461,7 +461,7 @@ class _Lowering:
 
 
 def pick_transition(module: Module, name: str = "") -> str:
-    name = name.lstrip("@")
+    name = bare_name(name)
     if not name:
         if len(module.transitions) != 1:
             raise _error(

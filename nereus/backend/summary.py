@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..ir.attributes import compress_ints
 from ..ir.cluster import Cluster
+from ..ir.diagnostics import plural
 from ..ir.units import Dim, format_bytes, format_quantity
 from .program import Program
 
@@ -244,7 +245,8 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
     head = (
-        f"program @{s.transition} (@{s.source} -> @{s.target}): {s.world} ranks, {s.steps:,} steps, "
+        f"program @{s.transition} (@{s.source} -> @{s.target}): {plural(s.world, 'rank')}, "
+        f"{plural(s.steps, 'step', fmt=',')}, "
         f"{s.pieces:,} per-layer slices copied or sent, bucket {_bytes(s.bucket_bytes)}"
     )
     console.print(head, soft_wrap=True)
@@ -304,7 +306,8 @@ def format_summary(s: ProgramSummary, width: int = 160) -> str:
     sent = s.totals.bytes["nvlink"] + s.totals.bytes["network"]
     msgs = s.totals.msgs["nvlink"] + s.totals.msgs["network"]
     console.print(
-        f"moves {sent:,} bytes in {msgs:,} messages ({_bytes(s.totals.bytes['nvlink'])} over NVLink, "
+        f"moves {plural(sent, 'byte', fmt=',')} in {plural(msgs, 'message', fmt=',')} "
+        f"({_bytes(s.totals.bytes['nvlink'])} over NVLink, "
         f"{_bytes(s.totals.bytes['network'])} over the network)",
         soft_wrap=True,
     )

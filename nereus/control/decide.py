@@ -32,8 +32,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..ir import Diagnostic, DiagnosticError, Module, Plan
+from ..ir import Diagnostic, DiagnosticError, Module, Plan, bare_name
 from ..ir.attributes import compress_ints
+from ..ir.diagnostics import plural
 from ..ir.verifier import replicas_share_steps
 from ..passes import ModulePass, run_pipeline
 from ..passes.cost.calibrate import Calibrate
@@ -97,8 +98,9 @@ class DecisionCore:
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
+        plan = bare_name(plan)
         if plan not in module.plans:
-            raise ValueError(f"no plan @{plan} in the module")
+            raise ValueError(f"no plan @{plan} in the module; its plans: {', '.join('@' + p for p in module.plans)}")
         self.options = options or ControlOptions()
         self.m = copy.deepcopy(module)
         self.plan = plan
@@ -355,7 +357,8 @@ class DecisionCore:
                 why = (
                     "plan A is still the best plan found"
                     if pg + restart == 0
-                    else f"rejected before planning the transition: {saving:.4g} s per step over {horizon} steps "
+                    else "rejected before planning the transition: "
+                    f"{saving:.4g} s per step over {plural(horizon, 'step')} "
                     f"cannot pay its fixed costs of {pg + restart:.4g} s"
                 )
                 return Decision(

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from ..control import ControlOptions, Decision, DecisionCore, StepRecord
-from ..ir import DiagnosticError, Module
+from ..ir import DiagnosticError, Module, bare_name
+from ..ir.diagnostics import did_you_mean
 from ..runtime.execute import TransitionError, execute
 from ..runtime.state import LocalState
 from .move import plan_move
@@ -97,6 +98,7 @@ class Controller:
         if not dist.is_initialized():
             raise RuntimeError("Controller needs an initialised default process group (init_from_env)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        plan = bare_name(plan)
         self.adapter, self.timeout, self.plan = adapter, timeout, plan
         self.faults = tuple(faults)  # injected into execute (tests of the rollback)
         # every rank keeps a core and observes the same records; only the leader (the lowest rank
@@ -124,7 +126,18 @@ class Controller:
     # -- measurements ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def stage(self, model_stage: str):
-        """Time one model-stage of this step on this rank (and its peak memory on CUDA)."""
+        """Time one model-stage of this step on this rank (and its peak memory on CUDA).
+
+        ``model_stage`` must be one of the running plan's (``actor.train``): checked here, on entry,
+        so that a misspelt or unplanned name fails where it is written and on the rank that wrote
+        it, not at the step's end inside the gather every rank must join."""
+        stages = self.module.plans[self.plan].layouts
+        if model_stage not in stages:
+            close = did_you_mean(model_stage, stages)
+            raise ValueError(
+                f"ctl.stage({model_stage!r}): {model_stage} is not a model-stage of plan @{self.plan}; "
+                f"its model-stages: {', '.join(sorted(stages))}" + (f" ({close})" if close else "")
+            )
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         if cuda:
             torch.cuda.reset_peak_memory_stats()

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..ir import Diagnostic, DiagnosticError, Layout, Model
-from ..ir.diagnostics import NOWHERE
+from ..ir.diagnostics import NOWHERE, plural
 from ..runtime.dtensor import MESH_DIMS, dtensor_box
 from .llama_stages import LlamaStage, prune, tp_plan
 
@@ -292,7 +292,9 @@ def _schedule(live: LiveLlama, inputs: torch.Tensor, train: bool):
     if key not in live.schedules:
         n = live.layout.micro_batches
         if inputs.shape[0] % n:
-            raise ValueError(f"{inputs.shape[0]} rows do not split into {n} micro-batches")
+            raise ValueError(
+                f"{plural(inputs.shape[0], 'row')} do not split into {plural(n, 'micro-batch', 'micro-batches')}"
+            )
         stage = PipelineStage(
             live.runner, live.coordinate[1], live.layout.pp, torch.device("cpu"), group=live.mesh["pp"].get_group()
         )

@@ -11,14 +11,14 @@ A training loop must read ``adapter.live`` after every step: the object changes 
 
 from __future__ import annotations
 
-from ..ir import Module
+from ..ir import Module, bare_name
 from .hf_llama import LiveLlama
 from .llama_reshard import reshard_llama
 
 
 class LlamaAdapter:
     def __init__(self, live: LiveLlama, module: Module, plan: str, *, seed: int = 0):
-        self.live, self.module, self.plan, self.seed = live, module, plan, seed
+        self.live, self.module, self.plan, self.seed = live, module, bare_name(plan), seed
         self.moves = 0
 
     def move(

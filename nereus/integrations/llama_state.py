@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..backend.shards import ShardSpec, StateKey, plan_layout
-from ..ir import Diagnostic, DiagnosticError, Module
+from ..ir import Diagnostic, DiagnosticError, Module, bare_name
+from ..ir.diagnostics import plural
 from ..ir.sharding import states_of
 from ..runtime.dtensor import placements
 from ..runtime.state import LocalState, torch_dtype
@@ -39,6 +40,7 @@ ADAM_STATES = ("exp_avg", "exp_avg_sq")
 def check_layout(module: Module, plan: str, model_stage: str) -> None:
     """Raise ``DiagnosticError`` where the live HF model cannot take ``plan``'s layout of
     ``model_stage``; pure IR, so every rank raises the same error without a message."""
+    plan = bare_name(plan)
     lay = module.plans[plan].layouts[model_stage]
     model = module.models[lay.model]
     stage = module.workloads[module.plans[plan].workload].stage_of(model_stage)
@@ -155,7 +157,9 @@ def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, st
     specs, params = _specs(live, module, plan), live.params()
     missing = [str(s.key) for s in specs if s.key not in state]
     if missing:
-        raise KeyError(f"the state lacks {len(missing)} shard(s) plan @{plan} puts here: {', '.join(missing[:3])}")
+        raise KeyError(
+            f"the state lacks {plural(len(missing), 'shard')} plan @{plan} puts here: {', '.join(missing[:3])}"
+        )
     with torch.no_grad():
         for s in specs:
             if s.key.state == "master":

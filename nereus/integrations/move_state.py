@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..backend.program import Program
 from ..backend.shards import ShardSpec, StateKey
 from ..ir import Layout, Model
+from ..ir.diagnostics import plural
 from ..ir.model import even_split
 from ..runtime.execute import execute
 from .job import training_job
@@ -103,8 +104,15 @@ def program(model: Model | dict, src: dict, dst: dict, world: int) -> Program:
 
 
 def reshard_shards(model: Model | dict, layout: dict, rank: int, world: int | None = None) -> dict[str, ShardSpec]:
-    """What ``rank`` holds under ``layout``: name -> ``ShardSpec`` (its box in the full tensor, dtype)."""
-    world = world if world is not None else dist.get_world_size()
+    """What ``rank`` holds under ``layout``: name -> ``ShardSpec`` (its box in the full tensor, dtype).
+    ``world``: the number of ranks; needed outside an initialised process group, whose size it is by default."""
+    if world is None:
+        if not dist.is_initialized():
+            raise ValueError(
+                "reshard_shards needs world= outside an initialised process group: "
+                f"reshard_shards(model, layout, {rank}, world=N) for a job of N ranks"
+            )
+        world = dist.get_world_size()
     prog = program(model, layout, layout, world)
     return {_name(s.key): s for s in prog.src.get(rank, [])}
 
@@ -128,7 +136,7 @@ def reshard(
     missing, extra = want - set(state), set(state) - want
     if missing or extra:
         raise ValueError(
-            f"rank {rank}: the state under the source layout is {len(want)} shard(s); "
+            f"rank {rank}: the state under the source layout is {plural(len(want), 'shard')}; "
             + (f"missing {sorted(missing)[:3]}" if missing else "")
             + (f" unexpected {sorted(extra)[:3]}" if extra else "")
         )

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..backend.shards import StateKey, plan_layout
 from ..ir import Layout, Model, Module
+from ..ir.diagnostics import plural
 from ..runtime.execute import Stats, execute
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
@@ -60,7 +61,9 @@ class WeightPush:
 
     def __init__(self, model: Model, held: Layout, engines: list[int], world: int, *, timeout: float = 60.0):
         if not engines or len(set(engines)) != len(engines) or not all(0 <= g < world for g in engines):
-            raise ValueError(f"engine ranks {engines} must be distinct ranks of the {world} processes")
+            raise ValueError(
+                f"engine ranks {engines} must be distinct ranks of the {plural(world, 'process', 'processes')}"
+            )
         self.model, self.engines, self.world, self.timeout = model, sorted(engines), world, timeout
         self.held_key = _key(held)
         stage = f"{model.name}.generate"

@@ -2,10 +2,10 @@
 
 from .attributes import Link
 from .cluster import Cluster
-from .diagnostics import Diagnostic, DiagnosticError, Loc
+from .diagnostics import Diagnostic, DiagnosticError, Loc, plural
 from .emu import STATES, Emu, Shard, SliceEntry
 from .model import Model, TensorSpec
-from .module import Module
+from .module import Module, bare_name
 from .parser import parse, parse_file
 from .plan import Layout, Plan
 from .printer import print_ir
@@ -34,8 +34,10 @@ __all__ = [
     "TensorSpec",
     "Transition",
     "Workload",
+    "bare_name",
     "parse",
     "parse_file",
+    "plural",
     "print_ir",
     "verify",
 ]

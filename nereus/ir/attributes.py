@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean
-from .units import Dim, UnitError, format_number, format_quantity, parse_quantity
+from .units import BASE_UNIT as _BASE_UNIT
+from .units import Dim, UnitError, format_number, format_quantity, parse_quantity, split_quantity
 
 REQUIRED = object()
 
@@ -32,6 +33,7 @@ class V:
     kind: str  # quantity | int | float | symbol | name | dotted | opid | list | range | call
     value: Any
     loc: Loc
+    text: str | None = None  # a float as written (989e12), for messages
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,37 @@ def _describe(v: V) -> str:
         "range": "a range",
         "call": "a call",
     }
-    shown = v.value if v.kind in ("int", "float", "symbol", "name", "dotted", "opid") else None
+    shown = (v.text or v.value) if v.kind in ("int", "float", "symbol", "name", "dotted", "opid") else None
     return names[v.kind] + (f" '{shown}'" if shown is not None else "")
 
 
 def _expect_int(v: V, what: str = "an integer") -> int:
     if v.kind != "int":
-        raise TypeMismatch(v.loc, f"expected {what}, got {_describe(v)}")
+        raise TypeMismatch(v.loc, f"expected {what}, got {_describe(v)}", _whole_hint(v))
     return v.value
+
+
+def _whole_hint(v: V) -> str | None:
+    """``1e3`` where an integer is expected: the integer written out, when it is one."""
+    if v.kind == "float" and v.value == int(v.value) and abs(v.value) < 1e30:
+        return f"integers are written in full, without an exponent: {int(v.value)}"
+    return None
+
+
+def _as_quantity(want: Dim, v: V) -> str:
+    """What to write for a plain number given where a quantity is expected (``peak_flops = 989e12``):
+    the number read in the base unit (bytes, B/s, seconds, FLOP/s), with its unit."""
+    general = f"write a {want.value} with its unit, e.g. {want.example}"
+    value = v.value
+    if v.kind not in ("int", "float") or value <= 0 or (want is Dim.SIZE and value != int(value)):
+        return general
+    text = format_quantity(want, int(value) if want is Dim.SIZE else value)
+    if split_quantity(text)[1] == _BASE_UNIT[want]:
+        return general  # `peak_flops = 989`: a count of the base unit is no likely reading
+    return f"a {want.value} carries its unit: write {text} (if {v.text or v.value} is in {_BASE[want]})"
+
+
+_BASE = {Dim.SIZE: "bytes", Dim.BANDWIDTH: "bytes/s", Dim.TIME: "seconds", Dim.FLOPS: "FLOP/s"}
 
 
 _ITEMS = {
@@ -135,6 +160,10 @@ def convert(spec: AttrSpec, v: V) -> Any:
     if k in _DIM_KINDS:
         want = _DIM_KINDS[k]
         if v.kind != "quantity":
+            if v.kind in ("int", "float"):  # `peak_flops = 989e12`: a number is no quantity
+                raise TypeMismatch(
+                    v.loc, f"'{spec.key}' expects a {want.value}, got {_describe(v)}", _as_quantity(want, v)
+                )
             hint: str | None = f"write a {want.value} with its unit, e.g. {want.example}"
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a {want.value}, got {_describe(v)}", hint)
         try:

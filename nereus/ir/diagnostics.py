@@ -117,6 +117,14 @@ class DiagnosticSink:
             raise DiagnosticError(self.diagnostics, source)
 
 
+def plural(n: float, noun: str, many: str | None = None, fmt: str | None = None) -> str:
+    """``n`` and its noun, in the singular for one: ``1 plan``, ``2 plans``, ``1.5 steps``
+    (``many``: an irregular plural, ``plural(n, "entry", "entries")``; ``fmt``: how ``n`` prints,
+    ``","`` for ``1,024 GPUs``; by default ``d`` for an int, ``g`` for a float)."""
+    shown = format(n, fmt if fmt is not None else ("d" if isinstance(n, int) else "g"))
+    return f"{shown} {noun if n == 1 else (many or noun + 's')}"
+
+
 def closest(word: str, choices) -> str | None:
     """The choice ``word`` most likely misspells, if any is close enough."""
     import difflib

@@ -14,6 +14,13 @@ from .transition import Transition
 from .workload import Workload
 
 
+def bare_name(name: str) -> str:
+    """A plan's or transition's name as a caller from Python may give it, ``"@b"`` or ``"b"``, as
+    the module keys it (``"b"``): one ``@`` taken off, once, where the name enters the API (so
+    that messages, which write ``@{name}``, do not print ``@@b``)."""
+    return name[1:] if name.startswith("@") else name
+
+
 @dataclass(kw_only=True)
 class Module:
     """Everything one .nir file declares, by name (without the @): clusters, models,

@@ -23,7 +23,7 @@ from lark import Token, Transformer, v_args
 
 from .attributes import V, build_attrs
 from .cluster import CLUSTER_ATTRS, Cluster
-from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean
+from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, did_you_mean, plural
 from .emu import SHARD_ATTRS, STATE_GROUPS, STATES, Emu, Shard, SliceEntry, split_tensor_name
 from .gc_pause import gc_paused
 from .model import MODEL_ATTRS, Model
@@ -90,7 +90,7 @@ class _ToSyntax(Transformer):
         return V("int", int(t), _loc(t))
 
     def float(self, t):
-        return V("float", float(t), _loc(t))
+        return V("float", float(t), _loc(t), str(t))
 
     def symbol(self, t):
         return V("symbol", str(t), _loc(t))
@@ -301,6 +301,10 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
                 return Diagnostic(
                     Loc(line, col, filename), f"unexpected {word.upper()} '{word}': a {word} cannot appear here", hint
                 )
+            if expected == ["EQUAL"]:
+                stray = _stray_word(err, text, tok, filename)
+                if stray is not None:
+                    return stray
             shown = tok.value if len(tok.value) <= 40 else tok.value[:37] + "..."
             message = f"unexpected {tok.type} '{shown}', expected one of: " + ", ".join(expected)
             hint = _token_hint(err, text, expected)
@@ -308,6 +312,96 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, text: str, filename
         line, col = _end_position(text)
         message = "unexpected end of file"
     return Diagnostic(Loc(line, col, filename), message, hint)
+
+
+def _stray_word(err, text: str, tok: Token, filename: str | None) -> Diagnostic | None:
+    """The parser read a word as an attribute's key and found no ``=`` after it. When that word
+    stands after a value on its line (``response_len_max = 1024 prompts``, ``4__096``) or alone
+    on its line (a key without ``= value``), the mistake is the word, not the token after it (the
+    next line's key): point at the word. None: not such a case (``nodes 1`` is reported at ``1``)."""
+    stack = err.interactive_parser.parser_state.value_stack if err.interactive_parser else []
+    word = stack[-1] if stack else None
+    if not isinstance(word, Token) or word.type != "NAME" or word.line is None:
+        return None
+    prev = _last_attr(stack[:-1])
+    loc = Loc(word.line, word.column, filename)  # type: ignore[arg-type]  # lexed tokens have line and column
+    if prev is not None and prev[2].loc.line == word.line:
+        key, value = prev[1], prev[2]
+        assert word.start_pos is not None  # lexed tokens have a position
+        if word.value.startswith("_") and word.start_pos > 0 and text[word.start_pos - 1].isdigit():
+            start = text.rfind("\n", 0, word.start_pos) + 1 + value.loc.col - 1
+            number = text[start : word.end_pos]
+            return Diagnostic(
+                Loc(value.loc.line, value.loc.col, filename),
+                f"malformed number '{number}'",
+                "digits may be grouped with one '_' between two digits: 4_096, 1_000_000",
+            )
+        kinds = _key_kinds(key)
+        if value.kind in ("int", "float") and kinds and kinds <= {"int", "posint", "natural", "float"}:
+            hint = f"'{word.value}' is no part of the value: '{key}' takes a bare number ({key} = {_shown(value)})"
+        elif value.kind in ("int", "float") and len(kinds) == 1 and next(iter(kinds)) in _DIM_EXAMPLES:
+            what, example = _DIM_EXAMPLES[next(iter(kinds))]
+            hint = f"'{word.value}' is not a unit of {what}: write the unit right after the number, e.g. {example}"
+        else:
+            hint = (
+                "an attribute's value is one item (a number with its unit, a name, a @reference, a list); "
+                "write one attribute per line or separate them with ','"
+            )
+        return Diagnostic(loc, f"unexpected NAME '{word.value}' after the value of '{key}'", hint)
+    if word.line != tok.line:
+        return Diagnostic(
+            loc, f"attribute '{word.value}' has no value", f"attributes are written key = value: {word.value} = ..."
+        )
+    return None
+
+
+def _last_attr(stack: list) -> tuple | None:
+    """The last ``("attr", key, V, Loc)`` record on the parser's value stack (inside the trees of
+    a block's repeated items, which lark keeps as ``Tree`` until the block is reduced)."""
+    for item in reversed(stack):
+        if isinstance(item, tuple) and item and item[0] == "attr":
+            return item
+        if isinstance(item, lark.Tree):
+            for child in reversed(item.children):
+                if isinstance(child, tuple) and child and child[0] == "attr":
+                    return child
+            return None
+        if isinstance(item, Token) and item.type == "LBRACE":
+            return None
+    return None
+
+
+_DIM_EXAMPLES = {
+    "size": ("a size", "80GiB"),
+    "bandwidth": ("a bandwidth", "450GB/s"),
+    "time": ("a time", "2us"),
+    "flops": ("a FLOP rate", "989TFLOPs"),
+}
+
+
+@lru_cache(maxsize=None)
+def _key_kinds(key: str) -> frozenset[str]:
+    """The kinds an attribute ``key`` has in any block's schema (and in records such as link())."""
+    kinds: set[str] = set()
+    for specs in (
+        CLUSTER_ATTRS,
+        MODEL_ATTRS,
+        WORKLOAD_ATTRS,
+        STAGE_ATTRS,
+        PLAN_ATTRS,
+        LAYOUT_ATTRS,
+        SHARD_ATTRS,
+        OP_ATTRS,
+        TRANSITION_ATTRS,
+    ):
+        for spec in specs:
+            fields = spec.record.fields if spec.record is not None else ()
+            kinds.update(f.kind for f in (spec, *fields) if f.key == key)
+    return frozenset(kinds)
+
+
+def _shown(v: V) -> str:
+    return str(v.text or v.value) if v.kind in ("int", "float") else "..."
 
 
 def _end_position(text: str) -> tuple[int, int]:
@@ -343,9 +437,7 @@ _HOME = {
 
 # a number with an exponent but no unit, just before the error: `1e3`, `6e-1`
 _BARE_EXPONENT = re.compile(r"(?<![A-Za-z0-9_.])[0-9]+(\.[0-9]+)?[eE]\Z")
-_EXPONENT_HINT = (
-    "only a quantity takes an exponent, before its unit (3.35e3GB/s); write other numbers in full (1000, 0.001)"
-)
+_EXPONENT_HINT = "an exponent is e and digits, after the number and before any unit: 1e-3, 989e12, 3.35e3GB/s"
 
 
 def _inside_list(text: str, pos: int, limit: int = 100_000) -> bool:
@@ -518,7 +610,7 @@ def _build_emus(d: Decl, m: Module, sink: DiagnosticSink) -> None:
         if len(gpus) != len(replicas):
             sink.error(
                 loc,
-                f"shard [{pp}, {tp}] lists {len(gpus)} GPU(s) for {len(replicas)} replica(s)",
+                f"shard [{pp}, {tp}] lists {plural(len(gpus), 'GPU')} for {plural(len(replicas), 'replica')}",
                 "a shard lists one GPU per replica of the block, in replica order",
             )
             built.append(None)

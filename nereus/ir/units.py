@@ -63,7 +63,8 @@ _PRINT_UNITS: dict[Dim, list[str]] = {
 }
 
 
-_BASE_UNIT = {Dim.SIZE: "B", Dim.BANDWIDTH: "B/s", Dim.TIME: "s", Dim.FLOPS: "FLOPs"}
+BASE_UNIT = {Dim.SIZE: "B", Dim.BANDWIDTH: "B/s", Dim.TIME: "s", Dim.FLOPS: "FLOPs"}
+_BASE_UNIT = BASE_UNIT
 
 
 class UnitError(ValueError):
@@ -74,7 +75,8 @@ class UnitError(ValueError):
         self.hint = hint
 
 
-_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# digits may be grouped with single underscores (4_096GiB), as the grammar's numbers are
+_NUMBER = re.compile(r"-?(?:[0-9]+(?:_[0-9]+)*(?:\.(?:[0-9]+(?:_[0-9]+)*)?)?|\.[0-9]+(?:_[0-9]+)*)(?:[eE][+-]?[0-9]+)?")
 MAX_EXPONENT = 30  # 1e30 bytes, 1e-30 s: beyond any real quantity, and bounded work for Decimal
 
 
@@ -131,27 +133,50 @@ def _plain(d: Decimal) -> str:
     return s
 
 
+SHORT_MAX = 2**20
+"""A quantity prints with at most 4 fractional digits in a unit where it is under this many
+units (``41838MiB``, ``1.5GiB``); one that has no such text prints in the largest unit it is at
+least 1 of, with the digits it needs (``93.395022336GB``, not ``91206076.5KiB``)."""
+
+
 def format_quantity(dim: Dim, value: int | float) -> str:
-    """Canonical text of a quantity: the largest unit whose short decimal parses back exactly."""
+    """Canonical text of a quantity, parsing back to exactly ``value``: the largest unit whose
+    short decimal (at most 4 fractional digits, under ``SHORT_MAX`` units) is exact, else the
+    largest unit of its family the value is at least 1 of (binary or decimal: the one that needs
+    fewer digits), with as many digits as exactness needs (a whole number of bytes is exact in GB
+    with at most 9)."""
     if value == 0:
         return "0" + _PRINT_UNITS[dim][-1 if dim is not Dim.TIME else 0]
     with localcontext() as ctx:
         ctx.prec = 400  # enough for any float's exact decimal expansion, and any int we print
         exact = Decimal(value) if dim is Dim.SIZE else Decimal(repr(float(value)))
-        for unit in _PRINT_UNITS[dim]:
-            mag = exact / UNITS[unit][1]
-            if abs(mag) < 1:
-                continue
-            # Shortest decimal (up to 4 fractional digits, for readability) that round-trips.
-            for digits in range(0, 5):
-                text = _plain(round(mag, digits)) + unit
-                try:
-                    if parse_quantity(text)[1] == value:
-                        return text
-                except UnitError:
-                    pass
+        units = [(u, exact / UNITS[u][1]) for u in _PRINT_UNITS[dim]]
+        units = [(u, mag) for u, mag in units if abs(mag) >= 1]
+        for unit, mag in units:
+            if abs(mag) < SHORT_MAX:
+                text = _round_trip(mag, unit, value, range(0, 5))
+                if text is not None:
+                    return text
+        # no short text: the largest unit of each family (GiB and GB) that the value is at least 1
+        # of, in whichever needs fewer digits (a whole number of bytes: GB, with at most 9)
+        top = [(u, mag) for u, mag in units if abs(mag) < 1024] or units[:1]
+        texts = [t for t in (_round_trip(mag, u, value, range(5, 31)) for u, mag in top) if t is not None]
+        if texts:
+            return min(texts, key=lambda t: len(split_quantity(t)[0].partition(".")[2]))
         # The base unit (factor 1) with the exact decimal of the value always round-trips.
         return _plain(exact) + _BASE_UNIT[dim]
+
+
+def _round_trip(mag: Decimal, unit: str, value: int | float, digits: range) -> str | None:
+    """The shortest decimal of ``mag`` with ``digits`` fractional digits whose text parses back to ``value``."""
+    for d in digits:
+        text = _plain(round(mag, d)) + unit
+        try:
+            if parse_quantity(text)[1] == value:
+                return text
+        except UnitError:
+            pass
+    return None
 
 
 def parse_size(text: str) -> int:

@@ -8,7 +8,7 @@ is the error), so one typo does not produce a cascade.
 from __future__ import annotations
 
 from .attributes import compress_ints
-from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, closest, did_you_mean
+from .diagnostics import Diagnostic, DiagnosticError, DiagnosticSink, Loc, closest, did_you_mean, plural
 from .module import Module
 from .plan import Layout, Plan
 from .verify_emus import verify_emus
@@ -257,15 +257,24 @@ def _plan(m: Module, plan: Plan, sink: DiagnosticSink, broken: set[str]) -> None
 def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> None:
     ms = lay.model_stage
     if model.heads % lay.tp:
+        # a TP degree must split the query heads and the K/V heads, and fit in the cluster
+        # (28 heads allow TP 28, which no 16-GPU cluster runs)
+        gpus = len(cluster.available_gpus()) if cluster is not None else model.heads
         ok = [
             t
-            for t in range(1, model.heads + 1)
+            for t in range(1, min(model.heads, gpus) + 1)
             if model.heads % t == 0 and (t % model.kv_heads == 0 or model.kv_heads % t == 0)
         ]
         sink.error(
             at(lay, "tp"),
             f"{ms}: tp = {lay.tp} does not divide heads = {model.heads} of model @{model.name}",
-            "choose tp from " + ", ".join(map(str, ok[:12])),
+            "choose tp from "
+            + ", ".join(map(str, ok[:12]))
+            + (
+                f" (at most the {plural(gpus, 'GPU')} of cluster @{cluster.name})"
+                if cluster is not None and gpus < model.heads
+                else ""
+            ),
         )
     elif lay.tp > model.kv_heads and lay.tp % model.kv_heads:
         sink.error(
@@ -279,7 +288,7 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
     if len(lay.layers) != lay.pp:
         sink.error(
             at(lay, "layers"),
-            f"{ms}: pp = {lay.pp} but layers lists {len(lay.layers)} range(s)",
+            f"{ms}: pp = {lay.pp} but layers lists {plural(len(lay.layers), 'range')}",
             "give one inclusive layer range per pipeline stage, e.g. [0..15, 16..31]",
         )
     else:
@@ -297,13 +306,13 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             if nxt != model.layers:
                 sink.error(
                     at(lay, "layers"),
-                    f"{ms}: layers cover 0..{nxt - 1} but model @{model.name} has {model.layers} layers "
+                    f"{ms}: layers cover 0..{nxt - 1} but model @{model.name} has {plural(model.layers, 'layer')} "
                     f"(0..{model.layers - 1})",
                 )
     if len(lay.mesh) != lay.world:
         sink.error(
             at(lay, "mesh"),
-            f"{ms}: mesh has {len(lay.mesh)} GPU(s) but "
+            f"{ms}: mesh has {plural(len(lay.mesh), 'GPU')} but "
             + (f"dp x cp x pp x tp = {lay.dp} x {lay.cp} x" if lay.cp > 1 else f"dp x pp x tp = {lay.dp} x")
             + f" {lay.pp} x {lay.tp} = {lay.world}",
         )
@@ -527,8 +536,9 @@ def batch_warnings(m: Module) -> list[Diagnostic]:
                     at(lay, "dp"),
                     f"{ms}: micro_batch x dp = {mb} x {lay.dp} = {mb * lay.dp} does not divide {what}: "
                     "Megatron-LM and verl reject this split",
-                    f"an optimizer step is {flush // mb} micro-batches, which {lay.dp} replicas cannot share evenly"
-                    + (f": {fixes}" if fixes else ""),
+                    f"an optimizer step is {plural(flush // mb, 'micro-batch', 'micro-batches')}, "
+                    f"which {plural(lay.dp, 'replica')} "
+                    "cannot share evenly" + (f": {fixes}" if fixes else ""),
                     severity="warning",
                 )
             )

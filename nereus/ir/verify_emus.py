@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .diagnostics import DiagnosticSink, Loc, did_you_mean
+from .diagnostics import DiagnosticSink, Loc, did_you_mean, plural
 from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
 from .model import TensorSpec
 from .module import Module
@@ -155,7 +155,8 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
         return
     if len(e.box) != len(spec.shape):
         sink.error(
-            e.loc, f"{e.tensor} has {len(spec.shape)} dimension(s) {list(spec.shape)}, the slice gives {len(e.box)}"
+            e.loc,
+            f"{e.tensor} has {plural(len(spec.shape), 'dimension')} {list(spec.shape)}, the slice gives {len(e.box)}",
         )
         return
     for d, ((a, b), n) in enumerate(zip(e.box, spec.shape)):
@@ -208,12 +209,12 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
                 loc = max(holders, key=lambda e: (e.loc.line, e.loc.col)).loc
                 sink.error(
                     loc,
-                    f"{emu.model_stage}[{emu.replica}]: {label} is held {count} time(s), expected {want}",
+                    f"{emu.model_stage}[{emu.replica}]: {label} is held {plural(count, 'time')}, expected {want}",
                     "slices of one tensor may overlap only where its sharding rule replicates it",
                 )
             else:
                 loc, owner = _expected_owner(ctx, emu, spec, state, layers, box)
-                what = "is not held by any shard" if count == 0 else f"is held {count} time(s), expected {want}"
+                what = "is not held by any shard" if count == 0 else f"is held {plural(count, 'time')}, expected {want}"
                 sink.error(
                     loc,
                     f"{emu.model_stage}[{emu.replica}]: {label} {what}"
@@ -262,7 +263,7 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
                 emu0 = min(emus, key=lambda e: e.replica)
                 sink.error(
                     emu0.loc,
-                    f"{ms}: {state} {name} {format_box(box)} is held {count} time(s) across the {lay.replicas} "
+                    f"{ms}: {state} {name} {format_box(box)} is held {plural(count, 'time')} across the {lay.replicas} "
                     f"replicas, expected {want}",
                     f"zero = {lay.zero} shards {state} over DP: the replicas "
                     "together hold each element once per TP replication",

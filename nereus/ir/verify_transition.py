@@ -222,7 +222,8 @@ def _op(m: Module, t: Transition, op: Op, sink: DiagnosticSink) -> None:
     for side, got, lo, hi in (("source", len(op.src), smin, smax), ("destination", len(op.dst), dmin, dmax)):
         if got < lo or (hi is not None and got > hi):
             want = f"exactly {lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
-            sink.error(op.loc, f"{op.id}: {op.kind} takes {want} {side}(s), got {got}")
+            noun = side if hi == 1 else side + "s"  # "exactly 1 destination", "1 to 2 sources"
+            sink.error(op.loc, f"{op.id}: {op.kind} takes {want} {noun}, got {got}")
             return
     locs = op.endpoint_locs or [op.loc] * (len(op.src) + len(op.dst))
     src_host = [isinstance(e, HostRef) for e in op.src]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..backend.program import Message, Piece, Program, Step
+from ..ir.diagnostics import plural
 from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 # torch 2.13 names the equal-chunk all-gather all_gather_single (all_gather_into_tensor is deprecated)
@@ -514,7 +515,7 @@ def execute(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != program.world:
-        raise TransitionError(f"the program needs {program.world} ranks, the process group has {world}")
+        raise TransitionError(f"the program needs {plural(program.world, 'rank')}, the process group has {world}")
     device = (
         torch.device(device)
         if device is not None

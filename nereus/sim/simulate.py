@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from rich.progress import Progress
 
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
+from ..ir.diagnostics import plural
 from .policies import POLICIES, NoPlan, Policy
 from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
 from .trace import Trace
@@ -76,7 +77,7 @@ def check_fits(module: Module, trace: Trace, policies: list[str]) -> None:
         problems.append(
             Diagnostic(
                 where,
-                f"trace {trace.name} ranges over {trace.gpus} GPUs, but cluster @{c.name} of job "
+                f"trace {trace.name} ranges over {plural(trace.gpus, 'GPU')}, but cluster @{c.name} of job "
                 f"{trace.job} has {c.num_gpus}",
                 "use a job with a larger cluster",
             )

@@ -84,7 +84,7 @@ def test_features_round_trip_and_change_the_estimate():
         ),
         (
             CP_BASE + ", dp = 1, cp = 2, mesh = [0..63]",
-            "mesh has 64 GPU(s) but dp x cp x pp x tp = 1 x 2 x 8 x 8 = 128",
+            "mesh has 64 GPUs but dp x cp x pp x tp = 1 x 2 x 8 x 8 = 128",
         ),
     ],
 )

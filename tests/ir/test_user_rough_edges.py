@@ -213,10 +213,15 @@ def test_exponent_out_of_range_is_a_unit_error_not_a_crash():
     assert "out of range" in d.message
 
 
-@pytest.mark.parametrize("value", ["1e3", "1e-5", "2E4"])
-def test_a_number_with_an_exponent_but_no_unit_is_hinted_as_such(value):
+@pytest.mark.parametrize("value, hint", [("1e3", ": 1000"), ("2E4", ": 20000"), ("1e-5", None)])
+def test_a_number_with_an_exponent_is_a_float_which_an_integer_attribute_refuses(value, hint):
+    # issue 42: plain numbers take exponents now (a float); an integer attribute says what to write
     (d,) = diagnostics(edit(("  nodes = 1\n", f"  nodes = {value}\n")))
-    assert d.hint.startswith("only a quantity takes an exponent, before its unit (3.35e3GB/s)")
+    assert d.message == f"expected an integer, got a number '{value}'"
+    if hint is None:
+        assert d.hint is None
+    else:
+        assert d.hint == "integers are written in full, without an exponent" + hint
 
 
 def test_list_hint_only_inside_a_list():

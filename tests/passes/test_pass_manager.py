@@ -118,7 +118,7 @@ def test_invalid_ir_after_a_pass_names_it_and_its_predecessors():
             run_pipeline(m, "derive-emus{model_stage=actor.train},test-break-mesh")
         text = str(e.value)
         assert "IR is invalid after pass test-break-mesh (passes before it: derive-emus)" in text
-        assert "mesh has 9 GPU(s) but dp x pp x tp = 2 x 1 x 4 = 8" in text
+        assert "mesh has 9 GPUs but dp x pp x tp = 2 x 1 x 4 = 8" in text
     finally:
         del PASSES["test-break-mesh"]
 

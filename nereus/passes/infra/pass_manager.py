@@ -22,6 +22,7 @@ every layer's passes is ``nereus.registry.get_all_passes()``, above the layers, 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from collections.abc import Mapping
@@ -118,6 +119,21 @@ def no_such(module: Module, pass_name: str, kind: str, name: str) -> DiagnosticE
     return DiagnosticError(
         [Diagnostic(Loc(0, 0, module.filename), f"{pass_name}: no {kind} @{name}; the module's {kind}s: {have}", hint)]
     )
+
+
+def check_time_limit(module: Module, pass_name: str, time_limit: float) -> None:
+    """A solver's ``time_limit`` (s) must be a positive, finite number of seconds: a limit of 0 or
+    -1 would give up at once and read as "raise time_limit" to the user."""
+    if not 0 < time_limit < math.inf:
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(0, 0, module.filename),
+                    f"{pass_name}: time_limit must be a positive number of seconds, got {time_limit:g}",
+                    f"{pass_name}{{time_limit=10}} gives the solver 10 s",
+                )
+            ]
+        )
 
 
 PASSES: dict[str, type[ModulePass]] = {}

@@ -33,7 +33,7 @@ from ...ir import Diagnostic, DiagnosticError, Loc, Module, Transition
 from ...ir.gc_pause import gc_paused
 from ...ir.printer import printed_precision
 from ..cost.cost_model import CostModel
-from ..infra.pass_manager import ModulePass, Ref, register
+from ..infra.pass_manager import ModulePass, Ref, check_time_limit, register
 from .buckets import TICK, Bucket, bucket_precedences, buckets_of
 from .cpsat import SEARCH_MAX, solve_schedule
 from .list_schedules import Schedule, bucket_durations
@@ -112,6 +112,7 @@ class ScheduleTransfers(ModulePass):
     transition: Ref = ""
 
     def apply(self, module: Module) -> None:
+        check_time_limit(module, self.name, self.time_limit)
         names = [self.transition] if self.transition else list(module.transitions)
         if not names:
             raise DiagnosticError(

@@ -36,13 +36,14 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from ...ir import Diagnostic, DiagnosticError, Layout, Loc, Module, Plan
+from ...ir.diagnostics import plural
 from ...ir.model import even_split
 from ...ir.plan import SearchRecord
 from ...ir.printer import printed_precision
 from ...ir.units import Dim, format_quantity
 from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from ..cost.estimate import estimate_plan
-from ..infra.pass_manager import ModulePass, Ref, api_option, no_such, register
+from ..infra.pass_manager import ModulePass, Ref, api_option, check_time_limit, no_such, register
 from .bounds import option_bounds, restrict, stage_bounds
 from .explain import explain
 from .space import (
@@ -449,7 +450,7 @@ def infeasible_diagnostic(problem: SearchProblem, loc: Loc) -> Diagnostic:
     return Diagnostic(
         loc,
         f"no plan fits: each model-stage fits on its own, but no placement of them together fits "
-        f"in {have} per GPU on {problem.n} GPUs ({alone}"
+        f"in {have} per GPU on {plural(problem.n, 'GPU')} ({alone}"
         + (
             f"; {', '.join(gen)} also {'needs' if len(gen) == 1 else 'need'} room for the KV cache of "
             "at least one sequence"
@@ -551,6 +552,7 @@ class PlanSearch(ModulePass):
                     )
                 ]
             )
+        check_time_limit(module, self.name, self.time_limit)
         if not 0 <= self.headroom < 0.5:
             raise DiagnosticError(
                 [

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module, Stage
 from ...ir.attributes import compress_ints
+from ...ir.diagnostics import plural
 from ...ir.printer import printed_precision
 from ...ir.transition import FORCED_BY, Admission
 from ...ir.units import Dim, format_quantity
@@ -156,6 +157,6 @@ def describe(a: Admission) -> str:
         }
         return f"{cost}; {why.get(a.forced_by or '', 'plan A cannot go on')}"
     assert a.saving is not None and a.benefit is not None
-    steps = f" over {a.horizon} steps" if a.horizon is not None else ""
-    even = f"; breaks even after {a.break_even:g} steps" if a.break_even is not None else "; never breaks even"
+    steps = f" over {plural(a.horizon, 'step')}" if a.horizon is not None else ""
+    even = f"; breaks even after {plural(a.break_even, 'step')}" if a.break_even is not None else "; never breaks even"
     return f"{cost}, saves {s(a.saving)} per step, {s(a.benefit)}{steps}{even}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from ...ir import Diagnostic, DiagnosticError, Module, Stage
-from ...ir.diagnostics import did_you_mean
+from ...ir.diagnostics import did_you_mean, plural
 from ...ir.gc_pause import gc_paused
 from ...ir.sharding import derive_emus, states_of
 from ..cost.layout_costs import layout_costs
@@ -35,7 +35,9 @@ class DeriveEmus(ModulePass):
         plan_name = self.plan
         if not plan_name:
             if len(module.plans) != 1:
-                raise _error(module, f"derive-emus needs plan=@name: the module has {len(module.plans)} plans")
+                raise _error(
+                    module, f"derive-emus needs plan=@name: the module has {plural(len(module.plans), 'plan')}"
+                )
             plan_name = next(iter(module.plans))
         plan = module.plans.get(plan_name)
         if plan is None:

@@ -32,6 +32,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 
 from ...ir import Diagnostic, DiagnosticError, Module
+from ...ir.diagnostics import plural
 from ...ir.plan import RemapRecord
 from ..infra.pass_manager import Gpus, ModulePass, Ref, register
 from .derive_emus import emus_required
@@ -56,7 +57,7 @@ def reuse_matrix(m: Module, source: str, target: str, gpus: int, lost: set[int])
                 Diagnostic(
                     m.plans[source].loc,
                     f"remap: plan @{source} holds state on GPUs {outside}, "
-                    f"outside plan @{target}'s cluster of {gpus} GPUs",
+                    f"outside plan @{target}'s cluster of {plural(gpus, 'GPU')}",
                 )
             ]
         )
