@@ -526,7 +526,8 @@ def test_candidates_pruned_by_their_arrays_keep_what_pruning_the_made_options_ke
 
 
 def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
-    """``wave_points`` as first written: every row's wave sizes and thinning made for it alone."""
+    """``wave_points`` as first written: every row's wave sizes (every concurrency with a
+    response-length distribution) and thinning made for it alone."""
     from nereus.passes.cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION
     from nereus.passes.search.space import per_sequence, wave_sizes
 
@@ -534,7 +535,8 @@ def _wave_points_row_by_row(cost, workload, model, weights, tp, pp, dp, most):
     keep, rho = [], []
     for i in range(len(kv_seq)):
         budget = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - float(weights[i])
-        need = sorted(wave_sizes(samples[i]), reverse=True)
+        by_length = range(1, math.ceil(samples[i]) + 1) if workload.response_len_dist else wave_sizes(samples[i])
+        need = sorted(by_length, reverse=True)
         points = [budget - c * kv_seq[i] for c in need if budget - c * kv_seq[i] >= 0]
         if len(points) > most:
             idx = sorted({min(len(points) - 1, int(round(x)) - 1) for x in np.geomspace(1, len(points), most)})

@@ -178,6 +178,16 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
         if not found:
             return None
         partition[stage] = found[0]
+    # a layout's candidates differ only in the allowance for others' state (generation), so what
+    # others keep on each GPU is known: only the allowances that cover it can be the plan's
+    load = np.zeros(pos.n, dtype=np.int64)
+    for ms, cs in choices.items():
+        o = problem.spaces[ms].options[cs[0]]
+        load[start[ms] : start[ms] + o.gpus] += o.resident
+    for ms, cs in choices.items():
+        opts = problem.spaces[ms].options
+        here = int(load[start[ms] : start[ms] + opts[cs[0]].gpus].max())
+        choices[ms] = [c for c in cs if here - opts[c].resident <= opts[c].rho]
     for choice in itertools.islice(itertools.product(*choices.values()), 64):  # the allowances, fastest first
         pick = dict(zip(choices, choice))
         value = problem.evaluate(pick, start, partition)

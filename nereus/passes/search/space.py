@@ -19,13 +19,17 @@ The abstraction is ``estimate``'s own model, placed:
   Memory is counted in KiB rounded up, a model-stage's state at most 1 KiB more than its bytes.
 - **Generation** takes what memory the others leave for its KV cache: a generation candidate
   states how much others may keep on its GPUs (``rho``) and is costed at exactly that, at every
-  point where the number of waves of sequences changes (so no allowance is rounded to a coarser
-  step). It is kept only when its peak fits for any smaller resident state, too.
+  point where its time changes: where the number of waves of sequences changes, or, when the
+  workload gives a response-length distribution (continuous batching's decode then depends on the
+  number of sequences at once), at every number of sequences at once (so no allowance is rounded
+  to a coarser step). It is kept only when its peak fits for any smaller resident state, too.
 
 The candidate space (what the docs of ``plan-search`` call its approximation): TP sizes that
 divide the heads and divide or are multiples of the KV heads, up to a node; PP of every size up
-to 16 and every divisor of the layers, layers split evenly; DP of every size while a layout fits
-in two nodes, beyond that whole nodes in powers of two or up to 8 nodes, and all the GPUs;
+to 16 and every divisor of the layers, layers split evenly; DP of every size that splits an
+optimizer step evenly (``micro_batch x dp`` divides ``mini_batch``, as Megatron-LM and verl
+require: ``replicas_share_steps``; the verifier warns of a plan that does not) while a layout
+fits in two nodes, beyond that whole nodes in powers of two or up to 8 nodes, and all the GPUs;
 micro-batches: the most a pipeline flush holds, and every count below PP (less memory, more
 bubble; powers of two when PP > 8); counts between PP and the most are dominated (same memory,
 more bubble). ZeRO 2 and 3 (0 and 1 take the same time as 2 and keep more), recomputation
@@ -70,7 +74,7 @@ FULL_SPACE_MODEL_STAGES = 4  # this many model-stages: the full space and every 
 # allocator's fragmentation (a few percent of what it holds). 10% of an 80 GiB GPU is 8 GiB,
 # the same share vLLM leaves at its default gpu_memory_utilization = 0.9.
 DEFAULT_HEADROOM = 0.1
-MAX_WAVE_POINTS = 48  # (8 on large clusters)
+MAX_WAVE_POINTS = 1 << 30  # generation allowances per layout: every one (8 on large clusters)
 VIRTUAL_STAGES = (2, 3, 4)  # interleaved pipeline schedules tried (besides plain 1F1B)
 LEAN_OFFLOAD = {
     "train": ((), ("optimizer",), ("grads", "optimizer")),
@@ -764,23 +768,28 @@ def per_sequence(workload: Workload, model: Model, tp, pp, dp) -> tuple[np.ndarr
 
 
 def wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp, pp, dp, most: int = MAX_WAVE_POINTS):
-    """Generation rows expanded at every resident state of others where the number of waves changes.
+    """Generation rows expanded at every resident state of others where generation's time changes.
 
-    The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule); ``w``
-    waves need ``ceil(S / w)`` sequences at once, so others may keep at most ``budget -
-    ceil(S / w) x KV bytes per sequence``. Returns (row index per new row, rho in bytes).
+    The KV cache gets ``0.9 x memory - weights - others`` (the cost model's vLLM rule) and holds
+    ``c`` sequences at once, so others may keep at most ``budget - c x KV bytes per sequence``.
+    Without a response-length distribution the time depends on ``c`` only through the number of
+    waves: ``w`` waves need ``ceil(S / w)`` sequences, one point per wave count. With one,
+    continuous batching's decode iterations depend on ``c`` itself (``decode_iterations``): one
+    point per concurrency ``1 .. S``. Returns (row index per new row, rho in bytes).
 
-    Rows share their wave sizes (one set per number of samples a replica generates, a few per
+    Rows share their concurrencies (one set per number of samples a replica generates, a few per
     job) and their geometric thinning (one per number of points): both made once per call."""
     kv_seq, _, samples = per_sequence(workload, model, tp, pp, dp)
     budgets = VLLM_GPU_MEMORY_UTILIZATION * cost.cluster.gpu_memory - np.asarray(weights, dtype=float)
-    sizes: dict[float, np.ndarray] = {}  # samples -> wave sizes, descending
+    sizes: dict[float, np.ndarray] = {}  # samples -> concurrencies, descending
     thin: dict[int, np.ndarray] = {}  # number of points -> the indices kept
     keep, rho = [], []
     for i in range(len(kv_seq)):
         need = sizes.get(samples[i])
         if need is None:
-            need = sizes[samples[i]] = np.array(sorted(wave_sizes(samples[i]), reverse=True), dtype=float)
+            need = sizes[samples[i]] = np.array(
+                sorted(concurrencies(samples[i], bool(workload.response_len_dist)), reverse=True), dtype=float
+            )
         points = budgets[i] - need * kv_seq[i]
         points = points[points >= 0]
         n = len(points)
@@ -794,6 +803,13 @@ def wave_points(cost: CostModel, workload: Workload, model: Model, weights, tp, 
     if not keep:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=float)
     return np.concatenate(keep), np.concatenate(rho)
+
+
+def concurrencies(samples: float, by_length: bool) -> set[int]:
+    """The numbers of sequences at once at which generation's time changes: every one of
+    ``1 .. ceil(samples)`` when decode follows a response-length distribution (``by_length``),
+    else the wave sizes."""
+    return set(range(1, math.ceil(samples) + 1)) if by_length else wave_sizes(samples)
 
 
 def wave_sizes(samples: float) -> set[int]:
