@@ -153,10 +153,12 @@ def test_the_papers_baseline_rescales_only_dp(result):
 
 
 def test_a_restarting_policy_whose_tp_pp_no_longer_fit_restarts_with_new_ones():
-    """Responses grow 1k -> 4k tokens at step 2 on 8 GPUs: the OpenRLHF-like pools' step-0 TP/PP no
-    longer fit. It used to fail every later step; like a user, it now restarts with new TP/PP."""
+    """Responses grow 1k -> 4k tokens at step 2 on 8 GPUs (the longest 6k): the OpenRLHF-like pools'
+    step-0 TP/PP no longer fit. It used to fail every later step; like a user, it now restarts with
+    new TP/PP. (With responses up to 8k, training sized for its longest micro-batch, no TP/PP of its
+    pools fits 8 GPUs at all.)"""
     steps = [
-        TraceStep(i, length_shares(1000 if i < 2 else 4000, 8000), frozenset(range(8, 16)), frozenset())
+        TraceStep(i, length_shares(1000 if i < 2 else 4000, 6000), frozenset(range(8, 16)), frozenset())
         for i in range(4)
     ]
     r = simulate(
