@@ -1,11 +1,14 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
-# make test: same set-up plus the vLLM extra, then the layer contracts (lint-imports), ruff (lint, import
-# order, format), mypy (nereus/ir and nereus/passes) and the whole test suite.
+# make test: same set-up plus the vLLM, verl and Megatron test extras, then the layer contracts
+# (lint-imports), ruff (lint, import order, format), mypy (nereus/ir and nereus/passes) and the whole
+# test suite.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
+VERL_STAMP := $(VENV)/.installed-verl
+MEGATRON_STAMP := $(VENV)/.installed-megatron
 
 .PHONY: demo test bench venv clean
 
@@ -23,6 +26,19 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/python -c "import vllm, transformers"
 	touch $(VLLM_STAMP)
+
+# the nereus[verl] test extra: verl's config layer and what it imports, --no-deps (verl's own
+# requirements pull transformers<5.11 and CUDA builds); torch stays the CPU pin.
+$(VERL_STAMP): $(VLLM_STAMP) requirements-verl.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-verl.txt -c requirements-cpu.txt
+	$(BIN)/python -c "import verl.trainer.main_ppo, verl.workers.config, torch; assert torch.__version__ == '2.13.0+cpu'"
+	touch $(VERL_STAMP)
+
+# the nereus[megatron] test extra: megatron-core's config classes, --no-deps.
+$(MEGATRON_STAMP): $(STAMP) requirements-megatron.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-megatron.txt -c requirements-cpu.txt
+	$(BIN)/python -W ignore -c "import megatron.core.transformer, megatron.core.distributed"
+	touch $(MEGATRON_STAMP)
 
 venv: $(STAMP)
 
@@ -53,7 +69,7 @@ demo: $(STAMP)
 	$(BIN)/nereus bench reshard --quick
 	$(BIN)/nereus simulate nereus/sim/traces/combined.jsonl --plot out/  # all 1,000 steps, six policies: 141 s on this host on 2026-12-03 (docs/RESULTS.md, Speed)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -376,7 +376,7 @@ def cmd_export(args) -> int:
 
     m, _ = _load(args.file)
     text = export_plan(m, args.plan, args.to)
-    for line in text.splitlines():  # what the framework runs differs from the plan (``_as_run``)
+    for line in text.splitlines():  # what the framework runs differs from the plan (``export.as_run``)
         if line.startswith("# warning: "):
             print(f"nereus export: warning: {line.removeprefix('# warning: ')}", file=sys.stderr)
     if args.output:

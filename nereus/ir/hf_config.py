@@ -1,4 +1,4 @@
-"""A ``Model`` from a Hugging Face ``config.json`` (Llama, Qwen2 and Mistral families).
+"""A ``Model`` from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3 and Mistral families).
 
 What is read (the IR attribute each key sets):
 
@@ -7,10 +7,15 @@ What is read (the IR attribute each key sets):
 ``hidden_size``                       ``hidden``
 ``num_attention_heads``               ``heads``
 ``num_key_value_heads``               ``kv_heads`` (absent: ``heads``, no GQA, as Hugging Face does)
-``intermediate_size``                 ``ffn`` (the three families use SwiGLU: ``mlp = gated``)
+``intermediate_size``                 ``ffn`` (the four families use SwiGLU: ``mlp = gated``)
 ``vocab_size``                        ``vocab``
 ``head_dim``                          ``head_dim``, only when it differs from hidden / heads
 ``tie_word_embeddings``               ``tied_embeddings`` (absent: false, the families' default)
+``model_type = qwen2``                ``qkv_bias = true`` (Qwen2 always has q/k/v biases)
+``attention_bias``                    ``qkv_bias`` (Llama, Mistral, Qwen3; o_proj's bias is a note)
+``model_type = qwen3``                ``qk_norm = true`` (per-head q/k RMSNorm weights)
+``rope_theta`` (v5: ``rope_parameters``) ``rope_theta`` (an integer base)
+``rms_norm_eps``                      ``norm_eps``
 ``torch_dtype`` (v5: ``dtype``)       ``dtype``: bfloat16 -> bf16, float16 -> fp16, float32 -> fp32
                                       (absent or null: bf16, the IR's default, with a note)
 ====================================  ==========================================================
@@ -18,16 +23,17 @@ What is read (the IR attribute each key sets):
 What the IR cannot express, reported as notes (``//`` comments above the printed block, and by
 ``nereus import-hf`` on stderr), never dropped silently:
 
-- **biases**: the IR's tensors are Llama's, without biases. Qwen2 always has q/k/v projection
-  biases (``layers x (heads + 2 x kv_heads) x head_dim`` parameters, 129,024 for Qwen2-7B,
-  344,064 for Qwen2.5-14B: ``num_params()`` is short by that many); Llama's ``attention_bias``
-  (also o_proj's) and ``mlp_bias`` when true. Their bytes are not in EMUs or transitions.
+- **biases** other than q/k/v's: o_proj's (``attention_bias`` also sets it) and ``mlp_bias``'s
+  (gate/up/down). ``num_params()`` is short by that many, and their bytes are not in EMUs or
+  transitions. (Qwen2's q/k/v biases are modelled: ``num_params()`` equals transformers' count.)
+- **rope scaling** (``rope_scaling``, or a ``rope_parameters`` type other than ``default``).
 - **sliding-window attention** (Mistral's ``sliding_window``, Qwen2's with ``use_sliding_window``):
   the cost model sizes KV caches and attention for full attention.
 
-Rope settings, the norm epsilon and the context length do not change any tensor's shape and are
-not part of the IR. An unsupported ``model_type``, a missing or non-integer shape key, or an
-unknown dtype raise a ``DiagnosticError`` naming the key and the file.
+The context length does not change any tensor's shape and is not part of the IR. An unsupported
+``model_type`` (a mixture-of-experts config names what the IR lacks: experts and a router), a
+missing or non-integer shape key, or an unknown dtype raise a ``DiagnosticError`` naming the key
+and the file.
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ from pathlib import Path
 from .diagnostics import Diagnostic, DiagnosticError, Loc
 from .model import Model
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# mixture-of-experts families, refused by name: the IR's model has dense MLPs only
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "granitemoe")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # IR attribute <- config key, in the order the printer writes them
 SHAPE = {
@@ -83,6 +92,15 @@ def model_from_hf_config(
     if head not in ("lm", "value"):
         raise _error(source, f"head = '{head}': choose lm or value")
     family = cfg.get("model_type")
+    experts = {k: cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1}
+    if family in MOE_FAMILIES or experts:
+        what = ", ".join(f"{k} = {v}" for k, v in experts.items()) or "experts"
+        raise _error(
+            source,
+            f"model_type = {family!r} is a mixture-of-experts model ({what}): the IR's model spec has dense "
+            "MLPs only, no experts, router or shared experts",
+            f"supported: {', '.join(FAMILIES)} (dense Llama-style decoders)",
+        )
     if family not in FAMILIES:
         raise _error(
             source,
@@ -98,6 +116,15 @@ def model_from_hf_config(
     raw_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
     if raw_dtype is not None and raw_dtype not in DTYPES:
         raise _error(source, f"torch_dtype = {raw_dtype!r} is not supported", f"supported: {', '.join(DTYPES)}")
+    rope_theta = cfg.get("rope_theta")
+    rope = cfg.get("rope_parameters")
+    if rope_theta is None and isinstance(rope, dict):
+        rope_theta = rope.get("rope_theta")
+    if rope_theta is not None and (isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float)):
+        raise _error(source, f"rope_theta = {rope_theta!r} is not a number")
+    eps = cfg.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0):
+        raise _error(source, f"rms_norm_eps = {eps!r} is not a positive number")
     model = Model(
         name=name,
         layers=shape["layers"],
@@ -110,6 +137,10 @@ def model_from_hf_config(
         dtype=DTYPES[raw_dtype] if raw_dtype else "bf16",
         mlp="gated",
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")),
+        qk_norm=family == "qwen3",
+        rope_theta=round(rope_theta) if rope_theta is not None and rope_theta == round(rope_theta) else None,
+        norm_eps=float(eps) if eps is not None else None,
         head=head,
         trained=trained,
     )
@@ -126,16 +157,26 @@ def hf_notes(cfg: dict, model: Model) -> list[str]:
     notes = []
     if cfg.get("torch_dtype", cfg.get("dtype")) is None:
         notes.append("the config gives no torch_dtype: dtype = bf16 (the IR's default)")
-    q, kv = model.heads * model.hd, model.kv_heads * model.hd
-    if cfg["model_type"] == "qwen2":
-        n = model.layers * (q + 2 * kv)
-        notes.append(f"q/k/v biases not modelled: {n:,} parameters ({model.layers} layers x ({q} + {kv} + {kv}))")
     if cfg.get("attention_bias"):
-        n = model.layers * (q + 2 * kv + model.hidden)
-        notes.append(f"attention_bias = true not modelled: {n:,} parameters of q/k/v/o biases")
+        n = model.layers * model.hidden
+        notes.append(
+            f"attention_bias = true: the q/k/v biases are modelled, o_proj's are not: {n:,} parameters "
+            f"({model.layers} layers x {model.hidden})"
+        )
     if cfg.get("mlp_bias"):
         n = model.layers * (2 * model.ffn + model.hidden)
         notes.append(f"mlp_bias = true not modelled: {n:,} parameters of gate/up/down biases")
+    raw = cfg.get("rope_parameters")
+    rope: dict = raw if isinstance(raw, dict) else {}
+    scaling = cfg.get("rope_scaling")
+    rope_type = (scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else None) or rope.get(
+        "rope_type"
+    )
+    if rope_type not in (None, "default"):
+        notes.append(f"rope scaling ({rope_type}) not modelled: rope_theta is the base frequency only")
+    theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    if theta is not None and model.rope_theta is None:
+        notes.append(f"rope_theta = {theta} is not an integer: not kept (Megatron-LM's --rotary-base is one)")
     window = cfg.get("sliding_window")
     if window and (cfg["model_type"] == "mistral" or cfg.get("use_sliding_window")):
         notes.append(f"sliding_window = {window} not modelled: the cost model sizes KV caches for full attention")

@@ -14,6 +14,11 @@ Sharding rules (Megatron-LM's, which vLLM follows):
 - ``vocab``: split the vocabulary (dim 0) of the embedding and LM head.
 - ``replicated``: every TP rank holds the whole tensor (norms, the value head).
 
+The q/k/v biases (``qkv_bias``, Qwen2's ``self_attn.q_proj.bias``...) follow their weight's
+rows: column-split at head granularity, K/V replicated as their weights are. Qwen3's per-head
+query and key RMSNorm weights (``qk_norm``: ``self_attn.q_norm.weight``, ``k_norm``, one
+head dimension each) are replicated.
+
 Uneven splits: a dimension of ``n`` rows over ``t`` ranks gives rank ``r`` the rows
 ``[r*(n//t) + min(r, n%t), ...)`` of length ``n//t + (r < n%t)`` (``torch.tensor_split``'s
 rule): the first ``n % t`` ranks hold one row more. Attention heads are never split unevenly:
@@ -49,6 +54,10 @@ MODEL_ATTRS = [
         doc="gated: SwiGLU gate/up/down (Llama); plain: up/down with one activation (GPT)",
     ),
     AttrSpec("tied_embeddings", "bool", default=False),
+    AttrSpec("qkv_bias", "bool", default=False, doc="biases on the q/k/v projections (Qwen2)"),
+    AttrSpec("qk_norm", "bool", default=False, doc="RMSNorm of each head's queries and keys (Qwen3)"),
+    AttrSpec("rope_theta", "posint", default=None, doc="RoPE base (Hugging Face rope_theta); no tensor depends on it"),
+    AttrSpec("norm_eps", "float", default=None, doc="RMSNorm epsilon (rms_norm_eps); no tensor depends on it"),
     AttrSpec(
         "head",
         "choice",
@@ -60,6 +69,10 @@ MODEL_ATTRS = [
 ]
 
 RULES = ("column", "row", "vocab", "replicated")
+# the K/V projections (weights and biases), whose heads are replicated when tp > kv_heads
+KV_FAMILIES = frozenset(f"self_attn.{p}_proj.{t}" for p in "kv" for t in ("weight", "bias"))
+# the attention projections TP splits at head granularity
+HEAD_FAMILIES = KV_FAMILIES | {"self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.o_proj.weight"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,10 @@ class Model:
     dtype: str = "bf16"
     mlp: str = "gated"
     tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: int | None = None
+    norm_eps: float | None = None
     head: str = "lm"
     trained: bool = False
     loc: Loc = field(default=NOWHERE, compare=False, repr=False)
@@ -122,6 +139,24 @@ class Model:
     def tensors(self) -> dict[str, TensorSpec]:
         """The inventory, keyed by family name, in checkpoint order."""
         h, hd = self.hidden, self.hd
+        q, kv = self.heads * hd, self.kv_heads * hd
+        bias = (
+            [
+                TensorSpec("self_attn.q_proj.bias", (q,), "column", True),
+                TensorSpec("self_attn.k_proj.bias", (kv,), "column", True),
+                TensorSpec("self_attn.v_proj.bias", (kv,), "column", True),
+            ]
+            if self.qkv_bias
+            else []
+        )
+        qk_norm = (
+            [
+                TensorSpec("self_attn.q_norm.weight", (hd,), "replicated", True),
+                TensorSpec("self_attn.k_norm.weight", (hd,), "replicated", True),
+            ]
+            if self.qk_norm
+            else []
+        )
         specs = [
             TensorSpec(
                 "embed_tokens.weight",
@@ -131,10 +166,12 @@ class Model:
                 "first_and_last" if self.tied_embeddings else "first",
             ),
             TensorSpec("input_layernorm.weight", (h,), "replicated", True),
-            TensorSpec("self_attn.q_proj.weight", (self.heads * hd, h), "column", True),
-            TensorSpec("self_attn.k_proj.weight", (self.kv_heads * hd, h), "column", True),
-            TensorSpec("self_attn.v_proj.weight", (self.kv_heads * hd, h), "column", True),
-            TensorSpec("self_attn.o_proj.weight", (h, self.heads * hd), "row", True),
+            TensorSpec("self_attn.q_proj.weight", (q, h), "column", True),
+            TensorSpec("self_attn.k_proj.weight", (kv, h), "column", True),
+            TensorSpec("self_attn.v_proj.weight", (kv, h), "column", True),
+            *bias,
+            TensorSpec("self_attn.o_proj.weight", (h, q), "row", True),
+            *qk_norm,
             TensorSpec("post_attention_layernorm.weight", (h,), "replicated", True),
             *([TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True)] if self.mlp == "gated" else []),
             TensorSpec("mlp.up_proj.weight", (self.ffn, h), "column", True),
@@ -159,15 +196,10 @@ class Model:
         if spec.tp_dim is None:
             return None
         n = spec.shape[spec.tp_dim]
-        if spec.family in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and tp > self.kv_heads:
+        if spec.family in KV_FAMILIES and tp > self.kv_heads:
             head = rank * self.kv_heads // tp
             return head * self.hd, (head + 1) * self.hd
-        if spec.family in (
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-        ):
+        if spec.family in HEAD_FAMILIES:
             heads = n // self.hd
             lo, hi = even_split(heads, tp, rank)
             return lo * self.hd, hi * self.hd
@@ -177,7 +209,7 @@ class Model:
         """How many TP ranks hold each element of ``spec``."""
         if spec.rule == "replicated":
             return tp
-        if spec.family in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and tp > self.kv_heads:
+        if spec.family in KV_FAMILIES and tp > self.kv_heads:
             return tp // self.kv_heads
         return 1
 

@@ -1,15 +1,17 @@
 """Named shapes of public models, as the IR's model attributes.
 
 Each preset is the model's published Hugging Face ``config.json`` read by
-``nereus.ir.hf_config`` (same fields, same omissions: the IR has no biases, rope, norm epsilon or
-context length, which do not change the tensors it inventories, except Qwen2's q/k/v biases,
-noted there). Sources:
+``nereus.ir.hf_config`` (same fields, same omissions: the context length, which changes no
+tensor; Qwen2's q/k/v biases, Qwen3's q/k norms, the RoPE base and the norm epsilon are in).
+Sources:
 
 - llama2-7b:   https://huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json        (6.74 B parameters)
 - llama3-8b:   https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json     (8.03 B)
 - llama3-70b:  https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json    (70.55 B)
 - qwen2-7b:    https://huggingface.co/Qwen/Qwen2-7B/blob/main/config.json                  (7.62 B with biases)
+- qwen2.5-7b:  https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json                (7.62 B with biases)
 - qwen2.5-14b: https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json               (14.77 B with biases)
+- qwen3-8b:    https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json                  (8.19 B)
 - mistral-7b:  https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json      (7.24 B)
 
 All are untied, SwiGLU (``mlp = gated``) with GQA except Llama-2-7B (``kv_heads = heads``); ``dtype`` is
@@ -22,27 +24,76 @@ from typing import Any
 
 from .hf_config import check_model_name
 from .model import Model
+from .units import format_number
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
-PRESETS: dict[str, dict[str, int]] = {
-    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000),
-    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
-    "llama3-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
-    "qwen2-7b": dict(layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064),
-    "qwen2.5-14b": dict(layers=48, hidden=5120, heads=40, kv_heads=8, ffn=13824, vocab=152064),
-    "mistral-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000),
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama2-7b": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, rope_theta=10000, norm_eps=1e-5
+    ),
+    "llama3-8b": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, rope_theta=500000, norm_eps=1e-5
+    ),
+    "llama3-70b": dict(
+        layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, rope_theta=500000, norm_eps=1e-5
+    ),
+    "qwen2-7b": dict(
+        layers=28,
+        hidden=3584,
+        heads=28,
+        kv_heads=4,
+        ffn=18944,
+        vocab=152064,
+        qkv_bias=True,
+        rope_theta=1000000,
+        norm_eps=1e-6,
+    ),
+    "qwen2.5-7b": dict(
+        layers=28,
+        hidden=3584,
+        heads=28,
+        kv_heads=4,
+        ffn=18944,
+        vocab=152064,
+        qkv_bias=True,
+        rope_theta=1000000,
+        norm_eps=1e-6,
+    ),
+    "qwen2.5-14b": dict(
+        layers=48,
+        hidden=5120,
+        heads=40,
+        kv_heads=8,
+        ffn=13824,
+        vocab=152064,
+        qkv_bias=True,
+        rope_theta=1000000,
+        norm_eps=1e-5,
+    ),
+    "qwen3-8b": dict(
+        layers=36,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=12288,
+        vocab=151936,
+        qk_norm=True,
+        rope_theta=1000000,
+        norm_eps=1e-6,
+    ),
+    "mistral-7b": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, rope_theta=10000, norm_eps=1e-5
+    ),
 }
 
 # What the IR leaves out of each preset (printed by ``nereus import-hf --preset``): see hf_config.
 PRESET_NOTES: dict[str, list[str]] = {
-    "qwen2-7b": ["q/k/v biases not modelled: 129,024 parameters (28 layers x (3584 + 512 + 512))"],
-    "qwen2.5-14b": ["q/k/v biases not modelled: 344,064 parameters (48 layers x (5120 + 1024 + 1024))"],
     "mistral-7b": ["sliding_window = 4096 not modelled: the cost model sizes KV caches for full attention"],
 }
 
 
-def _get(name: str) -> dict[str, int]:
+def _get(name: str) -> dict[str, Any]:
     try:
         return PRESETS[name]
     except KeyError:
@@ -51,7 +102,7 @@ def _get(name: str) -> dict[str, int]:
 
 def preset_attrs(name: str) -> str:
     """The preset's shape as IR attribute text: ``layers = 32, hidden = 4096, ...``."""
-    return ", ".join(f"{k} = {v}" for k, v in _get(name).items())
+    return ", ".join(f"{k} = {format_number(v)}" for k, v in _get(name).items())
 
 
 def preset_model(name: str, model_name: str = "actor", *, trained: bool = False, head: str = "lm") -> Model:

@@ -33,7 +33,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..ir.model import Model
+from ..ir.model import KV_FAMILIES, Model
 from ..ir.plan import Layout
 from ..ir.sharding import dp_sharded, shard_entries
 from .state import ShardSpec
@@ -100,7 +100,7 @@ def dtensor_box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, i
 
 def _reason(model: Model, layout: Layout, family: str, zero: bool) -> str:
     spec = model.tensors[family]
-    if family in ("self_attn.k_proj.weight", "self_attn.v_proj.weight") and layout.tp > model.kv_heads:
+    if family in KV_FAMILIES and layout.tp > model.kv_heads:
         return (
             f"{family}: TP {layout.tp} > {model.kv_heads} K/V heads replicates each head on "
             f"{layout.tp // model.kv_heads} TP ranks, not a placement of the tp dimension"

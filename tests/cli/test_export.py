@@ -84,8 +84,14 @@ def test_verl_values_are_the_layouts(path, plan):
         "actor_rollout_ref.actor": "actor.train",
         "actor_rollout_ref.ref": "ref.infer",
         "critic": "critic.train",
-        "reward_model": "reward.infer",
     }
+    # the reward model is verl 0.9.1's reward.reward_model, an inference server (the legacy reward_model.* is gone)
+    assert not any(k.startswith("reward_model.") for k in cfg)
+    if "reward.infer" in lay:
+        assert cfg["reward.reward_model.enable"] is True
+        assert cfg["reward.reward_model.rollout.tensor_model_parallel_size"] == lay["reward.infer"].tp
+    else:
+        assert not any(k.startswith("reward.") for k in cfg)
     for prefix, ms in roles.items():
         if ms not in lay:
             assert not any(k.startswith(prefix + ".") for k in cfg)
@@ -98,10 +104,14 @@ def test_verl_values_are_the_layouts(path, plan):
         assert cfg[f"{e}.param_offload"] == ("weights" in lay[ms].offload)
         if ms.endswith("train"):
             assert cfg[f"{e}.use_distributed_optimizer"] == (lay[ms].zero >= 1)
+            assert f"{e}.grad_offload" not in cfg  # verl's McoreEngineConfig has no such key
             assert (cfg.get(f"{e}.override_transformer_config.recompute_granularity") == "full") == lay[ms].recompute
     # the Hydra overrides say the same
     overrides = export_plan(m, plan, "verl-overrides")
     pairs = dict(line.split("=", 1) for line in overrides.splitlines() if line and not line.startswith("#"))
+    # keys verl's config leaves open (override_ddp_config's) are added with Hydra's +
+    assert all(k.startswith("+") == (".override_ddp_config." in k) for k in pairs)
+    pairs = {k.removeprefix("+"): v for k, v in pairs.items()}
     assert pairs == {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in cfg.items()}
 
 
@@ -132,6 +142,10 @@ MEGATRON_FLAGS = {
     "--micro-batch-size": int,
     "--global-batch-size": int,
     "--seq-length": int,
+    "--max-position-embeddings": int,
+    "--rotary-base": int,
+    "--norm-epsilon": float,
+    "--data-parallel-sharding-strategy": str,
     "--num-layers": int,
     "--hidden-size": int,
     "--num-attention-heads": int,
@@ -145,6 +159,10 @@ MEGATRON_SWITCHES = (
     "--sequence-parallel",
     "--use-distributed-optimizer",
     "--accumulate-allreduce-grads-in-fp32",
+    "--grad-reduce-in-bf16",
+    "--use-megatron-fsdp",
+    "--add-qkv-bias",
+    "--qk-layernorm",
     "--group-query-attention",
     "--swiglu",
     "--untie-embeddings-and-output-weights",

@@ -44,6 +44,7 @@ QWEN25_14B = {
     "use_sliding_window": False,
     "max_window_layers": 48,
     "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-05,
     "hidden_act": "silu",
 }
 MISTRAL_7B = {
@@ -78,6 +79,26 @@ def write(tmp_path, cfg, name="config.json"):
     return path
 
 
+# Qwen3-8B's public config.json (q/k norms, an explicit head_dim equal to hidden / heads)
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
+
 @pytest.mark.parametrize(
     "cfg, preset, published, biases",
     [
@@ -99,15 +120,15 @@ def test_public_configs(tmp_path, cfg, preset, published, biases):
     )
     assert m.head_dim is None and m.mlp == "gated" and not m.tied_embeddings and m.trained and m.head == "lm"
     assert m.dtype == {"bfloat16": "bf16", "float16": "fp16"}[cfg["torch_dtype"]]
-    # the published count, less what the IR does not model (Qwen2's q/k/v biases, which the note states)
-    assert m.num_params() + biases == published
-    assert [getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")] == list(
-        PRESETS[preset].values()
-    )
+    # the published count, Qwen2's q/k/v biases included (they are part of the spec)
+    assert m.num_params() == published and m.qkv_bias == bool(biases)
+    shape = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+    assert [getattr(m, k) for k in shape] == [PRESETS[preset][k] for k in shape]
+    assert m.rope_theta == cfg.get("rope_theta") and m.norm_eps == cfg.get("rms_norm_eps")
     text = model_block(m)
     assert nereus.parse(text).models["actor"] == m
     notes = [line for line in text.splitlines() if line.startswith("// note:")]
-    assert bool(biases) == any("q/k/v biases" in n and f"{biases:,}" in n for n in notes)
+    assert not any("q/k/v biases" in n for n in notes)
     assert (cfg["model_type"] == "mistral") == any("sliding_window = 4096" in n for n in notes)
 
 
@@ -159,7 +180,7 @@ def test_cli_output_reparses(tmp_path, capsys):
     path = write(tmp_path, QWEN25_14B)
     assert main(["import-hf", str(path), "--name", "critic", "--trained", "--head", "value"]) == 0
     out, err = capsys.readouterr()
-    assert "note: q/k/v biases not modelled: 344,064 parameters" in err
+    assert "q/k/v biases" not in err and "qkv_bias = true" in out
     assert out.startswith(f"// from {path} (model_type = qwen2)")
     m = nereus.verify(nereus.parse(out)).models["critic"]
     assert (m.layers, m.hidden, m.kv_heads, m.trained, m.head) == (48, 5120, 8, True, "value")
@@ -169,7 +190,7 @@ def test_cli_output_reparses(tmp_path, capsys):
         nereus.parse(out).models["actor"]
         == nereus.parse(model_block(model_from_hf_config(QWEN25_14B, "actor"))).models["actor"]
     )
-    assert "344,064" in err and "// preset qwen2.5-14b" in out
+    assert "// preset qwen2.5-14b" in out
     assert main(["import-hf", "--list-presets"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in PRESETS) and "8.03 B" in listed
@@ -181,8 +202,45 @@ def test_presets():
     text = f"model @m {{ {preset_attrs('llama3-70b')} }}"
     assert nereus.parse(text).models["m"].num_params() == 70_553_706_496
     qwen = preset_model("qwen2-7b", "ref")
-    assert qwen.name == "ref" and qwen.num_params() + 28 * (3584 + 512 + 512) == 7_615_616_512  # published, with biases
+    assert qwen.name == "ref" and qwen.num_params() == 7_615_616_512  # published, with biases
     assert nereus.parse(model_block(qwen)).models["ref"] == qwen
+    assert preset_model("qwen2.5-7b").num_params() == 7_615_616_512
+
+
+def test_qwen3_imports(tmp_path, capsys):
+    path = write(tmp_path, QWEN3_8B)
+    m = model_from_hf_config(path, "actor", trained=True)
+    assert m.qk_norm and not m.qkv_bias and m.head_dim is None and m.hd == 128
+    assert (m.rope_theta, m.norm_eps) == (1000000, 1e-06)
+    assert {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} <= set(m.tensors)
+    assert m.tensors["self_attn.q_norm.weight"].shape == (128,)
+    assert m.num_params() == 8_190_735_360  # Qwen3-8B as published (8.19 B)
+    assert main(["import-hf", str(path), "--name", "actor"]) == 0
+    out = capsys.readouterr().out
+    assert "qk_norm = true" in out and nereus.verify(nereus.parse(out)).models["actor"].qk_norm
+    preset = preset_model("qwen3-8b")
+    assert [getattr(preset, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "qk_norm")] == [
+        getattr(m, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "qk_norm")
+    ]
+
+
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        (
+            {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+            ["'mixtral' is a mixture-of-experts model", "num_local_experts = 8", "no experts, router"],
+        ),
+        ({"model_type": "qwen3_moe", "num_experts": 128}, ["'qwen3_moe'", "num_experts = 128", "no experts"]),
+        ({"model_type": "qwen2_moe", "num_experts": 60}, ["'qwen2_moe'", "num_experts = 60"]),
+    ],
+)
+def test_moe_is_a_clear_error(tmp_path, cfg, words):
+    path = write(tmp_path, LLAMA3_8B | cfg)
+    with pytest.raises(DiagnosticError) as e:
+        model_from_hf_config(path, "actor")
+    text = str(e.value)
+    assert str(path) in text and all(w in text for w in words), text
 
 
 # -------------------------------------------- transformers: a real model from the same config
@@ -203,6 +261,8 @@ TINY = dict(
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"head_dim": 32}),
         ("qwen2", {}),
+        ("qwen3", {"head_dim": 16}),
+        ("qwen3", {"head_dim": 32, "attention_bias": True}),
         ("mistral", {}),
         ("mistral", {"num_key_value_heads": 4}),
     ],
@@ -213,16 +273,42 @@ def test_param_count_matches_transformers(family, extra):
     ir = model_from_hf_config(cfg.to_dict(), "actor")
     hf = transformers.AutoModelForCausalLM.from_config(cfg)
     params = dict(hf.named_parameters())  # tied weights appear once
-    biases = sum(p.numel() for n, p in params.items() if n.endswith(".bias"))
-    assert ir.num_params() == sum(p.numel() for p in params.values()) - biases
-    assert (biases > 0) == (family == "qwen2")
-    if biases:
-        assert f"{biases:,} parameters" in model_block(ir)
+    o_bias = sum(p.numel() for n, p in params.items() if n.endswith("o_proj.bias"))  # a note, not in the spec
+    assert ir.num_params() == sum(p.numel() for p in params.values()) - o_bias
+    assert ir.qkv_bias == any(n.endswith("q_proj.bias") for n in params)
+    if o_bias:
+        assert f"{o_bias:,} parameters" in model_block(ir)
     # every IR tensor has its checkpoint name and shape (model. prefix aside)
     shapes = {n.removeprefix("model."): tuple(p.shape) for n, p in hf.state_dict().items()}
     for fam, spec in ir.tensors.items():
         name = f"layers.1.{fam}" if spec.per_layer else fam
         assert shapes[name] == spec.shape, name
+
+
+@pytest.mark.parametrize(
+    "preset, family",
+    [("qwen2.5-7b", "qwen2"), ("qwen2-7b", "qwen2"), ("qwen3-8b", "qwen3"), ("llama3-8b", "llama")],
+)
+def test_preset_count_matches_transformers_on_meta(preset, family):
+    """The full-size preset, built by transformers on the meta device (no weights, no download)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    md = preset_model(preset)
+    cfg = transformers.AutoConfig.for_model(
+        family,
+        num_hidden_layers=md.layers,
+        hidden_size=md.hidden,
+        num_attention_heads=md.heads,
+        num_key_value_heads=md.kv_heads,
+        intermediate_size=md.ffn,
+        vocab_size=md.vocab,
+        head_dim=md.hd,
+        tie_word_embeddings=md.tied_embeddings,
+    )
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert md.num_params() == sum(p.numel() for p in hf.parameters())
 
 
 def test_value_head_matches_transformers():

@@ -1,0 +1,157 @@
+"""``--to megatron``: Megatron-LM ``pretrain_gpt.py`` arguments per trained model-stage.
+
+Each model-stage gets a bash array of arguments (``ACTOR_TRAIN_ARGS``) and one of environment
+settings (``ACTOR_TRAIN_ENV``: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron-LM's
+``validate_args`` requires with TP or CP > 1, so that its communication overlaps in order).
+The model's shape, RoPE base, norm epsilon and q/k/v biases are written out; ZeRO-1 is the
+distributed optimizer, ZeRO-2/3 Megatron-FSDP (``--use-megatron-fsdp`` with
+``--data-parallel-sharding-strategy optim_grads`` or ``optim_grads_params``); bf16 gradients are
+``--grad-reduce-in-bf16`` (Megatron-LM otherwise reduces bf16 models' gradients in fp32).
+"""
+
+from __future__ import annotations
+
+from ..ir import Module, Plan
+from .common import desc, flushes, header, kinds
+
+# what Megatron-LM (and Hugging Face's Llama) assume when a model gives no value
+DEFAULT_ROTARY_BASE = 10000
+DEFAULT_NORM_EPSILON = 1e-5
+FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
+    w, c = m.workloads[plan.workload], m.clusters[plan.cluster]
+    stage_kinds = kinds(m, plan)
+    lines = header(m, plan, "Megatron-LM", "pretrain_gpt.py arguments, one bash array per trained model-stage")
+    skipped = [ms for ms, k in stage_kinds.items() if k != "train"]
+    if skipped:
+        lines.append(
+            f"# not exported: {', '.join(skipped)} (Megatron-LM arguments describe training; generation: --to vllm)"
+        )
+    for ms, k in stage_kinds.items():
+        if k != "train":
+            continue
+        lay, md = plan.layouts[ms], m.models[plan.layouts[ms].model]
+        src, mdl, wl = f"layout {ms}", f"model @{md.name}", f"workload @{w.name}"
+        args: list[tuple[str, object, str]] = [
+            ("--tensor-model-parallel-size", lay.tp, src),
+            ("--pipeline-model-parallel-size", lay.pp, src),
+            ("--context-parallel-size", lay.cp, src),
+        ]
+        notes = []
+        sizes = [b - a + 1 for a, b in lay.layers]
+        if lay.vpp > 1:
+            if len(set(sizes)) == 1 and sizes[0] % lay.vpp == 0:
+                args.append(("--num-layers-per-virtual-pipeline-stage", sizes[0] // lay.vpp, f"{src} vpp = {lay.vpp}"))
+            else:
+                notes.append(f"vpp = {lay.vpp} over uneven stages {sizes} layers")
+        elif len(set(sizes)) > 1:
+            if len(set(sizes[1:-1])) <= 1:  # the middle stages split the rest evenly
+                args += [
+                    ("--decoder-first-pipeline-num-layers", sizes[0], f"{src} layers"),
+                    ("--decoder-last-pipeline-num-layers", sizes[-1], f"{src} layers"),
+                ]
+            else:
+                notes.append(f"uneven pipeline stages {sizes} layers (Megatron-LM sets only the first and last)")
+        if lay.sp:
+            args.append(("--sequence-parallel", None, f"{src} sp"))
+        if lay.zero >= 1:
+            args.append(("--use-distributed-optimizer", None, f"{src} zero = {lay.zero}"))
+        if lay.zero >= 2:
+            args += [
+                ("--use-megatron-fsdp", None, f"{src} zero = {lay.zero}"),
+                ("--data-parallel-sharding-strategy", FSDP_SHARDING[lay.zero], f"{src} zero = {lay.zero}"),
+            ]
+        if lay.recompute:
+            args += [
+                ("--recompute-granularity", "full", f"{src} recompute"),
+                ("--recompute-method", "uniform", f"{src} recompute"),
+                ("--recompute-num-layers", 1, f"{src} recompute"),
+            ]
+        if lay.fp8:
+            args.append(("--fp8-format", "hybrid", f"{src} fp8"))
+        if lay.grad_dtype == "fp32":
+            args.append(("--accumulate-allreduce-grads-in-fp32", None, f"{src} grad_dtype = fp32"))
+        elif md.dtype == "bf16":
+            args.append(("--grad-reduce-in-bf16", None, f"{src} grad_dtype = bf16"))
+        seq = w.prompt_len_max + w.response_len_max
+        args += [
+            ("--micro-batch-size", w.micro_batch, f"{wl} micro_batch"),
+            ("--global-batch-size", w.mini_batch or w.samples, f"{wl} mini_batch (samples per optimizer step)"),
+            ("--seq-length", seq, f"{wl} prompt_len_max + response_len_max"),
+            ("--max-position-embeddings", seq, f"{wl} prompt_len_max + response_len_max (the longest sequence)"),
+            ("--num-layers", md.layers, mdl),
+            ("--hidden-size", md.hidden, mdl),
+            ("--num-attention-heads", md.heads, mdl),
+        ]
+        if md.kv_heads != md.heads:
+            args += [("--group-query-attention", None, mdl), ("--num-query-groups", md.kv_heads, f"{mdl} kv_heads")]
+        if md.head_dim is not None:
+            args.append(("--kv-channels", md.head_dim, f"{mdl} head_dim"))
+        args.append(("--ffn-hidden-size", md.ffn, mdl))
+        if md.mlp == "gated":
+            args.append(("--swiglu", None, f"{mdl} mlp = gated"))
+        if not md.tied_embeddings:
+            args.append(("--untie-embeddings-and-output-weights", None, f"{mdl} tied_embeddings = false"))
+        args += [
+            ("--normalization", "RMSNorm", f"{mdl} (Llama-style)"),
+            (
+                "--norm-epsilon",
+                md.norm_eps if md.norm_eps is not None else DEFAULT_NORM_EPSILON,
+                _given(md, "norm_eps"),
+            ),
+            ("--position-embedding-type", "rope", f"{mdl} (Llama-style)"),
+            (
+                "--rotary-base",
+                md.rope_theta if md.rope_theta is not None else DEFAULT_ROTARY_BASE,
+                _given(md, "rope_theta"),
+            ),
+            ("--disable-bias-linear", None, f"{mdl} (no biases on o_proj and the MLP)"),
+        ]
+        if md.qkv_bias:
+            args.append(("--add-qkv-bias", None, f"{mdl} qkv_bias = true"))
+        if md.qk_norm:
+            args.append(("--qk-layernorm", None, f"{mdl} qk_norm = true"))
+        if md.dtype in ("bf16", "fp16"):
+            args.append((f"--{md.dtype}", None, f"{mdl} dtype"))
+        elif md.dtype == "fp8":
+            notes.append(f"{mdl} dtype = fp8 weights (Megatron-LM keeps bf16 weights; --fp8-format is for GEMMs)")
+        if md.head == "value":
+            notes.append(f"{mdl} head = value (Megatron-LM's GPT model has an LM head only)")
+        if lay.offload:
+            notes.append(
+                f"offload = [{', '.join(lay.offload)}] (moving state to host memory between RL stages "
+                "is the RL framework's job, not a Megatron-LM argument)"
+            )
+        if w.micro_batch_tokens is not None:
+            notes.append(
+                f"{wl} micro_batch_tokens = {w.micro_batch_tokens} (pretrain_gpt.py packs fixed-length samples; "
+                "token-budget micro-batches are the RL framework's, e.g. verl's use_dynamic_bsz)"
+            )
+        notes = [f"not expressible in Megatron-LM: {ms} {n}" for n in notes] + flushes(
+            m, plan, lay, lay.dp, "Megatron-LM"
+        )
+        nodes = sorted({c.node_of(g) for g in lay.mesh})
+        var = ms.upper().replace(".", "_")
+        env = ["CUDA_DEVICE_MAX_CONNECTIONS=1"] if lay.tp > 1 or lay.cp > 1 else []
+        why = "TP or CP > 1: Megatron-LM requires it" if env else "TP = CP = 1: nothing required"
+        lines += [
+            "",
+            f"# {ms}: {desc(lay)}; Megatron-LM derives DP {lay.dp} from the world size",
+            f'# launch: env "${{{var}_ENV[@]}}" torchrun --nnodes {len(nodes)} --nproc-per-node '
+            f'{lay.world // len(nodes)} pretrain_gpt.py "${{{var}_ARGS[@]}}" (plus data, tokenizer: vocab {md.vocab}, '
+            "and optimizer arguments)",
+        ]
+        lines += [f"# {n}" for n in notes]
+        lines.append(f"{var}_ENV=({' '.join(env)})  # {src}: {why}")
+        lines.append(f"{var}_ARGS=(")
+        lines += [f"  {flag}{'' if v is None else f' {v}'}  # {s}" for flag, v, s in args]
+        lines.append(")")
+    return lines
+
+
+def _given(md, attr: str) -> str:
+    if getattr(md, attr) is not None:
+        return f"model @{md.name} {attr}"
+    return f"model @{md.name} gives no {attr}: Megatron-LM's default"

@@ -1,0 +1,357 @@
+"""The exports of every example plan (as written and as ``plan-search`` finds them, plus FSDP,
+dynamic-batching and ZeRO-3 variants), checked by the frameworks' own code:
+
+- verl 0.9.1 (``requirements-verl.txt``): its trainer config (``ppo_trainer.yaml`` or
+  ``ppo_megatron_trainer.yaml``) composed by Hydra with the exported overrides, and separately
+  a user config that lists it in its defaults with the exported YAML; then what
+  ``verl.trainer.main_ppo.main`` runs before it starts Ray (``validate_config`` with
+  ``need_reference_policy`` and ``need_critic``), the config resolved as its task runner does,
+  and the rollout (``RolloutConfig``), reference engine and reward configs built with
+  ``omega_conf_to_dataclass`` (``reward.reward_model``'s: verl 0.9.1's own
+  ``RewardManagerConfig`` does not build outside its trainer).
+- megatron-core 0.16.1 (``requirements-megatron.txt``; Megatron-LM's ``megatron/training``,
+  which holds ``parse_args``, is not on PyPI): each argument array parsed with Megatron-LM's
+  names, turned into ``TransformerConfig`` the way Megatron-LM's
+  ``core_transformer_config_from_args`` does (same-named fields copied, its renames applied) and
+  into ``DistributedDataParallelConfig``, so that their ``__post_init__`` checks run, and
+  ``GPTModel``'s signature bound with the model's RoPE base and length; the launch line checked
+  for what ``validate_args`` requires.
+- vLLM: ``tests/cli/test_export.py``.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import shlex
+from dataclasses import replace
+
+import pytest
+
+import nereus
+from nereus.export import export_plan
+
+from ..support import example
+from .test_export import MEGATRON_FLAGS, MEGATRON_SWITCHES, megatron_arrays
+
+EXAMPLES = {"grpo": "grpo_7b_8gpu.nir", "ppo8b": "ppo_8b_16gpu.nir", "ppo70b": "ppo_70b_1024gpu.nir"}
+
+
+def _load(name):
+    path = example(EXAMPLES[name])
+    return nereus.verify(nereus.parse(path.read_text(), str(path)))
+
+
+def _fsdp(m):
+    """The 8B PPO job with FSDP training (TP = PP = 1, ZeRO-3 over all 16 GPUs): verl's FSDP workers."""
+    p = m.plans["ppo_p0"]
+    for ms, lay in p.layouts.items():
+        if ms.endswith(".train"):
+            md = m.models[lay.model]
+            p.layouts[ms] = replace(
+                lay, tp=1, pp=1, dp=16, layers=[(0, md.layers - 1)], mesh=list(range(16)), micro_batches=1, zero=3
+            )
+    return "ppo_p0"
+
+
+def _dynamic(m):
+    """The GRPO job with a token budget per micro-batch (verl's use_dynamic_bsz)."""
+    m.workloads["grpo"].micro_batch_tokens = 16384
+    return "grpo_p0"
+
+
+def _zero3(m):
+    """The GRPO job trained with ZeRO-3 (Megatron-FSDP) and fp32 gradients."""
+    p = m.plans["grpo_p0"]
+    p.layouts["actor.train"] = replace(p.layouts["actor.train"], zero=3, grad_dtype="fp32")
+    return "grpo_p0"
+
+
+def _searched(name):
+    def make(m):
+        nereus.run_pipeline(m, "plan-search")
+        (new,) = set(m.plans) - {p for p in _load(name).plans}
+        return new
+
+    return make
+
+
+CASES = {
+    "grpo_p0": ("grpo", lambda m: "grpo_p0"),
+    "ppo_p0": ("ppo8b", lambda m: "ppo_p0"),
+    "ppo70b_p0": ("ppo70b", lambda m: "ppo70b_p0"),
+    "grpo_searched": ("grpo", _searched("grpo")),
+    "ppo_searched": ("ppo8b", _searched("ppo8b")),
+    "ppo70b_searched": ("ppo70b", _searched("ppo70b")),
+    "ppo_fsdp": ("ppo8b", _fsdp),
+    "grpo_dynamic": ("grpo", _dynamic),
+    "grpo_zero3": ("grpo", _zero3),
+}
+_CACHE: dict = {}
+
+
+def case(name):
+    """``(module, plan name)`` of a case, built once per session (plan-search takes seconds)."""
+    if name not in _CACHE:
+        ex, make = CASES[name]
+        m = _load(ex)
+        _CACHE[name] = (m, make(m))
+    return _CACHE[name]
+
+
+# --------------------------------------------------------------------------------------------- verl
+def _hf_dir(tmp_path, md):
+    """A Hugging Face model directory (config.json only) of the IR model, for verl's HFModelConfig."""
+    transformers = pytest.importorskip("transformers")
+    family = "qwen3" if md.qk_norm else "qwen2" if md.qkv_bias else "llama"
+    cfg = transformers.AutoConfig.for_model(
+        family,
+        num_hidden_layers=md.layers,
+        hidden_size=md.hidden,
+        num_attention_heads=md.heads,
+        num_key_value_heads=md.kv_heads,
+        intermediate_size=md.ffn,
+        vocab_size=md.vocab,
+        architectures=[{"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[family] + "ForCausalLM"],
+    )
+    d = tmp_path / md.name
+    cfg.save_pretrained(d)
+    return d
+
+
+def _user_overrides(tmp_path, m, plan):
+    """What a user adds to any verl config: the checkpoints' paths (here: config.json only, no tokenizer)."""
+    roles = {md.name: md for md in m.models.values()}
+    w = m.workloads[m.plans[plan].workload]
+    actor = next(roles[r] for r in w.roles if roles[r].trained and roles[r].head == "lm")
+    out = [f"actor_rollout_ref.model.path={_hf_dir(tmp_path, actor)}", "+actor_rollout_ref.model.load_tokenizer=false"]
+    critic = [roles[r] for r in w.roles if roles[r].trained and roles[r].head == "value"]
+    if critic:
+        out += [f"critic.model.path={_hf_dir(tmp_path, critic[0])}", "+critic.model.load_tokenizer=false"]
+    return out
+
+
+def _verl_check(cfg):
+    """What verl runs on its config before training: main_ppo.main's validation, then the task
+    runner's resolve and the dataclasses its workers build."""
+    from omegaconf import OmegaConf
+    from verl.trainer.main_ppo import need_critic, need_reference_policy, validate_config
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RewardModelConfig, RolloutConfig
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    OmegaConf.resolve(cfg)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert isinstance(rollout, RolloutConfig)
+    ref = cfg.actor_rollout_ref.ref
+    if need_reference_policy(cfg):
+        omega_conf_to_dataclass(ref.megatron if cfg.actor_rollout_ref.actor.strategy == "megatron" else ref.fsdp_config)
+    reward = None
+    if cfg.reward.reward_model.enable:  # verl builds the reward model's config only then
+        reward = omega_conf_to_dataclass(cfg.reward.reward_model)
+        assert isinstance(reward, RewardModelConfig) and isinstance(reward.rollout, RolloutConfig)
+    return rollout, reward
+
+
+def _config_name(text):
+    return "ppo_megatron_trainer" if "--config-name ppo_megatron_trainer" in text.splitlines()[0] else "ppo_trainer"
+
+
+@pytest.fixture
+def verl_config_dir():
+    pytest.importorskip("verl.trainer.main_ppo")
+    import verl.trainer.config
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    yield os.path.dirname(verl.trainer.config.__file__)
+    GlobalHydra.instance().clear()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verl_overrides_pass_verls_validation(name, tmp_path, verl_config_dir):
+    from hydra import compose, initialize_config_dir
+
+    m, plan = case(name)
+    text = export_plan(m, plan, "verl-overrides")
+    overrides = [line for line in text.splitlines() if line and not line.startswith("#")]
+    with initialize_config_dir(config_dir=verl_config_dir, version_base=None):
+        cfg = compose(config_name=_config_name(text), overrides=overrides + _user_overrides(tmp_path, m, plan))
+    rollout, reward = _verl_check(cfg)
+    p, w = m.plans[plan], m.workloads[m.plans[plan].workload]
+    gen = p.layouts["actor.generate"]
+    assert (
+        rollout.name == "vllm"
+        and rollout.tensor_model_parallel_size == gen.tp
+        and rollout.pipeline_model_parallel_size == 1
+    )
+    assert cfg.trainer.total_training_steps == w.steps
+    roles = set(w.roles)
+    assert (cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) == ("ref" in roles)
+    assert (reward is not None and reward.enable) == ("reward" in roles)
+    if "reward" in roles:
+        assert reward.rollout.tensor_model_parallel_size == p.layouts["reward.infer"].tp
+    if gen.pp > 1:
+        assert f"actor.generate pp = {gen.pp}; verl's vLLM rollout has no pipeline parallelism" in text
+    a = cfg.actor_rollout_ref.actor
+    assert a.use_dynamic_bsz == (w.micro_batch_tokens is not None)
+    if w.micro_batch_tokens is not None:
+        assert a.ppo_max_token_len_per_gpu == w.micro_batch_tokens // p.layouts["actor.train"].cp
+        assert (
+            cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+            and cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
+        )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verl_yaml_passes_verls_validation(name, tmp_path, verl_config_dir):
+    """The YAML route: Hydra merges unknown keys silently here, so only validation finds them."""
+    from hydra import compose, initialize_config_dir
+
+    m, plan = case(name)
+    text = export_plan(m, plan, "verl")
+    (tmp_path / "job.yaml").write_text(
+        f"defaults:\n  - {_config_name(text)}\n  - _self_\nhydra:\n  searchpath:\n    - pkg://verl.trainer.config\n"
+        + text
+    )
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(config_name="job", overrides=_user_overrides(tmp_path, m, plan))
+    _verl_check(cfg)
+
+
+def test_verl_fsdp_keys():
+    m, plan = case("ppo_fsdp")
+    text = export_plan(m, plan, "verl-overrides")
+    assert "--config-name ppo_trainer" in text and "critic.fsdp.param_offload=" in text
+    assert "critic.model.fsdp_config" not in text and "reward_model.strategy" not in text
+
+
+# ----------------------------------------------------------------------------------------- megatron
+
+
+def megatron_args(argv):
+    """``argv`` under Megatron-LM's argument names (arguments.py), defaults as Megatron-LM's."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    for flag, kind in MEGATRON_FLAGS.items():
+        p.add_argument(flag, type=kind)
+    for flag in MEGATRON_SWITCHES:
+        p.add_argument(flag, action="store_true")
+    a = p.parse_args(argv)
+    a.rotary_base = 10000 if a.rotary_base is None else a.rotary_base
+    a.norm_epsilon = 1e-5 if a.norm_epsilon is None else a.norm_epsilon
+    return a
+
+
+def transformer_config(a):
+    """Megatron-LM's core_transformer_config_from_args on these arguments."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    args = vars(a).copy()
+    args["params_dtype"] = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
+    if not a.group_query_attention:
+        args["num_query_groups"] = None
+    kw = {f.name: args[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in args}
+    kw |= {
+        "layernorm_epsilon": a.norm_epsilon,
+        "pipeline_dtype": args["params_dtype"],
+        "add_bias_linear": not a.disable_bias_linear,
+        "num_layers_in_first_pipeline_stage": a.decoder_first_pipeline_num_layers,
+        "num_layers_in_last_pipeline_stage": a.decoder_last_pipeline_num_layers,
+        "fp8": a.fp8_format,
+        "deallocate_pipeline_outputs": True,
+    }
+    if a.num_layers_per_virtual_pipeline_stage:  # validate_args derives the virtual stages
+        kw["virtual_pipeline_model_parallel_size"] = (
+            a.num_layers // a.pipeline_model_parallel_size // a.num_layers_per_virtual_pipeline_stage
+        )
+    if a.swiglu:
+        kw |= {"gated_linear_unit": True, "activation_func": F.silu}
+    return TransformerConfig(**kw)
+
+
+def ddp_config(a):
+    """Megatron-LM's DistributedDataParallelConfig: bf16 gradients reduce in fp32 unless --grad-reduce-in-bf16."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    fp32 = a.accumulate_allreduce_grads_in_fp32 or (a.bf16 and not a.grad_reduce_in_bf16)
+    kw = dict(grad_reduce_in_fp32=fp32, use_distributed_optimizer=a.use_distributed_optimizer)
+    if a.use_megatron_fsdp:
+        kw |= dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=a.data_parallel_sharding_strategy)
+    return DistributedDataParallelConfig(**kw)
+
+
+def _env(text, var):
+    line = next(x for x in text.splitlines() if x.startswith(f"{var}_ENV=("))
+    return shlex.split(line.split("=(", 1)[1].rsplit(")", 1)[0])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_launch_is_complete(name):
+    """What Megatron-LM's validate_args requires, and what the plan says, on every launch line."""
+    m, plan = case(name)
+    p = m.plans[plan]
+    text = export_plan(m, plan, "megatron")
+    for var, argv in megatron_arrays(text).items():
+        ms = var.removesuffix("_ARGS").lower().replace("_", ".", 1)
+        lay, md = p.layouts[ms], m.models[p.layouts[ms].model]
+        a = megatron_args(argv)
+        assert a.max_position_embeddings >= a.seq_length
+        env = _env(text, var.removesuffix("_ARGS"))
+        assert ("CUDA_DEVICE_MAX_CONNECTIONS=1" in env) == (lay.tp > 1 or lay.cp > 1)
+        assert a.grad_reduce_in_bf16 == (lay.grad_dtype == "bf16" and md.dtype == "bf16")
+        assert a.accumulate_allreduce_grads_in_fp32 == (lay.grad_dtype == "fp32")
+        assert a.add_qkv_bias == md.qkv_bias and a.qk_layernorm == md.qk_norm
+        assert "--rotary-base" in argv and "--norm-epsilon" in argv
+        if md.rope_theta is not None:
+            assert a.rotary_base == md.rope_theta and a.norm_epsilon == md.norm_eps
+        assert a.use_megatron_fsdp == (lay.zero >= 2)
+        if lay.zero >= 2:
+            assert a.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}[lay.zero]
+        assert f"{ms} zero = {lay.zero}: the distributed optimizer" not in text
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_megatron_core_accepts_the_arguments(name):
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt import GPTModel
+
+    m, plan = case(name)
+    p = m.plans[plan]
+    text = export_plan(m, plan, "megatron")
+    arrays = megatron_arrays(text)
+    assert arrays
+    for var, argv in arrays.items():
+        ms = var.removesuffix("_ARGS").lower().replace("_", ".", 1)
+        lay, md = p.layouts[ms], m.models[p.layouts[ms].model]
+        a = megatron_args(argv)
+        cfg = transformer_config(a)
+        assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size) == (
+            lay.tp,
+            lay.pp,
+            lay.cp,
+        )
+        assert cfg.add_qkv_bias == md.qkv_bias and cfg.qk_layernorm == md.qk_norm and cfg.kv_channels == md.hd
+        assert cfg.num_query_groups in (md.kv_heads, None) and cfg.ffn_hidden_size == md.ffn
+        ddp = ddp_config(a)
+        assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
+        assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)
+        inspect.signature(GPTModel).bind_partial(
+            config=cfg,
+            transformer_layer_spec=None,
+            vocab_size=md.vocab,
+            max_sequence_length=a.max_position_embeddings,
+            position_embedding_type=a.position_embedding_type,
+            rotary_base=a.rotary_base,
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+        )
+
+
+def test_cases_cover_what_the_checks_are_for():
+    """The cases include TP > 1, PP > 1, q/k/v biases, ZeRO-3, FSDP and dynamic batching."""
+    lays = [lay for n in CASES for lay in case(n)[0].plans[case(n)[1]].layouts.values()]
+    assert any(lay.tp > 1 for lay in lays) and any(lay.pp > 1 for lay in lays) and any(lay.zero == 3 for lay in lays)
+    assert any(md.qkv_bias for md in case("grpo_p0")[0].models.values())
+    assert json.dumps(sorted(CASES))
