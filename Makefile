@@ -1,7 +1,8 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
 # make test: same set-up plus the vLLM, verl and Megatron test extras, then the layer contracts
 # (lint-imports), ruff (lint, import order, format), mypy (nereus/ir and nereus/passes) and the whole
-# test suite.
+# test suite on two pytest-xdist workers (--dist loadfile: a module's tests stay on one worker, so
+# its module fixtures run once).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -74,7 +75,7 @@ test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
