@@ -586,7 +586,12 @@ def run_report(m: Module, plan: Plan, target: str) -> tuple[list[str], list[str]
         ms = max(p.layouts, key=lambda k: p.layouts[k].memory or 0)
         return ms, p.layouts[ms].memory or 0
 
-    assert mine.step_time is not None and run.step_time is not None  # estimate{oom=warn} sets them
+    if run.step_time is None:  # a model-stage cannot run at all there (one sequence's KV cache does not fit)
+        why = next((d.message for d in copy.warnings), "a model-stage has no finite time")
+        return [], [f"{name} would run this plan as {run.name}, which cannot run: {why}"]
+    if mine.step_time is None:
+        why = next((d.message for d in copy.warnings), "a model-stage has no finite time")
+        return [], [f"the plan as exported cannot run: {why}"]
     (pm, pb), (rm, rb) = peak(mine), peak(run)
     lines = [
         f"as {name} runs these settings: step {run.step_time:.1f} s, peak {gib(rb)} per GPU on {rm} "
