@@ -80,7 +80,7 @@ def test_zero3_shards_weights_and_a_missing_shard_piece_is_reported():
         nereus.verify(m)
     (d,) = err.value.diagnostics
     assert "actor.train: master layers.0..27.mlp.up_proj.weight" in d.message
-    assert "is held 0 time(s) across the 4 replicas, expected 1" in d.message
+    assert "is held 0 times across the 4 replicas, expected 1" in d.message
 
 
 def test_frozen_and_non_train_stages_hold_weights_only():
