@@ -67,10 +67,13 @@ def test_objects_the_process_keeps_frozen_stay_frozen():
     keep = [Node(i) for i in range(10)]
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        # The count itself is no witness: frozen objects that die by reference count leave the
+        # permanent generation at any time (CI saw it drop by 2 inside this block). What the
+        # process froze must stay out of the collector's three generations.
         with gc_paused():
             built = [Node(i) for i in range(10)]
-        assert gc.get_freeze_count() == frozen  # not handed back to the collector
+        assert gc.get_freeze_count() > 0
+        assert not any(_in_generation(keep, g) or _in_generation(keep[0], g) for g in range(3))
         assert _in_generation(built, 0) or _in_generation(built, 1)
     finally:
         gc.unfreeze()
