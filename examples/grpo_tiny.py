@@ -4,23 +4,29 @@
 
 The task is verifiable: the prompt is ``BOS d1 .. dL SEP`` (``L`` digits from ``0..D-1``), the
 answer is the digits again followed by ``EOS``; the reward is the fraction of the ``L + 1``
-answer positions the response gets right. The actor is a tiny ``LlamaForCausalLM`` built
-locally from a config (seeded, nothing downloaded) under the IR plan's layout: TP 2 x DP 2 on
-4 ranks to start (``hf_llama.build``). A frozen reference model is a plain, unsharded copy of
-the initial actor on every rank.
+answer positions the response gets right.
 
-Each step: every DP replica takes its share of the step's prompts (the same global prompts under
-every layout), the actor samples ``group`` responses per prompt (each prompt's sampling
+The job is an IR job of two models (``job.rl_job``): the actor (``actor.train``, a tiny
+``LlamaForCausalLM`` built locally from a config, seeded, nothing downloaded, with AdamW) and the
+frozen reference (``ref.infer``: the initial actor, no optimizer), each live under its own
+layout of the plan (``hf_llama.build``): TP 2 x DP 2 on 4 ranks to start for both
+(``--tp/--dp``, ``--ref-tp/--ref-dp``). The Controller moves both with one transition
+(``JobAdapter``: ``reshard_job``).
+
+Each step: every actor DP replica takes its share of the step's prompts (the same global prompts
+under every layout) and samples ``group`` responses per prompt (each prompt's sampling
 generator is seeded from the step and the prompt's global index, so the TP ranks of a replica
-draw the same tokens and a layout change does not change the draws), rewards are scored,
-advantages normalised within each group, and one AdamW step minimises the GRPO loss: the
-policy-gradient term (ratio to the sampling policy, clipped) plus ``beta`` times the k3
-estimate of KL(actor || reference), averaged over each response's tokens, then over responses;
-gradients are averaged over DP.
+draw the same tokens and a layout change does not change the draws); the sequences are put
+together on every rank (``stage_data.assemble``), every reference replica scores its share
+under its own layout and the log-probabilities are put together the same way; rewards are
+scored, advantages normalised within each group, and one AdamW step per actor replica
+minimises the GRPO loss: the policy-gradient term (ratio to the sampling policy, clipped) plus
+``beta`` times the k3 estimate of KL(actor || reference), averaged over each response's
+tokens, then over responses; gradients are averaged over DP.
 
-The Controller (``nereus.integrations.controller``) times the train stage, takes the response
-lengths, and decides at the end of each step; ``LlamaAdapter.move`` runs its transitions on the
-live model (``reshard``). Two moves happen mid-run:
+The Controller (``nereus.integrations.controller``) times ``ref.infer`` and ``actor.train``,
+takes the response lengths, and decides at the end of each step; ``JobAdapter.move`` runs its
+transitions on both live models at once. Two moves happen mid-run:
 
 - admitted: the IR workload is planned for responses of 1 token (``--planned-response``), the
   responses are ``L + 1`` long, so the response-length trigger fires at once and, with
@@ -44,17 +50,19 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from nereus.control import ControlOptions
 from nereus.integrations.controller import Controller
 from nereus.integrations.hf_llama import build, forward, ir_model, optimize
-from nereus.integrations.job import layout, training_job
-from nereus.integrations.llama_adapter import LlamaAdapter
+from nereus.integrations.job import layout, rl_job
+from nereus.integrations.llama_adapter import JobAdapter
 from nereus.integrations.llama_state import check_layout
+from nereus.integrations.stage_data import assemble, rows
 from nereus.runtime.launch import init_from_env
 
 MS = "actor.train"
+REF = "ref.infer"
 SEP, EOS, BOS = 10, 11, 12  # digits are tokens 0..9
 
 
@@ -93,6 +101,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--ref-tp", type=int, default=None, help="the reference's TP (default: --tp)")
+    p.add_argument("--ref-dp", type=int, default=None, help="the reference's DP (default: --dp)")
     p.add_argument(
         "--pp", type=int, default=1, help="pipeline stages (layers split evenly; 1F1B over pp micro-batches)"
     )
@@ -170,11 +180,6 @@ def logp_of(logits: torch.Tensor, seqs: torch.Tensor, plen: int) -> torch.Tensor
     return torch.gather(F.log_softmax(logits[:, plen - 1 : -1].float(), dim=-1), 2, seqs[:, plen:, None]).squeeze(2)
 
 
-def token_logp(model, seqs: torch.Tensor, plen: int) -> torch.Tensor:
-    """``logp_of`` a plain Hugging Face model (the frozen reference)."""
-    return logp_of(model(input_ids=seqs).logits, seqs, plen)
-
-
 def pack(*columns: torch.Tensor) -> torch.Tensor:
     """Per-row data as one float tensor (the target a pipeline schedule splits into micro-batches
     with the inputs); token ids are small integers, exact in float32."""
@@ -200,77 +205,83 @@ def grpo_loss(plen: int, beta: float, clip: float):
     return loss
 
 
-def grpo_step(live, reference, seqs, plen, reward, mask, group, beta, clip) -> float:
-    """One AdamW step on this replica's responses (``hf_llama.optimize``: DDP averages the
-    gradients over DP, a 1F1B schedule runs the micro-batches under PP); the loss averaged over DP."""
+def grpo_step(live, ref, seqs, plen, reward, mask, group, beta, clip) -> float:
+    """One AdamW step on this replica's responses (``ref``: their reference log-probabilities;
+    ``hf_llama.optimize``: DDP averages the gradients over DP, a 1F1B schedule runs the
+    micro-batches under PP); the loss averaged over DP."""
     r = reward.view(-1, group)
     adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).view(-1, 1)
-    with torch.no_grad():
-        ref = token_logp(reference, seqs, plen)
     return optimize(live, seqs, pack(seqs, adv, ref, mask), grpo_loss(plen, beta, clip))
 
 
-def job(args, world: int):
-    """The IR module: the actor's train stage, plan @a = DP x PP x TP on the first dp * pp * tp ranks."""
+def job(args, world: int, extra: tuple = ()):
+    """The IR module: plan @a with the actor's train stage (DP x PP x TP on the first dp * pp * tp
+    ranks) and the reference's infer stage (``--ref-dp`` x ``--ref-tp`` on the first ranks);
+    ``extra``: more (model, layout) pairs (PPO's critic)."""
     cfg = config(args.engine)
-    model = ir_model(cfg, "actor")
-    planned = 2 * args.planned_response  # training_job plans responses of seq // 2 tokens
-    m = training_job(
-        model,
-        {"a": layout(model, tp=args.tp, dp=args.dp, pp=args.pp)},
-        world,
-        rows=args.prompts * args.group,
-        seq=planned,
-    )
-    check_layout(m, "a", MS)
+    actor, ref = ir_model(cfg, "actor"), ir_model(cfg, "ref", trained=False)
+    planned = 2 * args.planned_response  # rl_job plans responses of seq // 2 tokens
+    ref_tp = args.tp if args.ref_tp is None else args.ref_tp
+    ref_dp = args.dp if args.ref_dp is None else args.ref_dp
+    layouts = [layout(actor, tp=args.tp, dp=args.dp, pp=args.pp), layout(ref, tp=ref_tp, dp=ref_dp, stage="infer")]
+    models = [actor, ref, *(m for m, _ in extra)]
+    m = rl_job(models, {"a": layouts + [lay for _, lay in extra]}, world, rows=args.prompts * args.group, seq=planned)
+    for ms in m.plans["a"].layouts:
+        check_layout(m, "a", ms)
     return cfg, m
 
 
-def rollout(live, step: int, args, ctl, timed, engine=None):
-    """This DP replica's share of the step's prompts, sampled by the actor (or by this rank's vLLM
-    ``engine``; timed as generation) and scored; the response lengths go to the Controller.
-    (sequences, reward, mask)."""
-    lay, d = live.layout, live.coordinate[0]
-    if args.prompts % lay.dp:
-        raise ValueError(f"{args.prompts} prompts do not split over DP {lay.dp}")
-    share = args.prompts // lay.dp
-    mine = prompts(step, args.prompts, args.digits, args.alphabet, args.seed)[d * share : (d + 1) * share]
-    with timed("actor.generate"):
-        if engine is None:
-            seqs = generate(live, mine, d * share, args.group, args.digits + 1, step, args.seed)
-        else:
-            seqs = generate_vllm(engine, mine, d * share, args.group, args.digits + 1, step, args.seed)
-    reward, mask, lengths = score(seqs, args.digits + 2, args.digits)
-    ctl.responses(lengths.tolist())
-    return seqs, reward, mask
+def rollout(actor, step: int, args, ctl, timed, engine=None):
+    """The step's sequences on every rank of the job: each actor replica samples its share of the
+    prompts (or this rank's vLLM ``engine`` does; timed as generation), and the shares are put
+    together (``assemble``); the rewards, the response mask and the response lengths (to the
+    Controller, once) of them all. (sequences, reward, mask)."""
+    n = args.prompts
+    plen = args.digits + 2
+    seqs = None
+    mine = rows(actor, n)
+    if mine is not None:
+        share = prompts(step, n, args.digits, args.alphabet, args.seed)[mine]
+        with timed("actor.generate"):
+            if engine is None:
+                seqs = generate(actor, share, mine.start, args.group, args.digits + 1, step, args.seed)
+            else:
+                seqs = generate_vllm(engine, share, mine.start, args.group, args.digits + 1, step, args.seed)
+    every = assemble(actor, seqs, (n * args.group, plen + args.digits + 1), torch.int64, ctl.group)
+    reward, mask, lengths = score(every, plen, args.digits)
+    if dist.get_rank() == ctl.members[0]:
+        ctl.responses(lengths.tolist())
+    return every, reward, mask
 
 
-def dp_mean(live, reward: torch.Tensor) -> torch.Tensor:
-    """The mean reward over every DP replica's samples (equal shares)."""
-    mean = reward.mean().clone()
-    if live.layout.dp > 1:
-        dist.all_reduce(mean, group=live.mesh["dp"].get_group())
-        mean /= live.layout.dp
-    return mean
+def reference_logp(ref, seqs: torch.Tensor, plen: int, group) -> torch.Tensor:
+    """The reference's log-probabilities of every response token, on every rank: each reference
+    replica scores its share of ``seqs`` under its own layout (``hf_llama.forward``), and the
+    shares are put together."""
+    mine = rows(ref, len(seqs))
+    part = logp_of(forward(ref, seqs[mine]), seqs[mine], plen) if mine is not None else None
+    return assemble(ref, part, (len(seqs), seqs.shape[1] - plen), torch.float32, group)
 
 
-def actor_and_reference(cfg: LlamaConfig, module, args):
-    """The live actor under plan @a (AdamW) and the frozen reference: the initial actor, whole, on
-    every rank; with the plain (unsharded, eager) config they are built from."""
+def live_models(cfg: LlamaConfig, module, args) -> dict:
+    """This rank's live models under plan @a, by model-stage: the actor (AdamW) and the frozen
+    reference, built from the same seed (the reference is the initial actor)."""
     adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
-    live = build(cfg, module.plans["a"].layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout)
-    plain = LlamaConfig.from_dict(cfg.to_dict())
-    plain._attn_implementation = "eager"
-    torch.manual_seed(args.seed)  # build's initialisation: the reference is the initial actor
-    reference = LlamaForCausalLM(plain).to(torch.float32).eval()
-    for prm in reference.parameters():
-        prm.requires_grad_(False)
-    return live, reference, plain
+    plan = module.plans["a"]
+    return {
+        MS: build(cfg, plan.layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout),
+        REF: build(cfg, plan.layouts[REF], seed=args.seed, timeout=args.timeout, trained=False),
+    }
 
 
 def shape(lay) -> str:
     """A layout as ``tp2xpp1xdp2``."""
     return f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}"
+
+
+def shapes(lives: dict) -> str:
+    """Every live model's layout: ``actor.train tp2xpp1xdp2, ref.infer tp1xpp1xdp4``."""
+    return ", ".join(f"{ms} {shape(live.layout)}" for ms, live in sorted(lives.items()))
 
 
 def controller(module, adapter, args, faults: tuple = ()):
@@ -343,7 +354,7 @@ def start_engines(cfg: LlamaConfig, args, rank: int, world: int, live) -> Engine
     return engines
 
 
-def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
+def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
     args = parse(argv)
@@ -351,31 +362,45 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     cfg, module = job(args, world)
-    live, reference, _ = actor_and_reference(cfg, module, args)
-    adapter = adapter_cls(live, module, "a", seed=args.seed)
+    adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed)
     ctl, timed = controller(module, adapter, args, faults)
-    engines = start_engines(cfg, args, rank, world, live)
+    engines = start_engines(cfg, args, rank, world, adapter.lives[MS])
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
     for step in range(args.steps):
-        live = adapter.live
+        lives = adapter.lives
+        actor, ref = lives[MS], lives[REF]
         t0 = time.perf_counter()
+        loss = None
         with ctl.step():
-            lay = live.layout
-            seqs, reward, mask = rollout(live, step, args, ctl, timed, engines.engine if engines else None)
-            with ctl.stage(MS):
-                loss = grpo_step(live, reference, seqs, plen, reward, mask, args.group, args.beta, args.clip)
-            mean_reward = dp_mean(live, reward)
+            seqs, reward, mask = rollout(actor, step, args, ctl, timed, engines.engine if engines else None)
+            with ctl.stage(REF):
+                ref_logp = reference_logp(ref, seqs, plen, ctl.group)
+            mine = rows(actor, len(seqs))
+            if mine is not None:
+                with ctl.stage(MS):
+                    loss = grpo_step(
+                        actor,
+                        ref_logp[mine],
+                        seqs[mine],
+                        plen,
+                        reward[mine],
+                        mask[mine],
+                        args.group,
+                        args.beta,
+                        args.clip,
+                    )
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
         if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
-            engines.push(adapter.live)
+            engines.push(adapter.lives[MS])
         row = {
             "step": step,
-            "plan": f"@{dec.source} {shape(lay)}",
-            "reward": float(mean_reward),
+            "plan": f"@{dec.source} {shape(actor.layout)}",
+            "layouts": shapes(lives),
+            "reward": float(reward.mean()),
             "loss": loss,
             "decision": dec.action,
             "forced": dec.forced,
@@ -387,8 +412,9 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
             print(
-                f"step {step:3d}  plan @{dec.source} ({shape(lay)})  reward {row['reward']:.3f}  "
-                f"loss {loss:+.4f}  decision {dec.action}{' (forced)' if dec.forced else ''}"
+                f"step {step:3d}  plan @{dec.source} ({row['layouts']})  reward {row['reward']:.3f}  "
+                f"loss {'-' if loss is None else f'{loss:+.4f}'}  "
+                f"decision {dec.action}{' (forced)' if dec.forced else ''}"
                 f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s"
                 + (
                     f"  push {row['push_s'] * 1e3:.1f} ms + engine load {row['load_s'] * 1e3:.1f} ms"

@@ -503,6 +503,32 @@ class DecisionCore:
         return decision
 
 
+def layout_text(lay) -> str:
+    """A layout in a few words: ``TP 2 x PP 1 x DP 2 on 0..3`` (and CP, ZeRO, offload where set)."""
+    text = f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}" + (f" x CP {lay.cp}" if lay.cp > 1 else "")
+    text += f" on {compress_ints(lay.mesh)}"
+    if lay.zero:
+        text += f", ZeRO-{lay.zero}"
+    if lay.offload:
+        text += f", offload {'+'.join(lay.offload)}"
+    return text
+
+
+def layout_changes(a: Plan, b: Plan) -> dict[str, dict[str, str]]:
+    """The model-stages whose layout differs between plans ``a`` and ``b``: before and after each."""
+    return {
+        ms: {"before": layout_text(a.layouts[ms]) if ms in a.layouts else "-", "after": layout_text(lay)}
+        for ms, lay in sorted(b.layouts.items())
+        if ms not in a.layouts or not same_layout(a.layouts[ms], lay)
+    }
+
+
+def same_layout(x, y) -> bool:
+    """Two layouts that run the same way on the same GPUs (their estimates aside)."""
+    keys = ("tp", "pp", "dp", "cp", "zero", "layers", "mesh", "micro_batches", "recompute", "sp", "vpp", "fp8")
+    return all(getattr(x, k) == getattr(y, k) for k in (*keys, "grad_dtype", "offload"))
+
+
 def placement(b: Plan, usable: set[int], w) -> dict:
     """Where plan B goes: its layouts (TP x PP x DP on which GPUs), the usable GPUs it leaves
     idle, and why, where a reason is known (a DP that would take them all does not divide the
@@ -510,12 +536,7 @@ def placement(b: Plan, usable: set[int], w) -> dict:
     used = {g for lay in b.layouts.values() for g in lay.mesh}
     idle = sorted(usable - used)
     out: dict = {
-        "layouts": {
-            ms: f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}"
-            + (f" x CP {lay.cp}" if lay.cp > 1 else "")
-            + f" on {compress_ints(lay.mesh)}"
-            for ms, lay in b.layouts.items()
-        },
+        "layouts": {ms: layout_text(lay) for ms, lay in b.layouts.items()},
         "gpus_used": sorted(used),
         "gpus_idle": idle,
     }

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..control import ControlOptions, Decision, DecisionCore, StepRecord
+from ..control.decide import layout_changes
 from ..ir import DiagnosticError, Module, bare_name
 from ..ir.diagnostics import did_you_mean
 from ..runtime.execute import TransitionError, execute
@@ -243,6 +244,7 @@ class Controller:
 
     def _apply(self, decision: Decision) -> Decision:
         m = decision.module
+        changes = layout_changes(m.plans[decision.source], m.plans[decision.target])
         move = getattr(self.adapter, "move", None)
         t0 = time.perf_counter()
         prog = (
@@ -268,7 +270,7 @@ class Controller:
             decision.action = "rolled_back"
             decision.message = f"not applied: the live model cannot take plan @{decision.target}: {e}"
             decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
-            self._log(decision)
+            self._log(decision, changes)
             return decision
         except TransitionError as e:
             decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
@@ -277,7 +279,7 @@ class Controller:
             self.group = dist.new_group(self.members, timeout=datetime.timedelta(seconds=self.timeout))
             self.degraded = True
             decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
-            self._log(decision)
+            self._log(decision, changes)
             return decision
         t2 = time.perf_counter()
         used = {g for lay in m.plans[decision.target].layouts.values() for g in lay.mesh}
@@ -295,11 +297,12 @@ class Controller:
         self.core.log = self.log_path if self.rank == self.members[0] else None
         self.module, self.plan = self.core.m, decision.target
         decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(t2 - t1, 4), load_s=round(t3 - t2, 4))
-        self._log(decision)
+        self._log(decision, changes)
         return decision
 
-    def _log(self, decision: Decision) -> None:
-        """The outcome of an applied decision, appended to the decision log by the leader."""
+    def _log(self, decision: Decision, changes: dict) -> None:
+        """The outcome of an applied decision, appended to the decision log by the leader, with the
+        model-stages the move changes (or would have changed), their layouts before and after."""
         if self.core.log is not None:
             with self.core.log.open("a") as f:
                 f.write(
@@ -309,6 +312,7 @@ class Controller:
                             "applied": decision.action,
                             "message": decision.message,
                             "numbers": decision.numbers,
+                            "changes": changes,
                         },
                         sort_keys=True,
                     )

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from ..ir import Diagnostic, DiagnosticError, Layout, Model
 from ..ir.diagnostics import NOWHERE, plural
@@ -57,8 +57,10 @@ from .llama_stages import LlamaStage, prune, tp_plan
 PREFIX = "model."  # HF's parameter names are the IR's with this prefix (except ``lm_head.weight``)
 
 
-def ir_model(config: LlamaConfig, name: str = "actor", trained: bool = True) -> Model:
-    """The IR model of a Llama config, in fp32 (the dtype this adapter trains in).
+def ir_model(config: LlamaConfig, name: str = "actor", trained: bool = True, head: str = "lm") -> Model:
+    """The IR model of a Llama config, in fp32 (the dtype this adapter trains in). ``head``:
+    ``lm`` (``LlamaForCausalLM``) or ``value`` (a scalar per position: ``score.weight``, as
+    ``LlamaForSequenceClassification`` with one label names it: a critic or a reward model).
 
     A config with tensors the IR inventory does not name (biases) or another MLP is a diagnostic.
     """
@@ -81,19 +83,18 @@ def ir_model(config: LlamaConfig, name: str = "actor", trained: bool = True) -> 
         head_dim=None if hd == config.hidden_size // config.num_attention_heads else hd,
         dtype="fp32",
         tied_embeddings=bool(config.tie_word_embeddings),
+        head=head,
         trained=trained,
     )
 
 
 def llama_config(model: Model, **extra) -> LlamaConfig:
     """A ``LlamaConfig`` for an IR model (``extra``: fields the IR does not hold, e.g. rope_theta)."""
-    if model.mlp != "gated" or model.head != "lm":
+    if model.mlp != "gated":
         raise DiagnosticError(
             [
                 Diagnostic(
-                    model.loc,
-                    f"model @{model.name}: mlp = {model.mlp}, head = {model.head} "
-                    "has no LlamaForCausalLM (needs mlp = gated, head = lm)",
+                    model.loc, f"model @{model.name}: mlp = {model.mlp} has no Hugging Face Llama (needs mlp = gated)"
                 )
             ]
         )
@@ -116,9 +117,11 @@ def llama_config(model: Model, **extra) -> LlamaConfig:
 
 @dataclass
 class LiveLlama:
-    """This rank's live model and optimizer under ``layout`` (``model`` is None off the layout).
+    """This rank's live model and optimizer under ``layout`` (``model`` is None off the layout;
+    ``optimizer`` is None for a frozen model: a reference or reward model, ``trained = false``).
 
-    ``model`` is the (pruned, under PP) ``LlamaForCausalLM`` that owns the parameters;
+    ``model`` is the (pruned, under PP) ``LlamaForCausalLM`` (``LlamaForSequenceClassification``
+    with one label for ``head = value``) that owns the parameters;
     ``runner`` what computes its forward: the ``LlamaStage``, wrapped in DDP when ``dp > 1``.
     ``boxes``: per IR tensor name, the full shape and the box of it this rank's parameter holds
     (recorded from the DTensor placements before DDP turns them into local tensors).
@@ -137,6 +140,12 @@ class LiveLlama:
     named: dict = field(default_factory=dict)  # IR name -> the parameter AdamW and DDP hold
     schedules: dict = field(default_factory=dict)  # (train, input shape) -> pipeline schedule
     loss_fn: object = None  # the loss of the running optimize step (the 1F1B schedule calls it)
+    head: str = "lm"  # lm: logits over the vocabulary; value: one scalar per position
+
+    @property
+    def out_features(self) -> int:
+        """The last dimension of what ``forward`` returns."""
+        return self.config.vocab_size if self.head == "lm" else 1
 
     @property
     def coordinate(self) -> tuple[int, int, int] | None:
@@ -193,31 +202,49 @@ ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 
 
 def build(
-    config: LlamaConfig, layout: Layout, *, seed: int = 0, adamw: dict | None = None, timeout: float = 60.0
+    config: LlamaConfig,
+    layout: Layout,
+    *,
+    seed: int = 0,
+    adamw: dict | None = None,
+    timeout: float = 60.0,
+    trained: bool = True,
+    head: str = "lm",
 ) -> LiveLlama:
     """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
     same on every rank and stage (the whole model is initialised, then pruned to the stage);
     AdamW's state is created up front (zeros, step 0), as its first step would.
 
+    ``trained = False`` (a reference or reward model: the IR's ``trained = false``, an ``infer``
+    stage): no optimizer, no DDP (DP replicas share nothing at run time), parameters frozen.
+    ``head = "value"``: ``LlamaForSequenceClassification`` with one label, whose ``score`` gives one
+    value per position (the IR's ``score.weight``, replicated over TP).
+
     Call ``state.check_layout`` first: this builds what it is asked and does not re-check.
     """
     adamw = dict(ADAMW if adamw is None else adamw)
     mesh = private_mesh(layout, timeout)
     if mesh is None:
-        return LiveLlama(config, layout, mesh, None, None, adamw, timeout)
+        return LiveLlama(config, layout, mesh, None, None, adamw, timeout, head=head)
     cfg = LlamaConfig.from_dict(config.to_dict())
     cfg._attn_implementation = "eager"
     cfg.use_cache = False
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.train()
+    if head == "value":
+        cfg.num_labels = 1
+        model = LlamaForSequenceClassification(cfg).to(torch.float32)
+    else:
+        model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.train(trained)
+    if not trained:
+        model.requires_grad_(False)
     _, stage, tp_rank = mesh.get_coordinate()
     first, last = stage == 0, stage == layout.pp - 1
     lo, hi = layout.layers[stage]
     prune(model, lo, hi, first, last)
     if layout.tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(lo, hi, first, last))
+        parallelize_module(model, mesh["tp"], tp_plan(lo, hi, first, last, head))
     boxes, placed = {}, {}
     for name, p in model.named_parameters():
         name = name.removeprefix(PREFIX)
@@ -228,14 +255,16 @@ def build(
             placed[name] = None
             boxes[name] = (tuple(p.shape), tuple((0, n) for n in p.shape))
     runner = LlamaStage(model, first, last)
-    if layout.dp > 1:  # DDP on the dp sub-mesh; under TP it replaces the DTensor parameters by their shards
+    if layout.dp > 1 and trained:  # DDP on the dp sub-mesh; under TP it replaces the DTensor parameters by their shards
         stage_module = runner
         runner = DistributedDataParallel(
             runner, device_mesh=mesh["dp"], forward_sync_buffers=False, find_unused_parameters=layout.pp > 1
         )
     named = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
-    if layout.dp > 1 and layout.tp > 1:
+    if layout.dp > 1 and layout.tp > 1 and trained:
         stage_module.register_forward_pre_hook(_dtensors_from(model, named, placed, boxes, mesh["tp"]))
+    if not trained:
+        return LiveLlama(config, layout, mesh, model, None, adamw, timeout, runner, boxes, placed, named, head=head)
     optimizer = torch.optim.AdamW(named.values(), foreach=False, **adamw)
     for p in named.values():
         optimizer.state[p] = {
@@ -243,7 +272,7 @@ def build(
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
-    return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named)
+    return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named, head=head)
 
 
 def _dtensors_from(model: LlamaForCausalLM, named: dict, placed: dict, boxes: dict, tp: DeviceMesh):
@@ -318,13 +347,13 @@ def _from_last_stage(live: LiveLlama, t: torch.Tensor | None, shape, dtype) -> t
 
 @torch.no_grad()
 def forward(live: LiveLlama, ids: torch.Tensor) -> torch.Tensor:
-    """The logits of ``ids`` ([rows, seq] -> [rows, seq, vocab], float32) on every rank of this
-    replica (every rank of it passes the same ids). Under PP a forward-only pipeline; the last
-    stage's logits are broadcast to the others."""
+    """The logits of ``ids`` ([rows, seq] -> [rows, seq, vocab], float32; [rows, seq, 1] for a
+    value head) on every rank of this replica (every rank of it passes the same ids). Under PP a
+    forward-only pipeline; the last stage's logits are broadcast to the others."""
     if live.layout.pp == 1:
         return live.runner(ids)
     out = _schedule(live, ids, train=False).step(ids)
-    return _from_last_stage(live, out, (*ids.shape, live.config.vocab_size), torch.float32)
+    return _from_last_stage(live, out, (*ids.shape, live.out_features), torch.float32)
 
 
 def optimize(live: LiveLlama, inputs: torch.Tensor, target: torch.Tensor, loss_fn) -> float:

@@ -1,10 +1,12 @@
-"""A one-model training job as an IR module: the cluster of this process group, the model, plans.
+"""A live RL job as an IR module: the cluster of this process group, the models, plans.
 
-``training_job(model, {"a": layout(...), "b": layout(...)}, gpus)`` is what a training loop
-under ``run_local`` or ``torchrun`` hands the passes: one node of ``gpus`` GPUs (rank == GPU),
-a workload with one train stage of ``model`` (``<name>.train``), and one plan per layout with
-its EMUs derived, so that ``plan_layout`` and ``plan-transition`` can read them. The cluster's
-figures are nominal (an H100 node): they size the cost model, not the run.
+``rl_job([actor, ref], {"a": [layout(actor, tp=2, dp=2), layout(ref, dp=4, stage="infer")]}, gpus)``
+is what a training loop under ``run_local`` or ``torchrun`` hands the passes: one node of
+``gpus`` GPUs (rank == GPU), a workload whose stages are the layouts' model-stages
+(``actor.train``, ``ref.infer``, ``critic.train``), and one plan per entry with its EMUs
+derived, so that ``plan_layout`` and ``plan-transition`` read every model's state and one
+transition moves them all. ``training_job(model, {"a": layout(...)}, gpus)`` is the one-model
+case. The cluster's figures are nominal (an H100 node): they size the cost model, not the run.
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ GIB = 2**30
 
 
 def layout(
-    model: Model, tp: int = 1, dp: int = 1, pp: int = 1, mesh: list[int] | None = None, micro_batches: int | None = None
+    model: Model,
+    tp: int = 1,
+    dp: int = 1,
+    pp: int = 1,
+    mesh: list[int] | None = None,
+    micro_batches: int | None = None,
+    stage: str = "train",
 ) -> Layout:
-    """The train layout of ``model``: layers split evenly over ``pp`` stages, GPUs 0.. in (dp, pp, tp)
-    order, ``pp`` micro-batches per step unless told (1F1B's least)."""
+    """The layout of ``model``'s ``stage`` (``train``, ``infer``, ``generate``): layers split evenly
+    over ``pp`` stages, GPUs 0.. in (dp, pp, tp) order, ``pp`` micro-batches per step unless told
+    (1F1B's least)."""
     ranges = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
     return Layout(
-        model_stage=f"{model.name}.train",
+        model_stage=f"{model.name}.{stage}",
         tp=tp,
         pp=pp,
         dp=dp,
@@ -33,12 +42,26 @@ def layout(
     )
 
 
-def training_job(
-    model: Model, layouts: dict[str, Layout], gpus: int, *, rows: int = 4, seq: int = 16, stage: str = "train"
+KINDS = ("generate", "infer", "train")  # the order a step runs its stages in
+
+
+def rl_job(
+    models: list[Model],
+    plans: dict[str, dict[str, Layout] | list[Layout]],
+    gpus: int,
+    *,
+    rows: int = 4,
+    seq: int = 16,
+    algorithm: str | None = None,
+    group: int = 2,
 ) -> Module:
-    """The verified module with a plan per entry of ``layouts`` and their EMUs. ``stage``: the
-    workload's one stage (``train``, or ``generate`` for a weights-only job such as a push to
-    generation engines), which names the layouts' model-stage."""
+    """The verified module of an RL job whose model-stages are the layouts' (``actor.train``,
+    ``ref.infer``, ``critic.train``, ...): a workload with one stage per kind that occurs
+    (generate, infer, train, in that order), each running the models that have a layout of that
+    kind, and one plan per entry of ``plans`` with its EMUs derived. ``algorithm`` defaults to
+    ``ppo`` when a trained model has a value head (a critic), ``grpo`` otherwise; ``group``:
+    responses per prompt. The cluster's figures are nominal (an H100 node): they size the cost
+    model, not the run; ``rows`` sequences of ``seq`` tokens (half prompt, half response) a step."""
     cluster = Cluster(
         name="node",
         nodes=1,
@@ -49,23 +72,45 @@ def training_job(
         intra_node=Link(450e9, 2e-6),
         inter_node=Link(50e9, 5e-6),
     )
+    by_name = {m.name: m for m in models}
+    plans = {
+        name: {lay.model_stage: lay for lay in (p.values() if isinstance(p, dict) else p)} for name, p in plans.items()
+    }
+    stages_seen = sorted({ms for p in plans.values() for ms in p}, key=lambda ms: (ms.split(".")[1], ms))
+    unknown = sorted({ms.split(".")[1] for ms in stages_seen} - set(KINDS))
+    if unknown:
+        raise ValueError(f"model-stage kinds {', '.join(unknown)}: the layouts' model-stages end in {', '.join(KINDS)}")
+    stages = [
+        Stage(name=kind, kind=kind, models=[ms.split(".")[0] for ms in stages_seen if ms.endswith("." + kind)])
+        for kind in KINDS
+        if any(ms.endswith("." + kind) for ms in stages_seen)
+    ]
+    if algorithm is None:
+        algorithm = "ppo" if any(m.head == "value" and m.trained for m in models) else "grpo"
     work = Workload(
         name="job",
-        algorithm="grpo",
-        roles=[model.name],
-        global_batch=max(1, rows // 2),
-        group_size=2,
+        algorithm=algorithm,
+        roles=[m for m in by_name if any(m in st.models for st in stages)],
+        global_batch=max(1, rows // group),
+        group_size=group,
         prompt_len_mean=seq // 2,
         prompt_len_max=seq // 2,
         response_len_mean=seq // 2,
         response_len_max=seq // 2,
         micro_batch=1,
-        stages=[Stage(name=stage, kind=stage, models=[model.name])],
+        stages=stages,
     )
-    plans = {
-        name: Plan(name=name, workload="job", cluster="node", layouts={lay.model_stage: lay})
-        for name, lay in layouts.items()
+    module_plans = {
+        name: Plan(name=name, workload="job", cluster="node", layouts=dict(lays)) for name, lays in plans.items()
     }
-    m = Module(clusters={"node": cluster}, models={model.name: model}, workloads={"job": work}, plans=plans)
+    used = {name: by_name[name] for name in work.roles}
+    m = Module(clusters={"node": cluster}, models=used, workloads={"job": work}, plans=module_plans)
     verify(m)
-    return run_pipeline(m, ",".join(f"derive-emus{{plan=@{name}}}" for name in layouts))
+    return run_pipeline(m, ",".join(f"derive-emus{{plan=@{name}}}" for name in plans))
+
+
+def training_job(model: Model, layouts: dict[str, Layout], gpus: int, *, rows: int = 4, seq: int = 16) -> Module:
+    """A one-model job (``rl_job``): a plan per entry of ``layouts``, each the model's one
+    model-stage (``actor.train``; ``actor.generate`` for a weights-only job such as a push to
+    generation engines)."""
+    return rl_job([model], {name: [lay] for name, lay in layouts.items()}, gpus, rows=rows, seq=seq, algorithm="grpo")

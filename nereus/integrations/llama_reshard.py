@@ -1,21 +1,24 @@
-"""Move a live HF Llama + AdamW from plan A's layout to plan B's with a Nereus transition.
+"""Move a live RL job's HF Llamas (+ AdamW) from plan A's layouts to plan B's with one Nereus transition.
 
-``reshard_llama(live, module, "a", "b")``, on every rank of the default group:
+``reshard_job({"actor.train": actor, "ref.infer": ref}, module, "a", "b")`` (``reshard_llama``
+for one model), on every rank of the default group:
 
-1. ``check_layout`` on plan B: where the live model cannot take it, a ``DiagnosticError``
-   before any state moves (and before any collective: every rank raises the same);
+1. ``check_layout`` on plan B, for every model-stage: where a live model cannot take its
+   layout, a ``DiagnosticError`` naming the model-stage before any state moves (and before any
+   collective: every rank raises the same);
 2. plan (``plan-transition`` with ``drain=true``: a rank plan B does not use is alive and sends
    what it holds; unless the module holds the transition) and lower it (``move.plan_move``);
-3. build plan B's model and optimizer (``hf_llama.build``: groups of its own, created through
-   the store) and agree on AdamW's step (an all-reduce; ranks off plan A hold none);
-4. ``execute`` the program with plan A's exported shards (views of the live tensors) as input
-   and plan B's live tensors as ``out``: the bytes land in the new model directly;
-5. ``load_state``: checks ``master`` against ``weight`` and sets the step.
+3. build plan B's models and optimizers (``hf_llama.build``: groups of their own, created
+   through the store; a frozen model gets none) and agree on each model's AdamW step (one
+   all-reduce; ranks off a model's plan-A layout hold none);
+4. ``execute`` the one program with every model's plan-A shards (views of the live tensors) as
+   input and plan B's live tensors as ``out``: the bytes land in the new models directly;
+5. ``load_state`` per model: checks ``master`` against ``weight`` and sets the step.
 
-What is exact: after a successful call the new model and optimizer hold bit-for-bit the values
+What is exact: after a successful call the new models and optimizers hold bit-for-bit the values
 plan A's held (``execute`` copies bytes), so training continues as a model built under plan B
 from the same full state would. On failure in 4 ``execute`` raises ``TransitionError`` on every
-surviving rank and ``live`` is untouched (its tensors were only read): the caller goes on with
+surviving rank and every live model is untouched (its tensors were only read): the caller goes on with
 it, on its own TP and DP groups (``hf_llama.private_mesh``). The default group is another
 matter: on gloo a receive that timed out closes its connection, so after any failed transition
 the default group must be re-created before the next ``reshard_llama`` (the executor's contract),
@@ -36,11 +39,60 @@ from .move import plan_move
 
 def same_model(live: LiveLlama, module: Module) -> None:
     """The module's model is the live model's config (the fields the inventory depends on)."""
-    theirs, ours = module.models[live.layout.model], ir_model(live.config, live.layout.model)
-    fields = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "hd", "tied_embeddings")
+    theirs, ours = module.models[live.layout.model], ir_model(live.config, live.layout.model, head=live.head)
+    fields = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "hd", "tied_embeddings", "head")
     diff = [f"{f} {getattr(theirs, f)} != {getattr(ours, f)}" for f in fields if getattr(theirs, f) != getattr(ours, f)]
     if diff:
         raise ValueError(f"model @{theirs.name} in the module is not the live model: {', '.join(diff)}")
+
+
+def reshard_job(
+    lives: dict[str, LiveLlama],
+    module: Module,
+    plan_a: str,
+    plan_b: str,
+    *,
+    transition: str | None = None,
+    timeout: float = 60.0,
+    faults: tuple[Fault, ...] = (),
+    seed: int = 0,
+) -> dict[str, LiveLlama]:
+    """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
+    ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
+    transition moves every model at once: one program (the transition's, which orders the
+    models' transfers together), one ``execute`` over the union of their shards. ``lives`` run
+    under plan A and are untouched on failure. ``faults`` are passed to ``execute`` (tests)."""
+    for live in lives.values():
+        same_model(live, module)
+    for ms in lives:  # every model-stage is checked before any state moves or any group is made
+        check_layout(module, plan_b, ms)
+    missing = sorted(set(module.plans[plan_b].layouts) - set(lives))
+    if missing:
+        raise ValueError(f"plan @{plan_b} has model-stages with no live model: {', '.join(missing)}")
+    program = plan_move(module, plan_a, plan_b, transition)  # before building plan B: a bad plan raises first
+    targets = {
+        ms: build(
+            live.config,
+            module.plans[plan_b].layouts[ms],
+            seed=seed,
+            adamw=live.adamw,
+            timeout=timeout,
+            trained=module.models[live.layout.model].trained,
+            head=live.head,
+        )
+        for ms, live in lives.items()
+    }
+    state: dict = {}
+    steps = torch.zeros(len(lives), dtype=torch.int64)
+    for i, (ms, live) in enumerate(lives.items()):
+        mine, steps[i] = export_state(live, module, plan_a)
+        state.update(mine)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # ranks off a model's plan-A layout hold no step
+    out = {k: v for target in targets.values() for k, v in buffers(target, module, plan_b).items()}
+    new = execute(program, state, timeout=timeout, faults=faults, out=out)
+    for i, target in enumerate(targets.values()):
+        load_state(target, module, plan_b, new, int(steps[i]))
+    return targets
 
 
 def reshard_llama(
@@ -54,16 +106,9 @@ def reshard_llama(
     faults: tuple[Fault, ...] = (),
     seed: int = 0,
 ) -> LiveLlama:
-    """This rank's live model and optimizer under plan B, holding plan A's state; see the module
-    docstring. ``live`` runs under plan A; ``faults`` are passed to ``execute`` (tests)."""
+    """``reshard_job`` of a one-model job: this rank's live model and optimizer under plan B."""
     ms = live.layout.model_stage
-    same_model(live, module)
-    check_layout(module, plan_b, ms)
-    program = plan_move(module, plan_a, plan_b, transition)  # before building plan B: a bad plan raises first
-    target = build(live.config, module.plans[plan_b].layouts[ms], seed=seed, adamw=live.adamw, timeout=timeout)
-    state, step = export_state(live, module, plan_a)
-    steps = torch.tensor([step], dtype=torch.int64)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    new = execute(program, state, timeout=timeout, faults=faults, out=buffers(target, module, plan_b))
-    load_state(target, module, plan_b, new, int(steps))
-    return target
+    moved = reshard_job(
+        {ms: live}, module, plan_a, plan_b, transition=transition, timeout=timeout, faults=faults, seed=seed
+    )
+    return moved[ms]

@@ -39,16 +39,23 @@ def prune(hf: LlamaForCausalLM, lo: int, hi: int, first: bool, last: bool) -> Ll
         hf.model.embed_tokens = None
     if not last:
         hf.model.norm = None
-        hf.lm_head = None
+        setattr(hf, head_name(hf), None)
     return hf
 
 
-def tp_plan(lo: int, hi: int, first: bool = True, last: bool = True) -> dict:
-    """``parallelize_module``'s plan for a stage holding layers ``lo..hi`` (names with ``model.``)."""
+def head_name(hf) -> str:
+    """The attribute that holds the output head: ``lm_head`` (causal LM) or ``score`` (one value per
+    position: ``LlamaForSequenceClassification``)."""
+    return "lm_head" if hasattr(hf, "lm_head") else "score"
+
+
+def tp_plan(lo: int, hi: int, first: bool = True, last: bool = True, head: str = "lm") -> dict:
+    """``parallelize_module``'s plan for a stage holding layers ``lo..hi`` (names with ``model.``);
+    a value head (``score``, one output) stays whole on every TP rank, as the IR replicates it."""
     plan = {}
     if first:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
-    if last:
+    if last and head == "lm":
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     for i in range(lo, hi + 1):
         plan.update({f"model.layers.{i}.{name}": ColwiseParallel() for name in COLWISE})
@@ -81,5 +88,5 @@ class LlamaStage(nn.Module):
             if isinstance(h, tuple):
                 h = h[0]
         if self.last:
-            h = self.hf.lm_head(m.norm(h))
+            h = getattr(self.hf, head_name(self.hf))(m.norm(h))
         return h

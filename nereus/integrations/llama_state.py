@@ -64,12 +64,12 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
         problems.append(
             Diagnostic(model.loc, f"model @{model.name}: dtype = {model.dtype}; the adapter trains in fp32")
         )
-    if model.tied_embeddings or model.mlp != "gated" or model.head != "lm":
+    if model.tied_embeddings or model.mlp != "gated":
         problems.append(
             Diagnostic(
                 model.loc,
-                f"model @{model.name}: the adapter takes untied LlamaForCausalLM "
-                "(tied_embeddings = false, mlp = gated, head = lm)",
+                f"model @{model.name}: the adapter takes an untied Hugging Face Llama "
+                "(tied_embeddings = false, mlp = gated; head = lm or value)",
             )
         )
     hint = "choose tp from " + ", ".join(
@@ -135,10 +135,11 @@ def buffers(live: LiveLlama, module: Module, plan: str) -> LocalState:
 
 
 def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState, int]:
-    """This rank's shards under ``plan`` (views of the live tensors) and AdamW's step."""
+    """This rank's shards under ``plan`` (views of the live tensors) and AdamW's step (0 for a
+    frozen model, which has no optimizer)."""
     if live.model is None:
         return {}, 0
-    steps = {int(s["step"]) for s in live.optimizer.state.values()}
+    steps = {int(s["step"]) for s in live.optimizer.state.values()} if live.optimizer is not None else {0}
     if len(steps) != 1:
         raise ValueError(f"AdamW's parameters are at different steps {sorted(steps)}")
     specs, params = _specs(live, module, plan), live.params()
@@ -170,5 +171,6 @@ def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, st
             dst = live_tensor(live, params, s)
             if state[s.key].data_ptr() != dst.data_ptr():
                 dst.copy_(state[s.key])
-        for p in live.named.values():
-            live.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+        if live.optimizer is not None:
+            for p in live.named.values():
+                live.optimizer.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)

@@ -92,7 +92,7 @@ def _program(model_key: tuple, src: tuple, dst: tuple, world: int) -> Program:
         name: _layout(model, dict((k, list(v) if isinstance(v, tuple) else v) for k, v in spec), kind)
         for name, spec in (("a", src), ("b", dst))
     }
-    m = training_job(model, layouts, world, stage=kind)
+    m = training_job(model, layouts, world)
     return plan_move(m, "a", "b", "t", world)
 
 

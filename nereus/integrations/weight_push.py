@@ -2,7 +2,7 @@
 
 In an RL step the trainer updates the actor and the generation engines must serve the new
 weights before the next rollout. The engines' layout is one more plan of the actor's weights:
-``WeightPush`` builds a weights-only job (``job.training_job(..., stage="generate")``) with two
+``WeightPush`` builds a weights-only job (``job.training_job`` of ``actor.generate`` layouts) with two
 plans of the actor's ``generate`` model-stage:
 
 - ``@held``: the trainer's layout (its TP, PP, DP, layer ranges and GPUs): where the weights are;
@@ -79,7 +79,7 @@ class WeightPush:
         engine = Layout(
             model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)], mesh=list(self.engines)
         )
-        m = training_job(model, {"held": held, "engine": engine}, world, stage="generate")
+        m = training_job(model, {"held": held, "engine": engine}, world)
         self.module: Module = m
         self.program = plan_move(m, "held", "engine", "push", world)
         self.held_specs = plan_layout(self.module, "held")

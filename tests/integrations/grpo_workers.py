@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from nereus.backend.shards import plan_layout
-from nereus.integrations.llama_adapter import LlamaAdapter
+from nereus.integrations.llama_adapter import JobAdapter
 from nereus.integrations.llama_state import export_state
 from nereus.runtime.execute import Fault
 from nereus.runtime.state import cut
@@ -20,30 +20,37 @@ from .workers import gather_full
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-class CheckedAdapter(LlamaAdapter):
-    """``LlamaAdapter`` that, around each move, gathers plan A's full state (every rank: the
-    default group is whole then) and checks that this rank's plan B state is its slices, bit for
-    bit, with AdamW's step carried over."""
+class CheckedAdapter(JobAdapter):
+    """``JobAdapter`` that, around each move, gathers plan A's full state of every model (every
+    rank: the default group is whole then) and checks, per model-stage, that this rank's plan B
+    state is its slices, bit for bit, with AdamW's step carried over (a frozen model has none)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.checks: list[dict] = []
 
+    def _exported(self, module, plan) -> tuple[dict, dict]:
+        state, steps = {}, {}
+        for ms, live in self.lives.items():
+            mine, steps[ms] = export_state(live, module, plan)
+            state.update(mine)
+        return state, steps
+
     def move(self, module, source, target, **kwargs) -> None:
         rank = torch.distributed.get_rank()
-        state_a, step_a = export_state(self.live, module, source)
+        state_a, steps_a = self._exported(module, source)
         full = gather_full(state_a, plan_layout(module, source).get(rank, []))
         try:
             super().move(module, source, target, **kwargs)
-        except Exception as e:  # a rollback: plan A's state must be as it was
-            after, step = export_state(self.live, module, source)
+        except Exception as e:  # a rollback: plan A's state of every model must be as it was
+            after, steps = self._exported(module, source)
             self.checks.append(
                 {
                     "source": source,
                     "target": target,
                     "failed": type(e).__name__,
-                    "step_a": step_a,
-                    "intact": step == step_a
+                    "steps_a": steps_a,
+                    "intact": steps == steps_a
                     and all(
                         torch.equal(after[s.key], cut(full[s.key], s.box))
                         for s in plan_layout(module, source).get(rank, [])
@@ -51,20 +58,20 @@ class CheckedAdapter(LlamaAdapter):
                 }
             )
             raise
-        ms = self.live.layout.model_stage
-        specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == ms]
-        state_b, step_b = export_state(self.live, module, target)
-        self.checks.append(
-            {
-                "source": source,
-                "target": target,
-                "in_b": self.live.model is not None,
+        state_b, steps_b = self._exported(module, target)
+        models = {}
+        for ms, live in self.lives.items():
+            specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == ms]
+            mine = {k for k in state_b if k.model_stage == ms}
+            models[ms] = {
+                "in_b": live.model is not None,
                 "keys": len(specs),
-                "same_keys": set(state_b) == {s.key for s in specs},
+                "states": sorted({s.key.state for s in specs}),
+                "same_keys": mine == {s.key for s in specs},
                 "exact": all(torch.equal(state_b[s.key], cut(full[s.key], s.box)) for s in specs),
-                "step_a": step_a,
-                "step_b": step_b,
             }
+        self.checks.append(
+            {"source": source, "target": target, "models": models, "steps_a": steps_a, "steps_b": steps_b}
         )
 
 

@@ -1,7 +1,9 @@
-"""examples/grpo_tiny.py on 4 gloo processes: GRPO on a tiny HF Llama under TP 2 x DP 2, moved
-by the Controller twice mid-run (an admitted move on response-length drift, then a forced one
-when a rank leaves), every rank's state right after each move bit-identical to the full state
-gathered and re-sliced, and the loop going on after each move with finite losses.
+"""examples/grpo_tiny.py on 4 gloo processes: GRPO on a tiny HF Llama, the actor (``actor.train``)
+and the frozen reference (``ref.infer``) each under its own layout of one IR plan (TP 2 x DP 2
+both to start), moved by the Controller twice mid-run, both models in one transition each time
+(an admitted move on response-length drift, then a forced one when a rank leaves); every
+model's state on every rank right after each move bit-identical to its full state gathered and
+re-sliced, and the loop going on after each move with finite losses.
 
 That the reward rises over a longer run is shown by the example itself (docs/embedding.md has the command)."""
 
@@ -36,17 +38,35 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
     assert moves[0]["numbers"]["admission"] == "accept" and moves[0]["triggers"][0]["kind"] == "response_length"
     assert any(t["kind"] == "gpus_leaving" for t in moves[1]["triggers"])
     assert [d["applied"] for d in applied] == ["transition", "transition"], applied
+    # each applied move names the model-stages it changes, both models, with their layouts before and after
+    assert applied[0]["changes"] == {
+        ms: {"before": "TP 2 x PP 1 x DP 2 on 0..3", "after": "TP 1 x PP 1 x DP 4 on 0..3"}
+        for ms in ("actor.train", "ref.infer")
+    }
+    assert applied[1]["changes"] == {
+        ms: {"before": "TP 1 x PP 1 x DP 4 on 0..3", "after": "TP 1 x PP 1 x DP 3 on 0..2"}
+        for ms in ("actor.train", "ref.infer")
+    }
 
     for res in results:
-        # every rank checked both moves: its plan B state is the gathered full state, re-sliced
+        # every rank checked both moves, per model: its plan B state is the gathered full state, re-sliced
         assert [(c["source"], c["target"]) for c in res["checks"]] == [("a", "p0"), ("p0", "p2")], res["checks"]
         for c in res["checks"]:
-            if c["in_b"]:
-                assert c["keys"] and c["same_keys"] and c["exact"] and c["step_b"] == c["step_a"] > 0, c
+            assert sorted(c["models"]) == ["actor.train", "ref.infer"], c
+            if c["models"]["actor.train"]["in_b"]:
+                assert c["steps_b"]["actor.train"] == c["steps_a"]["actor.train"] > 0, c
+            assert c["steps_b"]["ref.infer"] == c["steps_a"]["ref.infer"] == 0, c  # frozen: no optimizer
+            for ms, model in c["models"].items():
+                if model["in_b"]:
+                    assert model["keys"] and model["same_keys"] and model["exact"], (ms, c)
+            if c["models"]["actor.train"]["in_b"]:  # the actor moves its AdamW moments, the reference weights only
+                assert c["models"]["actor.train"]["states"] == ["exp_avg", "exp_avg_sq", "master", "weight"], c
+                assert c["models"]["ref.infer"]["states"] == ["weight"], c
         steps = [h["step"] for h in res["history"]]
         assert all(math.isfinite(h["loss"]) and math.isfinite(h["reward"]) for h in res["history"])
         if res["rank"] == 3:  # it announced at step 2, handed its state over and left
-            assert not res["active"] and steps == [0, 1, 2] and not res["checks"][1]["in_b"]
+            assert not res["active"] and steps == [0, 1, 2]
+            assert not any(m["in_b"] for m in res["checks"][1]["models"].values())
         else:  # the loop went on after each move
             assert res["active"] and steps == [0, 1, 2, 3, 4] and res["plan"] == "p2"
             assert [h["plan"] for h in res["history"]] == [
@@ -56,6 +76,7 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
                 "@p2 tp1xpp1xdp3",
                 "@p2 tp1xpp1xdp3",
             ]
+            assert res["history"][1]["layouts"] == "actor.train tp1xpp1xdp4, ref.infer tp1xpp1xdp4"
     # the DP replicas agree on the loss and the reward (one mean over DP) on every step
     for step in range(5):
         seen = {(h["loss"], h["reward"]) for r in results for h in r["history"] if h["step"] == step}
