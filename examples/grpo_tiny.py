@@ -254,13 +254,13 @@ def rollout(actor, step: int, args, ctl, timed, engine=None):
     return every, reward, mask
 
 
-def reference_logp(ref, seqs: torch.Tensor, plen: int, group) -> torch.Tensor:
-    """The reference's log-probabilities of every response token, on every rank: each reference
-    replica scores its share of ``seqs`` under its own layout (``hf_llama.forward``), and the
-    shares are put together."""
-    mine = rows(ref, len(seqs))
-    part = logp_of(forward(ref, seqs[mine]), seqs[mine], plen) if mine is not None else None
-    return assemble(ref, part, (len(seqs), seqs.shape[1] - plen), torch.float32, group)
+def scored(live, seqs: torch.Tensor, plen: int, group, what) -> torch.Tensor:
+    """``what(outputs, rows)`` ([rows, response length]) of every row of ``seqs`` on every rank:
+    each replica of ``live`` computes its share under its own layout (``hf_llama.forward``), and
+    the shares are put together (``assemble``)."""
+    mine = rows(live, len(seqs))
+    part = what(forward(live, seqs[mine]), seqs[mine]) if mine is not None else None
+    return assemble(live, part, (len(seqs), seqs.shape[1] - plen), torch.float32, group)
 
 
 def live_models(cfg: LlamaConfig, module, args) -> dict:
@@ -376,7 +376,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         with ctl.step():
             seqs, reward, mask = rollout(actor, step, args, ctl, timed, engines.engine if engines else None)
             with ctl.stage(REF):
-                ref_logp = reference_logp(ref, seqs, plen, ctl.group)
+                ref_logp = scored(ref, seqs, plen, ctl.group, lambda out, s: logp_of(out, s, plen))
             mine = rows(actor, len(seqs))
             if mine is not None:
                 with ctl.stage(MS):

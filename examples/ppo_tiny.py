@@ -1,22 +1,26 @@
-"""PPO on a tiny Hugging Face Llama (actor + critic with a value head + reference, GAE), driven by
-the Nereus Controller and moved twice mid-run, as ``examples/grpo_tiny.py`` is.
+"""PPO on a tiny Hugging Face Llama: actor, critic (a value head) and reference as one IR job,
+driven by the Nereus Controller and moved twice mid-run, every model in one transition each time.
 
     torchrun --nproc-per-node 4 examples/ppo_tiny.py --steps 12 --leave-step 4 --decision-log ppo.jsonl
 
-The task, the actor (under the IR plan's layout: TP 2 x DP 2 to start), the frozen reference,
-the sampling and the two moves (an admitted one on response-length drift, a forced one when
-``--leave-rank`` calls ``ctl.leave()``) are ``grpo_tiny``'s. PPO adds:
+The task, the sampling and the two moves (an admitted one on response-length drift, a forced
+one when ``--leave-rank`` calls ``ctl.leave()``) are ``grpo_tiny``'s. The IR job has three
+model-stages, each live under its own layout of the plan (TP 2 x DP 2 on 4 ranks to start;
+``--critic-tp/--critic-dp``, ``--ref-tp/--ref-dp``):
 
-- a critic: a ``LlamaModel`` of the actor's config with a linear value head, seeded apart. It
-  is plain data parallel over the actor's current DP group (a whole replica on every rank: the
-  TP ranks of a replica see the same rows, so every copy stays identical), outside the IR
-  module: the Controller moves the actor only (the IR module is ``job.training_job``'s
-  one-model job); the critic needs no move because every rank, leaving or not, holds it whole;
-- per-token rewards: the task's score on the last response token, minus ``beta`` times the
-  per-token KL estimate ``logp - logp_ref`` (the usual PPO-RLHF shaping);
-- GAE (``gamma``, ``lam``) from the critic's values, advantages whitened over the replica's
-  tokens; ``--epochs`` clipped PPO updates of the actor and the critic (value loss 0.5 (V - R)^2)
-  per batch, gradients averaged over DP.
+- ``actor.train``: the actor and AdamW; it also scores its own samples (the sampling policy's
+  log-probabilities) on its layout;
+- ``critic.train``: a ``LlamaForSequenceClassification`` with one label (the IR's value head,
+  ``score.weight``) whose ``score`` gives a value per position, seeded apart, with AdamW; it
+  computes the values on its layout, then trains;
+- ``ref.infer``: the frozen initial actor.
+
+Each stage's outputs reach the others through ``stage_data.assemble`` (every replica's rows, put
+together on every rank), so the rewards (the task's score on the last response token, minus
+``beta`` times the per-token KL estimate ``logp - logp_ref``), GAE (``gamma``, ``lam``) and the
+advantages (whitened over the step's tokens) are the same on every rank whatever the layouts.
+Then ``--epochs`` clipped PPO updates of each actor replica on its rows and value updates
+(0.5 (V - R)^2) of each critic replica on its rows; gradients averaged over each model's DP.
 
 ``--engine vllm`` samples with a vLLM engine on every rank instead, the actor's weights pushed by
 Nereus after every update (``grpo_tiny.Engines``; docs/embedding.md).
@@ -31,27 +35,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
 
-from nereus.integrations.llama_adapter import LlamaAdapter  # noqa: E402
+from nereus.integrations.llama_adapter import JobAdapter  # noqa: E402
+from nereus.integrations.stage_data import rows  # noqa: E402
 from nereus.runtime.launch import init_from_env  # noqa: E402
 
 MS = g.MS
-
-
-class Critic(torch.nn.Module):
-    """A Llama trunk and a linear value head: one value per position."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.trunk = LlamaModel(cfg)
-        self.head = torch.nn.Linear(cfg.hidden_size, 1)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(input_ids=ids).last_hidden_state).squeeze(-1)
+CRITIC = "critic.train"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -69,6 +62,10 @@ def parse(argv=None) -> argparse.Namespace:
         "--leave-step",
         "--leave-rank",
         "--planned-response",
+        "--ref-tp",
+        "--ref-dp",
+        "--critic-tp",
+        "--critic-dp",
     ):
         p.add_argument(a, type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -112,14 +109,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, adv + values
 
 
-def average_grads(params, group, dp: int) -> None:
-    """DDP's gradient average, for the critic (a plain module that follows the actor's DP group)."""
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(dp)
-
-
 def actor_loss(plen: int, clip: float):
     """The clipped PPO policy loss of a micro-batch, target = ``g.pack(seqs, old, adv, mask)``: the
     mean over the micro-batch's response tokens."""
@@ -136,15 +125,32 @@ def actor_loss(plen: int, clip: float):
     return loss
 
 
-def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args) -> tuple[float, float]:
-    """``args.epochs`` PPO updates on this replica's rollouts; the actor and critic losses (DP means).
-    The actor's update is ``hf_llama.optimize`` (DDP, and a 1F1B schedule under PP); under PP a
-    micro-batch's loss is the mean over its own tokens."""
+def value_loss(plen: int):
+    """The critic's loss of a micro-batch, target = ``g.pack(returns, mask)``: 0.5 (V - R)^2, the mean
+    over the micro-batch's response tokens (V at the position before each response token)."""
+
+    def loss(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        resp = target.shape[1] // 2
+        v = values.squeeze(-1)[:, plen - 1 : -1]
+        returns, mask = target[:, :resp], target[:, resp:]
+        return 0.5 * (((v - returns) ** 2) * mask).sum() / mask.sum()
+
+    return loss
+
+
+def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, float | None]:
+    """``args.epochs`` PPO updates; the actor's and the critic's losses (DP means; None on a rank
+    that holds no replica of that model). The updates are ``hf_llama.optimize`` (DDP, and a 1F1B
+    schedule under PP); under PP a micro-batch's loss is the mean over its own tokens."""
+    actor, critic, ref = lives[MS], lives[CRITIC], lives[g.REF]
     with torch.no_grad():
-        old = g.logp_of(g.forward(live, seqs), seqs, plen)
-        ref = g.token_logp(reference, seqs, plen)
-        values = critic(seqs)[:, plen - 1 : -1]
-        rewards = -args.beta * (old - ref) * mask
+        with ctl.stage(MS):  # the sampling policy's log-probabilities, on the actor's layout
+            old = g.scored(actor, seqs, plen, ctl.group, lambda out, s: g.logp_of(out, s, plen))
+        with ctl.stage(g.REF):
+            ref_logp = g.scored(ref, seqs, plen, ctl.group, lambda out, s: g.logp_of(out, s, plen))
+        with ctl.stage(CRITIC):
+            values = g.scored(critic, seqs, plen, ctl.group, lambda out, s: out.squeeze(-1)[:, plen - 1 : -1])
+        rewards = -args.beta * (old - ref_logp) * mask
         last = (mask.sum(dim=1) - 1).long()
         rewards[torch.arange(len(seqs)), last] += score
         adv, returns = gae(rewards, values, mask, args.gamma, args.lam)
@@ -152,58 +158,66 @@ def ppo_step(live, critic, critic_opt, reference, seqs, plen, score, mask, args)
         mean = (adv * mask).sum() / n
         std = (((adv - mean) ** 2 * mask).sum() / n).sqrt()
         adv = (adv - mean) / (std + 1e-6) * mask
-    dp = live.layout.dp
-    group = live.mesh["dp"].get_group() if dp > 1 else None
-    target = g.pack(seqs, old, adv, mask)
-    for _ in range(args.epochs):
-        loss = g.optimize(live, seqs, target, actor_loss(plen, args.clip))
-        v = critic(seqs)[:, plen - 1 : -1]
-        critic_loss = 0.5 * (((v - returns) ** 2) * mask).sum() / mask.sum()
-        critic_loss.backward()
-        if dp > 1:
-            average_grads(critic.parameters(), group, dp)
-        critic_opt.step()
-        critic_opt.zero_grad(set_to_none=True)
-    vloss = critic_loss.detach().clone()
-    if dp > 1:
-        dist.all_reduce(vloss, group=group)
-        vloss /= dp
-    return loss, float(vloss)
+    loss = vloss = None
+    mine = rows(actor, len(seqs))
+    if mine is not None:
+        target = g.pack(seqs, old, adv, mask)[mine]
+        with ctl.stage(MS):
+            for _ in range(args.epochs):
+                loss = g.optimize(actor, seqs[mine], target, actor_loss(plen, args.clip))
+    mine = rows(critic, len(seqs))
+    if mine is not None:
+        target = g.pack(returns, mask)[mine]
+        with ctl.stage(CRITIC):
+            for _ in range(args.epochs):
+                vloss = g.optimize(critic, seqs[mine], target, value_loss(plen))
+    return loss, vloss
 
 
-def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
+def job(args, world: int):
+    """``grpo_tiny.job`` with the critic: a value-head model of the actor's config, trained."""
+    cfg = g.config(args.engine)
+    critic = g.ir_model(cfg, "critic", trained=True, head="value")
+    tp = args.tp if args.critic_tp is None else args.critic_tp
+    dp = args.dp if args.critic_dp is None else args.critic_dp
+    return g.job(args, world, extra=((critic, g.layout(critic, tp=tp, dp=dp, pp=args.pp)),))
+
+
+def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     args = parse(argv)
     init_from_env(timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, module = g.job(args, world)
-    live, reference, plain = g.actor_and_reference(cfg, module, args)
-    torch.manual_seed(args.seed + 1)
-    critic = Critic(plain).to(torch.float32)
-    critic_opt = torch.optim.AdamW(
-        critic.parameters(), lr=args.critic_lr, betas=(0.9, 0.99), weight_decay=0.0, foreach=False
+    cfg, module = job(args, world)
+    lives = g.live_models(cfg, module, args)
+    critic_adamw = {"lr": args.critic_lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+    lives[CRITIC] = g.build(
+        cfg,
+        module.plans["a"].layouts[CRITIC],
+        seed=args.seed + 1,
+        adamw=critic_adamw,
+        timeout=args.timeout,
+        head="value",
     )
-    adapter = adapter_cls(live, module, "a", seed=args.seed)
+    adapter = adapter_cls(lives, module, "a", seed=args.seed)
     ctl, timed = g.controller(module, adapter, args, faults)
-    engines = g.start_engines(cfg, args, rank, world, live)
+    engines = g.start_engines(cfg, args, rank, world, lives[MS])
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
     for step in range(args.steps):
-        live = adapter.live
+        lives = adapter.lives
         t0 = time.perf_counter()
         with ctl.step():
-            lay = live.layout
-            seqs, reward, mask = g.rollout(live, step, args, ctl, timed, engines.engine if engines else None)
-            with ctl.stage(MS):
-                loss, vloss = ppo_step(live, critic, critic_opt, reference, seqs, plen, reward, mask, args)
-            mean_reward = g.dp_mean(live, reward)
+            seqs, reward, mask = g.rollout(lives[MS], step, args, ctl, timed, engines.engine if engines else None)
+            loss, vloss = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
         row = {
             "step": step,
-            "plan": f"@{dec.source} {g.shape(lay)}",
-            "reward": float(mean_reward),
+            "plan": f"@{dec.source} {g.shape(lives[MS].layout)}",
+            "layouts": g.shapes(lives),
+            "reward": float(reward.mean()),
             "loss": loss,
             "value_loss": vloss,
             "decision": dec.action,
@@ -212,13 +226,14 @@ def main(argv=None, adapter_cls=LlamaAdapter, faults: tuple = ()) -> dict:
             "seconds": round(time.perf_counter() - t0, 3),
         }
         if engines is not None and ctl.active:  # the updated actor (in its new layout after a move) to the engines
-            engines.push(adapter.live)
+            engines.push(adapter.lives[MS])
             row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
+            fmt = lambda x: "-" if x is None else f"{x:+.4f}"  # noqa: E731
             print(
-                f"step {step:3d}  plan @{dec.source} ({g.shape(lay)})  reward {row['reward']:.3f}  "
-                f"loss {loss:+.4f}  value loss {vloss:.4f}  decision {dec.action}"
+                f"step {step:3d}  plan @{dec.source} ({row['layouts']})  reward {row['reward']:.3f}  "
+                f"loss {fmt(loss)}  value loss {fmt(vloss)}  decision {dec.action}"
                 f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
                 f"  {row['seconds']:.2f} s",
                 flush=True,

@@ -101,12 +101,25 @@ def rl_job(
         stages=stages,
     )
     module_plans = {
-        name: Plan(name=name, workload="job", cluster="node", layouts=dict(lays)) for name, lays in plans.items()
+        name: Plan(name=name, workload="job", cluster="node", layouts=dict(lays), colocate=colocated(lays, stages))
+        for name, lays in plans.items()
     }
     used = {name: by_name[name] for name in work.roles}
     m = Module(clusters={"node": cluster}, models=used, workloads={"job": work}, plans=module_plans)
     verify(m)
     return run_pipeline(m, ",".join(f"derive-emus{{plan=@{name}}}" for name in plans))
+
+
+def colocated(layouts: dict[str, Layout], stages: list[Stage]) -> list[list[str]]:
+    """The model-stages of one stage that share a GPU, as one colocated group per stage: a live
+    loop runs a stage's models one after another (PPO's actor and critic updates), so sharing
+    GPUs is what it does."""
+    groups = []
+    for st in stages:
+        mss = [ms for ms in st.model_stages() if ms in layouts]
+        if any(set(layouts[x].mesh) & set(layouts[y].mesh) for i, x in enumerate(mss) for y in mss[i + 1 :]):
+            groups.append(mss)
+    return groups
 
 
 def training_job(model: Model, layouts: dict[str, Layout], gpus: int, *, rows: int = 4, seq: int = 16) -> Module:

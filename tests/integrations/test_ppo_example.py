@@ -1,8 +1,10 @@
-"""examples/ppo_tiny.py on 4 gloo processes: PPO (actor, critic with a value head, reference, GAE)
-on a tiny HF Llama whose actor starts as 2 pipeline stages (PipelineStage, Schedule1F1B) x DDP 2,
-moved by the Controller twice (admitted: PP 2 -> PP 1, then forced by a rank leaving), the
-actor's state right after each move bit-identical to the full state gathered and re-sliced, and
-the loop going on with finite losses."""
+"""examples/ppo_tiny.py on 4 gloo processes: PPO on a tiny HF Llama as one IR job of three
+live models (``actor.train`` and ``critic.train``, a value head, both as 2 pipeline stages
+(PipelineStage, Schedule1F1B) x DDP 2 to start, and the frozen ``ref.infer``), moved by the
+Controller twice, every model in one transition each time (admitted: PP 2 -> PP 1 with the actor
+and the critic placed apart, then forced by a rank leaving); every model's state right after
+each move bit-identical to its full state gathered and re-sliced, and the loop going on with
+finite losses."""
 
 from __future__ import annotations
 
@@ -43,11 +45,30 @@ def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path):
     made, applied = decisions(log)
     moves = [(d["step"], d["forced"]) for d in made if d["action"] == "transition"]
     assert moves == [(0, False), (1, True)] and [d["applied"] for d in applied] == ["transition"] * 2, made
+    models = ["actor.train", "critic.train", "ref.infer"]
+    # one transition changes all three models, and the log names each with its layouts before and after
+    assert [sorted(d["changes"]) for d in applied] == [models, models], applied
+    assert applied[0]["changes"]["actor.train"]["before"] == "TP 1 x PP 2 x DP 2 on 0..3"
+    assert all(d["changes"][ms]["after"] == "TP 1 x PP 1 x DP 3 on 0..2" for ms in models for d in applied[1:])
     for res in results:
         assert [(c["source"], c["target"]) for c in res["checks"]] == [("a", "p0"), ("p0", "p1")], res["checks"]
-        assert all(c["exact"] and c["same_keys"] and c["step_b"] == c["step_a"] > 0 for c in res["checks"] if c["in_b"])
-        assert all(math.isfinite(h["loss"]) and math.isfinite(h["value_loss"]) for h in res["history"])
-        assert res["history"][0]["plan"] == "@a tp1xpp2xdp2"
-        assert all(h["plan"].endswith("pp1xdp4") for h in res["history"][1:2]), res["history"]
+    # AdamW's step of each model before each move, from the ranks that held it (the others hold none)
+    held = [{ms: max(r["checks"][i]["steps_a"][ms] for r in results) for ms in models} for i in range(2)]
+    for res in results:
+        for c, steps_a in zip(res["checks"], held):
+            assert sorted(c["models"]) == models, c
+            for ms, model in c["models"].items():
+                if model["in_b"]:
+                    assert model["exact"] and model["same_keys"] and model["keys"], (ms, c)
+                    trained = ms != "ref.infer"
+                    assert c["steps_b"][ms] == steps_a[ms] and (steps_a[ms] > 0) == trained, (ms, c)
+                    assert ("exp_avg" in model["states"]) == trained, (ms, c)
+        assert all(h[k] is None or math.isfinite(h[k]) for h in res["history"] for k in ("loss", "value_loss"))
+        assert res["history"][0]["layouts"] == "actor.train tp1xpp2xdp2, critic.train tp1xpp2xdp2, ref.infer tp1xpp1xdp2"
+        assert all("pp2" not in h["layouts"] for h in res["history"][1:]), res["history"]
         steps = [h["step"] for h in res["history"]]
         assert steps == ([0, 1] if res["rank"] == 3 else [0, 1, 2, 3]) and res["active"] == (res["rank"] != 3)
+    # every step trained the actor and the critic somewhere
+    for step in range(4):
+        for k in ("loss", "value_loss"):
+            assert any(h[k] is not None for r in results for h in r["history"] if h["step"] == step), (step, k)
