@@ -88,4 +88,4 @@ def test_grpo_with_vllm_engines_pushes_every_step_and_follows_a_move(tmp_path):
         assert [h["step"] for h in hist] == [0, 1, 2] and res["active"]
         assert hist[0]["decision"] == "transition" and res["plan"] == "p0"  # the admitted move at step 0
         assert all(math.isfinite(h["loss"]) and h["push_s"] > 0 and h["load_s"] > 0 for h in hist)
-        assert all(c["exact"] for c in res["checks"] if c["in_b"])
+        assert all(m["exact"] for c in res["checks"] for m in c["models"].values() if m["in_b"])
