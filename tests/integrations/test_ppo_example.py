@@ -64,7 +64,9 @@ def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path):
                     assert c["steps_b"][ms] == steps_a[ms] and (steps_a[ms] > 0) == trained, (ms, c)
                     assert ("exp_avg" in model["states"]) == trained, (ms, c)
         assert all(h[k] is None or math.isfinite(h[k]) for h in res["history"] for k in ("loss", "value_loss"))
-        assert res["history"][0]["layouts"] == "actor.train tp1xpp2xdp2, critic.train tp1xpp2xdp2, ref.infer tp1xpp1xdp2"
+        assert (
+            res["history"][0]["layouts"] == "actor.train tp1xpp2xdp2, critic.train tp1xpp2xdp2, ref.infer tp1xpp1xdp2"
+        )
         assert all("pp2" not in h["layouts"] for h in res["history"][1:]), res["history"]
         steps = [h["step"] for h in res["history"]]
         assert steps == ([0, 1] if res["rank"] == 3 else [0, 1, 2, 3]) and res["active"] == (res["rank"] != 3)
