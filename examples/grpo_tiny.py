@@ -122,6 +122,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stay", action="store_true", help="never re-plan on drift (measure plan @a: calibration runs)")
     return p.parse_args(argv)
 
 
@@ -214,10 +215,11 @@ def grpo_step(live, ref, seqs, plen, reward, mask, group, beta, clip) -> float:
     return optimize(live, seqs, pack(seqs, adv, ref, mask), grpo_loss(plen, beta, clip))
 
 
-def job(args, world: int, extra: tuple = ()):
+def job(args, world: int, extra: tuple = (), cluster=None):
     """The IR module: plan @a with the actor's train stage (DP x PP x TP on the first dp * pp * tp
     ranks) and the reference's infer stage (``--ref-dp`` x ``--ref-tp`` on the first ranks);
-    ``extra``: more (model, layout) pairs (PPO's critic)."""
+    ``extra``: more (model, layout) pairs (PPO's critic); ``cluster``: the machine's figures
+    (default: ``rl_job``'s nominal ones)."""
     cfg = config(args.engine)
     actor, ref = ir_model(cfg, "actor"), ir_model(cfg, "ref", trained=False)
     planned = 2 * args.planned_response  # rl_job plans responses of seq // 2 tokens
@@ -225,7 +227,15 @@ def job(args, world: int, extra: tuple = ()):
     ref_dp = args.dp if args.ref_dp is None else args.ref_dp
     layouts = [layout(actor, tp=args.tp, dp=args.dp, pp=args.pp), layout(ref, tp=ref_tp, dp=ref_dp, stage="infer")]
     models = [actor, ref, *(m for m, _ in extra)]
-    m = rl_job(models, {"a": layouts + [lay for _, lay in extra]}, world, rows=args.prompts * args.group, seq=planned)
+    m = rl_job(
+        models,
+        {"a": layouts + [lay for _, lay in extra]},
+        world,
+        rows=args.prompts * args.group,
+        seq=planned,
+        group=args.group,
+        cluster=cluster,
+    )
     for ms in m.plans["a"].layouts:
         check_layout(m, "a", ms)
     return cfg, m
@@ -292,7 +302,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         recalibrate_every=0,
         slowdown=1e9,
         cooldown=1000,
-        response_drift=0.25,
+        response_drift=1e9 if args.stay else 0.25,
         pg_init=0.0,
         engine_restart=0.0,
         margin=0.0,
@@ -315,6 +325,17 @@ def controller(module, adapter, args, faults: tuple = ()):
     )
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
+
+
+def measured(ctl) -> dict:
+    """What the Controller measured of the step that just ended: each model-stage's seconds (its
+    slowest rank) and the mean response length; empty on a step that moved (its record went with
+    plan A)."""
+    if not ctl.core.history:
+        return {"stages": {}, "response_mean": None}
+    record = ctl.core.history[-1]
+    count, total, _ = record.responses
+    return {"stages": dict(record.seconds), "response_mean": total / count if count else None}
 
 
 class Engines:
@@ -406,6 +427,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             "forced": dec.forced,
             "target": dec.target,
             "seconds": round(time.perf_counter() - t0, 3),
+            **measured(ctl),
         }
         if engines is not None:
             row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))

@@ -86,6 +86,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--stay", action="store_true", help="never re-plan on drift (measure plan @a: calibration runs)")
     args = p.parse_args(argv)
     if args.group is None:
         args.group = 2  # PPO needs no groups: 2 samples per prompt
@@ -174,13 +175,15 @@ def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, f
     return loss, vloss
 
 
-def job(args, world: int):
+def job(args, world: int, cluster=None):
     """``grpo_tiny.job`` with the critic: a value-head model of the actor's config, trained."""
     cfg = g.config(args.engine)
     critic = g.ir_model(cfg, "critic", trained=True, head="value")
     tp = args.tp if args.critic_tp is None else args.critic_tp
     dp = args.dp if args.critic_dp is None else args.critic_dp
-    return g.job(args, world, extra=((critic, g.layout(critic, tp=tp, dp=dp, pp=args.pp)),))
+    cfg, m = g.job(args, world, extra=((critic, g.layout(critic, tp=tp, dp=dp, pp=args.pp)),), cluster=cluster)
+    m.workloads["job"].ppo_epochs = args.epochs  # the updates each batch gets, as the cost model counts them
+    return cfg, m
 
 
 def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
@@ -224,6 +227,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             "forced": dec.forced,
             "target": dec.target,
             "seconds": round(time.perf_counter() - t0, 3),
+            **g.measured(ctl),
         }
         if engines is not None and ctl.active:  # the updated actor (in its new layout after a move) to the engines
             engines.push(adapter.lives[MS])

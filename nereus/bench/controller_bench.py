@@ -1,12 +1,16 @@
-"""``nereus bench controller``: what the Controller costs inside a real training loop, and a
-transition inside the loop beside the way users change layout today (DCP save, then load).
+"""``nereus bench controller``: what the Controller costs inside a real RL job of four models, and
+the whole job's move inside the loop beside the way users change layout today (DCP save, then load).
 
-4 gloo processes of this machine train a Hugging Face ``LlamaForCausalLM`` (built from a config,
-seeded) under TP 2 x DP 2 with AdamW (``nereus.integrations.hf_llama``), the Controller around
-every step (``LlamaAdapter``; search limited to what the live model takes). Per rank:
+4 gloo processes of this machine run one IR job of four Hugging Face Llamas (built from a config,
+seeded; ``nereus.integrations.hf_llama``), each under its own layout of the plan, TP 2 x DP 2
+to start: the actor (``actor.train``: LM loss, AdamW), the critic (``critic.train``: a value
+head, AdamW), the reference (``ref.infer``, frozen) and the reward model (``reward.infer``, a
+frozen value head). The Controller is around every step (``JobAdapter``: every model moved by
+one transition; search limited to what the live models take). Per rank:
 
-- ``step``: the training step (forward, backward, the DP all-reduce, AdamW) without the
-  Controller, and ``with_controller``: the same step inside ``ctl.step()`` (every decision a
+- ``step``: one step of the job (the actor's and the critic's forward, backward, DP all-reduce
+  and AdamW; the reference's and the reward model's forward) without the Controller, and
+  ``with_controller``: the same step inside ``ctl.step()``, each model-stage timed (every decision a
   stay: one ``all_gather`` of a fixed-size tensor of measurements, the decision on the leader,
   one broadcast of a number); blocks of steps of each kind alternate after two warm-up steps,
   wall time between barriers per step, the median over blocks. ``controller`` is the
@@ -19,11 +23,11 @@ every step (``LlamaAdapter``; search limited to what the live model takes). Per 
   the Controller spends at its next collective instead;
 - at step ``leave_step`` rank 3 announces it leaves: the forced decision (``decide_s``: triggers,
   plan-search, remap, plan-transition, schedule-transfers, admit on the leader) and the move
-  inside the loop (``move_s``: plan B's model built, the transition lowered and executed into it,
-  AdamW's step carried);
-- the same move the DCP way, on the same processes and the same plan-A state: save it with
-  ``torch.distributed.checkpoint``, load plan B's boxes (``nereus.runtime.dcp``), build plan B's
-  model and load them (``dcp_s``).
+  inside the loop (``move_s``: plan B's four models built, the one transition lowered and
+  executed into them, AdamW's steps carried);
+- the same move the DCP way, on the same processes and the same plan-A state of all four models:
+  save it with ``torch.distributed.checkpoint``, load plan B's boxes (``nereus.runtime.dcp``),
+  build plan B's four models and load them (``dcp_s``).
 
 Times are the slowest rank's; 4 processes share this machine's 2 cores, so the ranks also wait
 for each other at every collective, with or without the Controller.
@@ -31,20 +35,24 @@ for each other at every collective, with or without the Controller.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import statistics
 import tempfile
 import time
 
+import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 from ..backend.shards import plan_layout
 from ..control import ControlOptions
+from ..control.decide import layout_changes
 from ..integrations.controller import Controller
-from ..integrations.hf_llama import batch, build, ir_model, llama_config, train_step
-from ..integrations.job import layout, training_job
-from ..integrations.llama_adapter import LlamaAdapter
+from ..integrations.hf_llama import batch, build, forward, ir_model, llama_config, optimize, train_step
+from ..integrations.job import layout, rl_job, training_job
+from ..integrations.llama_adapter import JobAdapter
 from ..integrations.llama_state import export_state, load_state
 from ..ir import Model
 from ..runtime.dcp import dcp_reshard
@@ -54,9 +62,18 @@ WORLD = 4
 ROWS = 12  # splits over DP 4, and DP 3 after a rank left
 
 
-def _model(hidden: int, layers: int) -> Model:
+# the job's four models: (name, stage, head, trained)
+MODELS = (
+    ("actor", "train", "lm", True),
+    ("critic", "train", "value", True),
+    ("ref", "infer", "lm", False),
+    ("reward", "infer", "value", False),
+)
+
+
+def _model(hidden: int, layers: int, name: str = "actor", head: str = "lm", trained: bool = True) -> Model:
     return Model(
-        name="actor",
+        name=name,
         layers=layers,
         hidden=hidden,
         heads=8,
@@ -64,18 +81,58 @@ def _model(hidden: int, layers: int) -> Model:
         ffn=hidden * 11 // 4,
         vocab=1024,
         dtype="fp32",
-        trained=True,
+        head=head,
+        trained=trained,
     )
+
+
+def value_loss(values, target):
+    return 0.5 * ((values.squeeze(-1) - target) ** 2).mean()
+
+
+def job_step(lives: dict, tokens, ctl=None) -> None:
+    """One step of the four models on the global batch ``tokens`` (each replica its DP share),
+    every model-stage timed by ``ctl`` when given."""
+    for ms, live in lives.items():
+        timed = ctl.stage(ms) if ctl is not None else contextlib.nullcontext()
+        with timed:
+            if live.model is None:
+                continue
+            dp, d = live.layout.dp, live.coordinate[0]
+            mine = tokens[d * len(tokens) // dp : (d + 1) * len(tokens) // dp]
+            if ms == "actor.train":
+                train_step(live, tokens)
+            elif ms == "critic.train":
+                optimize(live, mine, (mine % 7).float(), value_loss)
+            else:
+                forward(live, mine)
 
 
 def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, int], tmp: str) -> dict:
     init_from_env(timeout=600)
-    model = _model(hidden, layers)
-    config = llama_config(model)
-    assert ir_model(config, "actor") == model
-    module = training_job(model, {"a": layout(model, tp=2, dp=2)}, world, rows=ROWS, seq=64)
-    live = build(config, module.plans["a"].layouts["actor.train"], seed=0)
-    adapter = LlamaAdapter(live, module, "a")
+    models = {name: _model(hidden, layers, name, head, trained) for name, _, head, trained in MODELS}
+    config = llama_config(models["actor"])
+    assert ir_model(config, "actor") == models["actor"]
+    module = rl_job(
+        list(models.values()),
+        {"a": [layout(models[name], tp=2, dp=2, stage=stage) for name, stage, _, _ in MODELS]},
+        world,
+        rows=ROWS,
+        seq=64,
+        algorithm="ppo",
+    )
+    a = module.plans["a"].layouts
+    plan_a = copy.deepcopy(module.plans["a"])  # the core drops plan A once it commits plan B
+
+    def lives_of(plan_layouts) -> dict:
+        return {
+            f"{name}.{stage}": build(
+                config, plan_layouts[f"{name}.{stage}"], seed=0, head=head, trained=trained, timeout=300
+            )
+            for name, stage, head, trained in MODELS
+        }
+
+    adapter = JobAdapter(lives_of(a), module, "a")
     options = ControlOptions(
         recalibrate_every=0,
         slowdown=1e9,
@@ -91,20 +148,19 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     blocks, size = steps
     tokens = iter([batch(config, i, rows=ROWS, seq=64) for i in range(2 * blocks * size + 3)])
     for _ in range(2):  # warm-up: first allocations, first collectives
-        train_step(adapter.live, next(tokens))
+        job_step(adapter.lives, next(tokens))
     plain, inside, own, stays = [], [], [], 0
     for _ in range(blocks):  # blocks of steps without and with the Controller, alternating
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(size):
-            train_step(adapter.live, next(tokens))
+            job_step(adapter.lives, next(tokens))
             dist.barrier()  # the ranks aligned at every step's end, on both sides
         dist.barrier()
         t1 = time.perf_counter()
         for _ in range(size):
             with ctl.step():
-                with ctl.stage("actor.train"):
-                    train_step(adapter.live, next(tokens))
+                job_step(adapter.lives, next(tokens), ctl)
                 dist.barrier()
             stays += ctl.last.action == "stay" and not ctl.last.triggers
             own.append(ctl.end_of_step_s)
@@ -120,11 +176,12 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))],
     )
     # rank 3 announces it leaves: a forced decision and the move inside the loop
-    state, opt_step = export_state(adapter.live, module, "a")
-    saved = ({k: v.clone() for k, v in state.items()}, opt_step)  # plan A's state, for the DCP way below
+    saved, opt_steps = {}, {}
+    for ms, live in adapter.lives.items():  # plan A's state of every model, for the DCP way below
+        state, opt_steps[ms] = export_state(live, module, "a")
+        saved.update({k: v.clone() for k, v in state.items()})
     with ctl.step():
-        with ctl.stage("actor.train"):
-            train_step(adapter.live, next(tokens))
+        job_step(adapter.lives, next(tokens), ctl)
         if rank == world - 1:
             ctl.leave()
     d = ctl.last
@@ -135,6 +192,8 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         move_s=d.numbers.get("execute_s"),
         target=d.target,
         bytes_moved=d.numbers.get("bytes_moved"),
+        models=sorted(adapter.lives),
+        changed=sorted(layout_changes(plan_a, ctl.core.m.plans[ctl.plan])),
     )
     # the DCP way, on every rank (the default group is healthy after a successful move)
     dist.barrier()
@@ -146,12 +205,14 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     box = [b_module]
     dist.broadcast_object_list(box, src=0)
     b_module = box[0]
-    state, opt_step = saved
+    steps = torch.tensor([opt_steps[ms] for ms in sorted(opt_steps)], dtype=torch.int64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # as the move agrees on them
     dist.barrier()
     t0 = time.perf_counter()
-    new, _ = dcp_reshard(state, plan_layout(module, "a"), plan_layout(b_module, plan_b), rank, world, f"{tmp}/ckpt")
-    fresh = build(config, b_module.plans[plan_b].layouts["actor.train"], seed=0)
-    load_state(fresh, b_module, plan_b, new, opt_step)
+    new, _ = dcp_reshard(saved, plan_layout(module, "a"), plan_layout(b_module, plan_b), rank, world, f"{tmp}/ckpt")
+    fresh = lives_of(b_module.plans[plan_b].layouts)
+    for step, ms in zip(steps.tolist(), sorted(opt_steps)):
+        load_state(fresh[ms], b_module, plan_b, new, step)
     dist.barrier()
     out["dcp_s"] = time.perf_counter() - t0
     out["controller_s"] = out["with_controller_s"] - out["step_s"]
@@ -190,7 +251,9 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         "hidden": hidden,
         "layers": layers,
         "steps": steps,
-        "params": _model(hidden, layers).num_params(),
+        "params": sum(_model(hidden, layers, n, h, t).num_params() for n, _, h, t in MODELS),
+        "models": per_rank[0]["models"],
+        "changed": per_rank[0]["changed"],
         "step_s": slow("step_s"),
         "with_controller_s": slow("with_controller_s"),
         "controller_s": slow("with_controller_s") - slow("step_s"),
@@ -211,8 +274,8 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
     result["dcp_over_move"] = result["dcp_s"] / result["move_s"]
     if not json_output:
         t = Table(
-            title=f"Controller in a training loop: HF Llama ({result['params'] / 1e6:.1f} M params) on "
-            f"{WORLD} gloo processes, TP 2 x DP 2",
+            title=f"Controller in an RL job of four HF Llamas ({', '.join(result['models'])}; "
+            f"{result['params'] / 1e6:.1f} M params in all) on {WORLD} gloo processes, each TP 2 x DP 2 to start",
             title_justify="left",
         )
         for col in (
@@ -241,6 +304,10 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             f"{result['dcp_over_move']:.1f}x",
         )
         Console(width=200).print(t)
+        Console(width=200).print(
+            f"the forced move @a -> @{result['target']} changed {', '.join(result['changed'])} "
+            f"({result['bytes_moved'] / 2**20:.1f} MiB over the wire)"
+        )
         Console(width=200).print(
             "the Controller's end of step alone (a stay; median, slowest rank): "
             + ", ".join(

@@ -54,15 +54,17 @@ def rl_job(
     seq: int = 16,
     algorithm: str | None = None,
     group: int = 2,
+    cluster: Cluster | None = None,
 ) -> Module:
     """The verified module of an RL job whose model-stages are the layouts' (``actor.train``,
     ``ref.infer``, ``critic.train``, ...): a workload with one stage per kind that occurs
     (generate, infer, train, in that order), each running the models that have a layout of that
     kind, and one plan per entry of ``plans`` with its EMUs derived. ``algorithm`` defaults to
     ``ppo`` when a trained model has a value head (a critic), ``grpo`` otherwise; ``group``:
-    responses per prompt. The cluster's figures are nominal (an H100 node): they size the cost
-    model, not the run; ``rows`` sequences of ``seq`` tokens (half prompt, half response) a step."""
-    cluster = Cluster(
+    responses per prompt. ``cluster``: the machine (one node of ``gpus``, named ``node``); by
+    default nominal H100 figures, which size the cost model, not the run. ``rows`` sequences of
+    ``seq`` tokens (half prompt, half response) a step."""
+    cluster = cluster or Cluster(
         name="node",
         nodes=1,
         gpus_per_node=gpus,
@@ -101,11 +103,13 @@ def rl_job(
         stages=stages,
     )
     module_plans = {
-        name: Plan(name=name, workload="job", cluster="node", layouts=dict(lays), colocate=colocated(lays, stages))
+        name: Plan(
+            name=name, workload="job", cluster=cluster.name, layouts=dict(lays), colocate=colocated(lays, stages)
+        )
         for name, lays in plans.items()
     }
     used = {name: by_name[name] for name in work.roles}
-    m = Module(clusters={"node": cluster}, models=used, workloads={"job": work}, plans=module_plans)
+    m = Module(clusters={cluster.name: cluster}, models=used, workloads={"job": work}, plans=module_plans)
     verify(m)
     return run_pipeline(m, ",".join(f"derive-emus{{plan=@{name}}}" for name in plans))
 
