@@ -10,8 +10,9 @@ For each example (``examples/grpo_tiny.py``: ``actor.train`` and ``ref.infer``;
 of its models on 4 gloo processes of this machine, the example runs with ``--stay`` (the
 Controller measures, never moves). What the Controller measured per model-stage (its slowest
 rank's seconds; the first step is warm-up and dropped) is the truth. The IR job of every layout
-(the example's own ``job``, on ``CPU``: this machine's figures, the same for every layout) is
-estimated three ways:
+(the example's own ``job``) runs on a cluster block of this machine, its figures measured first
+as a user would (``probe``: a process's GEMM rate and gloo's all-reduce latency and bandwidth
+on 4 processes), and is estimated three ways:
 
 - **prior**: the cost model's default coefficients;
 - **held out**: ``calibrate`` fitted to the measurements of the *other* layouts of the same
@@ -34,31 +35,69 @@ import importlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 from nereus.ir import Cluster, Link
 from nereus.passes.cost.calibrate import Calibrate
 from nereus.registry import run_pipeline
-from nereus.runtime.launch import run_local
+from nereus.runtime.launch import init_from_env, run_local
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GIB = 2**30
-# This machine as a cluster: 4 processes on 2 cores. Nominal figures (a core's fp32 GEMM rate
-# halved for sharing, DRAM bandwidth shared, gloo over loopback); calibration fits the
-# coefficients on top of them.
-CPU = Cluster(
-    name="cpu",
-    nodes=1,
-    gpus_per_node=4,
-    gpu_memory=4 * GIB,
-    peak_flops=50e9,
-    hbm_bandwidth=10e9,
-    intra_node=Link(2e9, 50e-6),
-    inter_node=Link(1e9, 100e-6),
-)
+
+
+def probe(rank: int, world: int) -> dict:
+    """This machine's figures as a user would take them for a cluster block, on ``world``
+    processes at once: one process's fp32 GEMM rate (256 x 256, one thread) and a gloo
+    all-reduce's time for 64 B (latency) and 4 MiB (bandwidth)."""
+    torch.set_num_threads(1)
+    init_from_env(timeout=60)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    for _ in range(10):
+        a @ b
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        a @ b
+    flops = 2 * 256**3 * 200 / (time.perf_counter() - t0)
+    small, big = torch.zeros(16), torch.zeros(1 << 20)
+    times = {}
+    for name, x, n in (("small", small, 200), ("big", big, 20)):
+        for _ in range(5):
+            dist.all_reduce(x)
+        laps = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            laps.append(time.perf_counter() - t0)
+        times[name] = statistics.median(laps)
+    return {"flops": flops, "small_s": times["small"], "big_s": times["big"], "big_bytes": big.numel() * 4}
+
+
+def cpu_cluster(figures: dict, world: int = 4) -> Cluster:
+    """A cluster block of this machine from ``probe``'s figures (the slowest rank's): the cost
+    model charges a ring all-reduce 2 (n - 1) latencies and 2 (n - 1) / n of its bytes over the
+    link, so the link's latency and bandwidth are solved from the two all-reduce times."""
+    ring = 2 * (world - 1)
+    latency = figures["small_s"] / ring
+    bandwidth = ring / world * figures["big_bytes"] / max(figures["big_s"] - ring * latency, 1e-9)
+    return Cluster(
+        name="cpu",
+        nodes=1,
+        gpus_per_node=world,
+        gpu_memory=4 * GIB,
+        peak_flops=figures["flops"],
+        hbm_bandwidth=10e9,  # not measured: no decode runs here (generation is no model-stage)
+        intra_node=Link(bandwidth, latency),
+        inter_node=Link(bandwidth, latency),
+    )
+
 
 LAYOUTS = {  # flags of each example per layout: tp, dp, pp of the actor (and the critic), then the reference
     "grpo_tiny": [
@@ -100,22 +139,29 @@ def measure(name: str, flags: list[str], steps: int) -> dict:
     return {"stages": stages, "response_mean": statistics.mean(r["response_mean"] for r in rows), "argv": argv}
 
 
-def module_of(name: str, runs: list[dict]):
-    """One IR module with a plan per layout (``L0``..), the example's own job on ``CPU``, its
-    workload at the measured response length."""
+def module_of(name: str, runs: list[dict], cluster: Cluster):
+    """One IR module with a plan per layout (``L0``..), the example's own job on ``cluster``, each
+    plan with a workload of its own (``job_L0``..) at the measured response length and with the
+    live loop's micro-batch: a replica runs its whole share in one pass (``micro_batches`` of it
+    under PP), so the micro-batch is the share, the smallest over the plan's model-stages where
+    their DP differ (the IR holds one micro-batch size per workload)."""
     ex = _example(name)
     merged = None
+    mean = statistics.mean(r["response_mean"] for r in runs)
     for i, run in enumerate(runs):
-        _, m = ex.job(ex.parse(run["argv"]), 4, cluster=copy.deepcopy(CPU))
+        _, m = ex.job(ex.parse(run["argv"]), 4, cluster=copy.deepcopy(cluster))
         plan = m.plans.pop("a")
-        plan.name = f"L{i}"
+        plan.name, plan.workload = f"L{i}", f"job_L{i}"
+        w = copy.deepcopy(m.workloads["job"])
+        w.name = plan.workload
+        w.micro_batch = min(w.samples // (lay.dp * lay.micro_batches) for lay in plan.layouts.values())
+        w.response_len_mean = max(1, round(mean))
         if merged is None:
             merged = m
             merged.emus.clear()  # plan @a's; the estimate needs none
+        merged.workloads[w.name] = w
         merged.plans[plan.name] = plan
-    w = merged.workloads["job"]
-    mean = statistics.mean(r["response_mean"] for r in runs)
-    w.response_len_mean = max(1, round(mean))
+    del merged.workloads["job"]
     return merged
 
 
@@ -128,8 +174,8 @@ def predicted(m, records: list | None) -> dict[str, dict[str, float]]:
     return {p.name: {ms: lay.time for ms, lay in p.layouts.items()} for p in m.plans.values()}
 
 
-def evaluate(name: str, runs: list[dict]) -> list[dict]:
-    m = module_of(name, runs)
+def evaluate(name: str, runs: list[dict], cluster: Cluster) -> list[dict]:
+    m = module_of(name, runs, cluster)
     records = [(f"L{i}", ms, s, None, i) for i, r in enumerate(runs) for ms, s in r["stages"].items()]
     prior = predicted(m, None)
     in_sample = predicted(m, records)
@@ -170,13 +216,19 @@ def main(argv=None) -> dict:
     if args.load:
         measured = json.loads(Path(args.load).read_text())
     else:
+        every = run_local(probe, 4, timeout=300)
         measured = {
-            name: [measure(name, flags, steps) for flags in (layouts[:5] if args.quick else layouts)]
-            for name, layouts in LAYOUTS.items()
+            "machine": {k: (min if k == "flops" else max)(r[k] for r in every) for k in every[0]},
+            **{
+                name: [measure(name, flags, steps) for flags in (layouts[:5] if args.quick else layouts)]
+                for name, layouts in LAYOUTS.items()
+            },
         }
+    cluster = cpu_cluster(measured["machine"])
     if args.save:
-        Path(args.save).write_text(json.dumps(measured))
-    rows = [row for name, runs in measured.items() for row in evaluate(name, runs)]
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(measured, indent=1))
+    rows = [row for name in LAYOUTS for row in evaluate(name, measured[name], cluster)]
     summary = {}
     for name in LAYOUTS:
         mine = [r for r in rows if r["example"] == name]
@@ -184,11 +236,16 @@ def main(argv=None) -> dict:
             key: {"median": statistics.median(error(r, key) for r in mine), "worst": max(error(r, key) for r in mine)}
             for key in ("prior", "held_out", "in_sample", "constant")
         }
-    result = {"benchmark": "live-calibration", "rows": rows, "summary": summary}
+    result = {"benchmark": "live-calibration", "machine": measured["machine"], "rows": rows, "summary": summary}
     if args.json:
         print(json.dumps(result))
         return result
     console = Console(width=200)
+    link = cluster.intra_node
+    console.print(
+        f"this machine as a cluster (probe, 4 processes): {cluster.peak_flops / 1e9:.0f} GFLOP/s a process, "
+        f"gloo link {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.0f} us a ring step"
+    )
     t = Table(title="Stage times on this machine: measured, and predicted by the cost model", title_justify="left")
     for col in ("example", "layout", "model-stage", "measured", "prior", "held out", "in sample", "constant"):
         t.add_column(col, justify="left" if col in ("example", "layout", "model-stage") else "right")
