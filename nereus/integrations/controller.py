@@ -119,6 +119,9 @@ class Controller:
         self.group = None  # None: the default group (all ranks); after a shrink, the ranks that remain
         self.members = list(range(self.world))
         self.degraded = False  # a transition failed: the default group must be re-created before the next
+        self._predicted: tuple | None = (
+            None  # plan B's predicted step and stage times, until a step under it is measured
+        )
         if show and self.rank == 0:  # the rich summary on rank 0
             from rich.console import Console
 
@@ -194,6 +197,8 @@ class Controller:
         every = [torch.empty_like(mine) for _ in self.members]
         dist.all_gather(every, mine, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
         record = self._record(torch.stack(every), stages)
+        if self._predicted is not None:  # the first step under the plan a move just committed
+            self._log_outcome(record)
         self.core.observe(record)
         # every rank holds the same records, so every rank checks the triggers itself: a stay
         # (no trigger) needs no message; a re-plan runs on the leader and is broadcast
@@ -298,7 +303,33 @@ class Controller:
         self.module, self.plan = self.core.m, decision.target
         decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(t2 - t1, 4), load_s=round(t3 - t2, 4))
         self._log(decision, changes)
+        lays = self.module.plans[self.plan].layouts
+        self._predicted = (decision.numbers.get("step_time_new"), {ms: lay.time for ms, lay in lays.items()})
         return decision
+
+    def _log_outcome(self, record: StepRecord) -> None:
+        """The step time the decision predicted for plan B beside the first step measured under
+        it (the model-stages the loop timed, one after another), each model-stage's too; logged
+        by the leader as ``{"step", "plan", "after_move": {...}}``."""
+        predicted, stages = self._predicted
+        self._predicted = None
+        if self.core.log is None:
+            return
+        measured = sum(record.seconds.values())
+        line = {
+            "step": record.step,
+            "plan": self.plan,
+            "after_move": {
+                "predicted_s": predicted,
+                "measured_s": round(measured, 6),
+                "error": round((predicted - measured) / measured, 4) if predicted and measured else None,
+                "stages": {
+                    ms: {"predicted_s": stages.get(ms), "measured_s": round(s, 6)} for ms, s in record.seconds.items()
+                },
+            },
+        }
+        with self.core.log.open("a") as f:
+            f.write(json.dumps(line, sort_keys=True) + "\n")
 
     def _log(self, decision: Decision, changes: dict) -> None:
         """The outcome of an applied decision, appended to the decision log by the leader, with the

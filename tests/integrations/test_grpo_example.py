@@ -38,6 +38,14 @@ def test_grpo_example_moves_twice_exactly_and_trains_on(tmp_path):
     assert moves[0]["numbers"]["admission"] == "accept" and moves[0]["triggers"][0]["kind"] == "response_length"
     assert any(t["kind"] == "gpus_leaving" for t in moves[1]["triggers"])
     assert [d["applied"] for d in applied] == ["transition", "transition"], applied
+    # after each move, the step time predicted for plan B beside the first step measured under it
+    outcomes = [json.loads(line) for line in log.read_text().splitlines() if "after_move" in json.loads(line)]
+    assert [(o["step"], o["plan"]) for o in outcomes] == [(1, "p0"), (3, "p2")], outcomes
+    for o in outcomes:
+        after = o["after_move"]
+        assert after["predicted_s"] > 0 and after["measured_s"] > 0, o
+        assert sorted(after["stages"]) == ["actor.train", "ref.infer"], o
+        assert all(v["predicted_s"] > 0 and v["measured_s"] > 0 for v in after["stages"].values()), o
     # each applied move names the model-stages it changes, both models, with their layouts before and after
     assert applied[0]["changes"] == {
         ms: {"before": "TP 2 x PP 1 x DP 2 on 0..3", "after": "TP 1 x PP 1 x DP 4 on 0..3"}
