@@ -53,7 +53,8 @@ from ..integrations.controller import Controller
 from ..integrations.hf_llama import batch, build, forward, ir_model, llama_config, optimize, train_step
 from ..integrations.job import layout, rl_job, training_job
 from ..integrations.llama_adapter import JobAdapter
-from ..integrations.llama_state import export_state, load_state
+from ..integrations.llama_state import export_states, load_state
+from ..integrations.stage_data import rows
 from ..ir import Model
 from ..runtime.dcp import dcp_reshard
 from ..runtime.launch import init_from_env, run_local
@@ -98,8 +99,7 @@ def job_step(lives: dict, tokens, ctl=None) -> None:
         with timed:
             if live.model is None:
                 continue
-            dp, d = live.layout.dp, live.coordinate[0]
-            mine = tokens[d * len(tokens) // dp : (d + 1) * len(tokens) // dp]
+            mine = tokens[rows(live, len(tokens))]
             if ms == "actor.train":
                 train_step(live, tokens)
             elif ms == "critic.train":
@@ -176,10 +176,8 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))],
     )
     # rank 3 announces it leaves: a forced decision and the move inside the loop
-    saved, opt_steps = {}, {}
-    for ms, live in adapter.lives.items():  # plan A's state of every model, for the DCP way below
-        state, opt_steps[ms] = export_state(live, module, "a")
-        saved.update({k: v.clone() for k, v in state.items()})
+    state, opt_steps = export_states(adapter.lives, module, "a")
+    saved = {k: v.clone() for k, v in state.items()}  # plan A's state of every model, for the DCP way below
     with ctl.step():
         job_step(adapter.lives, next(tokens), ctl)
         if rank == world - 1:

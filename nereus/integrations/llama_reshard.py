@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..ir import Module
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
-from .llama_state import buffers, check_layout, export_state, load_state
+from .llama_state import buffers, check_layout, export_states, load_state
 from .move import plan_move
 
 
@@ -82,11 +82,8 @@ def reshard_job(
         )
         for ms, live in lives.items()
     }
-    state: dict = {}
-    steps = torch.zeros(len(lives), dtype=torch.int64)
-    for i, (ms, live) in enumerate(lives.items()):
-        mine, steps[i] = export_state(live, module, plan_a)
-        state.update(mine)
+    state, held = export_states(lives, module, plan_a)
+    steps = torch.tensor([held[ms] for ms in lives], dtype=torch.int64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # ranks off a model's plan-A layout hold no step
     out = {k: v for target in targets.values() for k, v in buffers(target, module, plan_b).items()}
     new = execute(program, state, timeout=timeout, faults=faults, out=out)
@@ -95,20 +92,8 @@ def reshard_job(
     return targets
 
 
-def reshard_llama(
-    live: LiveLlama,
-    module: Module,
-    plan_a: str,
-    plan_b: str,
-    *,
-    transition: str | None = None,
-    timeout: float = 60.0,
-    faults: tuple[Fault, ...] = (),
-    seed: int = 0,
-) -> LiveLlama:
-    """``reshard_job`` of a one-model job: this rank's live model and optimizer under plan B."""
+def reshard_llama(live: LiveLlama, module: Module, plan_a: str, plan_b: str, **move) -> LiveLlama:
+    """``reshard_job`` of a one-model job (``move``: its keyword options): this rank's live model
+    and optimizer under plan B."""
     ms = live.layout.model_stage
-    moved = reshard_job(
-        {ms: live}, module, plan_a, plan_b, transition=transition, timeout=timeout, faults=faults, seed=seed
-    )
-    return moved[ms]
+    return reshard_job({ms: live}, module, plan_a, plan_b, **move)[ms]

@@ -150,6 +150,17 @@ def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState
         return {s.key: live_tensor(live, params, s) for s in specs}, steps.pop()
 
 
+def export_states(lives: dict[str, LiveLlama], module: Module, plan: str) -> tuple[LocalState, dict[str, int]]:
+    """``export_state`` of every live model of a job (by model-stage): the union of their shards,
+    and each model's AdamW step."""
+    state: LocalState = {}
+    steps = {}
+    for ms, live in lives.items():
+        mine, steps[ms] = export_state(live, module, plan)
+        state.update(mine)
+    return state, steps
+
+
 def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, step: int) -> None:
     """Write ``state`` (this rank's shards under ``plan``) and ``step`` into the live model and
     optimizer, bit for bit. Raises where a key is missing or ``master`` differs from ``weight``."""

@@ -11,7 +11,7 @@ import torch
 
 from nereus.backend.shards import plan_layout
 from nereus.integrations.llama_adapter import JobAdapter
-from nereus.integrations.llama_state import export_state
+from nereus.integrations.llama_state import export_states
 from nereus.runtime.execute import Fault
 from nereus.runtime.state import cut
 
@@ -29,21 +29,14 @@ class CheckedAdapter(JobAdapter):
         super().__init__(*args, **kwargs)
         self.checks: list[dict] = []
 
-    def _exported(self, module, plan) -> tuple[dict, dict]:
-        state, steps = {}, {}
-        for ms, live in self.lives.items():
-            mine, steps[ms] = export_state(live, module, plan)
-            state.update(mine)
-        return state, steps
-
     def move(self, module, source, target, **kwargs) -> None:
         rank = torch.distributed.get_rank()
-        state_a, steps_a = self._exported(module, source)
+        state_a, steps_a = export_states(self.lives, module, source)
         full = gather_full(state_a, plan_layout(module, source).get(rank, []))
         try:
             super().move(module, source, target, **kwargs)
         except Exception as e:  # a rollback: plan A's state of every model must be as it was
-            after, steps = self._exported(module, source)
+            after, steps = export_states(self.lives, module, source)
             self.checks.append(
                 {
                     "source": source,
@@ -58,7 +51,7 @@ class CheckedAdapter(JobAdapter):
                 }
             )
             raise
-        state_b, steps_b = self._exported(module, target)
+        state_b, steps_b = export_states(self.lives, module, target)
         models = {}
         for ms, live in self.lives.items():
             specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == ms]

@@ -10,7 +10,8 @@ from nereus.backend.shards import plan_layout
 from nereus.integrations.hf_llama import batch, build, forward, ir_model, optimize, train_step
 from nereus.integrations.job import layout, rl_job
 from nereus.integrations.llama_reshard import reshard_job
-from nereus.integrations.llama_state import export_state, load_state
+from nereus.integrations.llama_state import export_states, load_state
+from nereus.integrations.stage_data import rows
 from nereus.ir import DiagnosticError
 from nereus.runtime.launch import init_from_env
 from nereus.runtime.state import cut
@@ -75,22 +76,11 @@ def step(lives: dict, config, s: int) -> dict:
     if actor.model is not None:
         out[ACTOR] = train_step(actor, tokens)
     if critic.model is not None:
-        dp, d = critic.layout.dp, critic.coordinate[0]
-        mine = tokens[d * 4 // dp : (d + 1) * 4 // dp]
+        mine = tokens[rows(critic, len(tokens))]
         out[CRITIC] = optimize(critic, mine, (mine % 3).float(), values_loss)
     if ref.model is not None:
-        dp, d = ref.layout.dp, ref.coordinate[0]
-        mine = tokens[d * 4 // dp : (d + 1) * 4 // dp]
-        out[REF] = forward(ref, mine).sum().item()
+        out[REF] = forward(ref, tokens[rows(ref, len(tokens))]).sum().item()
     return out
-
-
-def exported(lives: dict, module, plan: str) -> tuple[dict, dict]:
-    state, steps = {}, {}
-    for ms, live in lives.items():
-        mine, steps[ms] = export_state(live, module, plan)
-        state.update(mine)
-    return state, steps
 
 
 def continuity(rank: int, world: int, k: int = 2, n: int = 2) -> dict:
@@ -103,7 +93,7 @@ def continuity(rank: int, world: int, k: int = 2, n: int = 2) -> dict:
     lives = lives_of(config, module, "a", SEED)
     for s in range(k):
         step(lives, config, s)
-    state_a, steps_a = exported(lives, module, "a")
+    state_a, steps_a = export_states(lives, module, "a")
     full = gather_full(state_a, plan_layout(module, "a").get(rank, []))
     out: dict = {"diagnostic": None}
     planned = sorted(module.transitions)
@@ -112,11 +102,11 @@ def continuity(rank: int, world: int, k: int = 2, n: int = 2) -> dict:
     except DiagnosticError as e:
         out["diagnostic"] = str(e)
     out["nothing_planned"] = sorted(module.transitions) == planned
-    after, _ = exported(lives, module, "a")
+    after, _ = export_states(lives, module, "a")
     out["intact"] = set(after) == set(state_a) and all(torch.equal(after[key], v) for key, v in state_a.items())
 
     moved = reshard_job(lives, module, "a", "b", timeout=30, seed=SEED + 5)  # another init: values come from A
-    state_b, steps_b = exported(moved, module, "b")
+    state_b, steps_b = export_states(moved, module, "b")
     specs = plan_layout(module, "b").get(rank, [])
     out["keys"] = sorted({(s.key.model_stage, s.key.state) for s in specs})
     out["same_keys"] = set(state_b) == {s.key for s in specs}
