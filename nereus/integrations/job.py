@@ -61,8 +61,8 @@ def rl_job(
     (generate, infer, train, in that order), each running the models that have a layout of that
     kind, and one plan per entry of ``plans`` with its EMUs derived. ``algorithm`` defaults to
     ``ppo`` when a trained model has a value head (a critic), ``grpo`` otherwise; ``group``:
-    responses per prompt. ``cluster``: the machine (one node of ``gpus``, named ``node``); by
-    default nominal H100 figures, which size the cost model, not the run. ``rows`` sequences of
+    responses per prompt. ``cluster``: the machine (one node of ``gpus``); by default
+    nominal H100 figures (named ``node``), which size the cost model, not the run. ``rows`` sequences of
     ``seq`` tokens (half prompt, half response) a step."""
     cluster = cluster or Cluster(
         name="node",
@@ -78,14 +78,14 @@ def rl_job(
     plans = {
         name: {lay.model_stage: lay for lay in (p.values() if isinstance(p, dict) else p)} for name, p in plans.items()
     }
-    stages_seen = sorted({ms for p in plans.values() for ms in p}, key=lambda ms: (ms.split(".")[1], ms))
-    unknown = sorted({ms.split(".")[1] for ms in stages_seen} - set(KINDS))
+    seen = {tuple(ms.split(".")) for p in plans.values() for ms in p}  # (model, kind)
+    unknown = sorted({kind for _, kind in seen} - set(KINDS))
     if unknown:
         raise ValueError(f"model-stage kinds {', '.join(unknown)}: the layouts' model-stages end in {', '.join(KINDS)}")
     stages = [
-        Stage(name=kind, kind=kind, models=[ms.split(".")[0] for ms in stages_seen if ms.endswith("." + kind)])
+        Stage(name=kind, kind=kind, models=sorted(model for model, k in seen if k == kind))
         for kind in KINDS
-        if any(ms.endswith("." + kind) for ms in stages_seen)
+        if any(k == kind for _, k in seen)
     ]
     if algorithm is None:
         algorithm = "ppo" if any(m.head == "value" and m.trained for m in models) else "grpo"
