@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
 
 import torch
@@ -54,6 +53,7 @@ from transformers import LlamaConfig
 
 from nereus.control import ControlOptions
 from nereus.integrations.controller import Controller
+from nereus.integrations.engine_stage import EngineStage, check_engine_layout
 from nereus.integrations.hf_llama import build, forward, ir_model, optimize
 from nereus.integrations.job import layout, rl_job
 from nereus.integrations.llama_adapter import JobAdapter
@@ -117,10 +117,13 @@ def parse(argv=None) -> argparse.Namespace:
         "--engine",
         choices=("hf", "vllm"),
         default="hf",
-        help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
-        "Nereus after every optimizer step (vllm: needs nereus[vllm])",
+        help="generation by the live actor (hf) or by vLLM engines, the model-stage actor.generate of the "
+        "plan (TP --gen-tp under external_launcher), their weights pushed by Nereus after every optimizer "
+        "step and their layout moved with the job (vllm: needs nereus[vllm])",
     )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
+    p.add_argument("--gen-tp", type=int, default=2, help="--engine vllm: the engines' TP (actor.generate's layout)")
+    p.add_argument("--gen-dp", type=int, default=None, help="--engine vllm: replicas that generate (default: all)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--stay", action="store_true", help="never re-plan on drift (measure plan @a: calibration runs)")
     return p.parse_args(argv)
@@ -152,15 +155,19 @@ def generate(live, prompt: torch.Tensor, first: int, group: int, new: int, step:
     return seqs
 
 
-def generate_vllm(engine, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int) -> torch.Tensor:
-    """``generate``'s samples drawn by a vLLM engine instead: the same per-prompt seeds (so the
-    TP ranks of a replica, whose engines hold the same weights, draw the same tokens), a
-    response ending at ``EOS`` padded with ``EOS`` to ``new`` tokens."""
+def generate_vllm(
+    engines, prompt: torch.Tensor, first: int, group: int, new: int, step: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``generate``'s samples drawn by this rank's vLLM engine replica instead (every rank of it
+    calls this with the same prompts and per-prompt seeds), a response ending at ``EOS`` padded
+    with ``EOS`` to ``new`` tokens; and vLLM's log-probability of each sampled token (0 past the
+    response)."""
     seeds = [(seed * 7919 + step) * 100_003 + first + i for i in range(len(prompt))]
-    rows = []
-    for p, sampled in zip(prompt.tolist(), engine.generate(prompt.tolist(), n=group, max_tokens=new, seeds=seeds)):
+    rows, logps = [], []
+    for p, sampled in zip(prompt.tolist(), engines.generate(prompt.tolist(), n=group, max_tokens=new, seeds=seeds)):
         rows += [p + toks + [EOS] * (new - len(toks)) for toks in sampled.tokens]
-    return torch.tensor(rows)
+        logps += [lps + [0.0] * (new - len(lps)) for lps in sampled.logprobs]
+    return torch.tensor(rows), torch.tensor(logps)
 
 
 def score(seqs: torch.Tensor, plen: int, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,7 +224,8 @@ def grpo_step(live, ref, seqs, plen, reward, mask, group, beta, clip) -> float:
 
 def job(args, world: int, extra: tuple = (), cluster=None):
     """The IR module: plan @a with the actor's train stage (DP x PP x TP on the first dp * pp * tp
-    ranks) and the reference's infer stage (``--ref-dp`` x ``--ref-tp`` on the first ranks);
+    ranks), the reference's infer stage (``--ref-dp`` x ``--ref-tp`` on the first ranks) and, with
+    ``--engine vllm``, the actor's generate stage (the engines: ``--gen-dp`` x ``--gen-tp``);
     ``extra``: more (model, layout) pairs (PPO's critic); ``cluster``: the machine's figures
     (default: ``rl_job``'s nominal ones)."""
     cfg = config(args.engine)
@@ -226,6 +234,9 @@ def job(args, world: int, extra: tuple = (), cluster=None):
     ref_tp = args.tp if args.ref_tp is None else args.ref_tp
     ref_dp = args.dp if args.ref_dp is None else args.ref_dp
     layouts = [layout(actor, tp=args.tp, dp=args.dp, pp=args.pp), layout(ref, tp=ref_tp, dp=ref_dp, stage="infer")]
+    if args.engine == "vllm":  # the engines are actor.generate's layout
+        gen_dp = world // args.gen_tp if args.gen_dp is None else args.gen_dp
+        layouts.append(layout(actor, tp=args.gen_tp, dp=gen_dp, stage="generate"))
     models = [actor, ref, *(m for m, _ in extra)]
     m = rl_job(
         models,
@@ -237,31 +248,41 @@ def job(args, world: int, extra: tuple = (), cluster=None):
         cluster=cluster,
     )
     for ms in m.plans["a"].layouts:
-        check_layout(m, "a", ms)
+        if ms.endswith(".generate"):
+            check_engine_layout(m, "a", ms, world)
+        else:
+            check_layout(m, "a", ms)
     return cfg, m
 
 
-def rollout(actor, step: int, args, ctl, timed, engine=None):
+def rollout(actor, step: int, args, ctl, timed, engines=None):
     """The step's sequences on every rank of the job: each actor replica samples its share of the
-    prompts (or this rank's vLLM ``engine`` does; timed as generation), and the shares are put
-    together (``assemble``); the rewards, the response mask and the response lengths (to the
-    Controller, once) of them all. (sequences, reward, mask)."""
+    prompts (with ``engines``, each engine replica of ``actor.generate`` does), and the shares are
+    put together (``assemble``); the rewards, the response mask and the response lengths (to the
+    Controller, once) of them all. (sequences, reward, mask, the engines' log-probabilities of
+    the sampled tokens or None)."""
     n = args.prompts
     plen = args.digits + 2
-    seqs = None
-    mine = rows(actor, n)
+    width = (n * args.group, plen + args.digits + 1)
+    seqs = engine_logp = None
+    sampler = actor if engines is None else engines
+    mine = rows(sampler, n)
     if mine is not None:
         share = prompts(step, n, args.digits, args.alphabet, args.seed)[mine]
         with timed("actor.generate"):
-            if engine is None:
+            if engines is None:
                 seqs = generate(actor, share, mine.start, args.group, args.digits + 1, step, args.seed)
             else:
-                seqs = generate_vllm(engine, share, mine.start, args.group, args.digits + 1, step, args.seed)
-    every = assemble(actor, seqs, (n * args.group, plen + args.digits + 1), torch.int64, ctl.group)
+                seqs, engine_logp = generate_vllm(
+                    engines, share, mine.start, args.group, args.digits + 1, step, args.seed
+                )
+    every = assemble(sampler, seqs, width, torch.int64, ctl.group)
+    if engines is not None:
+        engine_logp = assemble(sampler, engine_logp, (width[0], args.digits + 1), torch.float32, ctl.group)
     reward, mask, lengths = score(every, plen, args.digits)
     if dist.get_rank() == ctl.members[0]:
         ctl.responses(lengths.tolist())
-    return every, reward, mask
+    return every, reward, mask, engine_logp
 
 
 def scored(live, seqs: torch.Tensor, plen: int, group, what) -> torch.Tensor:
@@ -308,7 +329,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         margin=0.0,
         search_time_limit=2.0,
         schedule_time_limit=1.0,
-        max_pp=module.models["actor"].layers,
+        max_pp=1 if args.engine == "vllm" else module.models["actor"].layers,  # vLLM runs no PP here
         max_zero=0,
         offload=False,
     )
@@ -338,41 +359,25 @@ def measured(ctl) -> dict:
     return {"stages": dict(record.seconds), "response_mean": total / count if count else None}
 
 
-class Engines:
-    """``--engine vllm``: a vLLM engine on every rank, filled from the live actor by a
-    ``WeightPush`` (a Nereus transition from the trainer's layout; re-planned when the
-    Controller moved the trainer) at the start and after every optimizer step."""
-
-    def __init__(self, cfg: LlamaConfig, args, rank: int, world: int):
-        from nereus.integrations.vllm_engine import VllmEngine
-
-        workdir = args.workdir or tempfile.mkdtemp(prefix="nereus-vllm-")
-        self.cfg, self.world, self.timeout = cfg, world, args.timeout
-        self.engine = VllmEngine(cfg, f"{workdir}/engine-{rank}", max_model_len=32, seed=args.seed)
-        self.pusher = None
-        self.push_s: list[float] = []
-        self.load_s: list[float] = []
-
-    def push(self, live) -> None:
-        from nereus.integrations.weight_push import WeightPush
-
-        if self.pusher is None or not self.pusher.serves(live.layout):
-            self.pusher = WeightPush(
-                ir_model(self.cfg, "actor"), live.layout, list(range(self.world)), self.world, timeout=self.timeout
-            )
-        t0 = time.perf_counter()
-        named = self.pusher.push(live)
-        self.push_s.append(time.perf_counter() - t0)
-        self.load_s.append(self.engine.load(named))
-
-
-def start_engines(cfg: LlamaConfig, args, rank: int, world: int, live) -> Engines | None:
-    """``--engine vllm``: the engines, filled with the initial actor; None for ``--engine hf``."""
+def start_engines(cfg: LlamaConfig, module, args) -> EngineStage | None:
+    """``--engine vllm``: ``actor.generate``'s engines under plan @a, started at once on every
+    rank (their first start measured: what admission takes as an engine restart's cost); None
+    for ``--engine hf``. Their weights come with the first ``push``."""
     if args.engine != "vllm":
         return None
-    engines = Engines(cfg, args, rank, world)
-    engines.push(live)
-    return engines
+    return EngineStage(cfg, module, "a", workdir=args.workdir, seed=args.seed, timeout=args.timeout)
+
+
+def engine_row(engines: EngineStage, gap: float) -> dict:
+    """What a step's row says of the engines: the last push and load, the rollout-vs-trainer
+    log-probability gap of the step's samples, their layout, every start's seconds."""
+    return {
+        "push_s": round(engines.push_s[-1], 4),
+        "load_s": round(engines.load_s[-1], 4),
+        "engine_gap": gap,
+        "engines": shape(engines.layout),
+        "engine_starts": [round(x, 2) for x in engines.starts],
+    }
 
 
 def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
@@ -383,9 +388,11 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     cfg, module = job(args, world)
-    adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed)
+    engines = start_engines(cfg, module, args)
+    adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed, engines=engines)
     ctl, timed = controller(module, adapter, args, faults)
-    engines = start_engines(cfg, args, rank, world, adapter.lives[MS])
+    if engines is not None:
+        engines.push(adapter.lives[MS])
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
@@ -395,7 +402,14 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         loss = None
         with ctl.step():
-            seqs, reward, mask = rollout(actor, step, args, ctl, timed, engines.engine if engines else None)
+            seqs, reward, mask, engine_logp = rollout(actor, step, args, ctl, timed, engines)
+            gap = None
+            if engines is not None:
+                # what the engines sampled with against what the trainer computes of the same tokens
+                # before its update (verl's rollout-vs-trainer probability gap): were the weights
+                # they served the actor's?
+                logp = scored(actor, seqs, plen, ctl.group, lambda out, s: logp_of(out, s, plen))
+                gap = float(((logp - engine_logp).abs() * mask).max())
             with ctl.stage(REF):
                 ref_logp = scored(ref, seqs, plen, ctl.group, lambda out, s: logp_of(out, s, plen))
             mine = rows(actor, len(seqs))
@@ -416,7 +430,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
                 ctl.leave()
         dec = ctl.last
         if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
-            engines.push(adapter.lives[MS])
+            engines.push(adapter.lives[MS], ctl.group, ctl.members)
         row = {
             "step": step,
             "plan": f"@{dec.source} {shape(actor.layout)}",
@@ -430,7 +444,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             **measured(ctl),
         }
         if engines is not None:
-            row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
+            row.update(engine_row(engines, gap))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
             print(
@@ -448,7 +462,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         if not ctl.active:  # this rank handed its state over and leaves the job
             break
     if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
-        engines.engine.close()
+        engines.close()
     return {
         "rank": rank,
         "history": history,

@@ -22,8 +22,9 @@ advantages (whitened over the step's tokens) are the same on every rank whatever
 Then ``--epochs`` clipped PPO updates of each actor replica on its rows and value updates
 (0.5 (V - R)^2) of each critic replica on its rows; gradients averaged over each model's DP.
 
-``--engine vllm`` samples with a vLLM engine on every rank instead, the actor's weights pushed by
-Nereus after every update (``grpo_tiny.Engines``; docs/embedding.md).
+``--engine vllm`` samples with vLLM engines instead: the model-stage ``actor.generate`` of the
+plan (``grpo_tiny.start_engines``: TP ``--gen-tp`` engines under external_launcher), moved with
+the job and fed the actor's weights by Nereus after every update (docs/embedding.md).
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ def value_loss(plen: int):
     return loss
 
 
-def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, float | None]:
+def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, float | None, torch.Tensor]:
     """``args.epochs`` PPO updates; the actor's and the critic's losses (DP means; None on a rank
-    that holds no replica of that model). The updates are ``hf_llama.optimize`` (DDP, and a 1F1B
+    that holds no replica of that model) and the sampling policy's log-probabilities (the actor's
+    before its update). The updates are ``hf_llama.optimize`` (DDP, and a 1F1B
     schedule under PP); under PP a micro-batch's loss is the mean over its own tokens."""
     actor, critic, ref = lives[MS], lives[CRITIC], lives[g.REF]
     with torch.no_grad():
@@ -172,7 +174,7 @@ def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, f
         with ctl.stage(CRITIC):
             for _ in range(args.epochs):
                 vloss = g.optimize(critic, seqs[mine], target, value_loss(plen))
-    return loss, vloss
+    return loss, vloss, old
 
 
 def job(args, world: int, cluster=None):
@@ -201,9 +203,11 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         timeout=args.timeout,
         head="value",
     )
-    adapter = adapter_cls(lives, module, "a", seed=args.seed)
+    engines = g.start_engines(cfg, module, args)
+    adapter = adapter_cls(lives, module, "a", seed=args.seed, engines=engines)
     ctl, timed = g.controller(module, adapter, args, faults)
-    engines = g.start_engines(cfg, args, rank, world, lives[MS])
+    if engines is not None:
+        engines.push(lives[MS])
     leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
@@ -211,8 +215,8 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         lives = adapter.lives
         t0 = time.perf_counter()
         with ctl.step():
-            seqs, reward, mask = g.rollout(lives[MS], step, args, ctl, timed, engines.engine if engines else None)
-            loss, vloss = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
+            seqs, reward, mask, engine_logp = g.rollout(lives[MS], step, args, ctl, timed, engines)
+            loss, vloss, old = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
@@ -230,8 +234,8 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             **g.measured(ctl),
         }
         if engines is not None and ctl.active:  # the updated actor (in its new layout after a move) to the engines
-            engines.push(adapter.lives[MS])
-            row.update(push_s=round(engines.push_s[-1], 4), load_s=round(engines.load_s[-1], 4))
+            engines.push(adapter.lives[MS], ctl.group, ctl.members)
+            row.update(g.engine_row(engines, float(((old - engine_logp).abs() * mask).max())))
         history.append(row)
         if rank == ctl.members[0] and not args.quiet:
             fmt = lambda x: "-" if x is None else f"{x:+.4f}"  # noqa: E731
@@ -245,7 +249,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         if not ctl.active:
             break
     if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
-        engines.engine.close()
+        engines.close()
     return {
         "rank": rank,
         "history": history,

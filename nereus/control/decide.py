@@ -29,10 +29,14 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
-from ..ir import Diagnostic, DiagnosticError, Module, Plan, bare_name
+import numpy as np
+
+from ..ir import Diagnostic, DiagnosticError, Module, Plan, Stage, bare_name
 from ..ir.attributes import compress_ints
 from ..ir.diagnostics import plural
 from ..ir.verifier import replicas_share_steps
@@ -41,6 +45,7 @@ from ..passes.cost.calibrate import Calibrate
 from ..passes.cost.estimate import Estimate
 from ..passes.schedule.schedule_transfers import ScheduleTransfers
 from ..passes.search.plan_search import PlanSearch
+from ..passes.search.space import columns
 from ..passes.transition.admit import Admit, fixed_costs
 from ..passes.transition.derive_emus import DeriveEmus
 from ..passes.transition.plan_transition import PlanTransition
@@ -298,30 +303,8 @@ class DecisionCore:
         target = f"p{step}"
         while target in m.plans:  # a plan of that name exists (the starting plan may be @p0)
             target += "_next"
-        incumbent = self.plan
-        if self.searched is not None:  # the running plan before remap, under a name of its own for the search
-            incumbent = f"{target}_incumbent"
-            while incumbent in m.plans:
-                incumbent += "_"
-            m.plans[incumbent] = replace(self.searched, name=incumbent)  # read only, and removed after the search
-        try:
-            self._run(
-                m,
-                [
-                    PlanSearch(
-                        time_limit=opts.search_time_limit,
-                        seed=opts.seed,
-                        workload=f"@{w.name}",
-                        cluster=f"@{cluster.name}",
-                        into=f"@{target}",
-                        max_pp=opts.max_pp,
-                        max_zero=opts.max_zero,
-                        offload=opts.offload,
-                        incumbent=f"@{incumbent}",
-                    )
-                ],
-            )
-        except DiagnosticError as e:
+        failed = self._search(m, w, cluster, target)
+        if failed is not None:
             action = "infeasible" if forced else "stay"
             return Decision(
                 step,
@@ -330,11 +313,8 @@ class DecisionCore:
                 forced=forced,
                 triggers=triggers,
                 numbers=numbers,
-                message=f"plan-search found no plan: {e.diagnostics[0].message}",
+                message=f"plan-search found no plan: {failed}",
             )
-        finally:
-            if incumbent != self.plan:
-                del m.plans[incumbent]
         b = m.plans[target]
         numbers["step_time_new"] = b.step_time
         numbers["search_status"] = b.search.status
@@ -345,6 +325,15 @@ class DecisionCore:
             # transition is planned, as admit would reject it after
             pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart, placement=False)
             saving = a.step_time - b.step_time
+            if restart and saving * horizon <= (pg + restart) * (1 + opts.margin):
+                # restarting the engines does not pay: the best plan that keeps their layout may
+                kept = self._search(m, w, cluster, target, keep=generation_kept(m, a))
+                if kept is None:
+                    b = m.plans[target]
+                    numbers.update(step_time_restarting=numbers["step_time_new"], step_time_new=b.step_time)
+                    numbers["engines"] = "kept"
+                    pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart, placement=False)
+                    saving = a.step_time - b.step_time
             if saving * horizon <= (pg + restart) * (1 + opts.margin):
                 numbers.update(
                     saving=saving,
@@ -427,6 +416,11 @@ class DecisionCore:
         where = placement(b, usable, w)
         numbers.update(where)
         lines = [where_text(where)]
+        if numbers.get("engines") == "kept":
+            lines.append(
+                f"the generation engines keep their layout: the plan that restarts them "
+                f"({numbers['step_time_restarting']:.4g} s per step) cannot pay a restart of {opts.engine_restart:.4g} s"
+            )
         leader = min(self.gpus_planned & {g for lay in a.layouts.values() for g in lay.mesh}, default=None)
         if leader is not None and leader in (self.leaving | lost):
             after = min(g for lay in b.layouts.values() for g in lay.mesh)
@@ -455,6 +449,42 @@ class DecisionCore:
             module=m if action == "transition" or self._asking else None,
             searched=searched if action == "transition" else None,
         )
+
+    def _search(self, m: Module, w, cluster, target: str, keep=None) -> str | None:
+        """plan-search for the job on ``cluster`` into ``target`` (replaced if there), started
+        from the running plan; ``keep``: plan-search's option filter. None, or why no plan."""
+        opts = self.options
+        m.plans.pop(target, None)
+        incumbent = self.plan
+        if self.searched is not None:  # the running plan before remap, under a name of its own for the search
+            incumbent = f"{target}_incumbent"
+            while incumbent in m.plans:
+                incumbent += "_"
+            m.plans[incumbent] = replace(self.searched, name=incumbent)  # read only, and removed after the search
+        try:
+            self._run(
+                m,
+                [
+                    PlanSearch(
+                        time_limit=opts.search_time_limit,
+                        seed=opts.seed,
+                        workload=f"@{w.name}",
+                        cluster=f"@{cluster.name}",
+                        into=f"@{target}",
+                        max_pp=opts.max_pp,
+                        max_zero=opts.max_zero,
+                        offload=opts.offload,
+                        incumbent=f"@{incumbent}",
+                        keep=keep,
+                    )
+                ],
+            )
+        except DiagnosticError as e:
+            return e.diagnostics[0].message
+        finally:
+            if incumbent != self.plan:
+                del m.plans[incumbent]
+        return None
 
     def _copy_job(self) -> Module:
         """The job to re-plan on: a deep copy, which shares the EMUs (frozen values) and what
@@ -575,3 +605,21 @@ def measured_lengths(w, window: list[StepRecord]) -> None:
         w.response_len_dist = sorted(dist)
         w.response_len_mean = max(1, round(sum(dist) / len(dist)))
         w.response_len_max = max(w.response_len_max, max(dist))
+
+
+def generation_kept(m: Module, a) -> Callable:
+    """plan-search's ``keep`` that holds every generation model-stage of plan ``a`` to its TP, PP
+    and DP (its engines need no restart; the GPUs may still change) and leaves the others free."""
+    w = m.workloads[a.workload]
+    shapes = {
+        ms: (lay.tp, lay.pp, lay.dp) for ms, lay in a.layouts.items() if cast(Stage, w.stage_of(ms)).kind == "generate"
+    }
+
+    def keep(ms, options, n):
+        if ms not in shapes:
+            return options
+        c = columns(options)
+        tp, pp, dp = shapes[ms]
+        return [options[i] for i in np.flatnonzero((c["tp"] == tp) & (c["pp"] == pp) & (c["dp"] == dp)).tolist()]
+
+    return keep

@@ -37,6 +37,8 @@ the model and optimizer for ``plan`` from this rank's new shards).
 An adapter with a ``move(module, source, target, transition=, timeout=, faults=)`` method moves
 its live model itself, on every rank (``nereus.integrations.llama_adapter.LlamaAdapter`` calls
 ``reshard``, which builds plan B's model: a collective), and the controller calls it instead.
+An adapter with an ``engine_restart_s`` (seconds, measured: ``JobAdapter`` with generation
+engines) replaces the options' ``engine_restart`` prior in every admission.
 
 Decisions are JSON lines (``log``) and, on rank 0, one line of a rich table each.
 """
@@ -44,6 +46,7 @@ Decisions are JSON lines (``log``) and, on rank 0, one line of a rich table each
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import pickle
@@ -174,6 +177,9 @@ class Controller:
 
     # -- the decision and its application ----------------------------------------------------------
     def _decide(self) -> Decision:
+        restart = getattr(self.adapter, "engine_restart_s", None)
+        if restart is not None:  # measured on this job (the slowest rank's, the same on every rank)
+            self.core.options = dataclasses.replace(self.core.options, engine_restart=round(restart, 3))
         # every rank's measurements as one fixed-size tensor, gathered in one collective; every
         # rank turns them into the same StepRecord, so the core's history is the same everywhere
         stages = sorted(self.module.plans[self.plan].layouts)

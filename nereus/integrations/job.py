@@ -11,6 +11,8 @@ case. The cluster's figures are nominal (an H100 node): they size the cost model
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..ir import Cluster, Layout, Link, Model, Module, Plan, Stage, Workload, verify
 from ..ir.model import even_split
 from ..registry import run_pipeline
@@ -131,3 +133,39 @@ def training_job(model: Model, layouts: dict[str, Layout], gpus: int, *, rows: i
     model-stage (``actor.train``; ``actor.generate`` for a weights-only job such as a push to
     generation engines)."""
     return rl_job([model], {name: [lay] for name, lay in layouts.items()}, gpus, rows=rows, seq=seq, algorithm="grpo")
+
+
+def restrict(module: Module, model_stages: set[str]) -> Module:
+    """``module`` with only ``model_stages`` in its workloads and plans (their EMUs kept, the
+    transitions dropped): the part of a job one component moves. The trainer's transition of a
+    job whose generation engines refill their weights by a push is planned on it, so that no
+    trainer shard is expected from, or sent to, an engine."""
+    workloads = {
+        name: dataclasses.replace(
+            w,
+            stages=[
+                dataclasses.replace(st, models=[m for m in st.models if f"{m}.{st.name}" in model_stages])
+                for st in w.stages
+            ],
+        )
+        for name, w in module.workloads.items()
+    }
+    for w in workloads.values():
+        w.stages = [st for st in w.stages if st.models]
+        w.roles = [r for r in w.roles if any(r in st.models for st in w.stages)]
+    plans = {
+        name: dataclasses.replace(
+            p,
+            layouts={ms: lay for ms, lay in p.layouts.items() if ms in model_stages},
+            colocate=[kept for g in p.colocate if len(kept := [ms for ms in g if ms in model_stages]) > 1],
+        )
+        for name, p in module.plans.items()
+    }
+    roles = {r for w in workloads.values() for r in w.roles}
+    return Module(
+        clusters=dict(module.clusters),
+        models={name: m for name, m in module.models.items() if name in roles},
+        workloads=workloads,
+        plans=plans,
+        emus={k: e for k, e in module.emus.items() if k[1] in model_stages},
+    )

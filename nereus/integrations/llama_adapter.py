@@ -9,6 +9,12 @@ is the one-model case (``adapter.live``). Neither has ``export`` / ``load``: bui
 models is collective over the default group, which the controller's load (on plan B's ranks
 only) is not.
 
+With ``engines`` (``engine_stage.EngineStage``, the live ``actor.generate``), a move also moves
+the generation engines: their plan-B layout is checked with every model's before anything moves,
+the models move by ``reshard_job`` (the engines' model-stage ``elsewhere``: their weights come
+from the push), and then the engines take their new layout (a restart where the TP changes,
+measured: ``engine_restart_s``). A failed transition leaves the engines as they were too.
+
 A training loop must read ``adapter.lives`` (``adapter.live``) after every step: the objects
 change on a move (``model`` is None on a rank that a model's plan-B layout does not use).
 """
@@ -18,12 +24,21 @@ from __future__ import annotations
 from ..ir import Module, bare_name
 from .hf_llama import LiveLlama
 from .llama_reshard import reshard_job
+from .llama_state import check_layout
 
 
 class JobAdapter:
-    def __init__(self, lives: dict[str, LiveLlama], module: Module, plan: str, *, seed: int = 0):
+    def __init__(self, lives: dict[str, LiveLlama], module: Module, plan: str, *, seed: int = 0, engines=None):
         self.lives, self.module, self.plan, self.seed = dict(lives), module, bare_name(plan), seed
+        self.engines = engines
         self.moves = 0
+        self.restarts = 0
+
+    @property
+    def engine_restart_s(self) -> float | None:
+        """What restarting the generation engines costs on this job (measured), or None without
+        engines: the Controller hands it to admission."""
+        return None if self.engines is None else self.engines.restart_s
 
     def move(
         self,
@@ -36,10 +51,26 @@ class JobAdapter:
         faults: tuple = (),
     ) -> None:
         """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``)
-        ``self.lives`` are plan A's models, untouched."""
+        ``self.lives`` are plan A's models, untouched, and the engines too."""
+        elsewhere: frozenset[str] = frozenset()
+        if self.engines is not None:
+            for ms in self.lives:  # every model-stage is checked before the engines or any state moves
+                check_layout(module, target, ms)
+            self.engines.check(module, target)
+            elsewhere = frozenset({self.engines.model_stage})
         self.lives = reshard_job(
-            self.lives, module, source, target, transition=transition, timeout=timeout, faults=faults, seed=self.seed
+            self.lives,
+            module,
+            source,
+            target,
+            transition=transition,
+            timeout=timeout,
+            faults=faults,
+            seed=self.seed,
+            elsewhere=elsewhere,
         )
+        if self.engines is not None and self.engines.move(module, target):
+            self.restarts += 1
         self.module, self.plan = module, target
         self.moves += 1
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..ir import Module
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
+from .job import restrict
 from .llama_state import buffers, check_layout, export_states, load_state
 from .move import plan_move
 
@@ -56,19 +57,25 @@ def reshard_job(
     timeout: float = 60.0,
     faults: tuple[Fault, ...] = (),
     seed: int = 0,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> dict[str, LiveLlama]:
     """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
     ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
     transition moves every model at once: one program (the transition's, which orders the
     models' transfers together), one ``execute`` over the union of their shards. ``lives`` run
-    under plan A and are untouched on failure. ``faults`` are passed to ``execute`` (tests)."""
+    under plan A and are untouched on failure. ``faults`` are passed to ``execute`` (tests).
+    ``elsewhere``: model-stages of the plans that another component moves (the generation
+    engines, ``engine_stage``); the transition is then planned on the job without them
+    (``job.restrict``), so that no live model's shard comes from, or goes to, them."""
     for live in lives.values():
         same_model(live, module)
     for ms in lives:  # every model-stage is checked before any state moves or any group is made
         check_layout(module, plan_b, ms)
-    missing = sorted(set(module.plans[plan_b].layouts) - set(lives))
+    missing = sorted(set(module.plans[plan_b].layouts) - set(lives) - set(elsewhere))
     if missing:
         raise ValueError(f"plan @{plan_b} has model-stages with no live model: {', '.join(missing)}")
+    if elsewhere:
+        module, transition = restrict(module, set(lives)), None
     program = plan_move(module, plan_a, plan_b, transition)  # before building plan B: a bad plan raises first
     targets = {
         ms: build(

@@ -24,15 +24,23 @@ from ..runtime.execute import execute
 
 
 def plan_move(
-    module: Module, source: str, target: str, transition: str | None = None, world: int | None = None
+    module: Module,
+    source: str,
+    target: str,
+    transition: str | None = None,
+    world: int | None = None,
+    gpus: list[int] | None = None,
 ) -> Program:
     """The lowered program of the move from plan ``source`` to ``target`` (named ``transition``,
-    default ``source_to_target``), planned first where the module does not hold it."""
+    default ``source_to_target``), planned first where the module does not hold it. Rank ``r``
+    is GPU ``gpus[r]`` (default: GPU ``r`` of ``world``, the default group's size): a process
+    group of the ranks that remain after a shrink passes its members."""
     name = transition or f"{source}_to_{target}"
     if name not in module.transitions:
         run_pipeline(module, f"plan-transition{{source=@{source},to=@{target},into=@{name},drain=true}}")
-    world = dist.get_world_size() if world is None else world
-    return lower(module, name, gpus=list(range(world)))
+    if gpus is None:
+        gpus = list(range(dist.get_world_size() if world is None else world))
+    return lower(module, name, gpus=list(gpus))
 
 
 def move(

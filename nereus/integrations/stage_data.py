@@ -5,6 +5,8 @@ rows ``[d n/2, (d+1) n/2)``, while the reference under DP 4 scores quarters, and
 DP 1 the whole batch. What one stage produces for another (sequences, log-probabilities,
 values) therefore crosses layouts, as ReaL's data transfers between its function calls do.
 
+``live`` is a live model (``hf_llama.LiveLlama``) or the generation engines
+(``engine_stage.EngineStage``): anything with a ``layout`` and this rank's ``coordinate`` in it.
 ``rows(live, n)`` is the slice of a global batch of ``n`` rows that this rank's replica takes
 (None off the layout); ``assemble(live, part, shape, dtype, group)`` puts every replica's slice together
 on every rank of ``group``: one rank per replica (TP rank 0 of PP stage 0) writes its rows into a
@@ -22,7 +24,7 @@ from .hf_llama import LiveLlama
 
 def rows(live: LiveLlama, n: int) -> slice | None:
     """The rows of a global batch of ``n`` that this rank's replica takes; None off the layout."""
-    if live.model is None:
+    if live.coordinate is None:
         return None
     dp, d = live.layout.dp, live.coordinate[0]
     if n % dp:

@@ -1,8 +1,12 @@
 """vLLM as the generation engine: one ``vllm.LLM`` in this process, its weights pushed by Nereus.
 
-``VllmEngine(config, workdir)`` starts an engine for a Hugging Face Llama config in the calling
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine subprocess, so it lives inside a
-torchrun rank beside the trainer). Only the config is written to ``workdir``: the engine starts
+``VllmEngine(config, workdir, tp=2)`` starts an engine for a Hugging Face Llama config in the
+calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine subprocess, so it lives inside a
+torchrun rank beside the trainer). Inside an initialised job it runs under vLLM's
+``external_launcher`` executor: every rank of the default group starts one at once (vLLM makes
+its groups over the whole default group), and ranks ``[k tp, (k+1) tp)`` form engine ``k`` of TP
+``tp``, so a job of ``world`` ranks holds ``world / tp`` engines (vLLM's implicit data
+parallelism). Only the config is written to ``workdir``: the engine starts
 with placeholder weights (``load_format="dummy"``) and every weight it serves arrives by
 ``load``, from ``WeightPush`` (no checkpoint files).
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig
 
 from ..ir import Diagnostic, DiagnosticError
@@ -68,9 +73,19 @@ class Sampled:
 
 class VllmEngine:
     def __init__(
-        self, config: LlamaConfig, workdir: str | Path, *, max_model_len: int = 64, seed: int = 0, kv_cache_gib: int = 1
+        self,
+        config: LlamaConfig,
+        workdir: str | Path,
+        *,
+        tp: int = 1,
+        max_model_len: int = 64,
+        seed: int = 0,
+        kv_cache_gib: int = 1,
     ):
         check_engine(config)
+        launched = dist.is_initialized()
+        if tp > 1 and not launched:
+            raise ValueError("an engine of TP > 1 runs inside a torchrun job (external_launcher): initialise it first")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         vllm = require_vllm()
@@ -89,18 +104,45 @@ class VllmEngine:
             max_model_len=max_model_len,
             seed=seed,
             gpu_memory_utilization=0.1,
+            tensor_parallel_size=tp,
+            **({"distributed_executor_backend": "external_launcher"} if launched else {}),
         )
+        self.tp = tp
         self.start_s = time.perf_counter() - t0
         self.loads = 0
 
-    def close(self) -> None:
-        """Shut the engine down: the last thing a rank does with torch.distributed. An engine
-        started inside an initialised job adopts the job's default process group as its world,
-        and its teardown destroys vLLM's groups and that default group with them; left to
-        interpreter exit, the teardown fails on groups the job already destroyed."""
-        if self.llm is not None:
+    def close(self, keep_world: bool = False) -> None:
+        """Shut the engine down. An engine started inside an initialised job adopts the job's
+        default process group as its world, and vLLM's teardown destroys its own groups and that
+        default group with them (left to interpreter exit, it fails on groups the job already
+        destroyed): without ``keep_world`` this is the last thing a rank does with
+        torch.distributed. ``keep_world``: vLLM's groups go, the job's default group stays (an
+        engine restart in a running job; every rank of the default group calls it)."""
+        if self.llm is None:
+            return
+        if not keep_world:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+            return
+        from vllm.distributed import parallel_state
+
+        # vLLM's shutdown ends in parallel_state.destroy_distributed_environment, which destroys
+        # its world group and then torch's default group; for the length of the shutdown it
+        # destroys the world group only
+        whole = parallel_state.destroy_distributed_environment
+
+        def world_group_only():
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+            parallel_state._NODE_COUNT = None
+
+        parallel_state.destroy_distributed_environment = world_group_only
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            parallel_state.destroy_distributed_environment = whole
+        self.llm = None
 
     def load(self, named: dict[str, torch.Tensor]) -> float:
         """Replace the engine's weights by ``named`` (every tensor whole, Hugging Face names);

@@ -57,14 +57,27 @@ class PushStats:
 class WeightPush:
     """The push of ``model``'s weights from the trainer's ``held`` layout to engines on ``engines``
     (GPU ids = ranks of the default group, which has ``world`` ranks). Every rank constructs it
-    (planning and lowering are pure: every rank gets the same program) and calls ``push``."""
+    (planning and lowering are pure: every rank gets the same program) and calls ``push``;
+    after a shrink, every rank of ``group`` (its ranks ``members`` of the default group)."""
 
-    def __init__(self, model: Model, held: Layout, engines: list[int], world: int, *, timeout: float = 60.0):
+    def __init__(
+        self,
+        model: Model,
+        held: Layout,
+        engines: list[int],
+        world: int,
+        *,
+        timeout: float = 60.0,
+        group=None,
+        members: list[int] | None = None,
+    ):
         if not engines or len(set(engines)) != len(engines) or not all(0 <= g < world for g in engines):
             raise ValueError(
                 f"engine ranks {engines} must be distinct ranks of the {plural(world, 'process', 'processes')}"
             )
         self.model, self.engines, self.world, self.timeout = model, sorted(engines), world, timeout
+        self.group = group  # the process group the push runs in (None: the default group), its
+        self.members = members  # ranks in the default group (the GPUs of its ranks, in order)
         self.held_key = _key(held)
         stage = f"{model.name}.generate"
         held = Layout(
@@ -81,7 +94,7 @@ class WeightPush:
         )
         m = training_job(model, {"held": held, "engine": engine}, world)
         self.module: Module = m
-        self.program = plan_move(m, "held", "engine", "push", world)
+        self.program = plan_move(m, "held", "engine", "push", world, gpus=members)
         self.held_specs = plan_layout(self.module, "held")
         self.stats = PushStats()
 
@@ -115,6 +128,7 @@ class WeightPush:
             timeout=self.timeout if timeout is None else timeout,
             faults=faults,
             stats=stats,
+            group=self.group,
         )
         self.stats.seconds.append(time.perf_counter() - t0)
         self.stats.pushes += 1

@@ -150,6 +150,7 @@ class _Rank:
         # id(piece) -> (source index, destination index): kept with the program (pieces live as long as it)
         self.regions: dict[int, tuple] = prog.__dict__.setdefault("_regions", {}).setdefault(rank, {})
         self.groups: dict[tuple[int, ...], object] = {}
+        self.group = None  # the process group the program's ranks are ranks of (None: the default group)
         self.digest: tuple | None = None  # the digest all-gather in flight (``_post_digest``)
 
     # -- slices --------------------------------------------------------------------------------
@@ -313,9 +314,11 @@ class _Rank:
 
         def post(op, tensor, peer):
             if gloo:
-                works.append((dist.isend if op == "send" else dist.irecv)(tensor, peer))
+                works.append(_p2p(op, tensor, peer, self.group))
             else:
-                batch.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer))
+                batch.append(
+                    dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, group=self.group, group_peer=peer)
+                )
 
         recv_bufs = []
         for msg in step.recvs:
@@ -412,8 +415,9 @@ class _Rank:
             buf = torch.empty(_bucket_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
             self.stats.received += msg.nbytes
         total = checksum(buf) if self.rank == root else torch.empty(1, dtype=torch.int64, device=self.device)
+        src = root if self.group is None else dist.get_global_rank(self.group, root)
         for t in (buf, total):
-            dist.broadcast(t, src=root, group=group, async_op=True).wait(self.timeout)
+            dist.broadcast(t, src=src, group=group, async_op=True).wait(self.timeout)
         if self.rank != root:
             if not torch.equal(checksum(buf), total):
                 raise TransitionError(f"rank {self.rank}: broadcast #{msg.id} from rank {root} arrived corrupted")
@@ -458,7 +462,16 @@ def _check_out(
 AGREE_TAG, DIGEST_TAG = 1, 2  # point-to-point tags of the agreement and the digest exchange (data uses 0)
 
 
-def _share(value: int, rank: int, world: int, device, tag: int) -> tuple[list, torch.Tensor]:
+def _p2p(op: str, tensor: torch.Tensor, peer: int, group=None):
+    """``isend`` / ``irecv`` to rank ``peer`` of ``group`` (None: the default group)."""
+    if group is None:
+        return (dist.isend if op == "send" else dist.irecv)(tensor, peer)
+    if op == "send":
+        return dist.isend(tensor, group=group, group_dst=peer)
+    return dist.irecv(tensor, group=group, group_src=peer)
+
+
+def _share(value: int, rank: int, world: int, device, tag: int, group=None) -> tuple[list, torch.Tensor]:
     """Start giving every rank this rank's ``value``: (works to wait for, the tensor of every
     rank's value once they complete). On gloo one point-to-point message to each peer (one hop;
     gloo's ring all-reduce and all-gather take ``2 (world - 1)`` and ``world - 1``); elsewhere
@@ -467,18 +480,22 @@ def _share(value: int, rank: int, world: int, device, tag: int) -> tuple[list, t
     every[rank] = value
     if dist.get_backend() != "gloo":
         mine = torch.tensor([value], dtype=torch.int64, device=device)
-        return [_all_gather_equal(every, mine, async_op=True)], every
+        return [_all_gather_equal(every, mine, group=group, async_op=True)], every
     mine = every[rank : rank + 1].clone()
-    works = [dist.irecv(every[r : r + 1], r, tag=tag) for r in range(world) if r != rank]
-    works += [dist.isend(mine, r, tag=tag) for r in range(world) if r != rank]
+    if group is None:
+        works = [dist.irecv(every[r : r + 1], r, tag=tag) for r in range(world) if r != rank]
+        works += [dist.isend(mine, r, tag=tag) for r in range(world) if r != rank]
+    else:
+        works = [dist.irecv(every[r : r + 1], group=group, tag=tag, group_src=r) for r in range(world) if r != rank]
+        works += [dist.isend(mine, group=group, tag=tag, group_dst=r) for r in range(world) if r != rank]
     return works, every
 
 
-def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta) -> tuple[int, ...] | None:
+def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta, group=None) -> tuple[int, ...] | None:
     """The commit agreement: every rank's flag to every rank. Returns the ranks that failed
     (empty: commit), or None when the agreement itself failed (a dead or hung peer)."""
     try:
-        works, flags = _share(1 if ok else 0, rank, world, device, AGREE_TAG)
+        works, flags = _share(1 if ok else 0, rank, world, device, AGREE_TAG, group)
         for w in works:
             w.wait(timeout)
     except Exception:  # noqa: BLE001 - a broken group or a dead peer: no agreement
@@ -486,10 +503,10 @@ def _agree(ok: bool, rank: int, world: int, device, timeout: datetime.timedelta)
     return tuple(int(r) for r in torch.nonzero(flags.cpu() == 0).flatten())
 
 
-def _post_digest(program: Program, rank: int, world: int, device) -> tuple:
+def _post_digest(program: Program, rank: int, world: int, device, group=None) -> tuple:
     """Start sharing every rank's program digest (checked by ``_Rank.check_program`` before the
     first message, while local copies and packing run)."""
-    return _share(program.digest(), rank, world, device, DIGEST_TAG)
+    return _share(program.digest(), rank, world, device, DIGEST_TAG, group)
 
 
 def execute(
@@ -502,8 +519,13 @@ def execute(
     stats: Stats | None = None,
     memory_limit: int | None = None,
     out: LocalState | None = None,
+    group=None,
 ) -> LocalState:
     """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
+
+    ``group``: the process group whose ranks the program's ranks are (default: the default
+    group), so that a job that shrank runs transitions on the ranks that remain; only its
+    members call this (broadcast subgroups are made among their members alone).
 
     ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
     not fit together, destination shards are allocated at their first write, in the program's
@@ -513,7 +535,7 @@ def execute(
     weights, say), filled in place and returned as those shards instead of new tensors. After a
     failure they hold partial data; plan A's ``state`` is intact as always.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != program.world:
         raise TransitionError(f"the program needs {plural(program.world, 'rank')}, the process group has {world}")
     device = (
@@ -526,20 +548,27 @@ def execute(
     bound = datetime.timedelta(seconds=timeout)
     error: BaseException | None = None
     try:  # every collective below, group creation included, is bounded by ``timeout``
-        digest = _post_digest(program, rank, world, device)
+        digest = _post_digest(program, rank, world, device, group)
         # a rank whose state or buffers do not match the program fails here, and every rank learns it below
         me = _Rank(
             program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out
         )
-        me.digest = digest
+        me.digest, me.group = digest, group
         if program.groups:  # broadcast subgroups: created by every rank of the same program, in the same order
             me.check_program()
-            me.groups = {members: dist.new_group(list(members), timeout=bound) for members in program.groups}
+            me.groups = {
+                members: dist.new_group(
+                    [r if group is None else dist.get_global_rank(group, r) for r in members],
+                    timeout=bound,
+                    use_local_synchronization=group is not None,
+                )
+                for members in program.groups
+            }
         me.run_all(program.steps.get(rank, []))
         me.check_program()
     except Exception as e:  # noqa: BLE001 - any failure rolls back
         error = e
-    failed = _agree(error is None, rank, world, device, bound)
+    failed = _agree(error is None, rank, world, device, bound, group)
     if failed is None or failed:
         if error is not None:
             why = f"{type(error).__name__}: {error}"

@@ -29,10 +29,14 @@ class CheckedAdapter(JobAdapter):
         super().__init__(*args, **kwargs)
         self.checks: list[dict] = []
 
+    def specs(self, module, plan: str, rank: int) -> list:
+        """This rank's shards of the live models under ``plan`` (not the engines')."""
+        return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage in self.lives]
+
     def move(self, module, source, target, **kwargs) -> None:
         rank = torch.distributed.get_rank()
         state_a, steps_a = export_states(self.lives, module, source)
-        full = gather_full(state_a, plan_layout(module, source).get(rank, []))
+        full = gather_full(state_a, self.specs(module, source, rank))
         try:
             super().move(module, source, target, **kwargs)
         except Exception as e:  # a rollback: plan A's state of every model must be as it was
@@ -46,7 +50,7 @@ class CheckedAdapter(JobAdapter):
                     "intact": steps == steps_a
                     and all(
                         torch.equal(after[s.key], cut(full[s.key], s.box))
-                        for s in plan_layout(module, source).get(rank, [])
+                        for s in self.specs(module, source, rank)
                     ),
                 }
             )
@@ -54,7 +58,7 @@ class CheckedAdapter(JobAdapter):
         state_b, steps_b = export_states(self.lives, module, target)
         models = {}
         for ms, live in self.lives.items():
-            specs = [s for s in plan_layout(module, target).get(rank, []) if s.key.model_stage == ms]
+            specs = [s for s in self.specs(module, target, rank) if s.key.model_stage == ms]
             mine = {k for k in state_b if k.model_stage == ms}
             models[ms] = {
                 "in_b": live.model is not None,
