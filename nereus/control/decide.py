@@ -418,8 +418,8 @@ class DecisionCore:
         lines = [where_text(where)]
         if numbers.get("engines") == "kept":
             lines.append(
-                f"the generation engines keep their layout: the plan that restarts them "
-                f"({numbers['step_time_restarting']:.4g} s per step) cannot pay a restart of {opts.engine_restart:.4g} s"
+                f"engines kept: the plan that restarts them ({numbers['step_time_restarting']:.4g} s per step) "
+                f"cannot pay a restart of {opts.engine_restart:.4g} s"
             )
         leader = min(self.gpus_planned & {g for lay in a.layouts.values() for g in lay.mesh}, default=None)
         if leader is not None and leader in (self.leaving | lost):

@@ -49,8 +49,7 @@ class CheckedAdapter(JobAdapter):
                     "steps_a": steps_a,
                     "intact": steps == steps_a
                     and all(
-                        torch.equal(after[s.key], cut(full[s.key], s.box))
-                        for s in self.specs(module, source, rank)
+                        torch.equal(after[s.key], cut(full[s.key], s.box)) for s in self.specs(module, source, rank)
                     ),
                 }
             )
