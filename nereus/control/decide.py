@@ -325,8 +325,11 @@ class DecisionCore:
             # transition is planned, as admit would reject it after
             pg, restart = fixed_costs(m, a, b, opts.pg_init, opts.engine_restart, placement=False)
             saving = a.step_time - b.step_time
-            if restart and saving * horizon <= (pg + restart) * (1 + opts.margin):
-                # restarting the engines does not pay: the best plan that keeps their layout may
+            cannot = saving * horizon <= (pg + restart) * (1 + opts.margin)
+            if restart and cannot and saving * horizon > pg * (1 + opts.margin):
+                # restarting the engines is what does not pay: the best plan that keeps their
+                # layout may (it saves no more than plan B, so it is tried only when plan B
+                # without the restart would have paid)
                 kept = self._search(m, w, cluster, target, keep=generation_kept(m, a))
                 if kept is None:
                     b = m.plans[target]

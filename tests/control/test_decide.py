@@ -121,7 +121,9 @@ def test_a_move_that_does_not_pay_is_rejected_and_the_cooldown_holds():
 
 
 def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_the_transition(monkeypatch):
-    c = core()
+    # process groups dearer than the one step left can save (with a restart instead, the best plan
+    # that keeps the engines is weighed: the next tests)
+    c = core(pg_init=60.0, engine_restart=0.0)
     c.total_steps = 2  # one step left: the saving cannot pay even the process groups
     c.observe(as_planned(c, 0, length=3.0))
     d = c.decide()
@@ -133,7 +135,7 @@ def test_a_saving_that_cannot_pay_the_fixed_costs_is_rejected_before_planning_th
     import nereus.control.decide as decide_mod
 
     monkeypatch.setattr(decide_mod, "fixed_costs", lambda *a, **k: (-1e9, 0.0))
-    full = core()
+    full = core(pg_init=60.0, engine_restart=0.0)
     full.total_steps = 2
     full.observe(as_planned(full, 0, length=3.0))
     e = full.decide()
@@ -415,3 +417,40 @@ def test_a_pass_that_leaves_invalid_ir_in_the_core_is_reported_by_the_verifier(m
     with pytest.raises(nereus.DiagnosticError, match="IR is invalid after pass admit"):
         _longer_responses("end")
     assert _longer_responses("off").action == "transition"  # unverified, the broken IR goes through
+
+
+def grpo_engine_job():
+    """The live GRPO example's IR job with vLLM engines (``actor.generate`` TP 4 on GPUs 0..3),
+    planned for responses of 1 token."""
+    import sys
+
+    from ..support import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import grpo_tiny
+
+    return grpo_tiny.job(grpo_tiny.parse(["--engine", "vllm", "--gen-tp", "4"]), 4)[1]
+
+
+def engine_core(restart: float) -> DecisionCore:
+    opts = dict(FAST, pg_init=0.0, margin=0.0, engine_restart=restart, max_pp=1, max_zero=0, offload=False)
+    c = DecisionCore(grpo_engine_job(), "a", ControlOptions(**opts), total_steps=100)
+    plan = c.m.plans["a"]
+    c.observe(StepRecord(0, {ms: lay.time for ms, lay in plan.layouts.items()}, response_lengths=(4,) * 8))
+    return c
+
+
+def test_where_restarting_the_engines_does_not_pay_the_best_plan_that_keeps_them_is_weighed():
+    free = engine_core(0.0).decide()
+    gen = "actor.generate"
+    assert free.action == "transition" and "engines" not in free.numbers
+    a = free.module.plans["a"].layouts[gen]
+    assert (free.module.plans[free.target].layouts[gen].tp, a.tp) == (1, 4)  # the free search restarts them
+    kept = engine_core(1e4).decide()  # a restart no saving over 99 steps pays
+    n = kept.numbers
+    assert kept.action == "transition" and n["engines"] == "kept" and "engines kept" in kept.message
+    b = kept.module.plans[kept.target].layouts[gen]
+    assert (b.tp, b.pp, b.dp, b.mesh) == (a.tp, a.pp, a.dp, a.mesh)
+    assert n["step_time_restarting"] == pytest.approx(free.numbers["step_time_new"])
+    assert n["step_time_restarting"] <= n["step_time_new"] < n["step_time_now"]
+    assert kept.module.transitions[kept.transition].admit.engine_restart == 0  # admit agrees: no restart

@@ -5,6 +5,7 @@ failed push leaving the engine on the old weights, and GRPO with ``--engine vllm
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -68,24 +69,40 @@ def test_models_vllm_cpu_cannot_serve_are_diagnostics():
 
 
 @pytest.mark.slow
-def test_grpo_with_vllm_engines_pushes_every_step_and_follows_a_move(tmp_path):
-    argv = [
-        "--steps",
-        "3",
-        "--leave-step",
-        "-1",
-        "--quiet",
-        "--timeout",
-        "60",
-        "--engine",
-        "vllm",
-        "--workdir",
-        str(tmp_path),
-    ]
+def test_grpo_engines_are_a_model_stage_the_controller_moves(tmp_path):
+    """GRPO on 4 processes, generation by vLLM engines of TP 4 (``actor.generate``). Step 0: an
+    admitted move of the trainer and the reference that keeps the engines (restarting them costs
+    the seconds measured at their start, which the saving cannot pay). Step 1: rank 3 leaves, the
+    forced move restarts the engines under TP 1 on the 3 ranks that remain. Every step the
+    engines sampled with exactly the actor's weights (vLLM's log-probabilities equal the
+    trainer's), across the restart and the push on the shrunk group too."""
+    log = tmp_path / "decisions.jsonl"
+    argv = ["--steps", "3", "--leave-step", "1", "--quiet", "--timeout", "60", "--engine", "vllm", "--gen-tp", "4"]
+    argv += ["--workdir", str(tmp_path), "--decision-log", str(log)]
     results = run_local(gw.run, 4, argv, timeout=600)
-    for res in results:
+    stays = [r for r in results if r["active"]]
+    assert [r["rank"] for r in stays] == [0, 1, 2]
+    for res in stays:
         hist = res["history"]
-        assert [h["step"] for h in hist] == [0, 1, 2] and res["active"]
-        assert hist[0]["decision"] == "transition" and res["plan"] == "p0"  # the admitted move at step 0
-        assert all(math.isfinite(h["loss"]) and h["push_s"] > 0 and h["load_s"] > 0 for h in hist)
+        assert [h["step"] for h in hist] == [0, 1, 2]
+        assert [h["decision"] for h in hist[:2]] == ["transition", "transition"] and hist[1]["forced"]
+        assert [h["engines"] for h in hist] == ["tp4xpp1xdp1", "tp1xpp1xdp3", "tp1xpp1xdp3"]
+        assert len(hist[0]["engine_starts"]) == 1 and len(hist[-1]["engine_starts"]) == 2  # one restart
+        for h in hist:
+            assert math.isfinite(h["loss"]) and h["push_s"] > 0 and h["load_s"] > 0
+            assert h["engine_gap"] <= LOGP_ATOL, h  # the engines served the actor's weights
         assert all(m["exact"] for c in res["checks"] for m in c["models"].values() if m["in_b"])
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    admitted, forced = (x for x in lines if x.get("action") == "transition")
+    assert admitted["numbers"]["engines"] == "kept" and "engines kept" in admitted["message"]
+    assert admitted["numbers"]["layouts"]["actor.generate"] == "TP 4 x PP 1 x DP 1 on 0..3"
+    # the forced move's cost counts the restart as measured at the engines' first start
+    first_start = stays[0]["history"][0]["engine_starts"][0]
+    n = forced["numbers"]
+    assert n["admission"] == "forced" and abs(n["cost"] - n["makespan"] - first_start) <= 0.02, (n, first_start)
+    applied = [x for x in lines if x.get("applied") == "transition"]
+    assert "actor.generate" not in applied[0]["changes"]
+    assert applied[1]["changes"]["actor.generate"] == {
+        "before": "TP 4 x PP 1 x DP 1 on 0..3",
+        "after": "TP 1 x PP 1 x DP 3 on 0..2",
+    }

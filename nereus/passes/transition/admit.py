@@ -87,8 +87,24 @@ def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float, placemen
     shape = _shape if placement else _shape_unplaced
     changed = [ms for ms, lay in b.layouts.items() if ms not in a.layouts or shape(a.layouts[ms]) != shape(lay)]
     w = m.workloads[b.workload]
-    gen_changed = any(cast(Stage, w.stage_of(ms)).kind == "generate" for ms in changed)
+    gen_changed = any(
+        cast(Stage, w.stage_of(ms)).kind == "generate" and _new_engines(a.layouts.get(ms), b.layouts[ms], placement)
+        for ms in changed
+    )
     return (pg_init if changed else 0.0), (engine_restart if gen_changed else 0.0)
+
+
+def _new_engines(a, b, placement: bool) -> bool:
+    """Whether generation layout ``b`` needs an engine that ``a`` does not run: an engine is one
+    TP x PP group of GPUs, so replicas added on new GPUs or dropped cost no restart of the others,
+    while another TP, PP or layer split restarts them all."""
+    if a is None or (a.tp, a.pp, a.cp, a.layers) != (b.tp, b.pp, b.cp, b.layers):
+        return True
+    if not placement:
+        return False
+    size = a.tp * a.pp * a.cp
+    engines = lambda lay: {tuple(lay.mesh[i : i + size]) for i in range(0, len(lay.mesh), size)}  # noqa: E731
+    return not engines(b) <= engines(a)
 
 
 def _shape(lay) -> tuple:
