@@ -525,7 +525,8 @@ def execute(
 
     ``group``: the process group whose ranks the program's ranks are (default: the default
     group), so that a job that shrank runs transitions on the ranks that remain; only its
-    members call this (broadcast subgroups are made among their members alone).
+    members call this. Its programs broadcast point to point or in chains (``lower``'s
+    ``broadcast="p2p"`` or ``"chain"``; ``"auto"`` never makes subgroups).
 
     ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
     not fit together, destination shards are allocated at their first write, in the program's
@@ -556,14 +557,12 @@ def execute(
         me.digest, me.group = digest, group
         if program.groups:  # broadcast subgroups: created by every rank of the same program, in the same order
             me.check_program()
-            me.groups = {
-                members: dist.new_group(
-                    [r if group is None else dist.get_global_rank(group, r) for r in members],
-                    timeout=bound,
-                    use_local_synchronization=group is not None,
+            if group is not None:
+                raise TransitionError(
+                    f"rank {rank}: broadcast subgroups inside a process group of some ranks are not built: "
+                    "lower the transition with broadcast='p2p' or 'chain'"
                 )
-                for members in program.groups
-            }
+            me.groups = {members: dist.new_group(list(members), timeout=bound) for members in program.groups}
         me.run_all(program.steps.get(rank, []))
         me.check_program()
     except Exception as e:  # noqa: BLE001 - any failure rolls back

@@ -134,3 +134,15 @@ def test_plan_b_lands_in_buffers_the_caller_already_has():
         assert r["raised"] is not None and "is intact" in r["raised"], f"rank {rank} did not fail"
         assert r["intact"]
     assert "out[" in results[1]["raised"]
+
+
+def test_a_transition_runs_in_the_group_of_the_ranks_that_remain():
+    """After rank 1 of 5 left, ranks 0, 2, 3 and 4 run transitions in a group of their own (the
+    Controller's after a shrink): bit-exact, broadcasts point to point and in chains."""
+    results = run_local(w.run_in_group, 5, list(CASES), 1, timeout=240)
+    assert results[1] == {}
+    for rank in (0, 2, 3, 4):
+        assert results[rank], rank
+        for key, (problems, _) in results[rank].items():
+            assert problems == [], (rank, key, problems[:3])
+    assert all(sum(results[r][key][1] for r in (0, 2, 3, 4)) > 0 for key in results[0])  # bytes crossed ranks

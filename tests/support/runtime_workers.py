@@ -147,3 +147,28 @@ def run_plain_reshard(rank: int, world: int, pairs: list[tuple[dict, dict]], tra
         bad += [f"source changed {n}" for n, t in state.items() if not torch.equal(t, before[n])]
         out.append(bad)
     return out
+
+
+def run_in_group(rank: int, world: int, cases: list[str], gone: int) -> dict:
+    """Rank ``gone`` leaves; the others make a group of their own and run each case's transition
+    in it (ranks of the program = ranks of the group: global rank 2 is group rank 1 when rank 1
+    left), with broadcasts point to point and as chains."""
+    import torch.distributed as dist
+
+    init_from_env(timeout=30)
+    members = [r for r in range(world) if r != gone]
+    group = dist.new_group(members)  # every rank of the default group makes it, as the Controller does
+    if rank == gone:
+        return {}
+    me = members.index(rank)
+    out = {}
+    for case in cases:
+        m = case_module(case, len(members), hidden=64, layers=4)
+        m.transitions["t"] = plan_transition(m, "a", "b", "t")
+        for mode in ("p2p", "chain"):
+            prog = lower(
+                m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024, gpus=list(range(len(members)))
+            )
+            new = execute(prog, synthetic_state(prog.src.get(me, [])), timeout=30, group=group)
+            out[(case, mode)] = (check(prog, me, new), prog.sent_bytes(me))
+    return out
