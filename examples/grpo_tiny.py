@@ -380,6 +380,18 @@ def engine_row(engines: EngineStage, gap: float) -> dict:
     }
 
 
+def engine_text(row: dict, history: list[dict]) -> str:
+    """The engines' part of a step line: their layout, a restart this step, the push and load."""
+    starts = row["engine_starts"]
+    restarted = len(history) > 1 and len(starts) > len(history[-2]["engine_starts"])
+    return (
+        f"  engines {row['engines']}"
+        + (f" (restarted in {starts[-1]:.1f} s)" if restarted else "")
+        + (f" (started in {starts[0]:.1f} s)" if len(history) == 1 else "")
+        + f"  push {row['push_s'] * 1e3:.1f} ms + load {row['load_s'] * 1e3:.1f} ms  gap {row['engine_gap']:.1e}"
+    )
+
+
 def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
@@ -452,11 +464,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
                 f"loss {'-' if loss is None else f'{loss:+.4f}'}  "
                 f"decision {dec.action}{' (forced)' if dec.forced else ''}"
                 f"{' -> @' + dec.target if dec.action == 'transition' else ''}  {row['seconds']:.2f} s"
-                + (
-                    f"  push {row['push_s'] * 1e3:.1f} ms + engine load {row['load_s'] * 1e3:.1f} ms"
-                    if engines is not None
-                    else ""
-                ),
+                + (engine_text(row, history) if engines is not None else ""),
                 flush=True,
             )
         if not ctl.active:  # this rank handed its state over and leaves the job

@@ -67,6 +67,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--ref-dp",
         "--critic-tp",
         "--critic-dp",
+        "--gen-tp",
+        "--gen-dp",
     ):
         p.add_argument(a, type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -82,8 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--engine",
         choices=("hf", "vllm"),
         default="hf",
-        help="generation by the live actor (hf) or by a vLLM engine per rank, its weights pushed by "
-        "Nereus after every update (vllm: needs nereus[vllm])",
+        help="generation by the live actor (hf) or by vLLM engines, actor.generate of the plan (TP --gen-tp), "
+        "their weights pushed by Nereus after every update, their layout moved with the job (needs nereus[vllm])",
     )
     p.add_argument("--workdir", default=None, help="where the vLLM engines' configs go (default: a temporary dir)")
     p.add_argument("--quiet", action="store_true")
@@ -243,7 +245,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
                 f"step {step:3d}  plan @{dec.source} ({row['layouts']})  reward {row['reward']:.3f}  "
                 f"loss {fmt(loss)}  value loss {fmt(vloss)}  decision {dec.action}"
                 f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
-                f"  {row['seconds']:.2f} s",
+                f"  {row['seconds']:.2f} s" + (g.engine_text(row, history) if "engines" in row else ""),
                 flush=True,
             )
         if not ctl.active:

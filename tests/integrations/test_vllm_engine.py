@@ -106,3 +106,24 @@ def test_grpo_engines_are_a_model_stage_the_controller_moves(tmp_path):
         "before": "TP 4 x PP 1 x DP 1 on 0..3",
         "after": "TP 1 x PP 1 x DP 3 on 0..2",
     }
+
+
+@pytest.mark.slow
+def test_ppo_engines_kept_then_restarted_with_actor_critic_and_reference(tmp_path):
+    """PPO on 4 processes with engines of TP 2 x DP 2: the admitted move places actor and critic
+    apart and keeps the engines, the leave's forced move restarts them under TP 1 on 3 ranks;
+    every model bit-exact after each move, the engines serving the actor's weights throughout."""
+    argv = ["--steps", "3", "--leave-step", "1", "--quiet", "--timeout", "60", "--engine", "vllm", "--gen-tp", "2"]
+    argv += ["--workdir", str(tmp_path)]
+    results = run_local(gw.run, 4, argv, "ppo_tiny", timeout=600)
+    stays = [r for r in results if r["active"]]
+    assert [r["rank"] for r in stays] == [0, 1, 2]
+    for res in stays:
+        hist = res["history"]
+        assert [h["decision"] for h in hist] == ["transition", "transition", "stay"] and hist[1]["forced"]
+        assert [h["engines"] for h in hist] == ["tp2xpp1xdp2", "tp1xpp1xdp3", "tp1xpp1xdp3"]
+        assert [len(h["engine_starts"]) for h in hist] == [1, 2, 2]
+        assert all(h["engine_gap"] <= LOGP_ATOL for h in hist), [h["engine_gap"] for h in hist]
+        checks = res["checks"]
+        assert len(checks) == 2 and all(m["exact"] for c in checks for m in c["models"].values() if m["in_b"])
+        assert set(checks[0]["models"]) == {"actor.train", "critic.train", "ref.infer"}
