@@ -57,7 +57,7 @@ from nereus.integrations.engine_stage import EngineStage, check_engine_layout
 from nereus.integrations.hf_llama import build, forward, ir_model, optimize
 from nereus.integrations.job import layout, rl_job
 from nereus.integrations.llama_adapter import JobAdapter
-from nereus.integrations.llama_state import check_layout
+from nereus.integrations.llama_state import check_layout, live_keep
 from nereus.integrations.stage_data import assemble, rows
 from nereus.runtime.launch import init_from_env
 
@@ -106,6 +106,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--pp", type=int, default=1, help="pipeline stages (layers split evenly; 1F1B over pp micro-batches)"
     )
+    p.add_argument("--zero", type=int, choices=(0, 3), default=0, help="the actor's ZeRO: 0 DDP, 3 FSDP2 (pp 1)")
     p.add_argument(
         "--leave-step", type=int, default=3, help="step at which --leave-rank announces it leaves (-1: never)"
     )
@@ -233,7 +234,10 @@ def job(args, world: int, extra: tuple = (), cluster=None):
     planned = 2 * args.planned_response  # rl_job plans responses of seq // 2 tokens
     ref_tp = args.tp if args.ref_tp is None else args.ref_tp
     ref_dp = args.dp if args.ref_dp is None else args.ref_dp
-    layouts = [layout(actor, tp=args.tp, dp=args.dp, pp=args.pp), layout(ref, tp=ref_tp, dp=ref_dp, stage="infer")]
+    layouts = [
+        layout(actor, tp=args.tp, dp=args.dp, pp=args.pp, zero=args.zero),
+        layout(ref, tp=ref_tp, dp=ref_dp, stage="infer"),
+    ]
     if args.engine == "vllm":  # the engines are actor.generate's layout
         gen_dp = world // args.gen_tp if args.gen_dp is None else args.gen_dp
         layouts.append(layout(actor, tp=args.gen_tp, dp=gen_dp, stage="generate"))
@@ -306,8 +310,8 @@ def live_models(cfg: LlamaConfig, module, args) -> dict:
 
 
 def shape(lay) -> str:
-    """A layout as ``tp2xpp1xdp2``."""
-    return f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}"
+    """A layout as ``tp2xpp1xdp2`` (``tp2xpp1xdp2 zero3`` under FSDP2)."""
+    return f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}" + (f" zero{lay.zero}" if lay.zero else "")
 
 
 def shapes(lives: dict) -> str:
@@ -316,7 +320,7 @@ def shapes(lives: dict) -> str:
 
 
 def controller(module, adapter, args, faults: tuple = ()):
-    """The Controller around the loop (search limited to what the live model takes; transitions
+    """The Controller around the loop (search limited to what the live models take: ``live_keep``; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
     context for the model-stages of the IR job (a no-op for the others)."""
     options = ControlOptions(
@@ -330,7 +334,9 @@ def controller(module, adapter, args, faults: tuple = ()):
         search_time_limit=2.0,
         schedule_time_limit=1.0,
         max_pp=1 if args.engine == "vllm" else module.models["actor"].layers,  # vLLM runs no PP here
-        max_zero=0,
+        # DDP (0) or FSDP2 (3): live_keep drops the ZeRO-1/2 options; the push to vLLM engines
+        # from an FSDP2 trainer is not built
+        max_zero=0 if args.engine == "vllm" else 3,
         offload=False,
     )
     ctl = Controller(
@@ -343,6 +349,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         timeout=args.timeout,
         show=not args.quiet,
         faults=faults,
+        keep=live_keep(module),
     )
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())

@@ -69,6 +69,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--critic-dp",
         "--gen-tp",
         "--gen-dp",
+        "--zero",
     ):
         p.add_argument(a, type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3)

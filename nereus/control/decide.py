@@ -100,10 +100,12 @@ class DecisionCore:
         options: ControlOptions | None = None,
         total_steps: int | None = None,
         log: str | Path | None = None,
+        keep: Callable | None = None,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
         plan = bare_name(plan)
+        self.keep = keep  # plan-search's option filter: the layouts the running job can take
         if plan not in module.plans:
             raise ValueError(f"no plan @{plan} in the module; its plans: {', '.join('@' + p for p in module.plans)}")
         self.options = options or ControlOptions()
@@ -478,7 +480,7 @@ class DecisionCore:
                         max_zero=opts.max_zero,
                         offload=opts.offload,
                         incumbent=f"@{incumbent}",
-                        keep=keep,
+                        keep=both(self.keep, keep),
                     )
                 ],
             )
@@ -608,6 +610,13 @@ def measured_lengths(w, window: list[StepRecord]) -> None:
         w.response_len_dist = sorted(dist)
         w.response_len_mean = max(1, round(sum(dist) / len(dist)))
         w.response_len_max = max(w.response_len_max, max(dist))
+
+
+def both(first: Callable | None, second: Callable | None) -> Callable | None:
+    """plan-search's ``keep`` filters applied one after the other."""
+    if first is None or second is None:
+        return first or second
+    return lambda ms, options, n: second(ms, first(ms, options, n), n)
 
 
 def generation_kept(m: Module, a) -> Callable:

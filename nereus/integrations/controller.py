@@ -96,6 +96,7 @@ class Controller:
         timeout: float = 120.0,
         show: bool = True,
         faults: tuple = (),
+        keep=None,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
@@ -108,7 +109,8 @@ class Controller:
         # every rank keeps a core and observes the same records; only the leader (the lowest rank
         # still in the job) decides, and logs
         self.log_path = Path(log) if log is not None else None
-        self.core = DecisionCore(module, plan, options, total_steps, self.log_path if self.rank == 0 else None)
+        # keep: plan-search's option filter, the layouts the live job can take (llama_state.live_keep)
+        self.core = DecisionCore(module, plan, options, total_steps, self.log_path if self.rank == 0 else None, keep)
         self.module = self.core.m
         self.step_no = 0
         self.active = True

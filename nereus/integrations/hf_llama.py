@@ -16,9 +16,13 @@ the layout's mesh (dims ``(dp, pp, tp)``, process groups of the model's own: ``p
 - data parallel over ``dp`` with ``DistributedDataParallel`` on the dp sub-mesh (weights and
   optimizer state whole on every replica: the IR's ``zero = 0``). Under TP, DDP first turns the
   DTensor parameters into their local shards (PyTorch's ``_pre_dp_module_transform``), so the
-  box each parameter holds is recorded before (``LiveLlama.boxes``). FSDP2 (``zero = 3``) is
-  not used: its shards of a TP-sharded tensor are a ``_StridedShard`` with ``torch.chunk``'s
-  padding, which ``nereus.runtime.dtensor`` does not express as IR boxes.
+  box each parameter holds is recorded before (``LiveLlama.boxes``);
+- or, for the IR's ``zero = 3``, FSDP2 (``fully_shard`` on the dp sub-mesh, per decoder layer and
+  then the stage; ``reshard_after_forward``: ZeRO-3), composed with TP on 2-D (dp, tp): a
+  TP-sharded tensor's DP shard is FSDP2's ``_StridedShard`` (dim 0 of each TP shard split over
+  DP, TP first: exactly the IR's ZeRO box wherever the splits are even, which ``check_layout``
+  requires). The box each parameter holds is torch's own (``compute_local_shape_and_global_offset``);
+  AdamW's moments are DTensors of the same placements.
 
 Training is ``torch.optim.AdamW`` on the fp32 parameters, so the parameter *is* the master
 weight: the IR's ``master`` state of an fp32 model maps to the parameter (``state.py``).
@@ -42,8 +46,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
+
+# torch's own box of a DTensor shard, _StridedShard (FSDP2 over TP) included; private, but the
+# rule FSDP2's state dicts use
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -51,7 +60,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from ..ir import Diagnostic, DiagnosticError, Layout, Model
 from ..ir.diagnostics import NOWHERE, plural
-from ..runtime.dtensor import MESH_DIMS, dtensor_box
+from ..runtime.dtensor import MESH_DIMS
 from .llama_stages import LlamaStage, prune, tp_plan
 
 PREFIX = "model."  # HF's parameter names are the IR's with this prefix (except ``lm_head.weight``)
@@ -239,29 +248,35 @@ def build(
     model.train(trained)
     if not trained:
         model.requires_grad_(False)
-    _, stage, tp_rank = mesh.get_coordinate()
+    _, stage, _ = mesh.get_coordinate()
     first, last = stage == 0, stage == layout.pp - 1
     lo, hi = layout.layers[stage]
     prune(model, lo, hi, first, last)
     if layout.tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan(lo, hi, first, last, head))
+    runner = LlamaStage(model, first, last)
+    fsdp = trained and layout.zero == 3 and layout.dp > 1
+    if fsdp:  # ZeRO-3: FSDP2 on the dp sub-mesh, per decoder layer, then the stage (embedding, norm, head)
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(runner, mesh=mesh["dp"])
     boxes, placed = {}, {}
     for name, p in model.named_parameters():
         name = name.removeprefix(PREFIX)
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor):  # TP's Shard, FSDP2's Shard and _StridedShard: the box torch computes
             placed[name] = tuple(p.placements)
-            boxes[name] = (tuple(p.shape), dtensor_box(tuple(p.shape), p.placements, (tp_rank,), (layout.tp,)))
+            local, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            boxes[name] = (tuple(p.shape), tuple((o, o + n) for o, n in zip(offset, local)))
         else:
             placed[name] = None
             boxes[name] = (tuple(p.shape), tuple((0, n) for n in p.shape))
-    runner = LlamaStage(model, first, last)
-    if layout.dp > 1 and trained:  # DDP on the dp sub-mesh; under TP it replaces the DTensor parameters by their shards
+    if layout.dp > 1 and trained and not fsdp:  # DDP on the dp sub-mesh; under TP it makes parameters shards
         stage_module = runner
         runner = DistributedDataParallel(
             runner, device_mesh=mesh["dp"], forward_sync_buffers=False, find_unused_parameters=layout.pp > 1
         )
     named = {n.removeprefix(PREFIX): p for n, p in model.named_parameters()}
-    if layout.dp > 1 and layout.tp > 1 and trained:
+    if layout.dp > 1 and layout.tp > 1 and trained and not fsdp:
         stage_module.register_forward_pre_hook(_dtensors_from(model, named, placed, boxes, mesh["tp"]))
     if not trained:
         return LiveLlama(config, layout, mesh, model, None, adamw, timeout, runner, boxes, placed, named, head=head)

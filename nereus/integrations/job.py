@@ -28,10 +28,11 @@ def layout(
     mesh: list[int] | None = None,
     micro_batches: int | None = None,
     stage: str = "train",
+    zero: int = 0,
 ) -> Layout:
     """The layout of ``model``'s ``stage`` (``train``, ``infer``, ``generate``): layers split evenly
     over ``pp`` stages, GPUs 0.. in (dp, pp, tp) order, ``pp`` micro-batches per step unless told
-    (1F1B's least)."""
+    (1F1B's least); ``zero``: the ZeRO stage over DP (3: FSDP2 in the live model)."""
     ranges = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
     return Layout(
         model_stage=f"{model.name}.{stage}",
@@ -41,6 +42,7 @@ def layout(
         layers=ranges,
         mesh=list(range(tp * pp * dp)) if mesh is None else list(mesh),
         micro_batches=pp if micro_batches is None else micro_batches,
+        zero=zero,
     )
 
 

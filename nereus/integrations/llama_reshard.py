@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ir import Module
+from ..ir import DiagnosticError, Module
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
 from .job import restrict
@@ -69,8 +69,14 @@ def reshard_job(
     (``job.restrict``), so that no live model's shard comes from, or goes to, them."""
     for live in lives.values():
         same_model(live, module)
+    problems = []
     for ms in lives:  # every model-stage is checked before any state moves or any group is made
-        check_layout(module, plan_b, ms)
+        try:
+            check_layout(module, plan_b, ms)
+        except DiagnosticError as e:
+            problems += e.diagnostics
+    if problems:  # all of them at once
+        raise DiagnosticError(problems)
     missing = sorted(set(module.plans[plan_b].layouts) - set(lives) - set(elsewhere))
     if missing:
         raise ValueError(f"plan @{plan_b} has model-stages with no live model: {', '.join(missing)}")

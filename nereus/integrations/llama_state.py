@@ -23,6 +23,8 @@ placements on the tp sub-mesh, ``LiveLlama.boxes``) must be the box the plan's E
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -33,6 +35,7 @@ from ..ir.sharding import states_of
 from ..runtime.dtensor import placements
 from ..runtime.state import LocalState, torch_dtype
 from .hf_llama import LiveLlama, local
+from .job import layout as job_layout
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -42,10 +45,45 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
     ``model_stage``; pure IR, so every rank raises the same error without a message."""
     plan = bare_name(plan)
     lay = module.plans[plan].layouts[model_stage]
-    model = module.models[lay.model]
     stage = module.workloads[module.plans[plan].workload].stage_of(model_stage)
+    problems = layout_problems(
+        module.models[lay.model], stage.kind if stage else "", lay, f"plan @{plan} {model_stage}"
+    )
+    if problems:
+        raise DiagnosticError(problems)
+
+
+def live_keep(module: Module):
+    """plan-search's ``keep`` for a live job of HF Llamas: of each model-stage's options, those
+    ``check_layout`` accepts (generation: vLLM's engines, one pipeline stage), so that the search
+    proposes only layouts the live job can take."""
+    w = next(iter(module.workloads.values()))
+
+    def keep(ms, options, n):
+        st = w.stage_of(ms)
+        if st is None:
+            return options
+        if st.kind == "generate":
+            return [o for o in options if o.pp == 1]
+        model = module.models[ms.split(".")[0]]
+        return [
+            o
+            for o in options
+            if not layout_problems(
+                model,
+                st.kind,
+                job_layout(model, tp=o.tp, dp=o.dp, pp=o.pp, micro_batches=o.micro_batches, stage=st.name, zero=o.zero),
+                ms,
+            )
+        ]
+
+    return keep
+
+
+def layout_problems(model, kind: str, lay, where: str) -> list[Diagnostic]:
+    """What keeps the live HF model from taking layout ``lay`` of a ``kind`` stage (``where``
+    starts each message)."""
     at = lambda attr: lay.locs.get(attr, lay.loc)  # noqa: E731
-    where = f"plan @{plan} {model_stage}"
     problems: list[Diagnostic] = []
 
     def bad(attr, msg, hint=None):
@@ -58,8 +96,27 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
             "needs at least as many micro-batches as pipeline stages",
             f"use micro_batches >= {lay.pp}",
         )
-    if lay.zero:
-        bad("zero", f"zero = {lay.zero}: the adapter keeps whole replicas over DP (DDP); ZeRO/FSDP2 is not built")
+    if lay.zero in (1, 2):
+        bad(
+            "zero",
+            f"zero = {lay.zero}: the adapter's ZeRO is FSDP2, which keeps the weights sharded over DP between "
+            "steps (ZeRO-3); ZeRO-1/2 keep them whole",
+            "use zero = 0 (DDP) or zero = 3 (FSDP2)",
+        )
+    elif lay.zero == 3 and lay.dp > 1:
+        if not model.trained:
+            bad("zero", f"zero = 3 on the frozen model @{model.name}: the adapter shards only trained models")
+        if lay.pp > 1:
+            bad("zero", f"zero = 3 with pp = {lay.pp}: FSDP2 under pipeline stages is not built", "use pp = 1")
+        for family, spec in model.tensors.items():  # FSDP2 splits dim 0 of each TP shard with torch.chunk
+            rows = spec.shape[0] // lay.tp if spec.tp_dim == 0 else spec.shape[0]
+            if rows % lay.dp:
+                bad(
+                    "zero",
+                    f"zero = 3: {family} has {rows} rows per TP shard, which FSDP2 splits over DP {lay.dp} "
+                    "by torch.chunk and the IR evenly: they differ unless DP divides them",
+                )
+                break
     if model.dtype != "fp32":
         problems.append(
             Diagnostic(model.loc, f"model @{model.name}: dtype = {model.dtype}; the adapter trains in fp32")
@@ -92,14 +149,13 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
         bad("tp", f"tp = {lay.tp} does not divide kv_heads = {model.kv_heads}: {why}", hint)
     else:  # whole heads everywhere: what remains is torch.chunk against tensor_split (uneven ffn, vocab)
         seen = set()
-        for state in states_of(model, stage.kind if stage else ""):
+        for state in states_of(model, kind):
             for family in model.tensors:
-                pl = placements(model, lay, family, state)
+                pl = placements(model, dataclasses.replace(lay, zero=0) if lay.zero == 3 else lay, family, state)
                 if pl.placements is None and pl.reason not in seen:
                     seen.add(pl.reason)
                     bad("tp", f"DTensor cannot express the layout: {pl.reason}")
-    if problems:
-        raise DiagnosticError(problems)
+    return problems
 
 
 def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:

@@ -44,7 +44,7 @@ def hf_name(name: str) -> str:
 
 
 def _key(lay: Layout) -> tuple:
-    return lay.tp, lay.pp, lay.dp, lay.cp, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
+    return lay.tp, lay.pp, lay.dp, lay.cp, lay.zero, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
 
 
 @dataclass
@@ -79,6 +79,11 @@ class WeightPush:
         self.group = group  # the process group the push runs in (None: the default group), its
         self.members = members  # ranks in the default group (the GPUs of its ranks, in order)
         self.held_key = _key(held)
+        if held.zero and held.dp > 1:
+            raise ValueError(
+                f"{held.model_stage}: zero = {held.zero}: a push from a ZeRO-sharded (FSDP2) trainer is not built; "
+                "the engines' job keeps its trainer on DDP (max_zero = 0)"
+            )
         stage = f"{model.name}.generate"
         held = Layout(
             model_stage=stage,

@@ -23,7 +23,7 @@ ACTOR, CRITIC, REF = "actor.train", "critic.train", "ref.infer"
 
 
 def job(world: int, plans: dict[str, dict]):
-    """The config and the module: per plan, {model-stage: (tp, dp, pp, mesh)}."""
+    """The config and the module: per plan, {model-stage: (tp, dp, pp, mesh[, zero])}."""
     config = LlamaConfig(**tiny(kv_heads=2))
     models = {
         "actor": ir_model(config, "actor"),
@@ -31,9 +31,9 @@ def job(world: int, plans: dict[str, dict]):
         "ref": ir_model(config, "ref", trained=False),
     }
 
-    def lay(ms, tp, dp, pp, mesh):
+    def lay(ms, tp, dp, pp, mesh, zero=0):
         name, stage = ms.split(".")
-        return layout(models[name], tp=tp, dp=dp, pp=pp, mesh=mesh, stage=stage)
+        return layout(models[name], tp=tp, dp=dp, pp=pp, mesh=mesh, stage=stage, zero=zero)
 
     return config, rl_job(
         list(models.values()),
@@ -50,6 +50,23 @@ PLANS = {
     # the reference's TP 4 over 2 K/V heads: the IR replicates each K/V head on 2 ranks, which no
     # DTensor placement expresses
     "bad": {ACTOR: (1, 4, 1, [0, 1, 2, 3]), CRITIC: (2, 1, 1, [2, 3]), REF: (4, 1, 1, [0, 1, 2, 3])},
+}
+
+
+# FSDP2 (ZeRO-3) in and out. "in": the actor from DDP under TP 2 x DP 2 to FSDP2 composed with TP
+# (2-D: _StridedShard); "out": from FSDP2 over DP 4 to DDP under TP 2 x DP 2. A critic cannot be
+# ZeRO-3 over DP 2: its score.weight has one row (a diagnostic, "bad").
+FSDP_PLANS = {
+    "in": {
+        "a": {ACTOR: (2, 2, 1, [0, 1, 2, 3]), CRITIC: (2, 2, 1, [0, 1, 2, 3]), REF: (2, 1, 1, [2, 3])},
+        "b": {ACTOR: (2, 2, 1, [0, 1, 2, 3], 3), CRITIC: (1, 2, 1, [0, 1]), REF: (1, 2, 1, [0, 1])},
+        "bad": {ACTOR: (1, 4, 1, [0, 1, 2, 3], 2), CRITIC: (1, 2, 1, [0, 1], 3), REF: (1, 2, 1, [0, 1])},
+    },
+    "out": {
+        "a": {ACTOR: (1, 4, 1, [0, 1, 2, 3], 3), CRITIC: (1, 2, 1, [0, 1]), REF: (1, 2, 1, [0, 1])},
+        "b": {ACTOR: (2, 2, 1, [0, 1, 2, 3]), CRITIC: (2, 2, 1, [0, 1, 2, 3]), REF: (2, 1, 1, [2, 3])},
+        "bad": {ACTOR: (1, 4, 1, [0, 1, 2, 3], 2), CRITIC: (1, 2, 1, [0, 1], 3), REF: (1, 2, 1, [0, 1])},
+    },
 }
 
 
@@ -83,13 +100,13 @@ def step(lives: dict, config, s: int) -> dict:
     return out
 
 
-def continuity(rank: int, world: int, k: int = 2, n: int = 2) -> dict:
+def continuity(rank: int, world: int, k: int = 2, n: int = 2, fsdp: str = "") -> dict:
     """k steps of every model under plan A; a move to @bad (a diagnostic naming ref.infer, nothing
     planned, nothing moved); the move to plan B, checked against the full state gathered and
     re-sliced; then n more steps three ways: the moved models, models restarted under plan B from
     that sliced state, and plan A's models that never moved."""
     init_from_env(timeout=60)
-    config, module = job(world, PLANS)
+    config, module = job(world, FSDP_PLANS[fsdp] if fsdp else PLANS)
     lives = lives_of(config, module, "a", SEED)
     for s in range(k):
         step(lives, config, s)
@@ -101,6 +118,10 @@ def continuity(rank: int, world: int, k: int = 2, n: int = 2) -> dict:
         reshard_job(lives, module, "a", "bad", timeout=30)
     except DiagnosticError as e:
         out["diagnostic"] = str(e)
+    out["b_specs"] = [
+        (s.key.model_stage, s.key.state, s.key.tensor, s.shape, tuple(s.box))
+        for s in plan_layout(module, "b").get(rank, [])
+    ]
     out["nothing_planned"] = sorted(module.transitions) == planned
     after, _ = export_states(lives, module, "a")
     out["intact"] = set(after) == set(state_a) and all(torch.equal(after[key], v) for key, v in state_a.items())
