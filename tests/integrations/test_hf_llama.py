@@ -176,7 +176,10 @@ def test_ir_model_and_llama_config_round_trip():
         (4, 1, 1, 0, 2, 128, "tp = 4 does not divide kv_heads = 2"),
         (3, 1, 1, 0, 2, 128, "tp = 3 does not divide heads = 4"),
         (1, 1, 2, 0, 2, 128, "Schedule1F1B needs at least as many micro-batches as pipeline stages"),
-        (1, 2, 1, 1, 2, 128, "ZeRO/FSDP2 is not built"),
+        (1, 2, 1, 1, 2, 128, "zero = 1: the adapter.s ZeRO is FSDP2.*ZeRO-1/2 keep them whole"),
+        (1, 2, 2, 3, 2, 128, "zero = 3 with pp = 2: FSDP2 under pipeline stages is not built"),
+        # 130 vocabulary rows over DP 4: torch.chunk gives 33, 33, 33, 31, the IR 33, 33, 32, 32
+        (1, 4, 1, 3, 2, 130, "zero = 3: embed_tokens.weight has 130 rows per TP shard"),
         # 130 rows over 4: tensor_split gives 33, 33, 32, 32; torch.chunk 33, 33, 33, 31
         (4, 1, 1, 0, 4, 130, "is not DTensor's torch.chunk rule"),
     ],
