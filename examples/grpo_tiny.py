@@ -310,8 +310,10 @@ def live_models(cfg: LlamaConfig, module, args) -> dict:
 
 
 def shape(lay) -> str:
-    """A layout as ``tp2xpp1xdp2`` (``tp2xpp1xdp2 zero3`` under FSDP2)."""
-    return f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}" + (f" zero{lay.zero}" if lay.zero else "")
+    """A layout as ``tp2xpp1xdp2`` (``tp2xpp1xdp2 zero3`` under FSDP2, `` recompute`` with
+    activation recompute)."""
+    text = f"tp{lay.tp}xpp{lay.pp}xdp{lay.dp}" + (f" zero{lay.zero}" if lay.zero else "")
+    return text + (" recompute" if lay.recompute else "")
 
 
 def shapes(lives: dict) -> str:
@@ -334,9 +336,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         search_time_limit=2.0,
         schedule_time_limit=1.0,
         max_pp=1 if args.engine == "vllm" else module.models["actor"].layers,  # vLLM runs no PP here
-        # DDP (0) or FSDP2 (3): live_keep drops the ZeRO-1/2 options; the push to vLLM engines
-        # from an FSDP2 trainer is not built
-        max_zero=0 if args.engine == "vllm" else 3,
+        max_zero=3,  # DDP (0) or FSDP2 (3): live_keep drops the ZeRO-1/2 options
         offload=False,
     )
     ctl = Controller(

@@ -1,25 +1,31 @@
-"""PPO on a tiny Hugging Face Llama: actor, critic (a value head) and reference as one IR job,
-driven by the Nereus Controller and moved twice mid-run, every model in one transition each time.
+"""PPO on a tiny Hugging Face Llama: actor, critic (a value head), reference and reward model as
+one IR job, driven by the Nereus Controller and moved twice mid-run, every model in one
+transition each time.
 
     torchrun --nproc-per-node 4 examples/ppo_tiny.py --steps 12 --leave-step 4 --decision-log ppo.jsonl
 
 The task, the sampling and the two moves (an admitted one on response-length drift, a forced
-one when ``--leave-rank`` calls ``ctl.leave()``) are ``grpo_tiny``'s. The IR job has three
+one when ``--leave-rank`` calls ``ctl.leave()``) are ``grpo_tiny``'s. The IR job has four
 model-stages, each live under its own layout of the plan (TP 2 x DP 2 on 4 ranks to start;
-``--critic-tp/--critic-dp``, ``--ref-tp/--ref-dp``):
+``--critic-tp/--critic-dp``, ``--ref-tp/--ref-dp``, ``--reward-tp/--reward-dp``):
 
 - ``actor.train``: the actor and AdamW; it also scores its own samples (the sampling policy's
   log-probabilities) on its layout;
 - ``critic.train``: a ``LlamaForSequenceClassification`` with one label (the IR's value head,
   ``score.weight``) whose ``score`` gives a value per position, seeded apart, with AdamW; it
   computes the values on its layout, then trains;
-- ``ref.infer``: the frozen initial actor.
+- ``ref.infer``: the frozen initial actor;
+- ``reward.infer``: the frozen reward model (``reward_model.py``: a value-head Llama fitted to the
+  task's score on labelled samples before the run, ``--reward-model FILE``, fitted by rank 0
+  and saved there if the file is missing); a sequence's score is its value at the last position.
 
 Each stage's outputs reach the others through ``stage_data.assemble`` (every replica's rows, put
-together on every rank), so the rewards (the task's score on the last response token, minus
-``beta`` times the per-token KL estimate ``logp - logp_ref``), GAE (``gamma``, ``lam``) and the
+together on every rank), so the rewards (the reward model's score on the last response token
+(``--reward task``: the task's own score), minus ``beta`` times the per-token KL estimate
+``logp - logp_ref``), GAE (``gamma``, ``lam``) and the
 advantages (whitened over the step's tokens) are the same on every rank whatever the layouts.
-Then ``--epochs`` clipped PPO updates of each actor replica on its rows and value updates
+The step's ``reward`` is the task's score, whatever PPO maximises; ``rm_score`` is the reward
+model's. Then ``--epochs`` clipped PPO updates of each actor replica on its rows and value updates
 (0.5 (V - R)^2) of each critic replica on its rows; gradients averaged over each model's DP.
 
 ``--engine vllm`` samples with vLLM engines instead: the model-stage ``actor.generate`` of the
@@ -39,6 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_tiny as g  # noqa: E402  (the task, the sampling, the IR job)
+import reward_model as rm  # noqa: E402
 
 from nereus.integrations.llama_adapter import JobAdapter  # noqa: E402
 from nereus.integrations.stage_data import rows  # noqa: E402
@@ -46,6 +53,7 @@ from nereus.runtime.launch import init_from_env  # noqa: E402
 
 MS = g.MS
 CRITIC = "critic.train"
+REWARD = "reward.infer"
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -67,6 +75,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--ref-dp",
         "--critic-tp",
         "--critic-dp",
+        "--reward-tp",
+        "--reward-dp",
         "--gen-tp",
         "--gen-dp",
         "--zero",
@@ -80,6 +90,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--decision-log", default=None)
+    p.add_argument(
+        "--reward",
+        choices=("model", "task"),
+        default="model",
+        help="what PPO maximises: the reward model's score (reward.infer) or the task's own (no reward model)",
+    )
+    p.add_argument(
+        "--reward-model",
+        default="reward_model.pt",
+        help="the reward model's weights (fitted and saved by rank 0 if missing: reward_model.py)",
+    )
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument(
         "--engine",
@@ -143,13 +164,19 @@ def value_loss(plen: int):
     return loss
 
 
-def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, float | None, torch.Tensor]:
+def ppo_step(
+    lives, seqs, plen, score, mask, args, ctl
+) -> tuple[float | None, float | None, torch.Tensor, torch.Tensor]:
     """``args.epochs`` PPO updates; the actor's and the critic's losses (DP means; None on a rank
-    that holds no replica of that model) and the sampling policy's log-probabilities (the actor's
-    before its update). The updates are ``hf_llama.optimize`` (DDP, and a 1F1B
-    schedule under PP); under PP a micro-batch's loss is the mean over its own tokens."""
+    that holds no replica of that model), the sampling policy's log-probabilities (the actor's
+    before its update) and the sequences' scores PPO maximised (the reward model's, or ``score``
+    without one). The updates are ``hf_llama.optimize`` (DDP or FSDP2, and a 1F1B schedule under
+    PP); under PP a micro-batch's loss is the mean over its own tokens."""
     actor, critic, ref = lives[MS], lives[CRITIC], lives[g.REF]
     with torch.no_grad():
+        if REWARD in lives:
+            with ctl.stage(REWARD):  # the value at the last position, on the reward model's layout
+                score = g.scored(lives[REWARD], seqs, plen, ctl.group, lambda out, s: out.squeeze(-1)[:, plen:])[:, -1]
         with ctl.stage(MS):  # the sampling policy's log-probabilities, on the actor's layout
             old = g.scored(actor, seqs, plen, ctl.group, lambda out, s: g.logp_of(out, s, plen))
         with ctl.stage(g.REF):
@@ -177,16 +204,23 @@ def ppo_step(lives, seqs, plen, score, mask, args, ctl) -> tuple[float | None, f
         with ctl.stage(CRITIC):
             for _ in range(args.epochs):
                 vloss = g.optimize(critic, seqs[mine], target, value_loss(plen))
-    return loss, vloss, old
+    return loss, vloss, old, score
 
 
 def job(args, world: int, cluster=None):
-    """``grpo_tiny.job`` with the critic: a value-head model of the actor's config, trained."""
+    """``grpo_tiny.job`` with the critic (a value-head model of the actor's config, trained) and,
+    with ``--reward model``, the reward model (``reward_model.py``'s value head, frozen)."""
     cfg = g.config(args.engine)
     critic = g.ir_model(cfg, "critic", trained=True, head="value")
     tp = args.tp if args.critic_tp is None else args.critic_tp
     dp = args.dp if args.critic_dp is None else args.critic_dp
-    cfg, m = g.job(args, world, extra=((critic, g.layout(critic, tp=tp, dp=dp, pp=args.pp)),), cluster=cluster)
+    extra = [(critic, g.layout(critic, tp=tp, dp=dp, pp=args.pp))]
+    if args.reward == "model":
+        reward = g.ir_model(g.config(), "reward", trained=False, head="value")
+        tp = args.tp if args.reward_tp is None else args.reward_tp
+        dp = args.dp if args.reward_dp is None else args.reward_dp
+        extra.append((reward, g.layout(reward, tp=tp, dp=dp, stage="infer")))
+    cfg, m = g.job(args, world, extra=tuple(extra), cluster=cluster)
     m.workloads["job"].ppo_epochs = args.epochs  # the updates each batch gets, as the cost model counts them
     return cfg, m
 
@@ -206,6 +240,15 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         timeout=args.timeout,
         head="value",
     )
+    if args.reward == "model":
+        lives[REWARD] = g.build(
+            g.config(),
+            module.plans["a"].layouts[REWARD],
+            weights=rm.load_or_train(args.reward_model, g.config(), digits=args.digits, alphabet=args.alphabet),
+            timeout=args.timeout,
+            trained=False,
+            head="value",
+        )
     engines = g.start_engines(cfg, module, args)
     adapter = adapter_cls(lives, module, "a", seed=args.seed, engines=engines)
     ctl, timed = g.controller(module, adapter, args, faults)
@@ -219,7 +262,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         t0 = time.perf_counter()
         with ctl.step():
             seqs, reward, mask, engine_logp = g.rollout(lives[MS], step, args, ctl, timed, engines)
-            loss, vloss, old = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
+            loss, vloss, old, maximised = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
             if step == args.leave_step and rank == leaver:
                 ctl.leave()
         dec = ctl.last
@@ -228,6 +271,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             "plan": f"@{dec.source} {g.shape(lives[MS].layout)}",
             "layouts": g.shapes(lives),
             "reward": float(reward.mean()),
+            "rm_score": float(maximised.mean()) if args.reward == "model" else None,
             "loss": loss,
             "value_loss": vloss,
             "decision": dec.action,
@@ -244,7 +288,8 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             fmt = lambda x: "-" if x is None else f"{x:+.4f}"  # noqa: E731
             print(
                 f"step {step:3d}  plan @{dec.source} ({row['layouts']})  reward {row['reward']:.3f}  "
-                f"loss {fmt(loss)}  value loss {fmt(vloss)}  decision {dec.action}"
+                + (f"rm {row['rm_score']:.3f}  " if row["rm_score"] is not None else "")
+                + f"loss {fmt(loss)}  value loss {fmt(vloss)}  decision {dec.action}"
                 f"{' (forced)' if dec.forced else ''}{' -> @' + dec.target if dec.action == 'transition' else ''}"
                 f"  {row['seconds']:.2f} s" + (g.engine_text(row, history) if "engines" in row else ""),
                 flush=True,

@@ -549,19 +549,39 @@ def layout_text(lay) -> str:
     return text
 
 
-def layout_changes(a: Plan, b: Plan) -> dict[str, dict[str, str]]:
-    """The model-stages whose layout differs between plans ``a`` and ``b``: before and after each."""
-    return {
-        ms: {"before": layout_text(a.layouts[ms]) if ms in a.layouts else "-", "after": layout_text(lay)}
-        for ms, lay in sorted(b.layouts.items())
-        if ms not in a.layouts or not same_layout(a.layouts[ms], lay)
-    }
+SAME_KEYS = (
+    "tp", "pp", "dp", "cp", "zero", "layers", "mesh", "micro_batches", "recompute", "sp", "vpp", "fp8", "grad_dtype",
+    "offload",
+)  # fmt: skip
+
+
+def layout_changes(a: Plan, b: Plan) -> dict[str, dict]:
+    """The model-stages whose layout differs between plans ``a`` and ``b``: before and after each
+    (where the two read the same in a few words, ``also``: the other attributes that differ,
+    ``{"micro_batches": [4, 2]}``)."""
+    out: dict[str, dict] = {}
+    for ms, lay in sorted(b.layouts.items()):
+        if ms in a.layouts and same_layout(a.layouts[ms], lay):
+            continue
+        change: dict = {"before": layout_text(a.layouts[ms]) if ms in a.layouts else "-", "after": layout_text(lay)}
+        if change["before"] == change["after"]:
+            old = a.layouts[ms]
+            change["also"] = {
+                k: [_plain(getattr(old, k)), _plain(getattr(lay, k))]
+                for k in SAME_KEYS
+                if getattr(old, k) != getattr(lay, k)
+            }
+        out[ms] = change
+    return out
+
+
+def _plain(v):
+    return [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, (list, tuple)) else v
 
 
 def same_layout(x, y) -> bool:
     """Two layouts that run the same way on the same GPUs (their estimates aside)."""
-    keys = ("tp", "pp", "dp", "cp", "zero", "layers", "mesh", "micro_batches", "recompute", "sp", "vpp", "fp8")
-    return all(getattr(x, k) == getattr(y, k) for k in (*keys, "grad_dtype", "offload"))
+    return all(getattr(x, k) == getattr(y, k) for k in SAME_KEYS)
 
 
 def placement(b: Plan, usable: set[int], w) -> dict:

@@ -219,6 +219,7 @@ def build(
     timeout: float = 60.0,
     trained: bool = True,
     head: str = "lm",
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> LiveLlama:
     """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
@@ -229,6 +230,9 @@ def build(
     stage): no optimizer, no DDP (DP replicas share nothing at run time), parameters frozen.
     ``head = "value"``: ``LlamaForSequenceClassification`` with one label, whose ``score`` gives one
     value per position (the IR's ``score.weight``, replicated over TP).
+    ``weights``: the whole model's state dict (Hugging Face names, as ``state_dict()`` of the
+    unsharded model gives it; a trained reward model), loaded in place of the seeded initialisation
+    before the model is cut to this rank's box.
 
     Call ``state.check_layout`` first: this builds what it is asked and does not re-check.
     """
@@ -245,6 +249,8 @@ def build(
         model = LlamaForSequenceClassification(cfg).to(torch.float32)
     else:
         model = LlamaForCausalLM(cfg).to(torch.float32)
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
     model.train(trained)
     if not trained:
         model.requires_grad_(False)
@@ -254,7 +260,7 @@ def build(
     prune(model, lo, hi, first, last)
     if layout.tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan(lo, hi, first, last, head))
-    runner = LlamaStage(model, first, last)
+    runner = LlamaStage(model, first, last, recompute=trained and layout.recompute)
     fsdp = trained and layout.zero == 3 and layout.dp > 1
     if fsdp:  # ZeRO-3: FSDP2 on the dp sub-mesh, per decoder layer, then the stage (embedding, norm, head)
         for layer in model.model.layers.values():

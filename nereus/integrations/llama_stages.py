@@ -12,7 +12,10 @@ a layer range, as a ``torch.distributed.pipelining.PipelineStage`` needs it (one
 one tensor out): rotary position embeddings from the model's own ``rotary_emb`` and the causal
 mask Hugging Face's eager attention adds (0 on and below the diagonal, the dtype's minimum
 above). Every layout, one stage or many, runs this forward, so two layouts differ only in how
-their collectives sum.
+their collectives sum. ``recompute=True`` (the IR's ``recompute``) runs each decoder layer under
+``torch.utils.checkpoint`` (non-reentrant): its activations are dropped after the forward and
+recomputed in the backward, the same values, as Megatron's full recompute and torchtitan's
+per-layer activation checkpointing.
 
 ``tp_plan(lo, hi, first, last)`` is ``parallelize_module``'s plan for the modules a stage holds:
 q/k/v and gate/up ``ColwiseParallel``; o/down ``RowwiseParallel``; the embedding vocabulary-
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaForCausalLM
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -72,9 +76,9 @@ def causal_mask(rows: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
 class LlamaStage(nn.Module):
     """The forward of a pruned ``LlamaForCausalLM`` (``prune``): ids or hidden in, hidden or logits out."""
 
-    def __init__(self, hf: LlamaForCausalLM, first: bool, last: bool):
+    def __init__(self, hf: LlamaForCausalLM, first: bool, last: bool, recompute: bool = False):
         super().__init__()
-        self.hf, self.first, self.last = hf, first, last
+        self.hf, self.first, self.last, self.recompute = hf, first, last, recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.hf.model
@@ -84,7 +88,17 @@ class LlamaStage(nn.Module):
         rotary = m.rotary_emb(h, positions)
         mask = causal_mask(rows, seq, h.dtype)
         for layer in m.layers.values():
-            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            if self.recompute and torch.is_grad_enabled():
+                h = checkpoint(
+                    layer,
+                    h,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    position_embeddings=rotary,
+                    use_reentrant=False,
+                )
+            else:
+                h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
             if isinstance(h, tuple):
                 h = h[0]
         if self.last:

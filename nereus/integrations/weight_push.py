@@ -17,6 +17,12 @@ once: the layouts do not change between steps, so every push runs the same progr
 (``execute``), with this rank's live parameters (views, never written) as plan A's state.
 What comes out on an engine rank is every tensor whole, named as Hugging Face names them, for
 the engine's own load step (``VllmEngine.load``).
+
+From an FSDP2 trainer (``zero = 3``: the weights sharded over DP), each DP group first gathers
+its weights back to their TP shards (``DTensor.redistribute`` of the DP placement to
+``Replicate``: torch's all-gather, ``_StridedShard`` included), which is ``@held`` with
+``zero = 0``; the push program then runs from there. The gather moves ``(dp - 1) / dp`` of the
+weights into every trainer rank, engine or not (verl's FSDP -> vLLM sync gathers the same way).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from ..backend.shards import StateKey, plan_layout
 from ..ir import Layout, Model, Module
@@ -45,6 +52,17 @@ def hf_name(name: str) -> str:
 
 def _key(lay: Layout) -> tuple:
     return lay.tp, lay.pp, lay.dp, lay.cp, lay.zero, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
+
+
+def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter (a DTensor over a mesh with a ``dp`` dimension) as the local tensor it
+    is with its DP placement made ``Replicate``: the TP shard whole (the whole tensor without TP).
+    A collective over the DP group."""
+    if not isinstance(p, DTensor) or "dp" not in (p.device_mesh.mesh_dim_names or ()):
+        return p.detach()
+    placements = list(p.placements)
+    placements[p.device_mesh.mesh_dim_names.index("dp")] = Replicate()
+    return p.detach().redistribute(p.device_mesh, placements).to_local()
 
 
 @dataclass
@@ -79,11 +97,11 @@ class WeightPush:
         self.group = group  # the process group the push runs in (None: the default group), its
         self.members = members  # ranks in the default group (the GPUs of its ranks, in order)
         self.held_key = _key(held)
-        if held.zero and held.dp > 1:
+        if held.zero in (1, 2) and held.dp > 1:
             raise ValueError(
-                f"{held.model_stage}: zero = {held.zero}: a push from a ZeRO-sharded (FSDP2) trainer is not built; "
-                "the engines' job keeps its trainer on DDP (max_zero = 0)"
+                f"{held.model_stage}: zero = {held.zero}: the live trainer's ZeRO is FSDP2 (zero = 3) or none"
             )
+        self.gather_dp = held.zero == 3 and held.dp > 1  # FSDP2: gathered over DP first (``state_of``)
         stage = f"{model.name}.generate"
         held = Layout(
             model_stage=stage,
@@ -113,11 +131,25 @@ class WeightPush:
         return int(self.module.transitions["push"].bytes_moved or 0)
 
     def state_of(self, live: LiveLlama) -> dict[StateKey, torch.Tensor]:
-        """This rank's weight shards under ``@held`` (views of the live parameters), checked box by box."""
+        """This rank's weight shards under ``@held`` (views of the live parameters; under FSDP2
+        the TP shards gathered over DP), checked box by box."""
         if live.model is None:
             return {}
+        specs = self.held_specs.get(dist.get_rank(), [])
         params = live.params()
-        return {s.key: live_tensor(live, params, s) for s in self.held_specs.get(dist.get_rank(), [])}
+        if not self.gather_dp:
+            return {s.key: live_tensor(live, params, s) for s in specs}
+        out = {}
+        with torch.no_grad():
+            for s in specs:
+                t = gathered_over_dp(params[s.key.tensor])
+                if tuple(t.shape) != tuple(hi - lo for lo, hi in s.box):
+                    raise ValueError(
+                        f"{s.key}: gathered over DP the live tensor is {tuple(t.shape)}; "
+                        f"the plan says {s.box} of {s.shape}"
+                    )
+                out[s.key] = t
+        return out
 
     def push(self, live: LiveLlama, faults: tuple = (), timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Run the push on this rank (every rank calls it); on an engine rank, every weight whole,

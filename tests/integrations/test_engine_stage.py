@@ -83,3 +83,20 @@ def test_the_trainers_part_of_a_move_leaves_the_engines_out():
     # the whole job's program also fills the engines' shards, which the engines refill themselves
     assert {s.key.model_stage for specs in full.dst.values() for s in specs} == {"actor.train", "actor.generate"}
     assert set(m.plans["a"].layouts) == {"actor.train", "actor.generate"}  # the job itself is untouched
+
+
+def test_an_engines_gpus_in_another_order_are_the_same_engine():
+    """vLLM cuts each TP rank's shard from the whole weights the push delivers, so the IR's order
+    inside an engine's TP group is not the engine's: ``[1, 0]`` is the engine on ranks 0 and 1,
+    accepted, and a move to it restarts nothing, while a move to TP 2 on ranks 2 and 3 does."""
+    from nereus.passes.transition.admit import fixed_costs
+
+    check_engine_layout(job(lambda a: layout(a, tp=2, dp=1, mesh=[1, 0], stage="generate")), "a", "actor.generate", 4)
+    actor = ir_model(CFG, "actor")
+    train = layout(actor, tp=2, dp=2)
+    gens = {"a": [0, 1, 2, 3], "same": [1, 0, 3, 2], "fewer": [3, 2], "other": [0, 2, 1, 3]}
+    m = rl_job(
+        [actor], {p: [train, layout(actor, tp=2, dp=len(g) // 2, mesh=g, stage="generate")] for p, g in gens.items()}, 4
+    )
+    restart = {p: fixed_costs(m, m.plans["a"], m.plans[p], 0.0, 30.0)[1] for p in gens}
+    assert restart == {"a": 0.0, "same": 0.0, "fewer": 0.0, "other": 30.0}

@@ -96,14 +96,15 @@ def fixed_costs(m: Module, a, b, pg_init: float, engine_restart: float, placemen
 
 def _new_engines(a, b, placement: bool) -> bool:
     """Whether generation layout ``b`` needs an engine that ``a`` does not run: an engine is one
-    TP x PP group of GPUs, so replicas added on new GPUs or dropped cost no restart of the others,
-    while another TP, PP or layer split restarts them all."""
+    TP x PP group of GPUs (a set: the engine's TP ranks cut their shards from whole weights), so
+    replicas added on new GPUs or dropped, or an engine's GPUs listed in another order, cost no
+    restart, while another TP, PP or layer split restarts them all."""
     if a is None or (a.tp, a.pp, a.cp, a.layers) != (b.tp, b.pp, b.cp, b.layers):
         return True
     if not placement:
         return False
-    size = a.tp * a.pp * a.cp
-    engines = lambda lay: {tuple(lay.mesh[i : i + size]) for i in range(0, len(lay.mesh), size)}  # noqa: E731
+    size = a.tp * a.pp * a.cp  # an engine is a set of GPUs: it cuts its own shards from the weights pushed
+    engines = lambda lay: {frozenset(lay.mesh[i : i + size]) for i in range(0, len(lay.mesh), size)}  # noqa: E731
     return not engines(b) <= engines(a)
 
 
