@@ -6,7 +6,8 @@ by the priors and by a calibration fitted to the job's other layouts.
     python benchmarks/live_calibration.py --save m.json; ... --load m.json   # measure once, evaluate again
 
 For each example (``examples/grpo_tiny.py``: ``actor.train`` and ``ref.infer``;
-``examples/ppo_tiny.py``: ``actor.train``, ``critic.train`` and ``ref.infer``) and each layout
+``examples/ppo_tiny.py``: ``actor.train``, ``critic.train``, ``ref.infer`` and ``reward.infer``,
+its reward model fitted once first, ``reward_model.py``) and each layout
 of its models on 4 gloo processes of this machine, the example runs with ``--stay`` (the
 Controller measures, never moves). What the Controller measured per model-stage (its slowest
 rank's seconds; the first step is warm-up and dropped) is the truth. The IR job of every layout
@@ -129,10 +130,28 @@ def run_example(rank: int, world: int, name: str, argv: list[str]) -> dict:
     return _example(name).main(argv)
 
 
+def reward_model_file() -> str:
+    """``ppo_tiny``'s reward model, fitted once per run of the bench into a temporary file."""
+    global _REWARD_MODEL
+    if _REWARD_MODEL is None:
+        import tempfile
+
+        rm, g = _example("reward_model"), _example("grpo_tiny")
+        state, _ = rm.train(g.config(), digits=3, alphabet=4)
+        _REWARD_MODEL = str(Path(tempfile.mkdtemp(prefix="nereus-rm-")) / "reward_model.pt")
+        torch.save(state, _REWARD_MODEL)
+    return _REWARD_MODEL
+
+
+_REWARD_MODEL: str | None = None
+
+
 def measure(name: str, flags: list[str], steps: int) -> dict:
     """The example under one layout: per model-stage, the median seconds of steps 1.. (slowest
     rank, as the Controller records them), and the mean response length."""
     argv = [*flags, "--steps", str(steps), "--leave-step", "-1", "--stay", "--quiet", "--planned-response", "4"]
+    if name == "ppo_tiny":
+        argv += ["--reward-model", reward_model_file()]
     (first, *_) = run_local(run_example, 4, name, argv, timeout=600)
     rows = first["history"][1:]
     stages = {ms: statistics.median(r["stages"][ms] for r in rows) for ms in rows[0]["stages"]}

@@ -34,8 +34,9 @@ transitions on both live models at once. Two moves happen mid-run:
 - forced: at ``--leave-step`` rank ``--leave-rank`` calls ``ctl.leave()``; the next decision
   moves the job to the ranks that remain; the leaving rank hands its state over and ends its loop.
 
-(After the job shrank the controller refuses further transitions until the default group is
-re-created: docs/embedding.md.) ``main`` is what the test runs on 4 gloo processes.
+``--leave-step 1,3`` makes two ranks leave, one after the other: after each shrink the
+Controller re-forms the default group over the ranks that remain (docs/embedding.md), so the job
+goes on moving. ``main`` is what the test runs on 4 gloo processes.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--zero", type=int, choices=(0, 3), default=0, help="the actor's ZeRO: 0 DDP, 3 FSDP2 (pp 1)")
     p.add_argument(
-        "--leave-step", type=int, default=3, help="step at which --leave-rank announces it leaves (-1: never)"
+        "--leave-step", type=ints, default=[3], help="steps at which a rank announces it leaves, e.g. 2,5 (-1: never)"
     )
-    p.add_argument("--leave-rank", type=int, default=-1, help="the leaving rank (-1: the last)")
+    p.add_argument(
+        "--leave-rank", type=ints, default=[-1], help="the rank that leaves at each of them (-1: the highest still in)"
+    )
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
@@ -128,6 +131,21 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--stay", action="store_true", help="never re-plan on drift (measure plan @a: calibration runs)")
     return p.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    """A comma-separated list of integers (``--leave-step 2,5``)."""
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def leaver(step: int, args, members: list[int]) -> int | None:
+    """The rank that announces it leaves at ``step`` (None: none does): ``--leave-rank``'s entry
+    for that step of ``--leave-step``, or the highest rank still in the job (``members``)."""
+    if step not in args.leave_step:
+        return None
+    i = args.leave_step.index(step)
+    rank = args.leave_rank[i] if i < len(args.leave_rank) else -1
+    return max(members) if rank < 0 else rank
 
 
 def prompts(step: int, n: int, digits: int, alphabet: int, seed: int) -> torch.Tensor:
@@ -412,7 +430,6 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     ctl, timed = controller(module, adapter, args, faults)
     if engines is not None:
         engines.push(adapter.lives[MS])
-    leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
     for step in range(args.steps):
@@ -445,7 +462,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
                         args.beta,
                         args.clip,
                     )
-            if step == args.leave_step and rank == leaver:
+            if rank == leaver(step, args, ctl.members):
                 ctl.leave()
         dec = ctl.last
         if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
@@ -485,6 +502,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         "plan": ctl.plan,
         "moves": getattr(adapter, "moves", None),
         "checks": getattr(adapter, "checks", None),
+        "regroup_checks": getattr(adapter, "regroup_checks", None),
     }
 
 

@@ -68,8 +68,6 @@ def parse(argv=None) -> argparse.Namespace:
         "--tp",
         "--dp",
         "--pp",
-        "--leave-step",
-        "--leave-rank",
         "--planned-response",
         "--ref-tp",
         "--ref-dp",
@@ -82,6 +80,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--zero",
     ):
         p.add_argument(a, type=int, default=None)
+    p.add_argument("--leave-step", type=g.ints, default=None, help="as grpo_tiny's: steps at which a rank leaves")
+    p.add_argument("--leave-rank", type=g.ints, default=None, help="as grpo_tiny's: the rank that leaves at each")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--critic-lr", type=float, default=3e-3)
     p.add_argument("--beta", type=float, default=0.02)
@@ -254,7 +254,6 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     ctl, timed = g.controller(module, adapter, args, faults)
     if engines is not None:
         engines.push(lives[MS])
-    leaver = world - 1 if args.leave_rank < 0 else args.leave_rank
     plen = args.digits + 2
     history = []
     for step in range(args.steps):
@@ -263,7 +262,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         with ctl.step():
             seqs, reward, mask, engine_logp = g.rollout(lives[MS], step, args, ctl, timed, engines)
             loss, vloss, old, maximised = ppo_step(lives, seqs, plen, reward, mask, args, ctl)
-            if step == args.leave_step and rank == leaver:
+            if rank == g.leaver(step, args, ctl.members):
                 ctl.leave()
         dec = ctl.last
         row = {
@@ -305,6 +304,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         "plan": ctl.plan,
         "moves": getattr(adapter, "moves", None),
         "checks": getattr(adapter, "checks", None),
+        "regroup_checks": getattr(adapter, "regroup_checks", None),
     }
 
 

@@ -26,10 +26,13 @@ plan B. A transition that fails rolls back: ``execute`` leaves plan A's state in
 survivor, the adapter is not touched, and the loop continues under plan A (the decision log says
 so) in a fresh group of the same ranks; the next transition needs the default group re-created
 (the executor's contract). Ranks that plan B does not use become inactive (``active`` is false: the loop should end
-there); the others go on in a process group of their own (gathers and the decision broadcast
-use it). A further transition after the job shrank needs the default process group re-created
-over the ranks that remain (as torchelastic restarts do); the controller says so instead of
-running it.
+there). Where the adapter can rebuild its models on another group (``regroupable`` and
+``regroup(module, plan, gpus)``: ``JobAdapter`` without engines), the remaining ranks re-form the
+default group over themselves (``runtime.regroup.reform``; after a failed transition, over the
+same ranks), the adapter rebuilds there, and the job goes on moving; GPU ids stay, GPU
+``gpus[r]`` being rank ``r``. Otherwise the others go on in a process group of their own
+(gathers and the decision broadcast use it) and a further transition needs the default group
+re-created; the controller says so instead of running it.
 
 The adapter is what knows the live model: ``export() -> LocalState`` (this rank's shards under
 the current plan, keyed as ``plan_layout`` names them) and ``load(module, plan, state)`` (rebuild
@@ -62,6 +65,7 @@ from ..control.decide import layout_changes
 from ..ir import DiagnosticError, Module, bare_name
 from ..ir.diagnostics import did_you_mean
 from ..runtime.execute import TransitionError, execute
+from ..runtime.regroup import reform
 from ..runtime.state import LocalState
 from .move import plan_move
 
@@ -122,8 +126,10 @@ class Controller:
         self._leaving = False
         self._console = None
         self.group = None  # None: the default group (all ranks); after a shrink, the ranks that remain
-        self.members = list(range(self.world))
+        self.members = list(range(self.world))  # GPU ids of the ranks in the job (self.rank: this one's)
         self.degraded = False  # a transition failed: the default group must be re-created before the next
+        self.gpus: list[int] | None = None  # after ``reform``: the GPU id of each rank of the default group
+        self.generation = 0  # re-formations of the default group so far
         self._predicted: tuple | None = (
             None  # plan B's predicted step and stage times, until a step under it is measured
         )
@@ -217,7 +223,7 @@ class Controller:
         leader = self.members[0]
         decision = self.core.replan() if self.rank == leader else None
         box = [decision]
-        dist.broadcast_object_list(box, src=leader, group=self.group)
+        dist.broadcast_object_list(box, src=self._rank_of(leader), group=self.group)
         if self.rank == leader:
             # the leader acts on a copy made as the others' is (unpickled), so that every rank
             # lowers the decision's module from equal objects
@@ -225,7 +231,7 @@ class Controller:
         decision = box[0]
         if self.rank != leader:
             self.core.follow(decision)
-        if decision.action == "transition" and (len(self.members) < self.world or self.degraded):
+        if decision.action == "transition" and (self.group is not None or self.degraded):
             decision.action = "stay"
             decision.message = (
                 "not applied: the default process group "
@@ -263,7 +269,7 @@ class Controller:
         prog = (
             None
             if move is not None
-            else plan_move(m, decision.source, decision.target, decision.transition, self.world)
+            else plan_move(m, decision.source, decision.target, decision.transition, self.world, gpus=self.gpus)
         )
         t1 = time.perf_counter()
         try:
@@ -288,9 +294,13 @@ class Controller:
         except TransitionError as e:
             decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
             # a group that saw a failure may hold half-finished messages: the controller goes on
-            # in a fresh group (created through the store, not the broken connections)
-            self.group = dist.new_group(self.members, timeout=datetime.timedelta(seconds=self.timeout))
-            self.degraded = True
+            # in a fresh group (created through the store, not the broken connections); where the
+            # adapter can rebuild its models there, the default group itself is re-formed
+            if self._can_regroup():
+                self._regroup(self.members, m, decision.source, decision)
+            else:
+                self.group = dist.new_group(self.members, timeout=datetime.timedelta(seconds=self.timeout))
+                self.degraded = True
             decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
             self._log(decision, changes)
             return decision
@@ -301,8 +311,14 @@ class Controller:
                 self.adapter.load(m, decision.target, new)
         else:
             self.active = False
-        remaining = sorted(r for r in range(self.world) if r in used)
-        if remaining != self.members:  # every rank creates the group, in the same order
+        remaining = sorted(g for g in self.members if g in used)
+        if remaining != self.members and self._can_regroup():
+            # the default group re-formed over the ranks that remain (the others end their loop):
+            # the job goes on moving, as from the start
+            if self.rank in used:
+                self._regroup(remaining, m, decision.target, decision)
+            self.members = remaining
+        elif remaining != self.members:  # every rank creates the group, in the same order
             group = dist.new_group(remaining, timeout=datetime.timedelta(seconds=self.timeout))
             self.group, self.members = (group if self.rank in used else None), remaining
         t3 = time.perf_counter()
@@ -314,6 +330,24 @@ class Controller:
         lays = self.module.plans[self.plan].layouts
         self._predicted = (decision.numbers.get("step_time_new"), {ms: lay.time for ms, lay in lays.items()})
         return decision
+
+    def _rank_of(self, gpu: int) -> int:
+        """The rank of GPU ``gpu`` in the default group (after ``reform``, its place in ``gpus``)."""
+        return gpu if self.gpus is None else self.gpus.index(gpu)
+
+    def _can_regroup(self) -> bool:
+        return bool(getattr(self.adapter, "regroupable", False)) and hasattr(self.adapter, "regroup")
+
+    def _regroup(self, gpus: list[int], m: Module, plan: str, decision: Decision) -> None:
+        """Re-form the default group over ``gpus`` (``runtime.regroup.reform``; every one of them
+        calls this) and have the adapter rebuild its models there under ``plan``."""
+        t0 = time.perf_counter()
+        reform(gpus, self.rank, self.generation, timeout=self.timeout)
+        self.generation += 1
+        self.gpus, self.group, self.degraded = list(gpus), None, False
+        self.adapter.regroup(m, plan, self.gpus)
+        decision.numbers["regroup_s"] = round(time.perf_counter() - t0, 4)
+        decision.numbers["regroup_gpus"] = list(gpus)
 
     def _log_outcome(self, record: StepRecord) -> None:
         """The step time the decision predicted for plan B beside the first step measured under

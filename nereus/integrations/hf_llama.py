@@ -150,6 +150,7 @@ class LiveLlama:
     schedules: dict = field(default_factory=dict)  # (train, input shape) -> pipeline schedule
     loss_fn: object = None  # the loss of the running optimize step (the 1F1B schedule calls it)
     head: str = "lm"  # lm: logits over the vocabulary; value: one scalar per position
+    gpu: int = -1  # this process's GPU id in the plans (its rank unless the group was re-formed: ``gpus``)
 
     @property
     def out_features(self) -> int:
@@ -177,21 +178,24 @@ class LiveLlama:
         return dict(self.named)
 
 
-def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
+def private_mesh(layout: Layout, timeout: float, gpus: list[int] | None = None) -> DeviceMesh | None:
     """The layout's mesh, dims ``(dp, pp, tp)`` as ``nereus.runtime.dtensor.device_mesh``, over
     process groups of its own (``new_group`` per slice of every dim, created through the store):
     never the default group, which ``DeviceMesh`` reuses for a dim that spans the world. A
     failed transition can leave the default group's connections closed (a timed-out receive
     closes its pair on gloo); the live model's TP, PP and DP collectives must not depend on them.
 
-    Every rank of the default group calls it; None on ranks off the layout.
+    Every rank of the default group calls it; None on ranks off the layout. ``gpus``: the GPU id
+    of each rank of the default group (``gpus[r]``; None: rank r is GPU r), as after
+    ``runtime.regroup.reform``.
     """
     if layout.cp > 1:
         raise ValueError(
             f"{layout.model_stage}: cp = {layout.cp}, but the live Llama stages do not run ring attention; "
             "context-parallel layouts are costed and resharded, not trained here"
         )
-    ranks = torch.tensor(layout.mesh, dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
+    rank_of = (lambda g: g) if gpus is None else gpus.index  # noqa: E731
+    ranks = torch.tensor([rank_of(g) for g in layout.mesh], dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
     me = dist.get_rank()
     bound = datetime.timedelta(seconds=timeout)
     groups = []
@@ -202,7 +206,7 @@ def private_mesh(layout: Layout, timeout: float) -> DeviceMesh | None:
             if me in members:
                 mine = g
         groups.append(mine)
-    if me not in layout.mesh:
+    if me not in ranks.flatten().tolist():
         return None
     return DeviceMesh.from_group(groups, "cpu", ranks, mesh_dim_names=MESH_DIMS)
 
@@ -220,6 +224,7 @@ def build(
     trained: bool = True,
     head: str = "lm",
     weights: dict[str, torch.Tensor] | None = None,
+    gpus: list[int] | None = None,
 ) -> LiveLlama:
     """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
@@ -232,14 +237,16 @@ def build(
     value per position (the IR's ``score.weight``, replicated over TP).
     ``weights``: the whole model's state dict (Hugging Face names, as ``state_dict()`` of the
     unsharded model gives it; a trained reward model), loaded in place of the seeded initialisation
-    before the model is cut to this rank's box.
+    before the model is cut to this rank's box. ``gpus``: the GPU id of each rank of the default
+    group (``private_mesh``; None: rank r is GPU r).
 
     Call ``state.check_layout`` first: this builds what it is asked and does not re-check.
     """
     adamw = dict(ADAMW if adamw is None else adamw)
-    mesh = private_mesh(layout, timeout)
+    mesh = private_mesh(layout, timeout, gpus)
+    gpu = dist.get_rank() if gpus is None else gpus[dist.get_rank()]
     if mesh is None:
-        return LiveLlama(config, layout, mesh, None, None, adamw, timeout, head=head)
+        return LiveLlama(config, layout, mesh, None, None, adamw, timeout, head=head, gpu=gpu)
     cfg = LlamaConfig.from_dict(config.to_dict())
     cfg._attn_implementation = "eager"
     cfg.use_cache = False
@@ -285,7 +292,9 @@ def build(
     if layout.dp > 1 and layout.tp > 1 and trained and not fsdp:
         stage_module.register_forward_pre_hook(_dtensors_from(model, named, placed, boxes, mesh["tp"]))
     if not trained:
-        return LiveLlama(config, layout, mesh, model, None, adamw, timeout, runner, boxes, placed, named, head=head)
+        return LiveLlama(
+            config, layout, mesh, model, None, adamw, timeout, runner, boxes, placed, named, head=head, gpu=gpu
+        )
     optimizer = torch.optim.AdamW(named.values(), foreach=False, **adamw)
     for p in named.values():
         optimizer.state[p] = {
@@ -293,7 +302,9 @@ def build(
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
-    return LiveLlama(config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named, head=head)
+    return LiveLlama(
+        config, layout, mesh, model, optimizer, adamw, timeout, runner, boxes, placed, named, head=head, gpu=gpu
+    )
 
 
 def _dtensors_from(model: LlamaForCausalLM, named: dict, placed: dict, boxes: dict, tp: DeviceMesh):

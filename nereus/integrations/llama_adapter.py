@@ -21,6 +21,8 @@ change on a move (``model`` is None on a rank that a model's plan-B layout does 
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..ir import Module, bare_name
 from .hf_llama import LiveLlama
 from .llama_reshard import reshard_job
@@ -33,6 +35,32 @@ class JobAdapter:
         self.engines = engines
         self.moves = 0
         self.restarts = 0
+        self.gpus: list[int] | None = None  # the GPU id of each rank of the default group (None: rank == GPU)
+        self.regroups = 0
+
+    @property
+    def regroupable(self) -> bool:
+        """Whether the Controller may re-form the default group under these models (``regroup``):
+        not with generation engines, whose vLLM groups were made over the job's first world."""
+        return self.engines is None
+
+    def regroup(self, module: Module, plan: str, gpus: list[int]) -> None:
+        """After ``runtime.regroup.reform`` over ``gpus`` (every rank of the new default group
+        calls it): every live model rebuilt under its same layout on the new group's ranks (the
+        old models' process groups went with the old default group), its state carried by the
+        transition from the plan to itself: every shard stays on its GPU, a local copy."""
+        self.gpus = list(gpus)
+        self.regroups += 1
+        own = dataclasses.replace(module, transitions=dict(module.transitions))  # the caller's module untouched
+        self.lives = reshard_job(
+            self.lives,
+            own,
+            plan,
+            plan,
+            transition=f"{bare_name(plan)}_regroup_{len(gpus)}",
+            seed=self.seed,
+            gpus=self.gpus,
+        )
 
     @property
     def engine_restart_s(self) -> float | None:
@@ -68,6 +96,7 @@ class JobAdapter:
             faults=faults,
             seed=self.seed,
             elsewhere=elsewhere,
+            gpus=self.gpus,
         )
         if self.engines is not None and self.engines.move(module, target):
             self.restarts += 1

@@ -58,6 +58,7 @@ def reshard_job(
     faults: tuple[Fault, ...] = (),
     seed: int = 0,
     elsewhere: frozenset[str] = frozenset(),
+    gpus: list[int] | None = None,
 ) -> dict[str, LiveLlama]:
     """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
     ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
@@ -66,7 +67,9 @@ def reshard_job(
     under plan A and are untouched on failure. ``faults`` are passed to ``execute`` (tests).
     ``elsewhere``: model-stages of the plans that another component moves (the generation
     engines, ``engine_stage``); the transition is then planned on the job without them
-    (``job.restrict``), so that no live model's shard comes from, or goes to, them."""
+    (``job.restrict``), so that no live model's shard comes from, or goes to, them. ``gpus``: the
+    GPU id of each rank of the default group (None: rank r is GPU r), as after
+    ``runtime.regroup.reform``; plan A's and plan B's GPUs are the plans' own."""
     for live in lives.values():
         same_model(live, module)
     problems = []
@@ -82,7 +85,9 @@ def reshard_job(
         raise ValueError(f"plan @{plan_b} has model-stages with no live model: {', '.join(missing)}")
     if elsewhere:
         module, transition = restrict(module, set(lives)), None
-    program = plan_move(module, plan_a, plan_b, transition)  # before building plan B: a bad plan raises first
+    program = plan_move(
+        module, plan_a, plan_b, transition, gpus=gpus
+    )  # before building plan B: a bad plan raises first
     targets = {
         ms: build(
             live.config,
@@ -92,6 +97,7 @@ def reshard_job(
             timeout=timeout,
             trained=module.models[live.layout.model].trained,
             head=live.head,
+            gpus=gpus,
         )
         for ms, live in lives.items()
     }

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from ..backend.shards import ShardSpec, StateKey, plan_layout
 from ..ir import Diagnostic, DiagnosticError, Module, bare_name
@@ -159,8 +158,7 @@ def layout_problems(model, kind: str, lay, where: str) -> list[Diagnostic]:
 
 
 def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
-    rank = dist.get_rank()
-    return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage == live.layout.model_stage]
+    return [s for s in plan_layout(module, plan).get(live.gpu, []) if s.key.model_stage == live.layout.model_stage]
 
 
 def live_tensor(live: LiveLlama, params: dict, spec: ShardSpec) -> torch.Tensor:

@@ -28,13 +28,36 @@ class CheckedAdapter(JobAdapter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.checks: list[dict] = []
+        self.regroup_checks: list[dict] = []
+
+    def gpu(self) -> int:
+        """This process's GPU id (its rank until the default group is re-formed)."""
+        rank = torch.distributed.get_rank()
+        return rank if self.gpus is None else self.gpus[rank]
+
+    def regroup(self, module, plan: str, gpus: list[int]) -> None:
+        """Every model's state under ``plan`` on this GPU before the default group was re-formed
+        against after: the same shards, bit for bit, and the same AdamW steps."""
+        before, steps = export_states(self.lives, module, plan)
+        before = {k: v.clone() for k, v in before.items()}
+        super().regroup(module, plan, gpus)
+        after, steps_after = export_states(self.lives, module, plan)
+        self.regroup_checks.append(
+            {
+                "gpus": list(gpus),
+                "keys": len(before),
+                "same_keys": set(before) == set(after),
+                "exact": all(torch.equal(before[k], after[k]) for k in before if k in after),
+                "steps": steps == steps_after,
+            }
+        )
 
     def specs(self, module, plan: str, rank: int) -> list:
         """This rank's shards of the live models under ``plan`` (not the engines')."""
         return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage in self.lives]
 
     def move(self, module, source, target, **kwargs) -> None:
-        rank = torch.distributed.get_rank()
+        rank = self.gpu()
         state_a, steps_a = export_states(self.lives, module, source)
         full = gather_full(state_a, self.specs(module, source, rank))
         try:

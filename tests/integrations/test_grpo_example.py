@@ -138,3 +138,37 @@ def test_grpo_with_the_actor_under_fsdp2_moves_out_of_it_exactly(tmp_path):
         for check in res["checks"]:
             assert all(m["exact"] and m["same_keys"] for m in check["models"].values() if m["in_b"]), check
         assert all(math.isfinite(h["loss"]) for h in res["history"] if h["loss"] is not None)
+
+
+@pytest.mark.slow
+def test_grpo_shrinks_twice_and_goes_on_moving(tmp_path):
+    """Ranks 3, then 2, announce they leave: 4 -> 3 -> 2 ranks in one run. After each shrink the
+    default group is re-formed over the ranks that remain (``runtime.regroup.reform``: the job's
+    store, the same processes) and every model is rebuilt there with its state in place, so the
+    next move runs like the first; every model bit-exact after every move and every re-formation."""
+    log = tmp_path / "decisions.jsonl"
+    argv = ["--steps", "5", "--leave-step", "1,3", "--decision-log", str(log), "--quiet", "--timeout", "30"]
+    results = run_local(w.run, 4, argv, timeout=240)
+    made, applied = decisions(log)
+    assert [(d["step"], d["applied"]) for d in applied] == [(0, "transition"), (1, "transition"), (3, "transition")]
+    assert [d["numbers"].get("regroup_gpus") for d in applied] == [None, [0, 1, 2], [0, 1]], applied
+    assert [d["forced"] for d in made if d["action"] == "transition"] == [False, True, True]
+    by_rank = {r["rank"]: r for r in results}
+    assert [by_rank[r]["active"] for r in range(4)] == [True, True, False, False]
+    assert [[h["step"] for h in by_rank[r]["history"]] for r in range(4)] == [
+        [0, 1, 2, 3, 4],
+        [0, 1, 2, 3, 4],
+        [0, 1, 2, 3],
+        [0, 1],
+    ]
+    assert [len(by_rank[r]["regroup_checks"]) for r in range(4)] == [2, 2, 1, 0]
+    for res in results:
+        for c in res["regroup_checks"]:
+            assert c["keys"] and c["same_keys"] and c["exact"] and c["steps"], c
+        assert len(res["checks"]) == {0: 3, 1: 3, 2: 3, 3: 2}[res["rank"]]  # a leaver hands its state over
+        for c in res["checks"]:
+            assert all(m["exact"] and m["same_keys"] for m in c["models"].values() if m["in_b"]), c
+        assert all(h["loss"] is None or math.isfinite(h["loss"]) for h in res["history"])
+    for step in range(5):  # every step trained the actor, one loss over DP
+        seen = {h["loss"] for r in results for h in r["history"] if h["step"] == step and h["loss"] is not None}
+        assert len(seen) == 1, (step, seen)

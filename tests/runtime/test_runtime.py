@@ -146,3 +146,17 @@ def test_a_transition_runs_in_the_group_of_the_ranks_that_remain():
         for key, (problems, _) in results[rank].items():
             assert problems == [], (rank, key, problems[:3])
     assert all(sum(results[r][key][1] for r in (0, 2, 3, 4)) > 0 for key in results[0])  # bytes crossed ranks
+
+
+def test_the_default_group_is_re_formed_over_the_ranks_that_remain_twice():
+    """4 -> 3 -> 2 ranks in the same processes: after each re-formation the survivors are ranks
+    0.. of a default group of their number (GPU ids kept in order), its collectives sum over
+    them alone, and a new subgroup can be made without the ranks that left."""
+    out = {r["rank"]: r["after"] for r in run_local(w.shrink_twice, 4, timeout=120)}
+    # (new rank, world, the sum of the GPU ids that remain, the pair's sum)
+    assert out == {
+        0: [(0, 3, 3.0, 2.0), (0, 2, 1.0, 2.0)],
+        1: [(1, 3, 3.0, 2.0), (1, 2, 1.0, 2.0)],
+        2: [(2, 3, 3.0, 1.0)],
+        3: [],
+    }

@@ -172,3 +172,32 @@ def run_in_group(rank: int, world: int, cases: list[str], gone: int) -> dict:
             new = execute(prog, synthetic_state(prog.src.get(me, [])), timeout=30, group=group)
             out[(case, mode)] = (check(prog, me, new), prog.sent_bytes(me))
     return out
+
+
+def shrink_twice(rank: int, world: int) -> dict:
+    """Ranks 3, then 2, leave; the others re-form the default group each time
+    (``regroup.reform``) and run an all-reduce over it and a new subgroup of its ranks 0 and 1."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from nereus.runtime.launch import init_from_env
+    from nereus.runtime.regroup import reform
+
+    init_from_env(timeout=30)
+    out: dict = {"rank": rank, "after": []}
+    gpus = list(range(world))
+    for generation, leaver in enumerate((3, 2)):
+        if rank == leaver:
+            return out
+        gpus = [g for g in gpus if g != leaver]
+        new = reform(gpus, rank, generation, timeout=20)
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+        ones = torch.ones(1)
+        if dist.get_rank() in (0, 1):
+            dist.all_reduce(ones, group=pair)
+        out["after"].append((new, dist.get_world_size(), float(total), float(ones)))
+    return out
