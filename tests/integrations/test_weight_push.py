@@ -14,7 +14,7 @@ from . import push_workers as w  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,engines", [(1, [0, 2]), (2, [1, 2, 3])])
+@pytest.mark.parametrize("tp,engines", [(2, [1, 2, 3])])
 def test_a_push_from_an_fsdp2_trainer_delivers_every_weight_whole_and_exact(tp, engines):
     results = run_local(w.push_from_fsdp, 4, tp, engines, timeout=180)
     for res in results:
@@ -22,8 +22,8 @@ def test_a_push_from_an_fsdp2_trainer_delivers_every_weight_whole_and_exact(tp, 
         for push in res["pushes"]:
             if res["rank"] in engines:
                 assert push["names"] and push["exact"], (res["rank"], push)
-                # without TP the gather over DP already left every weight whole on every rank
-                assert (push["received"] == 0) == (tp == 1) and push["received"] < res["full_bytes"], push
+                # the gather over DP left every TP shard whole: the push brings the other TP ranks' shards
+                assert 0 < push["received"] < res["full_bytes"], push
             else:
                 assert push["names"] is None and push["received"] == 0
 
