@@ -42,7 +42,7 @@ def samples(n: int, digits: int, alphabet: int, vocab: int, gen: torch.Generator
 
 
 def train(
-    cfg: LlamaConfig, *, digits: int, alphabet: int, steps: int = 600, rows: int = 128, lr: float = 1e-3, seed: int = 0
+    cfg: LlamaConfig, *, digits: int, alphabet: int, steps: int = 300, rows: int = 128, lr: float = 1e-3, seed: int = 0
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The fitted model's state dict (Hugging Face names) and its held-out fit:
     ``{"r2", "mae", "seconds", "steps"}`` on 1,024 samples it never trained on."""
@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="reward_model.pt")
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--alphabet", type=int, default=4)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     state, fit = train(g.config(), digits=args.digits, alphabet=args.alphabet, steps=args.steps, seed=args.seed)
