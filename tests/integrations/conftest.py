@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def reward_model(tmp_path_factory) -> tuple[Path, dict]:
     import grpo_tiny
     import reward_model as rm
 
-    root = tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-N/popen-gwK: pytest-N is this run's, shared by its workers
+        root = root.parent
     path, fit_file = root / "reward_model.pt", root / "reward_model.fit.json"
     with FileLock(str(root / "reward_model.lock")):
         if not fit_file.exists():
