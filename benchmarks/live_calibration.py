@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,20 +132,14 @@ def run_example(rank: int, world: int, name: str, argv: list[str]) -> dict:
     return _example(name).main(argv)
 
 
+@functools.cache
 def reward_model_file() -> str:
     """``ppo_tiny``'s reward model, fitted once per run of the bench into a temporary file."""
-    global _REWARD_MODEL
-    if _REWARD_MODEL is None:
-        import tempfile
-
-        rm, g = _example("reward_model"), _example("grpo_tiny")
-        state, _ = rm.train(g.config(), digits=3, alphabet=4)
-        _REWARD_MODEL = str(Path(tempfile.mkdtemp(prefix="nereus-rm-")) / "reward_model.pt")
-        torch.save(state, _REWARD_MODEL)
-    return _REWARD_MODEL
-
-
-_REWARD_MODEL: str | None = None
+    rm, g = _example("reward_model"), _example("grpo_tiny")
+    state, _ = rm.train(g.config(), digits=3, alphabet=4)
+    path = str(Path(tempfile.mkdtemp(prefix="nereus-rm-")) / "reward_model.pt")
+    torch.save(state, path)
+    return path
 
 
 def measure(name: str, flags: list[str], steps: int) -> dict:
