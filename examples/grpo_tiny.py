@@ -36,7 +36,11 @@ transitions on both live models at once. Two moves happen mid-run:
 
 ``--leave-step 1,3`` makes two ranks leave, one after the other: after each shrink the
 Controller re-forms the default group over the ranks that remain (docs/embedding.md), so the job
-goes on moving. ``main`` is what the test runs on 4 gloo processes.
+goes on moving. ``--kill-step 2 --kill-rank 3`` kills rank 3 with SIGKILL in the middle of step
+2 (after its rollout, before the update): the others' next collective breaks, they agree who is
+alive through the job's store, re-form the default group over themselves, move the state to a
+plan on the survivors (the dead rank's shards from their DP replicas) and run step 2 again
+(``ctl.redo``). ``main`` is what the test runs on 4 gloo processes.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import sys
 import time
 
@@ -114,9 +120,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--leave-rank", type=ints, default=[-1], help="the rank that leaves at each of them (-1: the highest still in)"
     )
+    p.add_argument(
+        "--kill-step",
+        type=int,
+        default=-1,
+        help="the step in which --kill-rank dies by SIGKILL, unannounced (-1: never)",
+    )
+    p.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-step kills (-1: the highest still in)")
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=60.0,
+        help="the default group's timeout: the longest a rank waits in a step's collective (on a rank that died too)",
+    )
     p.add_argument(
         "--engine",
         choices=("hf", "vllm"),
@@ -146,6 +165,19 @@ def leaver(step: int, args, members: list[int]) -> int | None:
     i = args.leave_step.index(step)
     rank = args.leave_rank[i] if i < len(args.leave_rank) else -1
     return max(members) if rank < 0 else rank
+
+
+def killed(step: int, args, members: list[int]) -> int | None:
+    """The rank that ``--kill-step`` kills in ``step`` (None: none)."""
+    if step != args.kill_step:
+        return None
+    return max(members) if args.kill_rank < 0 else args.kill_rank
+
+
+def die() -> None:
+    """This process ends as a lost node's would: SIGKILL, no cleanup, no message to anyone."""
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def prompts(step: int, n: int, digits: int, alphabet: int, seed: int) -> torch.Tensor:
@@ -368,6 +400,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         show=not args.quiet,
         faults=faults,
         keep=live_keep(module),
+        detect_timeout=args.pg_timeout,
     )
     stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
     return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
@@ -421,7 +454,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
     args = parse(argv)
-    init_from_env(timeout=60)
+    init_from_env(timeout=args.pg_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     cfg, module = job(args, world)
@@ -432,13 +465,16 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         engines.push(adapter.lives[MS])
     plen = args.digits + 2
     history = []
-    for step in range(args.steps):
+    step = 0
+    while step < args.steps:
         lives = adapter.lives
         actor, ref = lives[MS], lives[REF]
         t0 = time.perf_counter()
         loss = None
         with ctl.step():
             seqs, reward, mask, engine_logp = rollout(actor, step, args, ctl, timed, engines)
+            if rank == killed(step, args, ctl.members) and not ctl.failures:
+                die()
             gap = None
             if engines is not None:
                 # what the engines sampled with against what the trainer computes of the same tokens
@@ -465,6 +501,15 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             if rank == leaver(step, args, ctl.members):
                 ctl.leave()
         dec = ctl.last
+        if ctl.redo:  # ranks died in this step: the survivors moved to a plan of their own; run it again
+            if rank == ctl.members[0] and not args.quiet:
+                lost = ctl.failures[-1]
+                print(
+                    f"step {step:3d}  GPUs {lost['gpus']} died: moved to @{dec.target} on GPUs {ctl.members} "
+                    f"in {lost['recover_s']:.2f} s; the step runs again",
+                    flush=True,
+                )
+            continue
         if engines is not None and ctl.active:  # the new weights (in the new layout after a move) to the engines
             engines.push(adapter.lives[MS], ctl.group, ctl.members)
         row = {
@@ -493,6 +538,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
             )
         if not ctl.active:  # this rank handed its state over and leaves the job
             break
+        step += 1
     if engines is not None:  # last: the engine's teardown destroys the default group (VllmEngine.close)
         engines.close()
     return {
@@ -503,6 +549,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         "moves": getattr(adapter, "moves", None),
         "checks": getattr(adapter, "checks", None),
         "regroup_checks": getattr(adapter, "regroup_checks", None),
+        "failures": ctl.failures,
     }
 
 

@@ -102,6 +102,7 @@ def parse(argv=None) -> argparse.Namespace:
         help="the reward model's weights (fitted and saved by rank 0 if missing: reward_model.py)",
     )
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="as grpo_tiny's: the default group's timeout")
     p.add_argument(
         "--engine",
         choices=("hf", "vllm"),
@@ -227,7 +228,7 @@ def job(args, world: int, cluster=None):
 
 def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     args = parse(argv)
-    init_from_env(timeout=60)
+    init_from_env(timeout=args.pg_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, module = job(args, world)
     lives = g.live_models(cfg, module, args)

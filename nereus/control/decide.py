@@ -224,6 +224,17 @@ class DecisionCore:
         finally:
             self._asking = False
 
+    def failed(self, gone: set[int], step: int) -> None:
+        """GPUs ``gone`` failed without notice during ``step`` (the runtime saw them die): set up
+        the re-plan they force, as a ``check()`` whose triggers fired sets it up, so that the
+        leader's ``replan()`` and the others' ``follow()`` take it from here. The decision plans
+        from what the remaining GPUs hold (``gpus_lost``: their state comes from replicas)."""
+        t0 = time.perf_counter()
+        self.gpus_now = self.gpus_planned - set(gone)
+        self.leaving = set()
+        triggers = gpu_triggers(self.m.plans[self.plan], self.gpus_now, self.gpus_planned, self.leaving)
+        self._pending = (t0, step, self.history[-self.options.window :], triggers, {})
+
     def follow(self, decision: Decision) -> None:
         """On a rank that did not re-plan (after a ``check()`` whose triggers fired): take the
         decision ``replan()`` made on another rank from the same records, and what it changed in

@@ -65,6 +65,7 @@ from ..control.decide import layout_changes
 from ..ir import DiagnosticError, Module, bare_name
 from ..ir.diagnostics import did_you_mean
 from ..runtime.execute import TransitionError, execute
+from ..runtime.liveness import Heartbeat, survivors
 from ..runtime.regroup import reform
 from ..runtime.state import LocalState
 from .move import plan_move
@@ -87,6 +88,20 @@ class MovingAdapter(Protocol):
     ) -> None: ...
 
 
+class PeersLost(RuntimeError):
+    """Ranks of the job died: ``alive`` are the GPUs that remain (``liveness.survivors``)."""
+
+    def __init__(self, alive: list[int], cause: BaseException):
+        super().__init__(f"GPUs that remain: {alive} ({cause})")
+        self.alive, self.cause = alive, cause
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` may come of a rank that died: what torch.distributed raises (gloo's
+    ``RuntimeError``, ``DistError``s, timeouts, broken connections), not a caller's mistake."""
+    return isinstance(e, (RuntimeError, TimeoutError, ConnectionError)) and not isinstance(e, DiagnosticError)
+
+
 class Controller:
     def __init__(
         self,
@@ -101,6 +116,7 @@ class Controller:
         show: bool = True,
         faults: tuple = (),
         keep=None,
+        detect_timeout: float | None = None,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
@@ -110,6 +126,9 @@ class Controller:
         plan = bare_name(plan)
         self.adapter, self.timeout, self.plan = adapter, timeout, plan
         self.faults = tuple(faults)  # injected into execute (tests of the rollback)
+        # the longest a survivor of a failure may take to see it: a collective waiting on a rank
+        # that waits on the dead one ends only at the default group's timeout (init_process_group's)
+        self.detect_timeout = 2 * timeout if detect_timeout is None else detect_timeout
         # every rank keeps a core and observes the same records; only the leader (the lowest rank
         # still in the job) decides, and logs
         self.log_path = Path(log) if log is not None else None
@@ -130,6 +149,11 @@ class Controller:
         self.degraded = False  # a transition failed: the default group must be re-created before the next
         self.gpus: list[int] | None = None  # after ``reform``: the GPU id of each rank of the default group
         self.generation = 0  # re-formations of the default group so far
+        self.redo = False  # the last step failed (ranks died) and was not done: run it again
+        self.failures: list[dict] = []  # every recovered failure: the GPUs lost, the seconds it took
+        # liveness: a heartbeat in the job's rendezvous store, read by the survivors of a failure
+        self._store = dist.distributed_c10d._get_default_store()
+        self._heartbeat = Heartbeat(self._store, self.rank)
         self._predicted: tuple | None = (
             None  # plan B's predicted step and stage times, until a step under it is measured
         )
@@ -175,12 +199,27 @@ class Controller:
 
     @contextlib.contextmanager
     def step(self):
-        """One training step: measurements inside, the decision (and a transition) at its end."""
+        """One training step: measurements inside, the decision (and a transition) at its end.
+
+        A rank that dies without notice in the step, or in the move at its end, breaks a
+        collective of the others: the exception ends here on every survivor, which recovers
+        (``_recover``: the survivors agree who is alive, re-form the default group over
+        themselves and move the live state to a plan on them) and sets ``redo``: the step was
+        not done and the loop runs it again. An exception that no rank's death explains (every
+        member is alive) is raised as it was."""
         self._seconds, self._memory, self._lengths = {}, {}, []
-        yield
-        t0 = time.perf_counter()
-        self.last = self._decide()
-        self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
+        self.redo = False
+        try:
+            yield
+            t0 = time.perf_counter()
+            self.last = self._decide()
+            self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
+        except Exception as e:
+            if not peer_failure(e):
+                raise
+            self.last = self._recover(e)
+            self.redo = True
+            return
         self.step_no += 1
 
     # -- the decision and its application ----------------------------------------------------------
@@ -281,6 +320,7 @@ class Controller:
                     transition=decision.transition,
                     timeout=self.timeout,
                     faults=self.faults,
+                    **({} if self.gpus is None else {"gpus": self.gpus}),
                 )
                 new = None
             else:
@@ -293,6 +333,11 @@ class Controller:
             return decision
         except TransitionError as e:
             decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
+            alive = self._survivors()
+            if alive != self.members:  # ranks died in it: the step's handler moves to the survivors
+                decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
+                self._log(decision, changes)
+                raise PeersLost(alive, e) from e
             # a group that saw a failure may hold half-finished messages: the controller goes on
             # in a fresh group (created through the store, not the broken connections); where the
             # adapter can rebuild its models there, the default group itself is re-formed
@@ -329,6 +374,69 @@ class Controller:
         self._log(decision, changes)
         lays = self.module.plans[self.plan].layouts
         self._predicted = (decision.numbers.get("step_time_new"), {ms: lay.time for ms, lay in lays.items()})
+        return decision
+
+    def _survivors(self) -> list[int]:
+        """The members alive now (every survivor of a failure calls this once per failure)."""
+        return survivors(
+            self._store, self.members, self.rank, self.generation, timeout=self.detect_timeout + self.timeout
+        )
+
+    def _recover(self, error: Exception) -> Decision:
+        """After ranks died without notice: the survivors agree who is alive (``liveness``),
+        re-form the default group over themselves, and the decision core plans from what they
+        hold (the dead GPUs' state comes from DP replicas); the move runs on the new group. The
+        failed step is not counted. Raises ``error`` where every member is alive (it was no
+        rank's death), and a ``RuntimeError`` where the survivors cannot go on live."""
+        t0 = time.perf_counter()
+        alive = error.alive if isinstance(error, PeersLost) else self._survivors()
+        cause = error.cause if isinstance(error, PeersLost) else error
+        if alive == self.members:
+            raise error
+        dead = sorted(set(self.members) - set(alive))
+        if not self._can_regroup():
+            raise RuntimeError(
+                f"GPUs {dead} died; the adapter cannot rebuild its models on a re-formed group "
+                "(regroupable): restart the job from its last checkpoint"
+            ) from cause
+        t1 = time.perf_counter()
+        reform(alive, self.rank, self.generation, timeout=self.timeout)
+        self.generation += 1
+        self.gpus, self.members, self.group, self.degraded = list(alive), list(alive), None, False
+        t2 = time.perf_counter()
+        self.core.failed(set(dead), self.step_no)
+        leader = alive[0]
+        decision = self.core.replan() if self.rank == leader else None
+        box = [decision]
+        dist.broadcast_object_list(box, src=0, group=None)  # the leader is rank 0 of the new group
+        if self.rank == leader:
+            box = pickle.loads(pickle.dumps(box))
+        decision = box[0]
+        if self.rank != leader:
+            self.core.follow(decision)
+        decision.numbers.update(
+            failed_gpus=dead,
+            failure=str(cause).splitlines()[0][:200],
+            detect_s=round(t1 - t0, 4),
+            regroup_s=round(t2 - t1, 4),
+            regroup_gpus=list(alive),
+        )
+        if decision.action != "transition":
+            raise RuntimeError(
+                f"GPUs {dead} died and the job cannot go on live on GPUs {alive}: {decision.message}"
+            ) from cause
+        decision = self._apply(decision)
+        if decision.action != "transition":
+            raise RuntimeError(f"GPUs {dead} died and the move to the survivors failed: {decision.message}") from cause
+        self.failures.append(
+            {
+                "step": self.step_no,
+                "gpus": dead,
+                "recover_s": round(time.perf_counter() - t0, 4),
+                **{k: decision.numbers[k] for k in ("detect_s", "regroup_s")},
+            }
+        )
+        self._show(decision)
         return decision
 
     def _rank_of(self, gpu: int) -> int:

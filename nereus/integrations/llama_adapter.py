@@ -77,9 +77,14 @@ class JobAdapter:
         transition: str | None = None,
         timeout: float = 60.0,
         faults: tuple = (),
+        gpus: list[int] | None = None,
     ) -> None:
-        """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``)
-        ``self.lives`` are plan A's models, untouched, and the engines too."""
+        """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``,
+        a collective broken by a rank that died) ``self.lives`` are plan A's models, untouched,
+        and the engines too. ``gpus``: the GPU of each rank of the default group, where it was
+        re-formed over the ranks that survived a failure (plan A's models were built on the old)."""
+        if gpus is not None:
+            self.gpus = list(gpus)
         elsewhere: frozenset[str] = frozenset()
         if self.engines is not None:
             for ms in self.lives:  # every model-stage is checked before the engines or any state moves

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class TransitionError(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     """An injected fault (for tests): at the start of ``round`` on ``rank``, ``raise`` an
-    exception, ``exit`` the process, or ``corrupt`` one byte of the first message it sends."""
+    exception, ``exit`` the process, ``kill`` it (SIGKILL: a node lost without a word) or
+    ``corrupt`` one byte of the first message it sends."""
 
     kind: str
     rank: int
@@ -210,6 +212,8 @@ class _Rank:
             raise RuntimeError(f"injected fault on rank {self.rank} in round {rnd}")
         if f is not None and f.kind == "exit":
             os._exit(17)
+        if f is not None and f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         return f
 
     # -- steps ---------------------------------------------------------------------------------

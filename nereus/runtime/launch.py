@@ -65,6 +65,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, 
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo",
+        # the store is the launcher's (as torchrun's agent store is): a rank may die and it stays
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
     )
     torch.set_num_threads(threads)
     try:
@@ -79,15 +82,23 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, 
                 pass
 
 
-def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: int = 1) -> list[Any]:
+def run_local(
+    fn: Callable, world: int, *args, timeout: float = 120.0, threads: int = 1, dies: tuple[int, ...] = ()
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; every rank's return value, in rank order.
 
     ``fn`` must be importable (a module-level function) and its results picklable. Ranks that
-    exit without reporting (``os._exit``, a crash) or outlive ``timeout`` count as failed.
+    exit without reporting (``os._exit``, a crash) or outlive ``timeout`` count as failed, except
+    the ranks of ``dies`` (tests of a rank killed without notice): they must die by a signal
+    without reporting, and their result is None. This process hosts the job's rendezvous store
+    (as torchrun's agent does), so any rank may die.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    # the job's rendezvous store, hosted here (torchrun's agent does the same): the ranks are its
+    # clients, so that none of them is the job's store and any of them may die
+    _store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True) for r in range(world)
     ]
@@ -120,6 +131,12 @@ def run_local(fn: Callable, world: int, *args, timeout: float = 120.0, threads: 
         (results if status == "ok" else errors)[rank] = value
     for r in pending:
         errors[r] = f"timed out after {timeout:.0f} s"
+    for r in dies:  # killed by a signal (a negative exit code), as the test meant
+        if r in errors and r not in results and (procs[r].exitcode or 0) < 0:
+            del errors[r]
+            results[r] = None
+        elif r in results:
+            errors[r] = f"rank {r} was to die but reported {results.pop(r)!r}"
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():

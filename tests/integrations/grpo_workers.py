@@ -57,6 +57,8 @@ class CheckedAdapter(JobAdapter):
         return [s for s in plan_layout(module, plan).get(rank, []) if s.key.model_stage in self.lives]
 
     def move(self, module, source, target, **kwargs) -> None:
+        if kwargs.get("gpus") is not None:  # the default group was re-formed over the survivors of a failure
+            self.gpus = list(kwargs["gpus"])
         rank = self.gpu()
         state_a, steps_a = export_states(self.lives, module, source)
         full = gather_full(state_a, self.specs(module, source, rank))
@@ -94,12 +96,20 @@ class CheckedAdapter(JobAdapter):
         )
 
 
-def run(rank: int, world: int, argv: list[str], example: str = "grpo_tiny", fault_rank: int | None = None) -> dict:
+def run(
+    rank: int,
+    world: int,
+    argv: list[str],
+    example: str = "grpo_tiny",
+    fault_rank: int | None = None,
+    fault: str = "raise",
+) -> dict:
     """``examples/<example>.py``'s ``main`` (``grpo_tiny`` or ``ppo_tiny``) with ``CheckedAdapter``;
-    ``fault_rank``: that rank raises inside every transition (``Fault("raise")``)."""
+    ``fault_rank``: that rank raises inside every transition (``Fault("raise")``), or dies
+    (``fault="kill"``: SIGKILL in the first)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     module = importlib.import_module(example)
     if fault_rank is None:
         return module.main(argv, adapter_cls=CheckedAdapter)
-    return module.main(argv, adapter_cls=CheckedAdapter, faults=(Fault("raise", rank=fault_rank),))
+    return module.main(argv, adapter_cls=CheckedAdapter, faults=(Fault(fault, rank=fault_rank),))

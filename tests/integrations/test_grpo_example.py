@@ -172,3 +172,63 @@ def test_grpo_shrinks_twice_and_goes_on_moving(tmp_path):
     for step in range(5):  # every step trained the actor, one loss over DP
         seen = {h["loss"] for r in results for h in r["history"] if h["step"] == step and h["loss"] is not None}
         assert len(seen) == 1, (step, seen)
+
+
+def _one_loss_per_step(results: list) -> list[float]:
+    """The actor's loss at each step, one value over its DP ranks (every rank that trained agrees)."""
+    losses = []
+    for step in range(max(len(r["history"]) for r in results if r)):
+        seen = {h["loss"] for r in results if r for h in r["history"] if h["step"] == step and h["loss"] is not None}
+        assert len(seen) == 1, (step, seen)
+        losses.append(seen.pop())
+    return losses
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_the_survivors_move_its_state_and_run_the_step_again(tmp_path):
+    """Rank 3 dies by SIGKILL in the middle of step 0 (after its rollout, before the update),
+    unannounced. The others' next collective breaks; they agree through the job's store who is
+    alive (``runtime.liveness``), re-form the default group over GPUs 0-2 and move every model to a
+    plan on them, rank 3's shards coming from its DP replicas: each survivor's state bit-exact
+    against the survivors' full state gathered and re-sliced. Step 0 runs again, and the losses
+    are those of a run where nothing died (the failed step changed no weight)."""
+    log = tmp_path / "decisions.jsonl"
+    base = ["--steps", "3", "--leave-step", "-1", "--quiet", "--timeout", "30", "--pg-timeout", "10"]
+    results = run_local(w.run, 4, base + ["--kill-step", "0", "--decision-log", str(log)], timeout=240, dies=(3,))
+    made, applied = decisions(log)
+    assert [(d["step"], d["applied"]) for d in applied] == [(0, "transition")], applied
+    (recovery,) = applied
+    assert recovery["numbers"]["failed_gpus"] == [3] and recovery["numbers"]["regroup_gpus"] == [0, 1, 2]
+    assert made[0]["triggers"][0]["kind"] == "gpus_lost" and made[0]["forced"]
+    survivors = [r for r in results if r is not None]
+    assert [r["rank"] for r in survivors] == [0, 1, 2] and results[3] is None
+    for res in survivors:
+        assert [h["step"] for h in res["history"]] == [0, 1, 2] and res["active"]
+        assert [f["gpus"] for f in res["failures"]] == [[3]]
+        (check,) = res["checks"]  # the move to the survivors, checked against their gathered state
+        assert all(m["exact"] and m["same_keys"] for m in check["models"].values() if m["in_b"]), check
+        assert "engines" not in res["history"][0]
+    reference = run_local(w.run, 4, base + ["--stay"], timeout=240)
+    ours, theirs = _one_loss_per_step(survivors), _one_loss_per_step(reference)
+    assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-7), (ours, theirs)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_transition_rolls_back_then_the_survivors_move(tmp_path):
+    """Rank 3 dies by SIGKILL in the first round of the step-0 move (admitted on drift): the move
+    rolls back on the survivors (plan A's state intact, checked), then they move from plan A to a
+    plan on GPUs 0-2, bit-exact, and step 0 runs again."""
+    log = tmp_path / "decisions.jsonl"
+    argv = ["--steps", "2", "--leave-step", "-1", "--quiet", "--timeout", "30", "--pg-timeout", "10"]
+    results = run_local(w.run, 4, argv + ["--decision-log", str(log)], "grpo_tiny", 3, "kill", timeout=240, dies=(3,))
+    made, applied = decisions(log)
+    assert [(d["step"], d["applied"]) for d in applied] == [(0, "rolled_back"), (0, "transition")], applied
+    assert applied[1]["numbers"]["failed_gpus"] == [3] and applied[1]["numbers"]["regroup_gpus"] == [0, 1, 2]
+    for res in results[:3]:
+        rollback, moved = res["checks"]
+        assert rollback["failed"] and rollback["intact"], rollback
+        assert rollback["source"] == moved["source"] == "a"
+        assert all(m["exact"] and m["same_keys"] for m in moved["models"].values() if m["in_b"]), moved
+        assert [h["step"] for h in res["history"]] == [0, 1] and res["active"]
+        assert all(h["loss"] is None or math.isfinite(h["loss"]) for h in res["history"])
+    assert results[3] is None
