@@ -40,7 +40,11 @@ goes on moving. ``--kill-step 2 --kill-rank 3`` kills rank 3 with SIGKILL in the
 2 (after its rollout, before the update): the others' next collective breaks, they agree who is
 alive through the job's store, re-form the default group over themselves, move the state to a
 plan on the survivors (the dead rank's shards from their DP replicas) and run step 2 again
-(``ctl.redo``). ``main`` is what the test runs on 4 gloo processes.
+(``ctl.redo``). ``--gpus 4`` on 3 ranks plans on a cluster of 4 GPUs of which GPU 3 is not in the
+job yet; a process started with ``--join`` (``nereus launch --join``) asks the running job to
+take it: at the next step's end it gets GPU 3, the group is re-formed with it, and the decision
+moves the job to a plan that uses it, the newcomer's state coming from the others' memory.
+``main`` is what the tests run on 4 gloo processes.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from transformers import LlamaConfig
 from nereus.control import ControlOptions
 from nereus.integrations.controller import Controller
 from nereus.integrations.engine_stage import EngineStage, check_engine_layout
-from nereus.integrations.hf_llama import build, forward, ir_model, optimize
+from nereus.integrations.hf_llama import absent, build, forward, ir_model, optimize
 from nereus.integrations.job import layout, rl_job
 from nereus.integrations.llama_adapter import JobAdapter
 from nereus.integrations.llama_state import check_layout, live_keep
@@ -127,6 +131,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="the step in which --kill-rank dies by SIGKILL, unannounced (-1: never)",
     )
     p.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-step kills (-1: the highest still in)")
+    p.add_argument("--gpus", type=int, default=None, help="the cluster's GPUs (default: the ranks; more: room to join)")
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="this process joins the running job (its MASTER_ADDR/MASTER_PORT) instead of starting with it",
+    )
     p.add_argument("--planned-response", type=int, default=1, help="response length the IR workload is planned for")
     p.add_argument("--decision-log", default=None, help="decision log (JSON lines)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for every collective of a transition")
@@ -292,15 +302,17 @@ def job(args, world: int, extra: tuple = (), cluster=None):
         gen_dp = world // args.gen_tp if args.gen_dp is None else args.gen_dp
         layouts.append(layout(actor, tp=args.gen_tp, dp=gen_dp, stage="generate"))
     models = [actor, ref, *(m for m, _ in extra)]
+    gpus = max(world, getattr(args, "gpus", None) or world)
     m = rl_job(
         models,
         {"a": layouts + [lay for _, lay in extra]},
-        world,
+        gpus,
         rows=args.prompts * args.group,
         seq=planned,
         group=args.group,
         cluster=cluster,
     )
+    m.clusters[m.plans["a"].cluster].unavailable = list(range(world, gpus))  # GPUs a process may join on
     for ms in m.plans["a"].layouts:
         if ms.endswith(".generate"):
             check_engine_layout(m, "a", ms, world)
@@ -375,7 +387,53 @@ def controller(module, adapter, args, faults: tuple = ()):
     """The Controller around the loop (search limited to what the live models take: ``live_keep``; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
     context for the model-stages of the IR job (a no-op for the others)."""
-    options = ControlOptions(
+    ctl = Controller(
+        module,
+        "a",
+        adapter,
+        options=control_options(module, args),
+        total_steps=max(args.steps, 100),
+        keep=live_keep(module),
+        **controller_args(args, faults),
+    )
+    return ctl, stage_timer(ctl)
+
+
+def controller_args(args, faults: tuple = ()) -> dict:
+    """The Controller's keyword arguments that a process joining the job passes as well."""
+    return {
+        "log": args.decision_log,
+        "timeout": args.timeout,
+        "show": not args.quiet,
+        "faults": faults,
+        "detect_timeout": args.pg_timeout,
+    }
+
+
+def stage_timer(ctl):
+    """``timed(ms)``: ``ctl.stage(ms)`` for the IR job's model-stages, a no-op for the others."""
+    module = ctl.module
+    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
+    return lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext()
+
+
+def joined(cfg: LlamaConfig, args, faults: tuple = (), adapter_cls=JobAdapter):
+    """``--join``: this process joins the running job (``Controller.join``, blocking until the job
+    admits it at a step's end); its adapter holds nothing until the move that admission plans."""
+    adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
+
+    def adapter_for(module, plan: str, gpu: int):
+        lays = module.plans[plan].layouts
+        lives = {ms: absent(cfg, lays[ms], gpu, adamw=adamw, timeout=args.timeout) for ms in (MS, REF)}
+        return adapter_cls(lives, module, plan, seed=args.seed)
+
+    ctl = Controller.join(adapter_for, keep_for=live_keep, wait=args.timeout * 10, **controller_args(args, faults))
+    return ctl, stage_timer(ctl)
+
+
+def control_options(module, args) -> ControlOptions:
+    """The decision core's options for this tiny job."""
+    return ControlOptions(
         recalibrate_every=0,
         slowdown=1e9,
         cooldown=1000,
@@ -389,21 +447,6 @@ def controller(module, adapter, args, faults: tuple = ()):
         max_zero=3,  # DDP (0) or FSDP2 (3): live_keep drops the ZeRO-1/2 options
         offload=False,
     )
-    ctl = Controller(
-        module,
-        "a",
-        adapter,
-        options=options,
-        total_steps=max(args.steps, 100),
-        log=args.decision_log,
-        timeout=args.timeout,
-        show=not args.quiet,
-        faults=faults,
-        keep=live_keep(module),
-        detect_timeout=args.pg_timeout,
-    )
-    stages = {f"{model}.{st.name}" for w in module.workloads.values() for st in w.stages for model in st.models}
-    return ctl, (lambda ms: ctl.stage(ms) if ms in stages else contextlib.nullcontext())
 
 
 def measured(ctl) -> dict:
@@ -454,18 +497,24 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
     ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
     args = parse(argv)
-    init_from_env(timeout=args.pg_timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    cfg, module = job(args, world)
-    engines = start_engines(cfg, module, args)
-    adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed, engines=engines)
-    ctl, timed = controller(module, adapter, args, faults)
-    if engines is not None:
-        engines.push(adapter.lives[MS])
+    if args.join:
+        if args.engine != "hf":
+            raise SystemExit("--join: the engines' vLLM groups cannot take a process that joins (--engine hf)")
+        ctl, timed = joined(config(args.engine), args, faults, adapter_cls)
+        adapter, engines, rank = ctl.adapter, None, ctl.rank
+    else:
+        init_from_env(timeout=args.pg_timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg, module = job(args, world)
+        engines = start_engines(cfg, module, args)
+        adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed, engines=engines)
+        ctl, timed = controller(module, adapter, args, faults)
+        if engines is not None:
+            engines.push(adapter.lives[MS])
     plen = args.digits + 2
     history = []
-    step = 0
+    step = ctl.step_no
     while step < args.steps:
         lives = adapter.lives
         actor, ref = lives[MS], lives[REF]
@@ -550,6 +599,8 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         "checks": getattr(adapter, "checks", None),
         "regroup_checks": getattr(adapter, "regroup_checks", None),
         "failures": ctl.failures,
+        "joins": ctl.joins,
+        "gpu": ctl.rank,
     }
 
 

@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import pickle
 import time
 from pathlib import Path
 from typing import Protocol
@@ -65,9 +64,10 @@ from ..control.decide import layout_changes
 from ..ir import DiagnosticError, Module, bare_name
 from ..ir.diagnostics import did_you_mean
 from ..runtime.execute import TransitionError, execute
-from ..runtime.liveness import Heartbeat, survivors
-from ..runtime.regroup import reform
+from ..runtime.liveness import Heartbeat
+from ..runtime.regroup import job_store, waiting
 from ..runtime.state import LocalState
+from .membership import Membership, PeersLost, peer_failure
 from .move import plan_move
 
 
@@ -88,21 +88,7 @@ class MovingAdapter(Protocol):
     ) -> None: ...
 
 
-class PeersLost(RuntimeError):
-    """Ranks of the job died: ``alive`` are the GPUs that remain (``liveness.survivors``)."""
-
-    def __init__(self, alive: list[int], cause: BaseException):
-        super().__init__(f"GPUs that remain: {alive} ({cause})")
-        self.alive, self.cause = alive, cause
-
-
-def peer_failure(e: BaseException) -> bool:
-    """Whether ``e`` may come of a rank that died: what torch.distributed raises (gloo's
-    ``RuntimeError``, ``DistError``s, timeouts, broken connections), not a caller's mistake."""
-    return isinstance(e, (RuntimeError, TimeoutError, ConnectionError)) and not isinstance(e, DiagnosticError)
-
-
-class Controller:
+class Controller(Membership):
     def __init__(
         self,
         module: Module,
@@ -117,12 +103,15 @@ class Controller:
         faults: tuple = (),
         keep=None,
         detect_timeout: float | None = None,
+        gpu: int | None = None,
+        core: DecisionCore | None = None,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("Controller needs an initialised default process group (init_from_env)")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # this process's GPU id: its rank, but for a process that joined a running job (``join``)
+        self.rank, self.world = (dist.get_rank() if gpu is None else gpu), dist.get_world_size()
         plan = bare_name(plan)
         self.adapter, self.timeout, self.plan = adapter, timeout, plan
         self.faults = tuple(faults)  # injected into execute (tests of the rollback)
@@ -133,7 +122,10 @@ class Controller:
         # still in the job) decides, and logs
         self.log_path = Path(log) if log is not None else None
         # keep: plan-search's option filter, the layouts the live job can take (llama_state.live_keep)
-        self.core = DecisionCore(module, plan, options, total_steps, self.log_path if self.rank == 0 else None, keep)
+        # (``core``: a core's state taken from the job's leader, by a process that joins the job)
+        self.core = core or DecisionCore(
+            module, plan, options, total_steps, self.log_path if self.rank == 0 else None, keep
+        )
         self.module = self.core.m
         self.step_no = 0
         self.active = True
@@ -151,8 +143,11 @@ class Controller:
         self.generation = 0  # re-formations of the default group so far
         self.redo = False  # the last step failed (ranks died) and was not done: run it again
         self.failures: list[dict] = []  # every recovered failure: the GPUs lost, the seconds it took
-        # liveness: a heartbeat in the job's rendezvous store, read by the survivors of a failure
-        self._store = dist.distributed_c10d._get_default_store()
+        self.joins: list[dict] = []  # every admission of processes that joined: their GPUs, the seconds it took
+        self._tickets = 0  # join requests answered so far (the same on every rank of the job)
+        self._stale = False  # the default group was re-formed and the live models not yet rebuilt on it
+        # liveness and joins: a heartbeat and join requests in the job's rendezvous store
+        self._store = job_store(self.timeout)
         self._heartbeat = Heartbeat(self._store, self.rank)
         self._predicted: tuple | None = (
             None  # plan B's predicted step and stage times, until a step under it is measured
@@ -244,12 +239,20 @@ class Controller:
                 sum(n),
                 max(n, default=0),
                 1.0 if self._leaving else 0.0,
+                waiting(self._store) if self.rank == self.members[0] else 0,  # join requests so far
             ],
             dtype=torch.float64,
         )
         every = [torch.empty_like(mine) for _ in self.members]
         dist.all_gather(every, mine, group=self.group, async_op=True).wait(datetime.timedelta(seconds=self.timeout))
         record = self._record(torch.stack(every), stages)
+        requests = int(max(float(row[-1]) for row in every))
+        if requests > self._tickets:  # processes ask to join: the group is re-formed with them first
+            record = self._admit(requests, record)
+        return self._conclude(record)
+
+    def _conclude(self, record: StepRecord) -> Decision:
+        """The step's decision from its record (every rank of the job, joiners included), and its move."""
         if self._predicted is not None:  # the first step under the plan a move just committed
             self._log_outcome(record)
         self.core.observe(record)
@@ -260,16 +263,7 @@ class Controller:
             self._show(quiet)
             return quiet
         leader = self.members[0]
-        decision = self.core.replan() if self.rank == leader else None
-        box = [decision]
-        dist.broadcast_object_list(box, src=self._rank_of(leader), group=self.group)
-        if self.rank == leader:
-            # the leader acts on a copy made as the others' is (unpickled), so that every rank
-            # lowers the decision's module from equal objects
-            box = pickle.loads(pickle.dumps(box))
-        decision = box[0]
-        if self.rank != leader:
-            self.core.follow(decision)
+        decision = self._agreed(self.core.replan() if self.rank == leader else None, leader)
         if decision.action == "transition" and (self.group is not None or self.degraded):
             decision.action = "stay"
             decision.message = (
@@ -279,6 +273,8 @@ class Controller:
             )
         elif decision.action == "transition":
             decision = self._apply(decision)
+        if self._stale:  # re-formed for joiners and no move rebuilt the models: rebuilt in place
+            self._rebuild()
         self._show(decision)
         return decision
 
@@ -350,6 +346,7 @@ class Controller:
             self._log(decision, changes)
             return decision
         t2 = time.perf_counter()
+        self._stale = False  # plan B's models are built on the group as it is now
         used = {g for lay in m.plans[decision.target].layouts.values() for g in lay.mesh}
         if self.rank in used:
             if move is None:
@@ -376,86 +373,9 @@ class Controller:
         self._predicted = (decision.numbers.get("step_time_new"), {ms: lay.time for ms, lay in lays.items()})
         return decision
 
-    def _survivors(self) -> list[int]:
-        """The members alive now (every survivor of a failure calls this once per failure)."""
-        return survivors(
-            self._store, self.members, self.rank, self.generation, timeout=self.detect_timeout + self.timeout
-        )
-
-    def _recover(self, error: Exception) -> Decision:
-        """After ranks died without notice: the survivors agree who is alive (``liveness``),
-        re-form the default group over themselves, and the decision core plans from what they
-        hold (the dead GPUs' state comes from DP replicas); the move runs on the new group. The
-        failed step is not counted. Raises ``error`` where every member is alive (it was no
-        rank's death), and a ``RuntimeError`` where the survivors cannot go on live."""
-        t0 = time.perf_counter()
-        alive = error.alive if isinstance(error, PeersLost) else self._survivors()
-        cause = error.cause if isinstance(error, PeersLost) else error
-        if alive == self.members:
-            raise error
-        dead = sorted(set(self.members) - set(alive))
-        if not self._can_regroup():
-            raise RuntimeError(
-                f"GPUs {dead} died; the adapter cannot rebuild its models on a re-formed group "
-                "(regroupable): restart the job from its last checkpoint"
-            ) from cause
-        t1 = time.perf_counter()
-        reform(alive, self.rank, self.generation, timeout=self.timeout)
-        self.generation += 1
-        self.gpus, self.members, self.group, self.degraded = list(alive), list(alive), None, False
-        t2 = time.perf_counter()
-        self.core.failed(set(dead), self.step_no)
-        leader = alive[0]
-        decision = self.core.replan() if self.rank == leader else None
-        box = [decision]
-        dist.broadcast_object_list(box, src=0, group=None)  # the leader is rank 0 of the new group
-        if self.rank == leader:
-            box = pickle.loads(pickle.dumps(box))
-        decision = box[0]
-        if self.rank != leader:
-            self.core.follow(decision)
-        decision.numbers.update(
-            failed_gpus=dead,
-            failure=str(cause).splitlines()[0][:200],
-            detect_s=round(t1 - t0, 4),
-            regroup_s=round(t2 - t1, 4),
-            regroup_gpus=list(alive),
-        )
-        if decision.action != "transition":
-            raise RuntimeError(
-                f"GPUs {dead} died and the job cannot go on live on GPUs {alive}: {decision.message}"
-            ) from cause
-        decision = self._apply(decision)
-        if decision.action != "transition":
-            raise RuntimeError(f"GPUs {dead} died and the move to the survivors failed: {decision.message}") from cause
-        self.failures.append(
-            {
-                "step": self.step_no,
-                "gpus": dead,
-                "recover_s": round(time.perf_counter() - t0, 4),
-                **{k: decision.numbers[k] for k in ("detect_s", "regroup_s")},
-            }
-        )
-        self._show(decision)
-        return decision
-
     def _rank_of(self, gpu: int) -> int:
         """The rank of GPU ``gpu`` in the default group (after ``reform``, its place in ``gpus``)."""
         return gpu if self.gpus is None else self.gpus.index(gpu)
-
-    def _can_regroup(self) -> bool:
-        return bool(getattr(self.adapter, "regroupable", False)) and hasattr(self.adapter, "regroup")
-
-    def _regroup(self, gpus: list[int], m: Module, plan: str, decision: Decision) -> None:
-        """Re-form the default group over ``gpus`` (``runtime.regroup.reform``; every one of them
-        calls this) and have the adapter rebuild its models there under ``plan``."""
-        t0 = time.perf_counter()
-        reform(gpus, self.rank, self.generation, timeout=self.timeout)
-        self.generation += 1
-        self.gpus, self.group, self.degraded = list(gpus), None, False
-        self.adapter.regroup(m, plan, self.gpus)
-        decision.numbers["regroup_s"] = round(time.perf_counter() - t0, 4)
-        decision.numbers["regroup_gpus"] = list(gpus)
 
     def _log_outcome(self, record: StepRecord) -> None:
         """The step time the decision predicted for plan B beside the first step measured under

@@ -214,6 +214,14 @@ def private_mesh(layout: Layout, timeout: float, gpus: list[int] | None = None) 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 
 
+def absent(
+    config: LlamaConfig, layout: Layout, gpu: int, *, adamw: dict | None = None, head: str = "lm", timeout: float = 60.0
+) -> LiveLlama:
+    """A live model that this GPU does not hold (``model`` None), made without any collective:
+    what a process that joins a running job has under the job's plan until a move gives it state."""
+    return LiveLlama(config, layout, None, None, None, dict(ADAMW if adamw is None else adamw), timeout, head=head, gpu=gpu)
+
+
 def build(
     config: LlamaConfig,
     layout: Layout,

@@ -57,11 +57,11 @@ def init_from_env(timeout: float = 60.0, backend: str | None = None) -> torch.de
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+    if rank < world:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    else:  # a process that joins the running job (Controller.join): no rank of it yet
+        os.environ.update(NEREUS_JOIN="1")
     os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo",
@@ -83,7 +83,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, 
 
 
 def run_local(
-    fn: Callable, world: int, *args, timeout: float = 120.0, threads: int = 1, dies: tuple[int, ...] = ()
+    fn: Callable,
+    world: int,
+    *args,
+    timeout: float = 120.0,
+    threads: int = 1,
+    dies: tuple[int, ...] = (),
+    joiners: int = 0,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes; every rank's return value, in rank order.
 
@@ -92,6 +98,11 @@ def run_local(
     the ranks of ``dies`` (tests of a rank killed without notice): they must die by a signal
     without reporting, and their result is None. This process hosts the job's rendezvous store
     (as torchrun's agent does), so any rank may die.
+
+    ``joiners``: that many more processes, started with the others, that are no rank of the
+    job: they have its ``MASTER_ADDR``/``MASTER_PORT`` and ``NEREUS_JOIN=1`` but no ``RANK``
+    (``Controller.join`` takes them into the running job); ``fn`` gets ``rank = world + i`` and
+    their results follow the ranks'.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -100,14 +111,15 @@ def run_local(
     # clients, so that none of them is the job's store and any of them may die
     _store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, threads), daemon=True)
+        for r in range(world + joiners)
     ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    pending = set(range(world))
+    pending = set(range(world + joiners))
     while pending:
         left = (deadline - datetime.datetime.now()).total_seconds()
         if left <= 0:
@@ -144,4 +156,4 @@ def run_local(
             p.join()
     if errors:
         raise LaunchError(errors, results)
-    return [results[r] for r in range(world)]
+    return [results[r] for r in range(world + joiners)]

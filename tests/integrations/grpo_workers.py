@@ -113,3 +113,11 @@ def run(
     if fault_rank is None:
         return module.main(argv, adapter_cls=CheckedAdapter)
     return module.main(argv, adapter_cls=CheckedAdapter, faults=(Fault(fault, rank=fault_rank),))
+
+
+def run_join(rank: int, world: int, argv: list[str], example: str = "grpo_tiny") -> dict:
+    """``run`` on the job's ranks; on a process started to join it (``NEREUS_JOIN``), the same
+    example with ``--join``."""
+    import os
+
+    return run(rank, world, argv + (["--join"] if os.environ.get("NEREUS_JOIN") else []), example)

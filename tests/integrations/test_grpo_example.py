@@ -232,3 +232,30 @@ def test_a_rank_killed_mid_transition_rolls_back_then_the_survivors_move(tmp_pat
         assert [h["step"] for h in res["history"]] == [0, 1] and res["active"]
         assert all(h["loss"] is None or math.isfinite(h["loss"]) for h in res["history"])
     assert results[3] is None
+
+
+@pytest.mark.slow
+def test_a_process_joins_the_running_job_and_receives_its_state_by_a_transition(tmp_path):
+    """The job starts on 3 ranks of a 4-GPU cluster (``--gpus 4``); a fourth process asks to join
+    (``Controller.join``: a ticket in the job's store). At step 0's end the job admits it as GPU 3,
+    the default group is re-formed with it, and the decision (``gpus_joined``) moves both models
+    to a plan on the 4 GPUs: the newcomer's shards come from the others' memory by the transition,
+    bit-exact against the full state gathered and re-sliced; nothing is read from disk. The
+    newcomer then trains with the others (one loss per step over every rank)."""
+    log = tmp_path / "decisions.jsonl"
+    argv = ["--steps", "3", "--leave-step", "-1", "--stay", "--tp", "1", "--dp", "3", "--gpus", "4"]
+    argv += ["--quiet", "--timeout", "30", "--pg-timeout", "20", "--decision-log", str(log)]
+    results = run_local(w.run_join, 3, argv, timeout=240, joiners=1)
+    made, applied = decisions(log)
+    assert [(d["step"], d["applied"]) for d in applied] == [(0, "transition")], applied
+    assert made[0]["triggers"][0]["kind"] == "gpus_joined" and made[0]["numbers"]["gpus_used"] == [0, 1, 2, 3]
+    assert [r["gpu"] for r in results] == [0, 1, 2, 3]
+    for res in results:
+        assert res["joins"] == [{"step": 0, "gpus": [3], "admit_s": res["joins"][0]["admit_s"]}]
+        (check,) = res["checks"]
+        assert all(m["exact"] and m["same_keys"] and m["keys"] for m in check["models"].values() if m["in_b"]), check
+        assert check["models"]["actor.train"]["in_b"]  # every GPU trains the actor under plan B
+    joiner = results[3]
+    assert [h["step"] for h in joiner["history"]] == [1, 2] and joiner["active"]
+    assert [h["step"] for h in results[0]["history"]] == [0, 1, 2]
+    _one_loss_per_step(results)
