@@ -131,6 +131,13 @@ def parse(argv=None) -> argparse.Namespace:
         help="the step in which --kill-rank dies by SIGKILL, unannounced (-1: never)",
     )
     p.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-step kills (-1: the highest still in)")
+    p.add_argument("--checkpoint-dir", default=None, help="where the job saves DCP checkpoints (--checkpoint-every)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="a DCP checkpoint every N steps: what only a dead rank held (a ZeRO shard) is read back from the last",
+    )
     p.add_argument("--gpus", type=int, default=None, help="the cluster's GPUs (default: the ranks; more: room to join)")
     p.add_argument(
         "--join",
@@ -407,6 +414,8 @@ def controller_args(args, faults: tuple = ()) -> dict:
         "show": not args.quiet,
         "faults": faults,
         "detect_timeout": args.pg_timeout,
+        "checkpoint_dir": getattr(args, "checkpoint_dir", None),
+        "checkpoint_every": getattr(args, "checkpoint_every", 0),
     }
 
 
@@ -600,6 +609,7 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         "regroup_checks": getattr(adapter, "regroup_checks", None),
         "failures": ctl.failures,
         "joins": ctl.joins,
+        "checkpoints": ctl.checkpoints,
         "gpu": ctl.rank,
     }
 

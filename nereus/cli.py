@@ -262,6 +262,25 @@ def cmd_lower(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from .runtime.launcher import launch
+
+    if not args.command_line:
+        print(
+            "nereus launch: give the script to run, e.g. nereus launch --nproc 4 train.py --steps 10", file=sys.stderr
+        )
+        return 2
+    return launch(
+        args.command_line,
+        args.nproc,
+        join=args.join,
+        master=args.master,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        linger=args.linger,
+    )
+
+
 def cmd_bench(args) -> int:
     from .bench import BENCHMARKS, run
 
@@ -521,6 +540,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the policies in this many processes (default: one per CPU)",
     )
     sm.set_defaults(func=cmd_simulate)
+    la = sub.add_parser(
+        "launch",
+        help="start a job's workers as torchrun does, but a worker that dies does not stop the others, "
+        "and --join adds workers to a running job",
+    )
+    la.add_argument("--nproc", "--nproc-per-node", type=int, default=1, help="workers on this node (default 1)")
+    la.add_argument("--join", metavar="HOST:PORT", help="the workers join the running job whose store is there")
+    la.add_argument("--master", metavar="HOST:PORT", help="the job's store (default: here, a free port)")
+    la.add_argument("--nnodes", type=int, default=1, help="nodes that start the job (each runs nereus launch)")
+    la.add_argument("--node-rank", type=int, default=0, help="this node's index; node 0 hosts the store")
+    la.add_argument("--linger", type=float, default=5.0, help="seconds of no heartbeat before the store goes")
+    la.add_argument("command_line", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS", help="script.py and its arguments")
+    la.set_defaults(func=cmd_launch)
     b = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("name", metavar="NAME", help=", ".join(BENCHMARKS))
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object")

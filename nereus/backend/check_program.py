@@ -13,12 +13,19 @@ def _error(msg: str) -> DiagnosticError:
 
 
 def check_coverage(
-    dst: dict[int, list[ShardSpec]], kept: set[tuple[int, StateKey]], written: dict[tuple[int, StateKey], int]
+    dst: dict[int, list[ShardSpec]],
+    kept: set[tuple[int, StateKey]],
+    written: dict[tuple[int, StateKey], int],
+    restore: bool = False,
 ) -> None:
-    """Every destination shard that does not stay in place is written exactly once (by volume)."""
+    """Every destination shard that does not stay in place is written exactly once (by volume);
+    with ``restore`` (a transition that leaves what only failed GPUs held to a checkpoint), at
+    most once: the rest is read from the checkpoint."""
     for r, specs in dst.items():
         for spec in specs:
             if (r, spec.key) in kept:
+                continue
+            if restore and written[(r, spec.key)] <= spec.nbytes:
                 continue
             if written[(r, spec.key)] != spec.nbytes:
                 raise _error(

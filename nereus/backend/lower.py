@@ -87,7 +87,7 @@ def lower(
         low = _Lowering(m, transition, gpus, bucket_bytes, direct_bytes, broadcast, chunk_bytes)  # 1. ranks and shards
         for op in t.ops:  # 2.-6. levels; every operation cut into per-layer pieces and steps
             low.cut(op)
-        check_coverage(low.dst, low.kept, low.written)  # 7. every destination byte written once
+        check_coverage(low.dst, low.kept, low.written, t.restored is not None)  # 7. every destination byte written once
         low.chain()  # 4. chained broadcasts become sub-rounds of point-to-point messages
         prog = low.assemble()  # 3. pieces packed into messages and rounds; the program, rank by rank
         check_slices(prog)  # 7. every piece inside its rank's shards

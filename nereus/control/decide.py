@@ -138,6 +138,9 @@ class DecisionCore:
         self.history: list[StepRecord] = []
         self.last_replan = -(10**9)
         self.gpus_considered: tuple | None = None  # (GPUs, leaving) the last re-plan weighed
+        # the job's last checkpoint (path, step), where it keeps one: what only failed GPUs held
+        # is then read from it (``plan-transition`` ``restore``) instead of the move being infeasible
+        self.checkpoint: tuple[str, int] | None = None
         self.log = Path(log) if log is not None else None
         self.decisions: list[Decision] = []
         self._pending = None  # what check() found for replan()
@@ -379,7 +382,11 @@ class DecisionCore:
         numbers["remap_bytes_before"], numbers["remap_bytes_after"] = rec.before, rec.after
         name = f"{self.plan}_to_{target}"
         try:
-            self._run(m, [PlanTransition(to=f"@{target}", source=f"@{self.plan}", into=f"@{name}", lost=gone)])
+            restore = bool(lost) and self.checkpoint is not None
+            self._run(
+                m,
+                [PlanTransition(to=f"@{target}", source=f"@{self.plan}", into=f"@{name}", lost=gone, restore=restore)],
+            )
         except DiagnosticError as e:
             why = e.diagnostics[0].message
             if lost:
@@ -422,6 +429,9 @@ class DecisionCore:
             numbers["forced_by"] = adm.forced_by
         else:
             numbers.update(saving=adm.saving, benefit=adm.benefit, break_even=adm.break_even)
+        if t.restored:  # only lost GPUs held these bytes: they come from the last checkpoint
+            assert self.checkpoint is not None
+            numbers.update(restored=t.restored, restored_from=self.checkpoint[0], restored_step=self.checkpoint[1])
         numbers.update(
             horizon=horizon,
             bytes_moved=t.bytes_moved,

@@ -105,6 +105,8 @@ class Controller(Membership):
         detect_timeout: float | None = None,
         gpu: int | None = None,
         core: DecisionCore | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
@@ -143,6 +145,11 @@ class Controller(Membership):
         self.generation = 0  # re-formations of the default group so far
         self.redo = False  # the last step failed (ranks died) and was not done: run it again
         self.failures: list[dict] = []  # every recovered failure: the GPUs lost, the seconds it took
+        # a DCP checkpoint every ``checkpoint_every`` steps (the adapter's ``save``): what only a
+        # dead GPU held (a ZeRO shard, a pipeline stage without replicas) is read back from the last
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.checkpoints: list[dict] = []  # every checkpoint saved: step, path, seconds, bytes this rank wrote
         self.joins: list[dict] = []  # every admission of processes that joined: their GPUs, the seconds it took
         self._tickets = 0  # join requests answered so far (the same on every rank of the job)
         self._stale = False  # the default group was re-formed and the live models not yet rebuilt on it
@@ -216,6 +223,19 @@ class Controller(Membership):
             self.redo = True
             return
         self.step_no += 1
+        if self.checkpoint_dir is not None and self.checkpoint_every and self.step_no % self.checkpoint_every == 0:
+            self._save()
+
+    def _save(self) -> None:
+        """The job's state after this step into ``checkpoint_dir/step_N`` (DCP, every rank)."""
+        t0 = time.perf_counter()
+        assert self.checkpoint_dir is not None
+        path = str(self.checkpoint_dir / f"step_{self.step_no}")
+        wrote = self.adapter.save(self.module, self.plan, path)  # type: ignore[attr-defined]
+        self.core.checkpoint = (path, self.step_no)
+        self.checkpoints.append(
+            {"step": self.step_no, "path": path, "save_s": round(time.perf_counter() - t0, 4), "bytes": wrote}
+        )
 
     # -- the decision and its application ----------------------------------------------------------
     def _decide(self) -> Decision:
@@ -317,9 +337,20 @@ class Controller(Membership):
                     timeout=self.timeout,
                     faults=self.faults,
                     **({} if self.gpus is None else {"gpus": self.gpus}),
+                    **({"restore": decision.numbers["restored_from"]} if decision.numbers.get("restored") else {}),
                 )
+                if decision.numbers.get("restored"):  # the decision log says what came from the checkpoint
+                    every: list = [None] * dist.get_world_size()
+                    dist.all_gather_object(every, dict(getattr(self.adapter, "restored", {})))
+                    read: dict[str, int] = {}
+                    for part in every:
+                        for name, n in part.items():
+                            read[name] = read.get(name, 0) + n
+                    decision.numbers["restored_tensors"] = dict(sorted(read.items()))
                 new = None
             else:
+                if decision.numbers.get("restored"):
+                    raise RuntimeError("reading lost state from a checkpoint needs an adapter that moves itself (move)")
                 new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
         except DiagnosticError as e:  # plan B is no layout the live model takes: nothing moved, no collective ran
             decision.action = "rolled_back"

@@ -219,7 +219,9 @@ def absent(
 ) -> LiveLlama:
     """A live model that this GPU does not hold (``model`` None), made without any collective:
     what a process that joins a running job has under the job's plan until a move gives it state."""
-    return LiveLlama(config, layout, None, None, None, dict(ADAMW if adamw is None else adamw), timeout, head=head, gpu=gpu)
+    return LiveLlama(
+        config, layout, None, None, None, dict(ADAMW if adamw is None else adamw), timeout, head=head, gpu=gpu
+    )
 
 
 def build(

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
+
 from ..ir import Module, bare_name
+from ..runtime import dcp
 from .hf_llama import LiveLlama
 from .llama_reshard import reshard_job
-from .llama_state import check_layout
+from .llama_state import check_layout, export_states, shard_specs
 
 
 class JobAdapter:
@@ -62,6 +65,13 @@ class JobAdapter:
             gpus=self.gpus,
         )
 
+    def save(self, module: Module, plan: str, path: str) -> int:
+        """Every model's shards on this rank under ``plan`` into the DCP checkpoint at ``path``
+        (every rank of the default group calls it); the bytes this rank wrote."""
+        state, _ = export_states(self.lives, module, plan)
+        specs = [s for live in self.lives.values() if live.model is not None for s in shard_specs(live, module, plan)]
+        return dcp.save(state, specs, path, dist.get_rank(), dist.get_world_size())
+
     @property
     def engine_restart_s(self) -> float | None:
         """What restarting the generation engines costs on this job (measured), or None without
@@ -78,13 +88,17 @@ class JobAdapter:
         timeout: float = 60.0,
         faults: tuple = (),
         gpus: list[int] | None = None,
+        restore: str | None = None,
     ) -> None:
         """Plan A -> plan B on every rank; on failure (``TransitionError``, ``DiagnosticError``,
         a collective broken by a rank that died) ``self.lives`` are plan A's models, untouched,
         and the engines too. ``gpus``: the GPU of each rank of the default group, where it was
-        re-formed over the ranks that survived a failure (plan A's models were built on the old)."""
+        re-formed over the ranks that survived a failure (plan A's models were built on the old).
+        ``restore``: the DCP checkpoint the parts no survivor holds come from (``reshard_job``);
+        ``self.restored`` says what was read, by FQN."""
         if gpus is not None:
             self.gpus = list(gpus)
+        self.restored: dict[str, int] = {}
         elsewhere: frozenset[str] = frozenset()
         if self.engines is not None:
             for ms in self.lives:  # every model-stage is checked before the engines or any state moves
@@ -102,6 +116,8 @@ class JobAdapter:
             seed=self.seed,
             elsewhere=elsewhere,
             gpus=self.gpus,
+            restore=restore,
+            restored=self.restored,
         )
         if self.engines is not None and self.engines.move(module, target):
             self.restarts += 1

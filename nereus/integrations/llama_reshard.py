@@ -30,7 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..backend.shards import plan_layout
 from ..ir import DiagnosticError, Module
+from ..runtime.dcp import restore_lost
 from ..runtime.execute import Fault, execute
 from .hf_llama import LiveLlama, build, ir_model
 from .job import restrict
@@ -59,6 +61,8 @@ def reshard_job(
     seed: int = 0,
     elsewhere: frozenset[str] = frozenset(),
     gpus: list[int] | None = None,
+    restore: str | None = None,
+    restored: dict | None = None,
 ) -> dict[str, LiveLlama]:
     """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
     ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
@@ -69,7 +73,9 @@ def reshard_job(
     engines, ``engine_stage``); the transition is then planned on the job without them
     (``job.restrict``), so that no live model's shard comes from, or goes to, them. ``gpus``: the
     GPU id of each rank of the default group (None: rank r is GPU r), as after
-    ``runtime.regroup.reform``; plan A's and plan B's GPUs are the plans' own."""
+    ``runtime.regroup.reform``; plan A's and plan B's GPUs are the plans' own. ``restore``: the
+    DCP checkpoint that the parts of plan B no GPU of the group holds come from (the transition
+    was planned with ``restore``: their GPUs died); ``restored`` gets the bytes read, by FQN."""
     for live in lives.values():
         same_model(live, module)
     problems = []
@@ -105,7 +111,15 @@ def reshard_job(
     steps = torch.tensor([held[ms] for ms in lives], dtype=torch.int64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # ranks off a model's plan-A layout hold no step
     out = {k: v for target in targets.values() for k, v in buffers(target, module, plan_b).items()}
-    new = execute(program, state, timeout=timeout, faults=faults, out=out)
+    new = execute(program, state, timeout=timeout, faults=faults, out=out, restore=restore is not None)
+    if restore is not None:  # what only the dead held, from the checkpoint; the rest came from memory
+        group_gpus = gpus if gpus is not None else list(range(dist.get_world_size()))
+        lay_a, lay_b = plan_layout(module, plan_a), plan_layout(module, plan_b)
+        held = [s for g in group_gpus for s in lay_a.get(g, []) if s.key.model_stage in lives]
+        mine = [s for s in lay_b.get(group_gpus[dist.get_rank()], []) if s.key.model_stage in lives]
+        read = restore_lost(restore, new, mine, held)
+        if restored is not None:
+            restored.update(read)
     for i, target in enumerate(targets.values()):
         load_state(target, module, plan_b, new, int(steps[i]))
     return targets

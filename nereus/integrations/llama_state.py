@@ -55,8 +55,10 @@ def check_layout(module: Module, plan: str, model_stage: str) -> None:
 def live_keep(module: Module):
     """plan-search's ``keep`` for a live job of HF Llamas: of each model-stage's options, those
     ``check_layout`` accepts (generation: vLLM's engines, one pipeline stage), so that the search
-    proposes only layouts the live job can take."""
+    proposes only layouts the live job can take; every stage splits the step's sequences evenly
+    over its DP replicas (``stage_data.rows``), so a DP that does not divide them is dropped."""
     w = next(iter(module.workloads.values()))
+    sequences = w.global_batch * w.group_size
 
     def keep(ms, options, n):
         st = w.stage_of(ms)
@@ -68,7 +70,8 @@ def live_keep(module: Module):
         return [
             o
             for o in options
-            if not layout_problems(
+            if sequences % o.dp == 0
+            and not layout_problems(
                 model,
                 st.kind,
                 job_layout(model, tp=o.tp, dp=o.dp, pp=o.pp, micro_batches=o.micro_batches, stage=st.name, zero=o.zero),
@@ -157,7 +160,8 @@ def layout_problems(model, kind: str, lay, where: str) -> list[Diagnostic]:
     return problems
 
 
-def _specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
+def shard_specs(live: LiveLlama, module: Module, plan: str) -> list[ShardSpec]:
+    """This GPU's shards of ``live``'s model-stage under ``plan``."""
     return [s for s in plan_layout(module, plan).get(live.gpu, []) if s.key.model_stage == live.layout.model_stage]
 
 
@@ -185,7 +189,7 @@ def buffers(live: LiveLlama, module: Module, plan: str) -> LocalState:
         return {}
     params = live.params()
     with torch.no_grad():
-        return {s.key: live_tensor(live, params, s) for s in _specs(live, module, plan) if s.key.state != "master"}
+        return {s.key: live_tensor(live, params, s) for s in shard_specs(live, module, plan) if s.key.state != "master"}
 
 
 def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState, int]:
@@ -196,7 +200,7 @@ def export_state(live: LiveLlama, module: Module, plan: str) -> tuple[LocalState
     steps = {int(s["step"]) for s in live.optimizer.state.values()} if live.optimizer is not None else {0}
     if len(steps) != 1:
         raise ValueError(f"AdamW's parameters are at different steps {sorted(steps)}")
-    specs, params = _specs(live, module, plan), live.params()
+    specs, params = shard_specs(live, module, plan), live.params()
     unnamed = sorted(set(params) - {s.key.tensor for s in specs})
     if unnamed:
         raise ValueError(f"plan @{plan} holds no shard of the live parameters {', '.join(unnamed[:3])} on this rank")
@@ -220,7 +224,7 @@ def load_state(live: LiveLlama, module: Module, plan: str, state: LocalState, st
     optimizer, bit for bit. Raises where a key is missing or ``master`` differs from ``weight``."""
     if live.model is None:
         return
-    specs, params = _specs(live, module, plan), live.params()
+    specs, params = shard_specs(live, module, plan), live.params()
     missing = [str(s.key) for s in specs if s.key not in state]
     if missing:
         raise KeyError(

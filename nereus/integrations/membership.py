@@ -144,12 +144,16 @@ class Membership:
             regroup_s=round(t2 - t1, 4),
             regroup_gpus=list(alive),
         )
-        if decision.action != "transition":
+        held = {g for lay in self.module.plans[self.plan].layouts.values() for g in lay.mesh}
+        if decision.action != "transition" and held & set(dead):
             raise RuntimeError(
                 f"GPUs {dead} died and the job cannot go on live on GPUs {alive}: {decision.message}"
             ) from cause
-        decision = self._apply(decision)  # type: ignore[attr-defined]
-        if decision.action != "transition":
+        if decision.action != "transition":  # the dead held nothing of the plan: it goes on where it was
+            self._rebuild()
+        else:
+            decision = self._apply(decision)  # type: ignore[attr-defined]
+        if decision.action not in ("transition", "stay"):
             raise RuntimeError(f"GPUs {dead} died and the move to the survivors failed: {decision.message}") from cause
         self.failures.append(
             {

@@ -191,6 +191,12 @@ TRANSITION_ATTRS = [
     AttrSpec(
         "lower_bound", "size", default=None, doc="sum over GPUs of the destination bytes the GPU does not hold already"
     ),
+    AttrSpec(
+        "restored",
+        "size",
+        default=None,
+        doc="bytes of plan B that no surviving GPU holds, read from the last checkpoint (plan-transition restore)",
+    ),
     AttrSpec("makespan", "time", default=None, doc="scheduled duration (schedule-transfers)"),
     AttrSpec(
         "port_bound",
@@ -322,6 +328,7 @@ class Transition:
     ops: list[Op] = field(default_factory=list)  # in dependency order; ``Op.deps`` holds the edges
     bytes_moved: int | None = None  # bytes received over links, once per receiving GPU (plan-transition)
     lower_bound: int | None = None  # bytes: sum over GPUs of the destination bytes not already there
+    restored: int | None = None  # bytes no surviving GPU holds, read from a checkpoint instead (``restore``)
     makespan: float | None = None  # seconds, the scheduled duration (schedule-transfers)
     port_bound: float | None = None  # seconds: the busiest GPU port's work; no schedule is shorter
     schedule_status: str | None = None  # optimal | feasible (CP-SAT)

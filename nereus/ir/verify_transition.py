@@ -50,9 +50,12 @@ def verify_transitions(m: Module, sink: DiagnosticSink) -> None:
 
 def _destinations_complete(m: Module, t: Transition, sink: DiagnosticSink) -> None:
     """After all operations, every slice of every destination EMU is held: delivered by an
-    operation, or kept in place (the same model-stage's identical slice on the same GPU, not freed)."""
+    operation, or kept in place (the same model-stage's identical slice on the same GPU, not freed).
+    A transition planned with ``restore`` (``restored`` set) leaves the slices only failed GPUs
+    held to a read from a checkpoint at run time (``runtime.dcp.restore_lost``, which works out
+    the same slices from the survivors' shards): it is not held to this."""
     target_emus = [e for e in m.emus.values() if e.plan == t.target]
-    if not target_emus:
+    if not target_emus or t.restored is not None:
         return
     delivered: dict[tuple, list] = defaultdict(list)
     freed: set[tuple] = set()

@@ -67,6 +67,8 @@ from torch.distributed.checkpoint.planner_helpers import (
 
 from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
+Box = tuple[tuple[int, int], ...]  # half-open spans of every dimension (ir.emu.Box)
+
 METADATA_FILE = ".metadata"  # what FileSystemWriter's coordinator writes next to the data files
 
 
@@ -178,6 +180,63 @@ def load(path: str | os.PathLike, specs: list[ShardSpec], rank: int, world: int)
     sd = {fqn(s.key): state[s.key] for s in specs}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=BoxLoadPlanner({fqn(s.key): s for s in specs}))
     return state
+
+
+def uncovered(box: Box, others: list[Box]) -> list[Box]:
+    """The parts of ``box`` that no box of ``others`` covers, as boxes: the cells of the grid that
+    every box's edges cut ``box`` into, those outside every other box (adjacent cells along the
+    first dimension merged)."""
+    inside = [o for o in others if all(lo < ohi and olo < hi for (lo, hi), (olo, ohi) in zip(box, o))]
+    cuts = []
+    for d, (lo, hi) in enumerate(box):
+        edges = {lo, hi} | {e for o in inside for e in o[d] if lo < e < hi}
+        cuts.append(sorted(edges))
+    cells: list[Box] = [()]
+    for edges in cuts:
+        cells = [c + ((a, b),) for c in cells for a, b in zip(edges, edges[1:])]
+    lost = [
+        c for c in cells if not any(all(olo <= lo and hi <= ohi for (lo, hi), (olo, ohi) in zip(c, o)) for o in inside)
+    ]
+    merged: list[Box] = []
+    for c in lost:  # cells come in order of the first dimension last-varying: merge runs along dim 0
+        for i, m in enumerate(merged):
+            if m[1:] == c[1:] and m[0][1] == c[0][0]:
+                merged[i] = ((m[0][0], c[0][1]),) + m[1:]
+                break
+        else:
+            merged.append(c)
+    return merged
+
+
+def restore_lost(
+    path: str | os.PathLike, state: LocalState, specs: list[ShardSpec], held: list[ShardSpec]
+) -> dict[str, int]:
+    """Fill, in ``state``, the parts of this rank's plan-B shards (``specs``) that no surviving
+    GPU's plan-A shard covers (``held``: every survivor's plan-A shards) from the DCP checkpoint
+    at ``path``, saved under any layout; leaves every other byte as it is (moved from live
+    memory). Collective over the default group: every rank calls it, with something to read or
+    not (one DCP load per round; a shard missing several boxes takes several rounds). Returns
+    the bytes read, by FQN."""
+    by_key: dict = {}
+    for h in held:
+        by_key.setdefault(h.key, []).append(h.box)
+    reads: list[list[tuple[ShardSpec, ShardSpec]]] = []  # rounds of (part to read, the shard it lands in)
+    for s in specs:
+        for i, part in enumerate(uncovered(s.box, by_key.get(s.key, []))):
+            while len(reads) <= i:
+                reads.append([])
+            reads[i].append((ShardSpec(s.key, s.shape, part, s.dtype), s))
+    rounds = torch.tensor([len(reads)])
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    read: dict[str, int] = {}
+    for i in range(int(rounds)):
+        todo = reads[i] if i < len(reads) else []
+        got = load(path, [part for part, _ in todo], dist.get_rank(), dist.get_world_size())
+        for part, s in todo:
+            region = tuple(slice(lo - slo, hi - slo) for (lo, hi), (slo, _) in zip(part.box, s.box))
+            state[s.key][region].copy_(got[part.key])
+            read[fqn(s.key)] = read.get(fqn(s.key), 0) + part.nbytes
+    return read
 
 
 def dcp_reshard(

@@ -427,10 +427,12 @@ class _Rank:
                 raise TransitionError(f"rank {self.rank}: broadcast #{msg.id} from rank {root} arrived corrupted")
             self.unpack(msg, buf)
 
-    def commit(self) -> LocalState:
+    def commit(self, restore: bool = False) -> LocalState:
         out: LocalState = {}
         offload = {k for s in self.prog.steps.get(self.rank, []) if s.kind == "offload" for k in s.keys}
         for spec in self.prog.dst.get(self.rank, []):
+            if restore and spec.key not in self.new:  # wholly read from the checkpoint by the caller
+                self.new[spec.key] = self.fresh(spec.key)
             t = self.new[spec.key]
             out[spec.key] = t.to("cpu") if spec.key in offload else t
         return out
@@ -524,8 +526,13 @@ def execute(
     memory_limit: int | None = None,
     out: LocalState | None = None,
     group=None,
+    restore: bool = False,
 ) -> LocalState:
     """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
+
+    ``restore``: the transition was planned with ``restore`` (what only failed GPUs held is read
+    from a checkpoint afterwards): a destination shard that no operation writes is returned
+    allocated, not filled, for the caller to fill (``checkpoint_fill``).
 
     ``group``: the process group whose ranks the program's ranks are (default: the default
     group), so that a job that shrank runs transitions on the ranks that remain; only its
@@ -587,4 +594,4 @@ def execute(
             unresponsive=failed is None,
             reason=why,
         ) from error
-    return me.commit()
+    return me.commit(restore)

@@ -6,10 +6,10 @@ wait ends at the process group's timeout. Neither says *who* died, nor whether e
 saw it. torchft answers with a lighthouse process that collects heartbeats; here the job's own
 rendezvous store (torchrun's agent store, or the ``MASTER_ADDR:MASTER_PORT`` server) does it:
 
-- ``Heartbeat(store, gpu)``: a daemon thread that adds 1 to ``nereus/beat/{gpu}`` every
+- ``Heartbeat(store, gpu)``: a daemon thread that adds 1 to ``beat/{gpu}`` every
   ``interval`` seconds while the process lives (a counter, not a clock: hosts' clocks differ);
 - ``survivors(store, members, me, event)``: called by every rank that saw a failure. It marks
-  ``nereus/alive/{event}/{me}``, then waits until every member either marked itself too (alive:
+  ``alive/{event}/{me}``, then waits until every member either marked itself too (alive:
   it saw the failure and got here) or let its beat stand still for ``stale`` seconds (dead). A
   live rank still waiting in a collective keeps beating, so it is waited for, never dropped:
   every survivor returns the same set. The wait is bounded by ``timeout`` (a ``TimeoutError``).
@@ -25,13 +25,14 @@ import time
 
 import torch.distributed as dist
 
-BEAT = "nereus/beat/{}"
-ALIVE = "nereus/alive/{}/{}"
+BEAT = "beat/{}"
+ALL = "beat/all"  # every beat of every rank adds 1 here too (a launcher sees the job is alive)
+ALIVE = "alive/{}/{}"
 
 
 class Heartbeat:
-    """A daemon thread beating ``nereus/beat/{gpu}`` in ``store`` every ``interval`` seconds, on
-    a connection of its own (``store.clone()``: a store client is not safe across threads)."""
+    """A daemon thread beating ``beat/{gpu}`` in ``store`` (``regroup.job_store``) every
+    ``interval`` seconds, on a connection of its own (``store.clone()``: a store client is not safe across threads)."""
 
     def __init__(self, store: dist.Store, gpu: int, interval: float = 0.25):
         self.store, self.key, self.interval = store.clone(), BEAT.format(gpu), interval
@@ -44,6 +45,7 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             try:
                 self.store.add(self.key, 1)
+                self.store.add(ALL, 1)
             except Exception:  # noqa: BLE001 - the store's host is gone: nothing to beat into
                 return
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from nereus.backend.shards import plan_layout
+from nereus.backend.shards import ShardSpec, plan_layout
 from nereus.integrations.llama_adapter import JobAdapter
 from nereus.integrations.llama_state import export_states
 from nereus.runtime.execute import Fault
@@ -79,6 +79,10 @@ class CheckedAdapter(JobAdapter):
                 }
             )
             raise
+        restore = kwargs.get("restore")
+        ckpt_agrees = None
+        if restore is not None:  # the survivors' gather lacks what only the dead held: it is the checkpoint's
+            ckpt_agrees = from_checkpoint(full, restore)
         state_b, steps_b = export_states(self.lives, module, target)
         models = {}
         for ms, live in self.lives.items():
@@ -92,8 +96,32 @@ class CheckedAdapter(JobAdapter):
                 "exact": all(torch.equal(state_b[s.key], cut(full[s.key], s.box)) for s in specs),
             }
         self.checks.append(
-            {"source": source, "target": target, "models": models, "steps_a": steps_a, "steps_b": steps_b}
+            {
+                "source": source,
+                "target": target,
+                "models": models,
+                "steps_a": steps_a,
+                "steps_b": steps_b,
+                "restored": getattr(self, "restored", {}),
+                "checkpoint_agrees": ckpt_agrees,
+            }
         )
+
+
+def from_checkpoint(full: dict, path: str) -> bool:
+    """Fill the parts of the gathered full tensors that no survivor held (NaN) from the DCP
+    checkpoint at ``path`` (every rank reads every tensor whole); whether the checkpoint equals the
+    survivors' state everywhere they held it (a checkpoint of the state the failure found)."""
+    from nereus.runtime import dcp
+
+    specs = [ShardSpec(k, tuple(t.shape), tuple((0, n) for n in t.shape), "fp32") for k, t in sorted(full.items())]
+    saved = dcp.load(path, specs, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    agrees = True
+    for k, t in full.items():
+        lost = torch.isnan(t)
+        agrees &= torch.equal(saved[k][~lost], t[~lost])
+        t[lost] = saved[k][lost]
+    return bool(agrees)
 
 
 def run(

@@ -259,3 +259,36 @@ def test_a_process_joins_the_running_job_and_receives_its_state_by_a_transition(
     assert [h["step"] for h in joiner["history"]] == [1, 2] and joiner["active"]
     assert [h["step"] for h in results[0]["history"]] == [0, 1, 2]
     _one_loss_per_step(results)
+
+
+@pytest.mark.slow
+def test_a_zero_shard_lost_with_its_rank_comes_back_from_the_checkpoint_and_only_it(tmp_path):
+    """The actor runs under FSDP2 over 4 ranks (ZeRO-3: each rank alone holds its quarter of the
+    weights and Adam moments) and the job saves a DCP checkpoint after every step. Rank 3 dies by
+    SIGKILL in step 2: its quarter is nowhere in live memory. The transition to the survivors is
+    planned with ``restore``: every byte a survivor holds moves from memory, and only what the dead
+    rank alone held is read from the checkpoint (``restored`` = the lower bound less the bytes
+    moved, listed tensor by tensor in the decision log). Each survivor's plan-B state equals the
+    survivors' gathered state with the lost quarter from the checkpoint, which agrees with the
+    survivors wherever they held the state; the losses are those of a run where nothing died."""
+    log, ckpt = tmp_path / "decisions.jsonl", tmp_path / "ckpt"
+    base = ["--steps", "4", "--leave-step", "-1", "--stay", "--tp", "1", "--dp", "4", "--zero", "3"]
+    base += ["--quiet", "--timeout", "30", "--pg-timeout", "10"]
+    argv = base + ["--kill-step", "2", "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt)]
+    results = run_local(w.run, 4, argv + ["--decision-log", str(log)], timeout=240, dies=(3,))
+    made, applied = decisions(log)
+    (moved,) = applied
+    n = moved["numbers"]
+    assert moved["step"] == 2 and n["failed_gpus"] == [3] and n["restored_from"] == str(ckpt / "step_2")
+    assert n["restored"] > 0 and n["bytes_moved"] + n["restored"] == n["lower_bound"], n
+    assert sum(n["restored_tensors"].values()) == n["restored"]
+    assert {name.split(":")[0] for name in n["restored_tensors"]} == {"actor.train"}  # the reference is replicated
+    assert {name.split(":")[1] for name in n["restored_tensors"]} == {"weight", "master", "exp_avg", "exp_avg_sq"}
+    for res in results[:3]:
+        (check,) = res["checks"]
+        assert check["checkpoint_agrees"], check
+        assert all(m["exact"] and m["same_keys"] for m in check["models"].values() if m["in_b"]), check
+        assert [h["step"] for h in res["history"]] == [0, 1, 2, 3]
+    assert results[3] is None
+    reference = run_local(w.run, 4, base, timeout=240)
+    assert _one_loss_per_step(results[:3]) == pytest.approx(_one_loss_per_step(reference), rel=1e-4, abs=1e-7)

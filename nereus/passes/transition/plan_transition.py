@@ -82,7 +82,13 @@ def group_optimizer_states(src_all: dict, dst_all: dict) -> tuple[dict, dict]:
 
 
 def plan_transition(
-    m: Module, source: str, target: str, name: str, lost: set[int] | None = None, bound: int | None = None
+    m: Module,
+    source: str,
+    target: str,
+    name: str,
+    lost: set[int] | None = None,
+    bound: int | None = None,
+    restore: bool = False,
 ) -> Transition:
     """Build the transition graph; see the module docstring. Needs both plans' EMUs
     (``derive-emus``; the pass declares it and the pass manager runs it).
@@ -91,6 +97,9 @@ def plan_transition(
     an empty set for GPUs that leave with notice (a planned scale-in): they still send.
     ``bound``: the lower bound, where the caller has it for the same plans and ``lost`` (remap's
     ``after``: the same sum, from its reuse matrix); otherwise ``lower_bound`` computes it.
+    ``restore``: slices of plan B that no surviving GPU holds (they were only on lost GPUs: a ZeRO
+    shard, a pipeline stage without a replica) are not an error but left to a read from the last
+    checkpoint, their bytes recorded as ``restored`` (``bytes_moved + restored == lower_bound``).
     """
     cluster = m.clusters[m.plans[target].cluster]
     # GPUs that failed since plan A (unavailable in plan B's cluster) hold nothing any more
@@ -99,22 +108,30 @@ def plan_transition(
         # the planner's look-ups (millions of small containers at 1,024 GPUs) are gone when
         # ``_plan`` returns, before the collector resumes: its first collection then walks the
         # operations only (1.6 s of collection after the step-933 move of combined, not 2.9 s)
-        ops, bytes_moved = _plan(m, source, target, cluster, lost)
+        ops, bytes_moved, restored = _plan(m, source, target, cluster, lost, restore)
         # inside the pause too: with the collector back on, the sets it builds would have it
         # traverse every operation just made, again and again (8.6 of 10.5 s at 961,320 operations)
         if bound is None:
             bound = lower_bound(m, source, target, lost)
-    return Transition(name=name, source=source, target=target, ops=ops, bytes_moved=bytes_moved, lower_bound=bound)
+    return Transition(
+        name=name,
+        source=source,
+        target=target,
+        ops=ops,
+        bytes_moved=bytes_moved,
+        lower_bound=bound,
+        restored=restored if restore else None,
+    )
 
 
-def _plan(m: Module, source: str, target: str, cluster, lost: set[int]):
+def _plan(m: Module, source: str, target: str, cluster, lost: set[int], restore: bool = False):
     """The operations and the bytes they move (``plan_transition``'s work, in the collector's pause)."""
     for p in (source, target):
         m.require_emus(p, "plan-transition")
     src_all, dst_all = plan_holdings(m, source), plan_holdings(m, target)
     src_all = {k: [p for p in v if p.gpu not in lost] for k, v in src_all.items()}
     src_all, dst_all = group_optimizer_states(src_all, dst_all)
-    planner = Planner(m, source, target, cluster, src_all, dst_all)
+    planner = Planner(m, source, target, cluster, src_all, dst_all, restore)
     planner.expect({key: (src_all.get(key, []), dst_all[key]) for key in sorted(dst_all)})
     for key in sorted(dst_all):
         planner.family(key, src_all.get(key, []), dst_all[key])
@@ -122,7 +139,7 @@ def _plan(m: Module, source: str, target: str, cluster, lost: set[int]):
     problems = planner.frees_and_memory()
     if problems:
         raise DiagnosticError(problems)
-    return planner.ops, planner.bytes_moved
+    return planner.ops, planner.bytes_moved, planner.restored
 
 
 @register
@@ -131,7 +148,8 @@ class PlanTransition(ModulePass):
     """Options: ``to`` (``@plan_b``), ``source`` (``@plan_a``; default: the other plan of the job),
     ``into`` (name of the transition), ``drain`` (true: GPUs plan B cannot use leave with notice
     and still send; default false: they failed and their state is lost), ``lost`` (``[GPUs]``:
-    exactly these failed; the others plan B cannot use still send). The lower bound is the one
+    exactly these failed; the others plan B cannot use still send), ``restore`` (true: what only
+    lost GPUs held is read from the last checkpoint instead of failing the pass). The lower bound is the one
     ``remap`` left in the module's analyses for the same plans, EMUs and lost GPUs, where it ran."""
 
     name = "plan-transition"
@@ -140,6 +158,7 @@ class PlanTransition(ModulePass):
     into: Ref = ""
     drain: bool = False
     lost: Gpus = None
+    restore: bool = False
 
     def requires(self, module: Module) -> list[ModulePass]:
         return emus_required(module, *plan_pair(module, self.name, self.source, self.to))
@@ -149,4 +168,6 @@ class PlanTransition(ModulePass):
         name = self.into or f"{source}_to_{target}"
         lost = lost_gpus(module, self.name, target, self.drain, self.lost)
         bound = module.analyses.find(module, "lower-bound", (source, target), frozenset(lost))
-        module.transitions[name] = plan_transition(module, source, target, name, lost=lost, bound=bound)
+        module.transitions[name] = plan_transition(
+            module, source, target, name, lost=lost, bound=bound, restore=self.restore
+        )

@@ -37,8 +37,11 @@ class Planner:
     """The operations of one transition, family by family. A piece is named by its number
     (``_index`` of its family plus its position), so that bookkeeping hashes integers."""
 
-    def __init__(self, m: Module, source: str, target: str, cluster, src_all, dst_all) -> None:
+    def __init__(self, m: Module, source: str, target: str, cluster, src_all, dst_all, restore: bool = False) -> None:
         self.m, self.source, self.target, self.cluster = m, source, target, cluster
+        # restore: the cells of plan B that no GPU of plan A holds (their GPUs failed) are left to
+        # a read from the last checkpoint (counted, per receiving GPU, in ``restored``)
+        self.restore, self.restored = restore, 0
         self.plan_a, self.plan_b = m.plans[source], m.plans[target]
         self.src_all, self.dst_all = src_all, dst_all
         self.sbase, self.dbase = _index(src_all), _index(dst_all)
@@ -124,6 +127,9 @@ class Planner:
         """Keep, copy, send and broadcast the cells of one (model, state, family)."""
         model_name, state, family = key
         _, itemsize, per_layer = family_spec(self.m, model_name, state, family)
+        if not srcs and self.restore:
+            self.restored += sum(volume(p.region) for p in dsts) * itemsize
+            return
         if not srcs:
             raise DiagnosticError(
                 [
@@ -309,6 +315,9 @@ class Planner:
         sizes = grid.sizes(missing_cells).tolist()
         for c, size, parts in zip(missing_cells, sizes, parts_of):
             gs = holders.get(c)
+            if not gs and self.restore:
+                self.restored += size * itemsize * sum(len(pieces_of[part]) for part in parts)
+                continue
             if not gs:
                 model_name, state, family = key
                 raise DiagnosticError(
