@@ -222,9 +222,20 @@ class Controller(Membership):
             self.last = self._recover(e)
             self.redo = True
             return
+        self._next_step()
+
+    def _next_step(self) -> None:
+        """The step is done: counted, and the checkpoint saved where one is due (a rank that dies
+        in the save is recovered from; the step stays done)."""
         self.step_no += 1
-        if self.checkpoint_dir is not None and self.checkpoint_every and self.step_no % self.checkpoint_every == 0:
+        if self.checkpoint_dir is None or not self.checkpoint_every or self.step_no % self.checkpoint_every:
+            return
+        try:
             self._save()
+        except Exception as e:
+            if not peer_failure(e):
+                raise
+            self.last = self._recover(e)
 
     def _save(self) -> None:
         """The job's state after this step into ``checkpoint_dir/step_N`` (DCP, every rank)."""

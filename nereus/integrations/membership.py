@@ -256,5 +256,5 @@ class Membership:
         ctl.adapter = adapter_for(ctl.module, ctl.plan, gpu)
         ctl._stale = True
         ctl.last = ctl._conclude(state["record"])  # type: ignore[attr-defined]
-        ctl.step_no += 1
+        ctl._next_step()  # type: ignore[attr-defined]
         return ctl
