@@ -16,6 +16,7 @@ BENCHMARKS = {
     "calibrate": "calibrate_bench",
     "controller": "controller_bench",
     "push": "push_bench",
+    "elastic": "elastic_bench",
     "validate": "validate_bench",
 }
 

@@ -22,6 +22,7 @@ change on a move (``model`` is None on a rank that a model's plan-B layout does 
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch.distributed as dist
 
@@ -40,6 +41,7 @@ class JobAdapter:
         self.restarts = 0
         self.gpus: list[int] | None = None  # the GPU id of each rank of the default group (None: rank == GPU)
         self.regroups = 0
+        self._held: tuple | None = None  # (state, steps) kept by ``detach`` for the next move
 
     @property
     def regroupable(self) -> bool:
@@ -63,7 +65,27 @@ class JobAdapter:
             transition=f"{bare_name(plan)}_regroup_{len(gpus)}",
             seed=self.seed,
             gpus=self.gpus,
+            exported=self._held,
         )
+        self._held = None
+
+    def detach(self, module: Module, plan: str) -> None:
+        """After ranks died, before the group is re-formed: this rank's state under ``plan`` kept
+        as plain local tensors and the live models (modules, optimizers, DDP, meshes) dropped, so
+        that the process groups they hold are freed and close their connections: a rank still
+        waiting on this one in a collective fails at once instead of at its group's timeout
+        (gloo's waits cannot be aborted). The next ``move`` (or ``regroup``) starts from that
+        state; nothing else can run on these models any more."""
+        self._held = export_states(self.lives, module, plan)
+        for live in self.lives.values():  # in place: a training loop may still hold these objects
+            live.model = live.optimizer = live.runner = live.mesh = None
+            live.named, live.schedules, live.loss_fn = {}, {}, None
+        gc.collect()
+
+    def exported(self, module: Module, plan: str) -> tuple:
+        """This rank's state under ``plan`` and each model's AdamW step: the live models', or what
+        ``detach`` kept of them."""
+        return self._held if self._held is not None else export_states(self.lives, module, plan)
 
     def save(self, module: Module, plan: str, path: str) -> int:
         """Every model's shards on this rank under ``plan`` into the DCP checkpoint at ``path``
@@ -118,7 +140,9 @@ class JobAdapter:
             gpus=self.gpus,
             restore=restore,
             restored=self.restored,
+            exported=self._held,
         )
+        self._held = None
         if self.engines is not None and self.engines.move(module, target):
             self.restarts += 1
         self.module, self.plan = module, target

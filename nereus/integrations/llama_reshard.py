@@ -63,6 +63,7 @@ def reshard_job(
     gpus: list[int] | None = None,
     restore: str | None = None,
     restored: dict | None = None,
+    exported: tuple | None = None,
 ) -> dict[str, LiveLlama]:
     """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
     ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
@@ -75,7 +76,9 @@ def reshard_job(
     GPU id of each rank of the default group (None: rank r is GPU r), as after
     ``runtime.regroup.reform``; plan A's and plan B's GPUs are the plans' own. ``restore``: the
     DCP checkpoint that the parts of plan B no GPU of the group holds come from (the transition
-    was planned with ``restore``: their GPUs died); ``restored`` gets the bytes read, by FQN."""
+    was planned with ``restore``: their GPUs died); ``restored`` gets the bytes read, by FQN.
+    ``exported``: plan A's state and AdamW steps of this rank, taken before the live models were
+    dropped (``JobAdapter.detach``), in place of the live models'."""
     for live in lives.values():
         same_model(live, module)
     problems = []
@@ -107,7 +110,7 @@ def reshard_job(
         )
         for ms, live in lives.items()
     }
-    state, held = export_states(lives, module, plan_a)
+    state, held = exported if exported is not None else export_states(lives, module, plan_a)
     steps = torch.tensor([held[ms] for ms in lives], dtype=torch.int64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # ranks off a model's plan-A layout hold no step
     out = {k: v for target in targets.values() for k, v in buffers(target, module, plan_b).items()}

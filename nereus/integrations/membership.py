@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import pickle
 import time
+import traceback
 from dataclasses import replace
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ..control import Decision, DecisionCore, StepRecord
 from ..ir import DiagnosticError, Module
@@ -51,6 +53,22 @@ def peer_failure(e: BaseException) -> bool:
     """Whether ``e`` may come of a rank that died: what torch.distributed raises (gloo's
     ``RuntimeError``, ``DistError``s, timeouts, broken connections), not a caller's mistake."""
     return isinstance(e, (RuntimeError, TimeoutError, ConnectionError)) and not isinstance(e, DiagnosticError)
+
+
+def close_groups() -> None:
+    """Every process group of this process shut down and the default group destroyed: their
+    connections close at once, so that a rank still waiting in a collective on this one (not on
+    the dead rank) fails now instead of at its group's timeout. The groups the live models still
+    hold close when those let go of them (``JobAdapter.detach``); the move to the survivors
+    rebuilds the models."""
+    if not dist.is_initialized():
+        return
+    for pg in list(c10d._world.pg_map):
+        try:
+            pg.shutdown()
+        except Exception:  # noqa: BLE001 - a group broken beyond shutting down: destroyed below
+            pass
+    dist.destroy_process_group()
 
 
 # the decision core's fields a joiner takes from the leader (all but the search filter and the log)
@@ -121,6 +139,15 @@ class Membership:
         failed step is not counted. Raises ``error`` where every member is alive (it was no
         rank's death), and a ``RuntimeError`` where the survivors cannot go on live."""
         t0 = time.perf_counter()
+        if not isinstance(error, PeersLost):
+            # the failed step's frames (the training code's locals: models, DDP, their groups)
+            # let go, then the groups, then the live models (``detach``)
+            tb = error.__traceback__
+            if tb is not None:
+                traceback.clear_frames(tb.tb_next or tb)
+            close_groups()
+            if hasattr(self.adapter, "detach"):  # the live models let go of their groups too
+                self.adapter.detach(self.module, self.plan)
         alive = error.alive if isinstance(error, PeersLost) else self._survivors()
         cause = error.cause if isinstance(error, PeersLost) else error
         if alive == self.members:

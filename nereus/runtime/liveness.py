@@ -34,7 +34,7 @@ class Heartbeat:
     """A daemon thread beating ``beat/{gpu}`` in ``store`` (``regroup.job_store``) every
     ``interval`` seconds, on a connection of its own (``store.clone()``: a store client is not safe across threads)."""
 
-    def __init__(self, store: dist.Store, gpu: int, interval: float = 0.25):
+    def __init__(self, store: dist.Store, gpu: int, interval: float = 0.1):
         self.store, self.key, self.interval = store.clone(), BEAT.format(gpu), interval
         self._stop = threading.Event()
         self.store.add(self.key, 1)  # the first beat before the constructor returns
@@ -61,7 +61,7 @@ def survivors(
     event: int,
     *,
     timeout: float = 60.0,
-    stale: float = 3.0,
+    stale: float = 1.5,
     poll: float = 0.05,
 ) -> list[int]:
     """The members (GPU ids) alive after a failure, ascending; see the module docstring. ``me``

@@ -38,7 +38,7 @@ class CheckedAdapter(JobAdapter):
     def regroup(self, module, plan: str, gpus: list[int]) -> None:
         """Every model's state under ``plan`` on this GPU before the default group was re-formed
         against after: the same shards, bit for bit, and the same AdamW steps."""
-        before, steps = export_states(self.lives, module, plan)
+        before, steps = self.exported(module, plan)
         before = {k: v.clone() for k, v in before.items()}
         super().regroup(module, plan, gpus)
         after, steps_after = export_states(self.lives, module, plan)
@@ -60,7 +60,7 @@ class CheckedAdapter(JobAdapter):
         if kwargs.get("gpus") is not None:  # the default group was re-formed over the survivors of a failure
             self.gpus = list(kwargs["gpus"])
         rank = self.gpu()
-        state_a, steps_a = export_states(self.lives, module, source)
+        state_a, steps_a = self.exported(module, source)
         full = gather_full(state_a, self.specs(module, source, rank))
         try:
             super().move(module, source, target, **kwargs)
