@@ -85,7 +85,7 @@ def _model_key(model: Model) -> tuple:
 
 
 @lru_cache(maxsize=32)
-def _program(model_key: tuple, src: tuple, dst: tuple, world: int) -> Program:
+def _program(model_key: tuple, src: tuple, dst: tuple, world: int, broadcast: str = "auto") -> Program:
     model = Model(**dict(model_key))
     kind = "train" if model.trained else "infer"
     layouts = {
@@ -93,14 +93,14 @@ def _program(model_key: tuple, src: tuple, dst: tuple, world: int) -> Program:
         for name, spec in (("a", src), ("b", dst))
     }
     m = training_job(model, layouts, world)
-    return plan_move(m, "a", "b", "t", world)
+    return plan_move(m, "a", "b", "t", world, broadcast=broadcast)
 
 
-def program(model: Model | dict, src: dict, dst: dict, world: int) -> Program:
+def program(model: Model | dict, src: dict, dst: dict, world: int, broadcast: str = "auto") -> Program:
     """The lowered program of the reshard (planned once per arguments; every rank gets the same)."""
     if not all(isinstance(x, dict) for x in (src, dst)):
         raise TypeError("layouts are dicts of tp, pp, dp, cp, zero and mesh")
-    return _program(_model_key(_model(model)), _frozen(src), _frozen(dst), world)
+    return _program(_model_key(_model(model)), _frozen(src), _frozen(dst), world, broadcast)
 
 
 def reshard_shards(model: Model | dict, layout: dict, rank: int, world: int | None = None) -> dict[str, ShardSpec]:
@@ -126,11 +126,14 @@ def reshard(
     timeout: float = 60.0,
     device: torch.device | str | None = None,
     out: dict[str, torch.Tensor] | None = None,
+    group=None,
 ) -> dict[str, torch.Tensor]:
     """This rank's shards under ``dst`` from its shards under ``src`` (see the module docstring).
-    ``out``: existing buffers to fill in place for some destination shards."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prog = program(model, src, dst, world)
+    ``out``: existing buffers to fill in place for some destination shards. ``group``: the process
+    group the layouts' ranks are ranks of (default: the default group; a group of some ranks runs
+    the move alone, its broadcasts as chains of point-to-point messages, no subgroups made)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    prog = program(model, src, dst, world, "auto" if group is None else "chain")
     keys = {_name(s.key): s.key for spec in (prog.src, prog.dst) for s in spec.get(rank, [])}
     want = {_name(s.key) for s in prog.src.get(rank, [])}
     missing, extra = want - set(state), set(state) - want
@@ -146,5 +149,6 @@ def reshard(
         device=device,
         timeout=timeout,
         out={keys[k]: t for k, t in (out or {}).items()},
+        group=group,
     )
     return {_name(k): t for k, t in new.items()}

@@ -26,3 +26,12 @@ def test_optimizer_state_moves_under_zero_over_dp_and_cp():
 def test_a_layout_the_model_cannot_take_is_a_diagnostic_before_any_message():
     with pytest.raises(nereus.DiagnosticError, match="tp = 3 does not divide heads = 8"):
         nereus.reshard_shards(w.RESHARD_MODEL, {"tp": 3}, 0, world=4)
+
+
+def test_a_reshard_runs_in_a_process_group_of_some_ranks_while_the_world_does_something_else():
+    """``nereus.reshard(group=)``: ranks 1-3 move TP 3 -> DP 3 (a broadcast-heavy move, chained
+    inside the group) while rank 0, outside it, all-reduces with rank 1 before and after; every
+    shard bit-exact."""
+    results = run_local(w.run_reshard_in_subgroup, 4, {"tp": 1, "dp": 1, "pp": 3}, {"dp": 3}, timeout=180)
+    assert [r["bad"] for r in results] == [[], [], [], []]
+    assert [r["sums"] for r in results] == [[2.0, 2.0], [2.0, 2.0], [], []]

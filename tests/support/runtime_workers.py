@@ -201,3 +201,40 @@ def shrink_twice(rank: int, world: int) -> dict:
             dist.all_reduce(ones, group=pair)
         out["after"].append((new, dist.get_world_size(), float(total), float(ones)))
     return out
+
+
+def run_reshard_in_subgroup(rank: int, world: int, src: dict, dst: dict) -> dict:
+    """``nereus.reshard(group=)`` on ranks 1..world-1 (their group's ranks 0..world-2) while rank 0
+    runs all-reduces of its own on another group with rank 1 before and after: the move never
+    touches the default world. Returns the problems and what rank 0 summed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    init_from_env(timeout=30)
+    bound = datetime.timedelta(seconds=30)
+    movers = dist.new_group(list(range(1, world)), timeout=bound)
+    pair = dist.new_group([0, 1], timeout=bound)
+    model = dict(RESHARD_MODEL, trained=False)
+    out: dict = {"rank": rank, "bad": [], "sums": []}
+    if rank in (0, 1):  # something else the world does, next to the move
+        ones = torch.ones(4)
+        dist.all_reduce(ones, group=pair)
+        out["sums"].append(float(ones[0]))
+    if rank == 0:
+        ones = torch.ones(4)
+        dist.all_reduce(ones, group=pair)  # waits for rank 1, which moves first
+        out["sums"].append(float(ones[0]))
+        return out
+    me = rank - 1  # this rank in the movers' group
+    n = world - 1
+    state = {k: cut(full_tensor(s), s.box).clone() for k, s in nereus.reshard_shards(model, src, me, world=n).items()}
+    new = nereus.reshard(state, model, src, dst, timeout=30, group=movers)
+    want = nereus.reshard_shards(model, dst, me, world=n)
+    out["bad"] = [f"keys {sorted(set(new) ^ set(want))[:3]}"] if set(new) != set(want) else []
+    out["bad"] += [f"wrong {k}" for k, s in want.items() if not torch.equal(new[k], cut(full_tensor(s), s.box))]
+    if rank == 1:
+        ones = torch.ones(4)
+        dist.all_reduce(ones, group=pair)
+        out["sums"].append(float(ones[0]))
+    return out
