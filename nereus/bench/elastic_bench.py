@@ -46,7 +46,7 @@ from ..integrations.controller import Controller
 from ..integrations.hf_llama import batch, build, llama_config, train_step
 from ..integrations.job import layout, training_job
 from ..integrations.llama_adapter import LlamaAdapter
-from ..integrations.llama_state import load_state, shard_specs
+from ..integrations.llama_state import live_keep, load_state, shard_specs
 from ..ir import Model
 from ..runtime import dcp
 from ..runtime.launch import init_from_env, run_local
@@ -65,7 +65,7 @@ def _model(hidden: int, layers: int) -> Model:
         heads=8,
         kv_heads=4,
         ffn=hidden * 11 // 4,
-        vocab=2048,
+        vocab=1536,
         dtype="fp32",
         trained=True,
     )
@@ -81,7 +81,8 @@ def nereus_side(rank: int, world: int, hidden: int, layers: int, zero: int, ever
     model = _model(hidden, layers)
     config = llama_config(model)
     module = _module(model, world, zero, world)
-    adapter = LlamaAdapter(build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=60), module, "a")
+    live = build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=PG_TIMEOUT)
+    adapter = LlamaAdapter(live, module, "a")
     options = ControlOptions(
         recalibrate_every=0, slowdown=1e9, response_drift=1e9, cooldown=10**6, max_pp=1, max_zero=zero, offload=False
     )
@@ -96,6 +97,7 @@ def nereus_side(rank: int, world: int, hidden: int, layers: int, zero: int, ever
         detect_timeout=PG_TIMEOUT,
         checkpoint_dir=ckpt,
         checkpoint_every=every,
+        keep=live_keep(module),
     )
     store = job_store()
     steps: list[float] = []
@@ -137,7 +139,7 @@ def restart_side(rank: int, world: int, hidden: int, layers: int, zero: int, eve
     model = _model(hidden, layers)
     config = llama_config(model)
     module = _module(model, world, zero, world)
-    live = build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=60)
+    live = build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=PG_TIMEOUT)
     last = (fail // every) * every
     specs = shard_specs(live, module, "a")
     state = dcp.load(os.path.join(ckpt, f"step_{last}"), specs, dist.get_rank(), world)
@@ -201,7 +203,8 @@ def _state_bytes(module) -> int:
 
 
 def run(quick: bool = False, json_output: bool = False):
-    hidden, layers = (128, 2) if quick else (256, 4)
+    # every dimension splits evenly over 4 and over 3 ranks (FSDP2's and the IR's rules agree)
+    hidden, layers = (96, 2) if quick else (192, 4)
     cases = [(0, 10, 15)] if quick else [(0, 10, 15), (3, 10, 15)]
     rows = [measure(hidden, layers, zero, every, fail) for zero, every, fail in cases]
     if json_output:

@@ -142,9 +142,11 @@ class Membership:
         if not isinstance(error, PeersLost):
             # the failed step's frames (the training code's locals: models, DDP, their groups)
             # let go, then the groups, then the live models (``detach``)
-            tb = error.__traceback__
-            if tb is not None:
-                traceback.clear_frames(tb.tb_next or tb)
+            seen: BaseException | None = error
+            while seen is not None:  # the error's chain: each cause's frames hold the failed step too
+                if seen.__traceback__ is not None:
+                    traceback.clear_frames(seen.__traceback__)
+                seen = seen.__cause__ or seen.__context__
             close_groups()
             if hasattr(self.adapter, "detach"):  # the live models let go of their groups too
                 self.adapter.detach(self.module, self.plan)
