@@ -20,6 +20,7 @@ survivor, new for each failure, so that marks of an earlier failure are never re
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 
@@ -40,6 +41,9 @@ class Heartbeat:
         self.store.add(self.key, 1)  # the first beat before the constructor returns
         self._thread = threading.Thread(target=self._run, name=f"nereus-heartbeat-{gpu}", daemon=True)
         self._thread.start()
+        # stopped before the interpreter finalizes: a daemon thread caught inside the store's C++
+        # call at exit is unwound by force there, which aborts the process (std::terminate)
+        atexit.register(self.stop)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
