@@ -353,7 +353,7 @@ def rollout(actor, step: int, args, ctl, timed, engines=None):
     if engines is not None:
         engine_logp = assemble(sampler, engine_logp, (width[0], args.digits + 1), torch.float32, ctl.group)
     reward, mask, lengths = score(every, plen, args.digits)
-    if dist.get_rank() == ctl.members[0]:
+    if ctl.rank == ctl.members[0]:
         ctl.responses(lengths.tolist())
     return every, reward, mask, engine_logp
 
@@ -367,14 +367,14 @@ def scored(live, seqs: torch.Tensor, plen: int, group, what) -> torch.Tensor:
     return assemble(live, part, (len(seqs), seqs.shape[1] - plen), torch.float32, group)
 
 
-def live_models(cfg: LlamaConfig, module, args) -> dict:
+def live_models(cfg: LlamaConfig, module, args, group=None) -> dict:
     """This rank's live models under plan @a, by model-stage: the actor (AdamW) and the frozen
-    reference, built from the same seed (the reference is the initial actor)."""
+    reference, built from the same seed (the reference is the initial actor), in ``group``."""
     adamw = {"lr": args.lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0}
     plan = module.plans["a"]
     return {
-        MS: build(cfg, plan.layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout),
-        REF: build(cfg, plan.layouts[REF], seed=args.seed, timeout=args.timeout, trained=False),
+        MS: build(cfg, plan.layouts[MS], seed=args.seed, adamw=adamw, timeout=args.timeout, group=group),
+        REF: build(cfg, plan.layouts[REF], seed=args.seed, timeout=args.timeout, trained=False, group=group),
     }
 
 
@@ -390,10 +390,11 @@ def shapes(lives: dict) -> str:
     return ", ".join(f"{ms} {shape(live.layout)}" for ms, live in sorted(lives.items()))
 
 
-def controller(module, adapter, args, faults: tuple = ()):
+def controller(module, adapter, args, faults: tuple = (), group=None):
     """The Controller around the loop (search limited to what the live models take: ``live_keep``; transitions
     cost only their makespan, so that a move pays on this tiny job), and ``timed(ms)``: a stage
-    context for the model-stages of the IR job (a no-op for the others)."""
+    context for the model-stages of the IR job (a no-op for the others). ``group``: the caller's
+    process group the job runs in (None: the default group)."""
     ctl = Controller(
         module,
         "a",
@@ -401,6 +402,7 @@ def controller(module, adapter, args, faults: tuple = ()):
         options=control_options(module, args),
         total_steps=max(args.steps, 100),
         keep=live_keep(module),
+        group=group,
         **controller_args(args, faults),
     )
     return ctl, stage_timer(ctl)
@@ -502,9 +504,12 @@ def engine_text(row: dict, history: list[dict]) -> str:
     )
 
 
-def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
+def main(argv=None, adapter_cls=JobAdapter, faults: tuple = (), group=None) -> dict:
     """The loop on this rank (after ``init_from_env``); returns what it saw (the test reads it).
-    ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions (tests)."""
+    ``faults`` (``nereus.runtime.execute.Fault``) are injected into the controller's transitions
+    (tests). ``group``: a process group of the caller's world (initialised already) that the job
+    runs in, while the world's other ranks do something else; None: the whole world, which
+    ``init_from_env`` joins."""
     args = parse(argv)
     torch.manual_seed(args.seed)
     if args.join:
@@ -513,12 +518,16 @@ def main(argv=None, adapter_cls=JobAdapter, faults: tuple = ()) -> dict:
         ctl, timed = joined(config(args.engine), args, faults, adapter_cls)
         adapter, engines, rank = ctl.adapter, None, ctl.rank
     else:
-        init_from_env(timeout=args.pg_timeout)
-        rank, world = dist.get_rank(), dist.get_world_size()
+        if group is None:
+            init_from_env(timeout=args.pg_timeout)
+        elif args.engine != "hf":
+            raise SystemExit("a caller's group: the engines' vLLM groups span the world (--engine hf)")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         cfg, module = job(args, world)
         engines = start_engines(cfg, module, args)
-        adapter = adapter_cls(live_models(cfg, module, args), module, "a", seed=args.seed, engines=engines)
-        ctl, timed = controller(module, adapter, args, faults)
+        lives = live_models(cfg, module, args, group)
+        adapter = adapter_cls(lives, module, "a", seed=args.seed, engines=engines, group=group)
+        ctl, timed = controller(module, adapter, args, faults, group)
         if engines is not None:
             engines.push(adapter.lives[MS])
     plen = args.digits + 2

@@ -107,13 +107,18 @@ class Controller(Membership):
         core: DecisionCore | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
+        group: dist.ProcessGroup | None = None,
     ):
         if options is not None and not isinstance(options, ControlOptions):
             raise TypeError(f"options must be a ControlOptions, got {type(options).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("Controller needs an initialised default process group (init_from_env)")
-        # this process's GPU id: its rank, but for a process that joined a running job (``join``)
-        self.rank, self.world = (dist.get_rank() if gpu is None else gpu), dist.get_world_size()
+        # ``group``: a process group of the caller's world that the job runs in (the world's other
+        # ranks do something else); None: the default group, which Nereus owns and re-forms
+        self.shared = group is not None
+        # this process's GPU id: its rank (in ``group``), but for a process that joined a running job (``join``)
+        self.rank = dist.get_rank(group) if gpu is None else gpu
+        self.world = dist.get_world_size(group)
         plan = bare_name(plan)
         self.adapter, self.timeout, self.plan = adapter, timeout, plan
         self.faults = tuple(faults)  # injected into execute (tests of the rollback)
@@ -138,7 +143,9 @@ class Controller(Membership):
         self._lengths: list[int] = []
         self._leaving = False
         self._console = None
-        self.group = None  # None: the default group (all ranks); after a shrink, the ranks that remain
+        # the group the controller's collectives run in: None, the default group (all ranks); after a
+        # shrink, the ranks that remain; a caller's ``group`` (and after a shrink, a group of it)
+        self.group = group
         self.members = list(range(self.world))  # GPU ids of the ranks in the job (self.rank: this one's)
         self.degraded = False  # a transition failed: the default group must be re-created before the next
         self.gpus: list[int] | None = None  # after ``reform``: the GPU id of each rank of the default group
@@ -153,9 +160,10 @@ class Controller(Membership):
         self.joins: list[dict] = []  # every admission of processes that joined: their GPUs, the seconds it took
         self._tickets = 0  # join requests answered so far (the same on every rank of the job)
         self._stale = False  # the default group was re-formed and the live models not yet rebuilt on it
-        # liveness and joins: a heartbeat and join requests in the job's rendezvous store
-        self._store = job_store(self.timeout)
-        self._heartbeat = Heartbeat(self._store, self.rank)
+        # liveness and joins: a heartbeat and join requests in the job's rendezvous store (not in a
+        # caller's group: its ranks' deaths and joins are the caller's to handle)
+        self._store = None if self.shared else job_store(self.timeout)
+        self._heartbeat = None if self._store is None else Heartbeat(self._store, self.rank)
         self._predicted: tuple | None = (
             None  # plan B's predicted step and stage times, until a step under it is measured
         )
@@ -217,7 +225,7 @@ class Controller(Membership):
             self.last = self._decide()
             self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
         except Exception as e:
-            if not peer_failure(e):
+            if self.shared or not peer_failure(e):
                 raise
             self.last = self._recover(e)
             self.redo = True
@@ -233,7 +241,7 @@ class Controller(Membership):
         try:
             self._save()
         except Exception as e:
-            if not peer_failure(e):
+            if self.shared or not peer_failure(e):
                 raise
             self.last = self._recover(e)
 
@@ -270,7 +278,8 @@ class Controller(Membership):
                 sum(n),
                 max(n, default=0),
                 1.0 if self._leaving else 0.0,
-                waiting(self._store) if self.rank == self.members[0] else 0,  # join requests so far
+                # join requests so far
+                waiting(self._store) if self._store is not None and self.rank == self.members[0] else 0,
             ],
             dtype=torch.float64,
         )
@@ -295,7 +304,7 @@ class Controller(Membership):
             return quiet
         leader = self.members[0]
         decision = self._agreed(self.core.replan() if self.rank == leader else None, leader)
-        if decision.action == "transition" and (self.group is not None or self.degraded):
+        if decision.action == "transition" and not self.shared and (self.group is not None or self.degraded):
             decision.action = "stay"
             decision.message = (
                 "not applied: the default process group "
@@ -335,7 +344,15 @@ class Controller(Membership):
         prog = (
             None
             if move is not None
-            else plan_move(m, decision.source, decision.target, decision.transition, self.world, gpus=self.gpus)
+            else plan_move(
+                m,
+                decision.source,
+                decision.target,
+                decision.transition,
+                self.world,
+                gpus=self.members if self.shared else self.gpus,
+                broadcast="chain" if self.shared else "auto",  # no subgroups inside a caller's group
+            )
         )
         t1 = time.perf_counter()
         try:
@@ -351,8 +368,8 @@ class Controller(Membership):
                     **({"restore": decision.numbers["restored_from"]} if decision.numbers.get("restored") else {}),
                 )
                 if decision.numbers.get("restored"):  # the decision log says what came from the checkpoint
-                    every: list = [None] * dist.get_world_size()
-                    dist.all_gather_object(every, dict(getattr(self.adapter, "restored", {})))
+                    every: list = [None] * dist.get_world_size(self.group)
+                    dist.all_gather_object(every, dict(getattr(self.adapter, "restored", {})), group=self.group)
                     read: dict[str, int] = {}
                     for part in every:
                         for name, n in part.items():
@@ -362,7 +379,7 @@ class Controller(Membership):
             else:
                 if decision.numbers.get("restored"):
                     raise RuntimeError("reading lost state from a checkpoint needs an adapter that moves itself (move)")
-                new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults)
+                new = execute(prog, self.adapter.export(), timeout=self.timeout, faults=self.faults, group=self.group)
         except DiagnosticError as e:  # plan B is no layout the live model takes: nothing moved, no collective ran
             decision.action = "rolled_back"
             decision.message = f"not applied: the live model cannot take plan @{decision.target}: {e}"
@@ -371,7 +388,7 @@ class Controller(Membership):
             return decision
         except TransitionError as e:
             decision.action, decision.message = "rolled_back", f"transition failed and rolled back: {e.reason}"
-            alive = self._survivors()
+            alive = self.members if self.shared else self._survivors()
             if alive != self.members:  # ranks died in it: the step's handler moves to the survivors
                 decision.numbers.update(lower_s=round(t1 - t0, 4), execute_s=round(time.perf_counter() - t1, 4))
                 self._log(decision, changes)
@@ -381,6 +398,8 @@ class Controller(Membership):
             # adapter can rebuild its models there, the default group itself is re-formed
             if self._can_regroup():
                 self._regroup(self.members, m, decision.source, decision)
+            elif self.shared:  # a fresh group of the caller's world over the same ranks
+                self._reform(self.members)
             else:
                 self.group = dist.new_group(self.members, timeout=datetime.timedelta(seconds=self.timeout))
                 self.degraded = True
@@ -402,6 +421,10 @@ class Controller(Membership):
             if self.rank in used:
                 self._regroup(remaining, m, decision.target, decision)
             self.members = remaining
+        elif remaining != self.members and self.shared:  # a group of the caller's world over the ranks that remain
+            self._reform(remaining)
+            if self.rank not in used:
+                self.group = None
         elif remaining != self.members:  # every rank creates the group, in the same order
             group = dist.new_group(remaining, timeout=datetime.timedelta(seconds=self.timeout))
             self.group, self.members = (group if self.rank in used else None), remaining
@@ -418,6 +441,10 @@ class Controller(Membership):
     def _rank_of(self, gpu: int) -> int:
         """The rank of GPU ``gpu`` in the default group (after ``reform``, its place in ``gpus``)."""
         return gpu if self.gpus is None else self.gpus.index(gpu)
+
+    def _src(self, gpu: int) -> int:
+        """The rank of GPU ``gpu`` in the controller's group (``group_src`` of its broadcasts)."""
+        return self._rank_of(gpu) if self.group is None else self.members.index(gpu)
 
     def _log_outcome(self, record: StepRecord) -> None:
         """The step time the decision predicted for plan B beside the first step measured under

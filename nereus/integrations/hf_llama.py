@@ -178,16 +178,21 @@ class LiveLlama:
         return dict(self.named)
 
 
-def private_mesh(layout: Layout, timeout: float, gpus: list[int] | None = None) -> DeviceMesh | None:
+def private_mesh(
+    layout: Layout, timeout: float, gpus: list[int] | None = None, group: dist.ProcessGroup | None = None
+) -> DeviceMesh | None:
     """The layout's mesh, dims ``(dp, pp, tp)`` as ``nereus.runtime.dtensor.device_mesh``, over
     process groups of its own (``new_group`` per slice of every dim, created through the store):
     never the default group, which ``DeviceMesh`` reuses for a dim that spans the world. A
     failed transition can leave the default group's connections closed (a timed-out receive
     closes its pair on gloo); the live model's TP, PP and DP collectives must not depend on them.
 
-    Every rank of the default group calls it; None on ranks off the layout. ``gpus``: the GPU id
-    of each rank of the default group (``gpus[r]``; None: rank r is GPU r), as after
-    ``runtime.regroup.reform``.
+    Every rank of ``group`` calls it (None: the default group); None on ranks off the layout.
+    ``gpus``: the GPU id of each rank of ``group`` (``gpus[r]``; None: rank r is GPU r), as after
+    ``runtime.regroup.reform``. In a caller's ``group`` only its ranks make the slices (the
+    world's other ranks take no part: no barrier runs); torch names a group by a count of the
+    groups each process made, so the ranks of ``group`` must enter with equal counts, as
+    ``new_group``'s callers always must, and leave with equal counts among themselves.
     """
     if layout.cp > 1:
         raise ValueError(
@@ -195,7 +200,9 @@ def private_mesh(layout: Layout, timeout: float, gpus: list[int] | None = None) 
             "context-parallel layouts are costed and resharded, not trained here"
         )
     rank_of = (lambda g: g) if gpus is None else gpus.index  # noqa: E731
-    ranks = torch.tensor([rank_of(g) for g in layout.mesh], dtype=torch.int).view(layout.dp, layout.pp, layout.tp)
+    world_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
+    ranks = torch.tensor([world_rank(rank_of(g)) for g in layout.mesh], dtype=torch.int)
+    ranks = ranks.view(layout.dp, layout.pp, layout.tp)
     me = dist.get_rank()
     bound = datetime.timedelta(seconds=timeout)
     groups = []
@@ -235,8 +242,9 @@ def build(
     head: str = "lm",
     weights: dict[str, torch.Tensor] | None = None,
     gpus: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> LiveLlama:
-    """This rank's live model and AdamW for ``layout`` (every rank of the default group calls it:
+    """This rank's live model and AdamW for ``layout`` (every rank of ``group`` calls it:
     the mesh creates process groups, ``private_mesh``). Weights are initialised from ``seed``, the
     same on every rank and stage (the whole model is initialised, then pruned to the stage);
     AdamW's state is created up front (zeros, step 0), as its first step would.
@@ -247,14 +255,15 @@ def build(
     value per position (the IR's ``score.weight``, replicated over TP).
     ``weights``: the whole model's state dict (Hugging Face names, as ``state_dict()`` of the
     unsharded model gives it; a trained reward model), loaded in place of the seeded initialisation
-    before the model is cut to this rank's box. ``gpus``: the GPU id of each rank of the default
-    group (``private_mesh``; None: rank r is GPU r).
+    before the model is cut to this rank's box. ``group``: the process group the job runs on
+    (None: the default group); ``gpus``: the GPU id of each of its ranks (``private_mesh``;
+    None: rank r is GPU r).
 
     Call ``state.check_layout`` first: this builds what it is asked and does not re-check.
     """
     adamw = dict(ADAMW if adamw is None else adamw)
-    mesh = private_mesh(layout, timeout, gpus)
-    gpu = dist.get_rank() if gpus is None else gpus[dist.get_rank()]
+    mesh = private_mesh(layout, timeout, gpus, group)
+    gpu = dist.get_rank(group) if gpus is None else gpus[dist.get_rank(group)]
     if mesh is None:
         return LiveLlama(config, layout, mesh, None, None, adamw, timeout, head=head, gpu=gpu)
     cfg = LlamaConfig.from_dict(config.to_dict())

@@ -34,12 +34,24 @@ from .llama_state import check_layout, export_states, shard_specs
 
 
 class JobAdapter:
-    def __init__(self, lives: dict[str, LiveLlama], module: Module, plan: str, *, seed: int = 0, engines=None):
+    def __init__(
+        self,
+        lives: dict[str, LiveLlama],
+        module: Module,
+        plan: str,
+        *,
+        seed: int = 0,
+        engines=None,
+        group: dist.ProcessGroup | None = None,
+    ):
         self.lives, self.module, self.plan, self.seed = dict(lives), module, bare_name(plan), seed
         self.engines = engines
         self.moves = 0
         self.restarts = 0
-        self.gpus: list[int] | None = None  # the GPU id of each rank of the default group (None: rank == GPU)
+        # the process group the models were built on (None: the default group; a caller's group:
+        # ``build(group=)``) and the GPU id of each of its ranks (None: rank == GPU)
+        self.group = group
+        self.gpus: list[int] | None = None
         self.regroups = 0
         self._held: tuple | None = None  # (state, steps) kept by ``detach`` for the next move
 
@@ -49,12 +61,13 @@ class JobAdapter:
         not with generation engines, whose vLLM groups were made over the job's first world."""
         return self.engines is None
 
-    def regroup(self, module: Module, plan: str, gpus: list[int]) -> None:
+    def regroup(self, module: Module, plan: str, gpus: list[int], group: dist.ProcessGroup | None = None) -> None:
         """After ``runtime.regroup.reform`` over ``gpus`` (every rank of the new default group
-        calls it): every live model rebuilt under its same layout on the new group's ranks (the
-        old models' process groups went with the old default group), its state carried by the
-        transition from the plan to itself: every shard stays on its GPU, a local copy."""
-        self.gpus = list(gpus)
+        calls it), or in a new ``group`` of a caller's world whose ranks are ``gpus``: every live
+        model rebuilt under its same layout on the new group's ranks (the old models' process
+        groups went with the old group), its state carried by the transition from the plan to
+        itself: every shard stays on its GPU, a local copy."""
+        self.gpus, self.group = list(gpus), group
         self.regroups += 1
         own = dataclasses.replace(module, transitions=dict(module.transitions))  # the caller's module untouched
         self.lives = reshard_job(
@@ -66,6 +79,7 @@ class JobAdapter:
             seed=self.seed,
             gpus=self.gpus,
             exported=self._held,
+            group=self.group,
         )
         self._held = None
 
@@ -89,10 +103,11 @@ class JobAdapter:
 
     def save(self, module: Module, plan: str, path: str) -> int:
         """Every model's shards on this rank under ``plan`` into the DCP checkpoint at ``path``
-        (every rank of the default group calls it); the bytes this rank wrote."""
+        (every rank of the job's group calls it); the bytes this rank wrote."""
         state, _ = export_states(self.lives, module, plan)
         specs = [s for live in self.lives.values() if live.model is not None for s in shard_specs(live, module, plan)]
-        return dcp.save(state, specs, path, dist.get_rank(), dist.get_world_size())
+        g = self.group
+        return dcp.save(state, specs, path, dist.get_rank(g), dist.get_world_size(g), group=g)
 
     @property
     def engine_restart_s(self) -> float | None:
@@ -141,6 +156,7 @@ class JobAdapter:
             restore=restore,
             restored=self.restored,
             exported=self._held,
+            group=self.group,
         )
         self._held = None
         if self.engines is not None and self.engines.move(module, target):

@@ -64,6 +64,7 @@ def reshard_job(
     restore: str | None = None,
     restored: dict | None = None,
     exported: tuple | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, LiveLlama]:
     """This rank's live models under plan B, one per model-stage of ``lives`` (``actor.train``,
     ``ref.infer``, ``critic.train``), holding plan A's state; see the module docstring. One
@@ -78,7 +79,10 @@ def reshard_job(
     DCP checkpoint that the parts of plan B no GPU of the group holds come from (the transition
     was planned with ``restore``: their GPUs died); ``restored`` gets the bytes read, by FQN.
     ``exported``: plan A's state and AdamW steps of this rank, taken before the live models were
-    dropped (``JobAdapter.detach``), in place of the live models'."""
+    dropped (``JobAdapter.detach``), in place of the live models'. ``group``: the process group
+    the job runs on (None: the default group; ``gpus`` are then the GPUs of its ranks): every
+    collective of the move and of plan B's models is made inside it, the move's broadcasts as
+    chains of point-to-point messages (``execute`` makes no subgroups in a group of some ranks)."""
     for live in lives.values():
         same_model(live, module)
     problems = []
@@ -94,9 +98,15 @@ def reshard_job(
         raise ValueError(f"plan @{plan_b} has model-stages with no live model: {', '.join(missing)}")
     if elsewhere:
         module, transition = restrict(module, set(lives)), None
-    program = plan_move(
-        module, plan_a, plan_b, transition, gpus=gpus
-    )  # before building plan B: a bad plan raises first
+    program = plan_move(  # before building plan B: a bad plan raises first
+        module,
+        plan_a,
+        plan_b,
+        transition,
+        dist.get_world_size(group),
+        gpus=gpus,
+        broadcast="auto" if group is None else "chain",
+    )
     targets = {
         ms: build(
             live.config,
@@ -107,20 +117,21 @@ def reshard_job(
             trained=module.models[live.layout.model].trained,
             head=live.head,
             gpus=gpus,
+            group=group,
         )
         for ms, live in lives.items()
     }
     state, held = exported if exported is not None else export_states(lives, module, plan_a)
     steps = torch.tensor([held[ms] for ms in lives], dtype=torch.int64)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # ranks off a model's plan-A layout hold no step
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)  # ranks off a model's plan-A layout hold no step
     out = {k: v for target in targets.values() for k, v in buffers(target, module, plan_b).items()}
-    new = execute(program, state, timeout=timeout, faults=faults, out=out, restore=restore is not None)
+    new = execute(program, state, timeout=timeout, faults=faults, out=out, restore=restore is not None, group=group)
     if restore is not None:  # what only the dead held, from the checkpoint; the rest came from memory
-        group_gpus = gpus if gpus is not None else list(range(dist.get_world_size()))
+        group_gpus = gpus if gpus is not None else list(range(dist.get_world_size(group)))
         lay_a, lay_b = plan_layout(module, plan_a), plan_layout(module, plan_b)
         held = [s for g in group_gpus for s in lay_a.get(g, []) if s.key.model_stage in lives]
-        mine = [s for s in lay_b.get(group_gpus[dist.get_rank()], []) if s.key.model_stage in lives]
-        read = restore_lost(restore, new, mine, held)
+        mine = [s for s in lay_b.get(group_gpus[dist.get_rank(group)], []) if s.key.model_stage in lives]
+        read = restore_lost(restore, new, mine, held, group=group)
         if restored is not None:
             restored.update(read)
     for i, target in enumerate(targets.values()):

@@ -27,6 +27,7 @@ to itself) where no move follows.
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import time
 import traceback
@@ -82,7 +83,8 @@ class Membership:
     rank: int
     members: list[int]
     gpus: list[int] | None
-    group: object
+    group: dist.ProcessGroup | None
+    shared: bool
     degraded: bool
     generation: int
     timeout: float
@@ -97,12 +99,20 @@ class Membership:
     last: Decision | None
     _tickets: int
     _stale: bool
-    _store: dist.Store
+    _store: dist.Store | None
 
     # -- re-forming the group --------------------------------------------------------------------
     def _reform(self, gpus: list[int]) -> None:
-        """The default group re-formed over ``gpus`` (every one of them calls this)."""
-        reform(gpus, self.rank, self.generation, timeout=self.timeout)
+        """The default group re-formed over ``gpus`` (every one of them calls this); in a caller's
+        group, a new group of the caller's world over them (``new_group``: their world ranks; the
+        ranks of the job that are not among them need not call it)."""
+        if self.shared:
+            world = [dist.get_global_rank(self.group, self.members.index(g)) for g in gpus]  # type: ignore[arg-type]
+            group = dist.new_group(world, timeout=datetime.timedelta(seconds=self.timeout))
+            self.generation += 1
+            self.gpus, self.members, self.group = list(gpus), list(gpus), group
+            return
+        reform(gpus, self.rank, self.generation, timeout=self.timeout, store=self._store)
         self.generation += 1
         self.gpus, self.members, self.group, self.degraded = list(gpus), list(gpus), None, False
 
@@ -110,19 +120,24 @@ class Membership:
         return bool(getattr(self.adapter, "regroupable", False)) and hasattr(self.adapter, "regroup")
 
     def _regroup(self, gpus: list[int], m: Module, plan: str, decision: Decision) -> None:
-        """Re-form the default group over ``gpus`` (``runtime.regroup.reform``; every one of them
-        calls this) and have the adapter rebuild its models there under ``plan``."""
+        """Re-form the group over ``gpus`` (``_reform``; every one of them calls this) and have the
+        adapter rebuild its models there under ``plan``. ``members`` are then ``gpus``."""
         t0 = time.perf_counter()
-        members = self.members
         self._reform(gpus)
-        self.members = members  # the caller says who remains in the job
-        self.adapter.regroup(m, plan, self.gpus)  # type: ignore[attr-defined]
+        self._rebuild_on(m, plan)
         decision.numbers["regroup_s"] = round(time.perf_counter() - t0, 4)
         decision.numbers["regroup_gpus"] = list(gpus)
 
+    def _rebuild_on(self, m: Module, plan: str) -> None:
+        """The adapter's models rebuilt under ``plan`` on the group as re-formed."""
+        if self.shared:
+            self.adapter.regroup(m, plan, self.gpus, group=self.group)  # type: ignore[attr-defined]
+        else:
+            self.adapter.regroup(m, plan, self.gpus)  # type: ignore[attr-defined]
+
     def _rebuild(self) -> None:
         """The live models rebuilt on the re-formed group under the running plan (no move did)."""
-        self.adapter.regroup(self.module, self.plan, self.gpus)  # type: ignore[attr-defined]
+        self._rebuild_on(self.module, self.plan)
         self._stale = False
 
     # -- ranks that die --------------------------------------------------------------------------
@@ -198,7 +213,7 @@ class Membership:
     def _agreed(self, decision: Decision | None, leader: int) -> Decision:
         """The leader's re-plan on every rank (one broadcast); the others follow it in their core."""
         box = [decision]
-        dist.broadcast_object_list(box, src=self._rank_of(leader), group=self.group)  # type: ignore[attr-defined]
+        dist.broadcast_object_list(box, group_src=self._src(leader), group=self.group)  # type: ignore[attr-defined]
         if self.rank == leader:  # a copy made as the others' is, so that every rank lowers equal objects
             box = pickle.loads(pickle.dumps(box))
         else:

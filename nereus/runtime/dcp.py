@@ -148,19 +148,20 @@ def save(
     world: int,
     thread_count: int = 1,
     sync_files: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> int:
     """Save this rank's shards into the DCP checkpoint at ``path``; the bytes this rank wrote.
 
-    Collective over the default process group: every rank calls it, ranks holding nothing with
-    empty ``state`` and ``specs``. ``thread_count`` writer threads (one file each);
-    ``sync_files`` fsyncs them (DCP's default).
+    Collective over ``group`` (None: the default process group; ``rank`` and ``world`` are its):
+    every rank calls it, ranks holding nothing with empty ``state`` and ``specs``.
+    ``thread_count`` writer threads (one file each); ``sync_files`` fsyncs them (DCP's default).
     """
-    _check_world(rank, world)
+    _check_world(rank, world, group)
     by_name = {fqn(s.key): s for s in specs}
     sd = {fqn(s.key): state[s.key] for s in specs}
     planner = BoxSavePlanner(by_name)
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=thread_count, sync_files=sync_files)
-    metadata = dcp.save(sd, storage_writer=writer, planner=planner)
+    metadata = dcp.save(sd, storage_writer=writer, planner=planner, process_group=group)
     # planner.plan is this rank's final plan, after the coordinator's dedup
     written = sum(metadata.storage_data[item.index].length for item in planner.plan.items)
     if rank == 0:  # the coordinator also wrote the metadata file
@@ -168,17 +169,20 @@ def save(
     return written
 
 
-def load(path: str | os.PathLike, specs: list[ShardSpec], rank: int, world: int) -> LocalState:
+def load(
+    path: str | os.PathLike, specs: list[ShardSpec], rank: int, world: int, group: dist.ProcessGroup | None = None
+) -> LocalState:
     """This rank's shards under ``specs``, read from the DCP checkpoint at ``path`` (saved under any layout).
 
-    Collective over the default process group, like ``save``. Each box is allocated once and
+    Collective over ``group`` (None: the default process group), like ``save``. Each box is allocated once and
     DCP copies the overlapping parts of the stored chunks into it; a stored dtype other than
     ``spec.dtype`` is cast by that copy.
     """
-    _check_world(rank, world)
+    _check_world(rank, world, group)
     state = {s.key: torch.empty(s.local_shape, dtype=torch_dtype(s.dtype)) for s in specs}
     sd = {fqn(s.key): state[s.key] for s in specs}
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=BoxLoadPlanner({fqn(s.key): s for s in specs}))
+    planner = BoxLoadPlanner({fqn(s.key): s for s in specs})
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=group)
     return state
 
 
@@ -209,12 +213,16 @@ def uncovered(box: Box, others: list[Box]) -> list[Box]:
 
 
 def restore_lost(
-    path: str | os.PathLike, state: LocalState, specs: list[ShardSpec], held: list[ShardSpec]
+    path: str | os.PathLike,
+    state: LocalState,
+    specs: list[ShardSpec],
+    held: list[ShardSpec],
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, int]:
     """Fill, in ``state``, the parts of this rank's plan-B shards (``specs``) that no surviving
     GPU's plan-A shard covers (``held``: every survivor's plan-A shards) from the DCP checkpoint
     at ``path``, saved under any layout; leaves every other byte as it is (moved from live
-    memory). Collective over the default group: every rank calls it, with something to read or
+    memory). Collective over ``group`` (None: the default group): every rank calls it, with something to read or
     not (one DCP load per round; a shard missing several boxes takes several rounds). Returns
     the bytes read, by FQN."""
     by_key: dict = {}
@@ -227,11 +235,11 @@ def restore_lost(
                 reads.append([])
             reads[i].append((ShardSpec(s.key, s.shape, part, s.dtype), s))
     rounds = torch.tensor([len(reads)])
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=group)
     read: dict[str, int] = {}
     for i in range(int(rounds)):
         todo = reads[i] if i < len(reads) else []
-        got = load(path, [part for part, _ in todo], dist.get_rank(), dist.get_world_size())
+        got = load(path, [part for part, _ in todo], dist.get_rank(group), dist.get_world_size(group), group)
         for part, s in todo:
             region = tuple(slice(lo - slo, hi - slo) for (lo, hi), (slo, _) in zip(part.box, s.box))
             state[s.key][region].copy_(got[part.key])
@@ -262,10 +270,9 @@ def dcp_reshard(
     return load(path, dst_layout.get(rank, []), rank, world), written
 
 
-def _check_world(rank: int, world: int) -> None:
+def _check_world(rank: int, world: int, group: dist.ProcessGroup | None = None) -> None:
     if not dist.is_initialized():
         raise RuntimeError("DCP save/load here is collective: join the process group first (launch.init_from_env)")
-    if (dist.get_rank(), dist.get_world_size()) != (rank, world):
-        raise ValueError(
-            f"rank {rank} of {world} given, the process group says {dist.get_rank()} of {dist.get_world_size()}"
-        )
+    said = (dist.get_rank(group), dist.get_world_size(group))
+    if said != (rank, world):
+        raise ValueError(f"rank {rank} of {world} given, the process group says {said[0]} of {said[1]}")

@@ -31,16 +31,16 @@ class CheckedAdapter(JobAdapter):
         self.regroup_checks: list[dict] = []
 
     def gpu(self) -> int:
-        """This process's GPU id (its rank until the default group is re-formed)."""
-        rank = torch.distributed.get_rank()
+        """This process's GPU id (its rank in the job's group until that is re-formed)."""
+        rank = torch.distributed.get_rank(self.group)
         return rank if self.gpus is None else self.gpus[rank]
 
-    def regroup(self, module, plan: str, gpus: list[int]) -> None:
+    def regroup(self, module, plan: str, gpus: list[int], group=None) -> None:
         """Every model's state under ``plan`` on this GPU before the default group was re-formed
         against after: the same shards, bit for bit, and the same AdamW steps."""
         before, steps = self.exported(module, plan)
         before = {k: v.clone() for k, v in before.items()}
-        super().regroup(module, plan, gpus)
+        super().regroup(module, plan, gpus, *([group] if group is not None else []))
         after, steps_after = export_states(self.lives, module, plan)
         self.regroup_checks.append(
             {
@@ -61,7 +61,7 @@ class CheckedAdapter(JobAdapter):
             self.gpus = list(kwargs["gpus"])
         rank = self.gpu()
         state_a, steps_a = self.exported(module, source)
-        full = gather_full(state_a, self.specs(module, source, rank))
+        full = gather_full(state_a, self.specs(module, source, rank), self.group)
         try:
             super().move(module, source, target, **kwargs)
         except Exception as e:  # a rollback: plan A's state of every model must be as it was
@@ -141,6 +141,34 @@ def run(
     if fault_rank is None:
         return module.main(argv, adapter_cls=CheckedAdapter)
     return module.main(argv, adapter_cls=CheckedAdapter, faults=(Fault(fault, rank=fault_rank),))
+
+
+def run_in_group(rank: int, world: int, argv: list[str]) -> dict:
+    """The caller's world: ranks 1.. run ``grpo_tiny``'s loop in a process group of their own
+    (``main(group=)``: the Controller, the models and every move inside it) with
+    ``CheckedAdapter``; rank 0 is not in the job and all-reduces with rank 1, on a group of the
+    world made before the job, at the start and at the end (rank 1 brings its last loss)."""
+    import torch.distributed as dist
+
+    from nereus.runtime.launch import init_from_env
+
+    init_from_env(timeout=60)
+    job = dist.new_group(list(range(1, world)))
+    pair = dist.new_group([0, 1])
+    out: dict = {"rank": rank}
+    if rank in (0, 1):
+        hello = torch.tensor([float(rank + 1)])
+        dist.all_reduce(hello, group=pair)
+        out["hello"] = float(hello)
+    if rank > 0:
+        if str(EXAMPLES) not in sys.path:
+            sys.path.insert(0, str(EXAMPLES))
+        out.update(importlib.import_module("grpo_tiny").main(argv, adapter_cls=CheckedAdapter, group=job))
+    if rank in (0, 1):
+        last = torch.tensor([out["history"][-1]["loss"] if rank == 1 else 0.0], dtype=torch.float64)
+        dist.all_reduce(last, group=pair)
+        out["bye"] = float(last)
+    return out
 
 
 def run_join(rank: int, world: int, argv: list[str], example: str = "grpo_tiny") -> dict:

@@ -59,11 +59,12 @@ def shards(state) -> dict:
     return {str(k): v.detach().clone().numpy() for k, v in state.items()}
 
 
-def gather_full(state, specs) -> dict:
-    """The full tensor of every key, assembled from every rank's shards (``specs``: this rank's)."""
+def gather_full(state, specs, group=None) -> dict:
+    """The full tensor of every key, assembled from every rank's shards (``specs``: this rank's)
+    over ``group`` (None: the default group)."""
     mine = [(s.key, s.shape, s.box, state[s.key].detach().clone()) for s in specs]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     full = {}
     for part in every:
         for k, shape, box, v in part:
