@@ -270,15 +270,19 @@ def cmd_launch(args) -> int:
             "nereus launch: give the script to run, e.g. nereus launch --nproc 4 train.py --steps 10", file=sys.stderr
         )
         return 2
-    return launch(
-        args.command_line,
-        args.nproc,
-        join=args.join,
-        master=args.master,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        linger=args.linger,
-    )
+    try:
+        return launch(
+            args.command_line,
+            args.nproc,
+            join=args.join,
+            master=args.master,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            linger=args.linger,
+        )
+    except ValueError as e:
+        print(f"nereus launch: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_bench(args) -> int:

@@ -72,7 +72,10 @@ MODELS = (
 )
 
 
-def _model(hidden: int, layers: int, name: str = "actor", head: str = "lm", trained: bool = True) -> Model:
+def _model(
+    hidden: int, layers: int, name: str = "actor", head: str = "lm", trained: bool = True, vocab: int = 1024
+) -> Model:
+    """A tiny Llama-shaped model of the benchmarks (8 heads, 4 KV heads, ffn 11/4 of hidden)."""
     return Model(
         name=name,
         layers=layers,
@@ -80,7 +83,7 @@ def _model(hidden: int, layers: int, name: str = "actor", head: str = "lm", trai
         heads=8,
         kv_heads=4,
         ffn=hidden * 11 // 4,
-        vocab=1024,
+        vocab=vocab,
         dtype="fp32",
         head=head,
         trained=trained,

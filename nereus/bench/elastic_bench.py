@@ -51,6 +51,7 @@ from ..ir import Model
 from ..runtime import dcp
 from ..runtime.launch import init_from_env, run_local
 from ..runtime.regroup import job_store
+from .controller_bench import _model as tiny_model
 
 WORLD = 4
 ROWS, SEQ = 12, 32  # the global batch splits over DP 4 and DP 3
@@ -58,17 +59,7 @@ PG_TIMEOUT = 5.0  # every group's timeout (the default group's and the model's):
 
 
 def _model(hidden: int, layers: int) -> Model:
-    return Model(
-        name="actor",
-        layers=layers,
-        hidden=hidden,
-        heads=8,
-        kv_heads=4,
-        ffn=hidden * 11 // 4,
-        vocab=1536,
-        dtype="fp32",
-        trained=True,
-    )
+    return tiny_model(hidden, layers, vocab=1536)
 
 
 def _module(model: Model, dp: int, zero: int, gpus: int):

@@ -264,8 +264,8 @@ def build(
     adamw = dict(ADAMW if adamw is None else adamw)
     mesh = private_mesh(layout, timeout, gpus, group)
     gpu = dist.get_rank(group) if gpus is None else gpus[dist.get_rank(group)]
-    if mesh is None:
-        return LiveLlama(config, layout, mesh, None, None, adamw, timeout, head=head, gpu=gpu)
+    if mesh is None:  # off the layout: the model this GPU does not hold
+        return absent(config, layout, gpu, adamw=adamw, head=head, timeout=timeout)
     cfg = LlamaConfig.from_dict(config.to_dict())
     cfg._attn_implementation = "eager"
     cfg.use_cache = False

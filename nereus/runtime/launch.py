@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .liveness import report_dead
+from .regroup import PREFIX
+
 
 class LaunchError(RuntimeError):
     def __init__(self, errors: dict[int, str], results: dict[int, Any]):
@@ -120,15 +123,21 @@ def run_local(
     errors: dict[int, str] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     pending = set(range(world + joiners))
+    reported: set[int] = set()
     while pending:
         left = (deadline - datetime.datetime.now()).total_seconds()
         if left <= 0:
             break
         try:
-            rank, status, value = queue.get(timeout=min(left, 0.5))
+            rank, status, value = queue.get(timeout=min(left, 0.05))
         except queue_mod.Empty:  # see whether someone died without a word
             for r in list(pending):
                 if not procs[r].is_alive() and procs[r].exitcode not in (None,):
+                    if (procs[r].exitcode or 0) < 0 and r < world and r not in reported:
+                        # killed by a signal: the job's survivors hear it now (``liveness.report_dead``),
+                        # not when its heartbeat has stood still
+                        report_dead(dist.PrefixStore(PREFIX, _store), r)
+                        reported.add(r)
                     # give its last message a moment to arrive before calling it dead
                     try:
                         rank, status, value = queue.get(timeout=0.5)

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .liveness import ALL
+from .liveness import ALL, report_dead
+from .regroup import PREFIX
 
-ALL_BEATS = "nereus/" + ALL  # every heartbeat of the job adds to it (the store's raw key)
+ALL_BEATS = PREFIX + ALL  # every heartbeat of the job adds to it (the store's raw key)
 
 
 @dataclass
@@ -64,6 +65,16 @@ def _env(master: tuple[str, int], rank: int | None, world: int, local: int, loca
     else:
         env.update(RANK=str(rank), WORLD_SIZE=str(world))
     return env
+
+
+def address(text: str, what: str) -> tuple[str, int | None]:
+    """``HOST:PORT`` (or ``HOST``, ``:PORT``) as (host, port); a ``ValueError`` saying what is wrong."""
+    host, colon, port = text.rpartition(":")
+    if not colon:
+        host, port = text, ""
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"{what} {text!r}: the port must be a number from 1 to 65535 (HOST:PORT)")
+    return host or "127.0.0.1", int(port) if port else None
 
 
 def _heartbeats_moving(store: dist.Store, seconds: float) -> bool:
@@ -96,14 +107,16 @@ def launch(
     argv = [sys.executable, *command]
     store = None
     if join is not None:
-        host, _, port = join.rpartition(":")
-        where = (host or "127.0.0.1", int(port))
+        host, port = address(join, "--join")
+        if port is None:
+            raise ValueError(f"--join {join!r}: give the job's store as HOST:PORT (the job's launcher prints it)")
+        where = (host, port)
         ranks: list[int | None] = [None] * nproc
     else:
         from .launch import free_port
 
-        host, _, port = (master or "").rpartition(":")
-        where = (host or "127.0.0.1", int(port) if port else free_port())
+        host, port = address(master or "", "--master")
+        where = (host, port if port is not None else free_port())
         world = nproc * nnodes
         if node_rank == 0:  # the job's store, hosted here as torchrun's agent hosts it
             store = dist.TCPStore(
@@ -118,6 +131,7 @@ def launch(
             say(f"nereus launch: job store at {at} (join with: nereus launch --join {at} ...)")
         ranks = [node_rank * nproc + i for i in range(nproc)]
     world = nproc * nnodes
+    hosted = store is not None
     workers = [
         Worker(rank, subprocess.Popen(argv, env=_env(where, rank, world, i, nproc))) for i, rank in enumerate(ranks)
     ]
@@ -137,6 +151,13 @@ def launch(
                 if code is None:
                     continue
                 pending.remove(w)
+                if code and w.rank is not None:  # the survivors need not wait for its heartbeat to stop
+                    try:
+                        if store is None:
+                            store = dist.TCPStore(*where, is_master=False, timeout=datetime.timedelta(seconds=10))
+                        report_dead(dist.PrefixStore(PREFIX, store), w.rank)
+                    except Exception:  # noqa: BLE001 - the job's store is gone: nobody is left to tell
+                        pass
                 if code < 0:
                     say(f"nereus launch: {w.name} died ({signal.Signals(-code).name}); the others go on")
                 elif code:
@@ -145,7 +166,7 @@ def launch(
                 else:
                     finished += 1
             time.sleep(0.1)
-        if store is not None:  # joiners may still use the job's store
+        if store is not None and hosted:  # joiners may still use the job's store
             while _heartbeats_moving(store, linger):
                 pass
     finally:

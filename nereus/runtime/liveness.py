@@ -10,9 +10,15 @@ rendezvous store (torchrun's agent store, or the ``MASTER_ADDR:MASTER_PORT`` ser
   ``interval`` seconds while the process lives (a counter, not a clock: hosts' clocks differ);
 - ``survivors(store, members, me, event)``: called by every rank that saw a failure. It marks
   ``alive/{event}/{me}``, then waits until every member either marked itself too (alive:
-  it saw the failure and got here) or let its beat stand still for ``stale`` seconds (dead). A
-  live rank still waiting in a collective keeps beating, so it is waited for, never dropped:
-  every survivor returns the same set. The wait is bounded by ``timeout`` (a ``TimeoutError``).
+  it saw the failure and got here), or was reported dead by the process that started it, or let
+  its beat stand still for ``stale`` seconds (dead). A live rank still waiting in a collective
+  keeps beating, so it is waited for, never dropped: every survivor returns the same set. The
+  wait is bounded by ``timeout`` (a ``TimeoutError``).
+- ``report_dead(store, gpu)``: what a launcher that reaps its workers says at once when one
+  ends without finishing (``nereus launch``, ``run_local``): the survivors need not wait for its
+  beat to stand still. torchrun's agent says nothing (it stops every worker instead), so under it
+  the heartbeat alone decides. A new ``Heartbeat`` on that GPU (a process that joined on it)
+  takes the report back.
 
 ``event`` names one failure of the job (the Controller's re-formation count): the same on every
 survivor, new for each failure, so that marks of an earlier failure are never read.
@@ -29,6 +35,12 @@ import torch.distributed as dist
 BEAT = "beat/{}"
 ALL = "beat/all"  # every beat of every rank adds 1 here too (a launcher sees the job is alive)
 ALIVE = "alive/{}/{}"
+DEAD = "dead/{}"
+
+
+def report_dead(store: dist.Store, gpu: int) -> None:
+    """GPU ``gpu``'s process ended without finishing (``store``: the job's, ``regroup.job_store``)."""
+    store.set(DEAD.format(gpu), b"1")
 
 
 class Heartbeat:
@@ -37,6 +49,7 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, gpu: int, interval: float = 0.1):
         self.store, self.key, self.interval = store.clone(), BEAT.format(gpu), interval
+        self.store.delete_key(DEAD.format(gpu))  # a process that died on this GPU before is not this one
         self._stop = threading.Event()
         self.store.add(self.key, 1)  # the first beat before the constructor returns
         self._thread = threading.Thread(target=self._run, name=f"nereus-heartbeat-{gpu}", daemon=True)
@@ -86,6 +99,9 @@ def survivors(
                 continue
             if store.check([ALIVE.format(event, m)]):
                 alive.add(m)
+                continue
+            if store.check([DEAD.format(m)]):  # its launcher saw it end
+                dead.add(m)
                 continue
             beat = store.add(BEAT.format(m), 0)
             if beat != beats[m]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+PREFIX = "nereus/"  # Nereus's keys in the job's rendezvous store
 JOIN_COUNT = "join/count"
 JOIN_TICKET = "join/{}"
 
@@ -51,7 +52,7 @@ def job_store(timeout: float = 60.0) -> dist.Store:
         )
     else:
         base = c10d._get_default_store()
-    return dist.PrefixStore("nereus/", base)
+    return dist.PrefixStore(PREFIX, base)
 
 
 def reform(gpus: list[int], me: int, generation: int, timeout: float = 60.0, store: dist.Store | None = None) -> int:

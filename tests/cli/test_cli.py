@@ -211,3 +211,19 @@ def test_lower_prints_a_summary_by_default_and_the_folded_program_with_full(caps
     per_layer = print_program(prog)
     assert "layers.0..3." in full and len(full.splitlines()) * 2 < len(per_layer.splitlines())
     assert unfold_listing(full.splitlines()) == per_layer.splitlines()
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--join", "foo"], "--join 'foo': give the job's store as HOST:PORT"),
+        (["--join", "node1:http"], "--join 'node1:http': the port must be a number"),
+        (["--master", "node1:99999"], "--master 'node1:99999': the port must be a number"),
+    ],
+)
+def test_launch_says_what_is_wrong_with_an_address_before_starting_anything(flags, said, capsys, tmp_path):
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    assert main(["launch", "--nproc", "1", *flags, str(script)]) == 2
+    assert f"nereus launch: {said}" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from nereus.runtime.dcp import uncovered
 from nereus.runtime.launch import free_port
-from nereus.runtime.liveness import Heartbeat, survivors
+from nereus.runtime.liveness import Heartbeat, report_dead, survivors
 
 
 @pytest.fixture
@@ -48,6 +48,34 @@ def test_a_member_whose_heartbeat_stops_is_dead_and_a_late_live_one_is_waited_fo
     beats[3].stop()  # GPU 3 dies: its beat stands still from now on
     # GPU 2 saw the failure late (a collective that waited), but beat all along
     out = agree(store, [0, 1, 2, 3], {0: 0.0, 1: 0.0, 2: 1.5}, timeout=10, stale=0.5)
+    assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    for b in beats.values():
+        b.stop()
+
+
+def test_a_member_its_launcher_reports_dead_is_dead_at_once_and_a_new_heartbeat_takes_it_back(store):
+    """``report_dead`` (``nereus launch``, ``run_local``: the process that reaped it) decides
+    without waiting for the beat to stand still; a process that joins on that GPU later beats
+    afresh, and is alive in the next failure."""
+    beats = {g: Heartbeat(store, g, interval=0.05) for g in range(3)}
+    beats[2].stop()
+    report_dead(store, 2)
+    t0 = time.monotonic()
+    out = agree(store, [0, 1, 2], {0: 0.0, 1: 0.0}, timeout=10, stale=5.0)
+    assert out == {0: [0, 1], 1: [0, 1]}
+    assert time.monotonic() - t0 < 2.5  # not the 5 s a still beat would take
+    beats[2] = Heartbeat(store, 2, interval=0.05)  # a joiner on GPU 2
+    out = {}
+    threads = [
+        threading.Thread(
+            target=lambda me=me: out.__setitem__(me, survivors(store.clone(), [0, 1, 2], me, 1, stale=5.0))
+        )
+        for me in (0, 1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
     assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
     for b in beats.values():
         b.stop()
