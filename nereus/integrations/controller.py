@@ -207,8 +207,7 @@ class Controller(Membership):
         """Announce that this rank's GPU leaves the job: the next decision moves its state off it."""
         self._leaving = True
 
-    @contextlib.contextmanager
-    def step(self):
+    def step(self) -> _Step:
         """One training step: measurements inside, the decision (and a transition) at its end.
 
         A rank that dies without notice in the step, or in the move at its end, breaks a
@@ -217,20 +216,33 @@ class Controller(Membership):
         themselves and move the live state to a plan on them) and sets ``redo``: the step was
         not done and the loop runs it again. An exception that no rank's death explains (every
         member is alive) is raised as it was."""
+        return _Step(self)
+
+    def _begin(self) -> None:
         self._seconds, self._memory, self._lengths = {}, {}, []
         self.redo = False
-        try:
-            yield
-            t0 = time.perf_counter()
-            self.last = self._decide()
-            self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
-        except Exception as e:
-            if self.shared or not peer_failure(e):
-                raise
-            self.last = self._recover(e)
-            self.redo = True
-            return
-        self._next_step()
+
+    def _end(self, error: BaseException | None) -> bool:
+        """The step's end (``_Step.__exit__``): the decision, or the recovery from ``error`` (raised
+        in the step) or from one raised in the decision; whether ``error`` is dealt with."""
+        failure: BaseException | None = error
+        if error is None:
+            try:
+                t0 = time.perf_counter()
+                self.last = self._decide()
+                self.end_of_step_s = time.perf_counter() - t0  # what the controller took at this step's end
+            except Exception as e:  # noqa: BLE001 - the recovery's, or raised below
+                failure = e
+        if failure is None:
+            self._next_step()
+            return True
+        if not isinstance(failure, Exception) or self.shared or not peer_failure(failure):
+            if failure is error:
+                return False  # raised as it was
+            raise failure
+        self.last = self._recover(failure)
+        self.redo = True
+        return True
 
     def _next_step(self) -> None:
         """The step is done: counted, and the checkpoint saved where one is due (a rank that dies
@@ -500,3 +512,20 @@ class Controller(Membership):
             f"{n.get('step_time_now', float('nan')):.3g} s -> {n.get('step_time_new', float('nan')):.3g} s "
             f"per step, {n.get('bytes_moved', 0) / 2**20:.1f} MiB, {decision.message}"
         )
+
+
+class _Step:
+    """``ctl.step()``'s context. A class, not a generator: the traceback of a failed step comes
+    to ``__exit__`` as an argument, and only a frame that can drop it lets the failed step's
+    frames go (``membership.release_frames``): a generator's caller, ``contextlib``, would hold
+    it through the recovery, and with it the live models and their process groups."""
+
+    def __init__(self, ctl: Controller):
+        self.ctl = ctl
+
+    def __enter__(self) -> None:
+        self.ctl._begin()
+
+    def __exit__(self, kind, error, tb) -> bool:
+        del kind, tb
+        return self.ctl._end(error)

@@ -72,6 +72,25 @@ def close_groups() -> None:
     dist.destroy_process_group()
 
 
+def release_frames(error: BaseException) -> None:
+    """Let the frames of a failed step go: ``error``'s and its causes' and contexts' tracebacks
+    cleared of their locals and dropped (their text kept as a note, for a re-raise). A cleared
+    frame that is still referenced keeps its function, and a hook's closure keeps its module:
+    FSDP2's pre-forward hook (``Module._call_impl.<locals>.inner``) kept the model and its
+    groups alive until the traceback itself went."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            e.add_note("".join(traceback.format_tb(e.__traceback__)).rstrip())
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+
+
 # the decision core's fields a joiner takes from the leader (all but the search filter and the log)
 _CORE_OWN = ("keep", "log")
 
@@ -157,11 +176,7 @@ class Membership:
         if not isinstance(error, PeersLost):
             # the failed step's frames (the training code's locals: models, DDP, their groups)
             # let go, then the groups, then the live models (``detach``)
-            seen: BaseException | None = error
-            while seen is not None:  # the error's chain: each cause's frames hold the failed step too
-                if seen.__traceback__ is not None:
-                    traceback.clear_frames(seen.__traceback__)
-                seen = seen.__cause__ or seen.__context__
+            release_frames(error)
             close_groups()
             if hasattr(self.adapter, "detach"):  # the live models let go of their groups too
                 self.adapter.detach(self.module, self.plan)
