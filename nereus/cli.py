@@ -352,7 +352,16 @@ def cmd_simulate(args) -> int:
         raise DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]) from None
     module = _trace_job(trace, args.trace)
     policies = args.policies.split(",") if args.policies else list(POLICIES)
-    result = simulate(module, trace, policies, steps=args.steps, seed=args.seed, progress=not args.json, jobs=args.jobs)
+    result = simulate(
+        module,
+        trace,
+        policies,
+        steps=args.steps,
+        seed=args.seed,
+        progress=not args.json,
+        jobs=args.jobs,
+        truth=args.truth,
+    )
     if args.json:
         print(json.dumps(to_json(result), indent=1))
     else:
@@ -535,6 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--policies", help=f"comma-separated: {', '.join(POLICY_NAMES)} (default: all)")
     sm.add_argument("--steps", type=int, help="simulate only the first N steps")
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
+    sm.add_argument(
+        "--truth",
+        choices=("formula", "event"),
+        default="formula",
+        help="what a plan really costs: the cost model at hidden coefficients (formula), or the step "
+        "played out event by event (event: nereus/sim/truth)",
+    )
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
     sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")
     sm.add_argument(

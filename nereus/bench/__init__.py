@@ -18,6 +18,7 @@ BENCHMARKS = {
     "push": "push_bench",
     "elastic": "elastic_bench",
     "validate": "validate_bench",
+    "truth": "truth_bench",
 }
 
 

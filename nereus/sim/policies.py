@@ -401,7 +401,7 @@ class Nereus(Policy):
         n = d.numbers
         prior_nic = (self.core.m.clusters[self.core.m.plans[self.core.plan].cluster].efficiency or Efficiency()).nic
         cost = float(n.get("cost") or (n.get("makespan", 0.0) + PG_INIT + ENGINE_RESTART))
-        cost += float(n.get("makespan", 0.0)) * (prior_nic / sim.truth.nic - 1)  # the true links are slower
+        cost += float(n.get("makespan", 0.0)) * (prior_nic / sim.nic_efficiency - 1)  # the true links are slower
         if self.example is None:  # one transition's transfer schedule, for the Gantt chart
             self.example = (i, gantt_rows(d.module, d.module.transitions[d.transition]))
         self.core.commit(d)

@@ -97,8 +97,10 @@ def simulate(
     seed: int = 0,
     progress: bool = True,
     jobs: int = 1,
+    truth: str = "formula",
 ) -> dict:
     """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs.
+    ``truth``: ``formula`` or ``event`` (``SimCluster``'s two truths).
 
     The policies are independent given the step noise (drawn here, once, for all of them), so
     with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are
@@ -116,7 +118,7 @@ def simulate(
             trace.sources,
             trace.path,
         )
-    sim = SimCluster(module, trace, seed=seed)
+    sim = SimCluster(module, trace, seed=seed, model=truth)
     factors = [sim.noise() for _ in trace.steps]  # the same noise for every policy
     t_start = time.perf_counter()
     jobs = max(1, min(jobs, len(names)))
@@ -135,9 +137,10 @@ def simulate(
                     bar.advance(task, len(pols))
         else:
             runs, pols = _in_processes(
-                module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n)
+                module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n), truth
             )
     return {
+        "truth": truth,
         "trace": trace.name,
         "job": trace.job,
         "steps": len(trace.steps),
@@ -197,10 +200,10 @@ def _init_worker(done) -> None:
     _done = done
 
 
-def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, factors: list[float]):
+def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, factors: list[float], truth: str):
     """One policy over the whole trace, in a worker process: (its run, the policy, less what a
     decision kept of the job at each move)."""
-    sim = SimCluster(module, trace, seed=seed)
+    sim = SimCluster(module, trace, seed=seed, model=truth)
     with collecting_rarely():
         p = _start(sim, name)
         run = PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
@@ -212,7 +215,7 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
     return run, p
 
 
-def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[dict, dict]:
+def _in_processes(module, trace, names, seed, factors, jobs, advance, truth="formula") -> tuple[dict, dict]:
     """The policies in ``jobs`` worker processes, the slowest first. A policy is handed to a
     worker only when one is free: a call queued behind busy workers (the job and the trace,
     pickled, 150 KB at 1,024 GPUs: more than a pipe holds) would block the queue's feeder thread
@@ -228,7 +231,7 @@ def _in_processes(module, trace, names, seed, factors, jobs, advance) -> tuple[d
 
     def hand_out(pool) -> set:
         n = queue.pop(0)
-        f = pool.submit(_run_one, module, trace, n, names.index(n), seed, factors)
+        f = pool.submit(_run_one, module, trace, n, names.index(n), seed, factors, truth)
         futures[f] = n
         return {f}
 

@@ -1,8 +1,12 @@
 """The simulated cluster: what a plan really costs at a step of a trace.
 
-The truth is the cost model run with *hidden* efficiency coefficients (``TRUTH``, not the
-planner's priors), at the step's response-length distribution and on the GPUs the trace makes
-available; on top, per-step noise (log-normal) and stragglers (a step now and then slowed by a
+Two truths. ``event`` plays the step out (``sim.truth.EventTruth``: kernels by shape,
+collectives by algorithm, the pipeline schedule and continuous batching, event by event): it
+shares no formula with the cost model, so the cost model has a real error against it.
+``formula`` is the cost model run with *hidden* efficiency coefficients (``TRUTH``, not the
+planner's priors): fast, but the planner's own form, so calibration converges to it by
+construction. Either is taken at the step's response-length distribution and on the GPUs the
+trace makes available; on top, per-step noise (log-normal) and stragglers (a step now and then slowed by a
 slow GPU, as synchronous collectives wait for it). A plan that does not fit in memory fails the
 step, as an out-of-memory would, and one that uses a GPU the trace took away cannot run. Policies
 see only ``measure``'s noisy stage times and memory: they must calibrate to learn the truth.
@@ -26,6 +30,8 @@ from ..ir.cluster import Efficiency
 from ..passes.cost.cost_model import Candidates, CostModel
 from ..passes.cost.estimate import estimate_plan
 from .trace import Trace, TraceStep
+from .truth.network import LINK_EFFICIENCY
+from .truth.step import EventTruth
 
 # hidden truth: below every prior (compute 0.6, HBM/links 0.7, overlap 0.9); overhead per layer pass
 # 4x the prior (40 us against 10 us)
@@ -33,6 +39,7 @@ TRUTH = Efficiency(compute=0.48, hbm=0.62, nvlink=0.6, nic=0.5, pcie=0.6, overhe
 NOISE = 0.03  # sigma of the log-normal noise of a step's time
 STRAGGLER_P, STRAGGLER_SLOWDOWN = 0.02, 1.3
 PG_INIT, ENGINE_RESTART = 2.0, 30.0  # seconds, as admit's defaults
+TRUTHS = ("formula", "event")
 RELOAD_BYTES_PER_S = 2e9  # per GPU, reading state back from a checkpoint (assumed: local NVMe / parallel FS)
 
 
@@ -53,14 +60,17 @@ def conditions(step: TraceStep) -> tuple:
 class SimCluster:
     """The trace's job (``module``: its workload and cluster, plans ignored) under the trace."""
 
-    def __init__(self, module: Module, trace: Trace, truth: Efficiency = TRUTH, seed: int = 0):
+    def __init__(self, module: Module, trace: Trace, truth: Efficiency = TRUTH, seed: int = 0, model: str = "formula"):
+        if model not in TRUTHS:
+            raise ValueError(f"unknown truth {model!r}: {', '.join(TRUTHS)}")
         self.base = copy.deepcopy(module)
         self.base.plans.clear()
         self.base.emus.clear()
         self.base.transitions.clear()
         (self.workload,) = self.base.workloads.values()
         (self.cluster,) = self.base.clusters.values()
-        self.trace, self.truth = trace, truth
+        self.trace, self.truth, self.model = trace, truth, model
+        self.events = EventTruth(self.base) if model == "event" else None
         self.rng = random.Random(seed)
         self._modules: dict[tuple, Module] = {}
         self._outcomes: dict[tuple, Outcome] = {}
@@ -93,11 +103,21 @@ class SimCluster:
             self._keep.append(plan)  # ids stay unique while cached
         return out
 
+    @property
+    def nic_efficiency(self) -> float:
+        """The share of the NIC's bandwidth a transfer gets in truth."""
+        return LINK_EFFICIENCY["nic"] if self.events is not None else self.truth.nic
+
     def _evaluate(self, plan: Plan, i: int) -> Outcome:
         s = self.trace.steps[i]
         used = {g for lay in plan.layouts.values() for g in lay.mesh}
         if used & s.unavailable:
             return Outcome(math.inf, {}, {}, "GPUs gone")
+        if self.events is not None:
+            p = copy.deepcopy(plan)
+            p.workload, p.cluster = self.workload.name, self.cluster.name
+            step_time, seconds, memory, failure = self.events.evaluate(self.module_at(i), p, conditions(s))
+            return Outcome(step_time, seconds, memory, failure)
         m = self.module_at(i, truth=True)
         p = copy.deepcopy(plan)
         p.name, p.workload, p.cluster = "_truth", self.workload.name, self.cluster.name
@@ -140,8 +160,9 @@ class SimCluster:
         if train is None or gen is None:
             return 0.0
         full = self.weight_bytes(gen.model)
-        nic = self.cluster.inter_node.bandwidth * self.truth.nic
-        nvl = self.cluster.intra_node.bandwidth * self.truth.nvlink
+        events = self.events is not None
+        nic = self.cluster.inter_node.bandwidth * (LINK_EFFICIENCY["nic"] if events else self.truth.nic)
+        nvl = self.cluster.intra_node.bandwidth * (LINK_EFFICIENCY["nvlink"] if events else self.truth.nvlink)
         if method == "p2p":
             if (
                 gen.tp == train.tp

@@ -1,0 +1,74 @@
+"""The event truth on the traces' 70B PPO job: a step played out has every model-stage's time and
+memory, fails as out of memory exactly where a GPU's allocation exceeds its memory, grows with
+the responses, and runs under ``nereus simulate --truth event``."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+
+from nereus.ir import parse, verify
+from nereus.sim.policies import POLICIES
+from nereus.sim.simulate import simulate
+from nereus.sim.simulated_cluster import SimCluster
+from nereus.sim.trace import read_trace
+from nereus.testing.jobs import EXAMPLES
+
+TRACES = Path(__file__).resolve().parents[2] / "nereus" / "sim" / "traces"
+
+
+@pytest.fixture(scope="module")
+def sim():
+    module = verify(parse(EXAMPLES["ppo_70b_1024gpu.nir"](), "ppo_70b_1024gpu.nir"))
+    return SimCluster(module, read_trace(TRACES / "length_growth.jsonl"), model="event")
+
+
+@pytest.fixture(scope="module")
+def plan(sim):
+    policy = POLICIES["fixed"]()
+    policy.start(sim)
+    return policy.plan
+
+
+def test_a_step_played_out_has_every_model_stage_and_grows_with_the_responses(sim, plan):
+    first = sim._evaluate(plan, 0)
+    assert not first.failure and set(first.seconds) == set(plan.layouts)
+    assert all(0 < s < math.inf for s in first.seconds.values())
+    # the step is the stages in order: at least the slowest model-stage of each stage
+    stages = sim.workload.stages
+    floor = sum(max(first.seconds[ms] for ms in st.model_stages() if ms in plan.layouts) for st in stages)
+    assert first.step_time >= floor - 1e-9
+    later = sim._evaluate(plan, 300)  # longer responses: generation and training take longer
+    assert later.seconds["actor.generate"] > first.seconds["actor.generate"]
+    assert later.seconds["actor.train"] > first.seconds["actor.train"]
+
+
+def test_out_of_memory_is_where_an_allocation_exceeds_the_gpu(sim, plan):
+    gpu = sim.cluster.gpu_memory
+    for i in (0, 300, 600, 999):
+        out = sim._evaluate(plan, i)
+        over = any(b > gpu for b in out.memory.values())
+        assert (out.failure == "out of memory") == over, (i, out.failure, out.memory)
+    assert sim._evaluate(plan, 999).failure == "out of memory"  # the step-0 plan does not hold 10k-token responses
+
+
+def test_offloading_pays_the_host_link_both_ways(sim, plan):
+    off = copy.deepcopy(plan)
+    lay = off.layouts["ref.infer"]
+    assert "weights" not in lay.offload
+    lay.offload = ["weights"]
+    base, moved = sim._evaluate(plan, 0), sim._evaluate(off, 0)
+    assert moved.seconds["ref.infer"] > base.seconds["ref.infer"]
+
+
+def test_simulate_runs_the_policies_under_the_event_truth():
+    module = verify(parse(EXAMPLES["ppo_70b_1024gpu.nir"](), "ppo_70b_1024gpu.nir"))
+    trace = read_trace(TRACES / "length_growth.jsonl")
+    result = simulate(module, trace, ["fixed", "nereus"], steps=30, progress=False, truth="event")
+    assert result["truth"] == "event"
+    for name in ("fixed", "nereus"):
+        run = result["runs"][name]
+        assert run.summary()["completed"] > 0
