@@ -6,8 +6,8 @@ the cost model, so the cost model has a real error against it. On the 70B PPO jo
 OpenRLHF-like, Nereus's), at response lengths from the ``length_growth`` trace:
 
 - **error per model-stage kind** (generate, infer, train): the cost model's time against the
-  event truth's, with the priors, and after ``calibrate`` on the event truth's times of half the
-  plans, for the other half (held out);
+  event truth's, with the priors, and after ``calibrate`` at each step on the event truth's
+  times of half the plans, for the other half at that step (held out);
 - **ranking**: of the pairs of plans at the same lengths, the share the cost model orders
   otherwise than the event truth (step time);
 - **speed**: seconds per evaluation of a plan at a step, and per 1,000 steps of one policy that
@@ -74,26 +74,21 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             for ms, sec in out.seconds.items():
                 if math.isfinite(sec) and per.get(ms):
                     rows.append((i, name, ms, sec, per[ms]))
-    # calibration on half the plans' event times, predicted for the other half
+    # calibration at each step on half the plans' event times (what the Controller measures of the
+    # plan it runs, at the lengths of the moment), predicted for the other half at that step
     names = list(plans)
     fit_on, held = names[::2], names[1::2]
-    cal = copy.deepcopy(sim.module_at(steps[0]))
-    records = []
-    for i, name, ms, sec, _ in rows:
-        if name in fit_on and i == steps[0]:
-            records.append((name, ms, sec, None, 0))
-    for name in names:
-        p = copy.deepcopy(plans[name])
-        p.name, p.workload, p.cluster = name, sim.workload.name, sim.cluster.name
-        cal.plans[name] = p
-    calibrate_records(cal, records)
-    fitted = next(iter(cal.clusters.values())).efficiency
     after = []
     for i in steps:
-        m = copy.deepcopy(sim.module_at(i))
-        next(iter(m.clusters.values())).efficiency = fitted
+        cal = copy.deepcopy(sim.module_at(i))
+        for name in names:
+            p = copy.deepcopy(plans[name])
+            p.name, p.workload, p.cluster = name, sim.workload.name, sim.cluster.name
+            cal.plans[name] = p
+        records = [(n, ms, sec, None, 0) for j, n, ms, sec, _ in rows if j == i and n in fit_on]
+        calibrate_records(cal, records)
         for name in held:
-            _, per = _estimate(m, plans[name])
+            _, per = _estimate(cal, plans[name])
             for j, n, ms, sec, _ in rows:
                 if j == i and n == name and per.get(ms):
                     after.append((kinds[ms], sec, per[ms]))

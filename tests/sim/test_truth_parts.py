@@ -60,6 +60,7 @@ def test_the_schedule_played_equals_a_tick_by_tick_simulation_on_uneven_stages(p
         send = rng.randint(0, 2)
         schedule = "1f1b" if v == 1 else "interleaved"
         assert play(fwd, bwd, m, send, scale=scale).makespan == ticks(fwd, bwd, m, send, schedule, scale)
+        assert play(fwd, None, m, send, scale=scale).makespan == ticks(fwd, None, m, send, "forward", scale)
 
 
 def test_even_stages_give_the_known_bubbles_and_activations():
@@ -70,6 +71,7 @@ def test_even_stages_give_the_known_bubbles_and_activations():
     assert two.makespan == 8 * 3.0 + (4 - 1) * 3.0 / 2  # interleaved: the bubble over v
     assert two.in_flight[0] / 2 == pytest.approx(4 * (1 + 3 / 8))  # Korthikanti et al.: (1 + (p-1)/(p v)) times
     assert play([[1.0]] * 4, None, 8).makespan == 8 + 4 - 1  # forward only
+    assert play([[0.5, 0.5]] * 4, None, 8).makespan == 8 + (4 - 1) / 2  # forward only, interleaved
 
 
 def iterate(prompts, responses, engine: gen.Engine) -> float:

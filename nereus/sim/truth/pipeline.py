@@ -12,7 +12,8 @@ send) and its own forward. Stages may be uneven: every rank and chunk has its ow
   chunk ``(k mod p v) div p`` of micro-batch ``(k div p v) p + k mod p`` (backwards take the
   chunks in reverse); ``(p - s - 1) 2 + (v - 1) p`` warm-up forwards. ``m`` must be a multiple
   of ``p``, as Megatron asks.
-- ``forward`` (inference): every forward in order, no backward.
+- ``forward`` (inference): every forward in order, no backward; interleaved as above, ``p``
+  micro-batches through a chunk before the next chunk.
 
 ``play`` returns the makespan, each rank's busy seconds, and the most micro-batches each rank
 held at once (forwards done whose backward has not finished): its activations as they peak.
@@ -20,6 +21,7 @@ held at once (forwards done whose backward has not finished): its activations as
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -30,10 +32,20 @@ class Played:
     in_flight: list[int]  # the most micro-batches whose activations a rank held at once (per chunk summed)
 
 
-def order(schedule: str, p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=4096)
+def order(schedule: str, p: int, v: int, m: int, s: int) -> tuple[tuple[str, int, int], ...]:
+    """Rank ``s``'s operations in order (``_order``; the same for every step of a trace)."""
+    return tuple(_order(schedule, p, v, m, s))
+
+
+def _order(schedule: str, p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
     """Rank ``s``'s operations in order: ("F" | "B", chunk, micro-batch)."""
-    if schedule == "forward":
-        return [("F", c, mb) for mb in range(m) for c in range(v)]
+    if schedule == "forward" and v == 1:
+        return [("F", 0, mb) for mb in range(m)]
+    if schedule == "forward":  # interleaved: p micro-batches through a chunk, then the next chunk
+        if m % p:
+            raise ValueError(f"interleaved schedule: {m} micro-batches is not a multiple of the {p} stages")
+        return [("F", (k % (p * v)) // p, (k // (p * v)) * p + k % p) for k in range(m * v)]
     if schedule == "1f1b" and v == 1:
         warm = min(p - s - 1, m)
         ops = [("F", 0, mb) for mb in range(warm)]

@@ -12,8 +12,9 @@ memory its fullest GPU allocates.
   epochs and mini-batches repeat it. The slowest replica ends the stage.
 - **generate**: continuous batching per engine replica (``generation.serve``).
 
-Replicas are sampled: the first ``REPLICAS`` DP replicas are played, each with its own share of
-the step's sequences, and the slowest of them ends the stage (the slowest of all of them would
+Replicas are sampled: the first ``REPLICAS`` engine replicas (``PASSES`` DP replicas of a train
+or infer stage) are played, each with its own share of the step's sequences, and the slowest of
+them ends the stage (the slowest of all of them would
 be a little slower: the truth understates the straggling of many replicas).
 
 Memory as allocated: the GPU's state (weights, gradients, fp32 master and Adam moments, ZeRO's
@@ -40,6 +41,7 @@ WORKSPACE = 2 * 2**30  # CUDA context, cuBLAS workspace, NCCL buffers (an assump
 FRAGMENTATION = 1.15  # the caching allocator's blocks against the activations' bytes (an assumption)
 VLLM_MEMORY = 0.9  # vLLM's gpu_memory_utilization default
 SCHEDULER_S = 5e-4  # an engine's CPU work per decode iteration: scheduling, sampling (an assumption)
+PASSES = 2  # DP replicas played per train or infer stage (sampled, as REPLICAS)
 REPLICAS = 4  # engine replicas played per generate stage (sampled: the slowest of these ends it)
 
 
@@ -125,7 +127,7 @@ def pipeline_time(
     _, bw, lat = link_of(cluster, pp_gpus)
     send = collective_seconds("send", ref * model.hidden * ACT / lay.tp, 2, bw, lat) if lay.pp > 1 else 0.0
     m = len(batches)
-    if train and v > 1 and m % lay.pp:
+    if v > 1 and m % lay.pp:
         v = 1  # Megatron would refuse; the truth plays 1F1B over the chunks' sum
         fwd = [[sum(x)] for x in fwd]
         bwd = [[sum(x)] for x in bwd]
@@ -140,7 +142,7 @@ def train_or_infer(
     """(seconds, bytes on the fullest GPU) of a train or infer model-stage; ``lengths``: every
     sequence of the step (prompt plus response)."""
     train = kind == "train"
-    shares = np.array_split(lengths, lay.dp)[:REPLICAS]  # sampled: the slowest of these ends the stage
+    shares = np.array_split(lengths, lay.dp)[:PASSES]  # sampled: the slowest of these ends the stage
     per = max(1, work.micro_batch)
     epochs = work.ppo_epochs if train else 1
     mini = (work.mini_batch or work.samples) if train else work.samples
