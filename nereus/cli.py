@@ -341,7 +341,6 @@ def _trace_job(trace, path: str):
 
 
 def cmd_simulate(args) -> int:
-    from .sim.policies import POLICIES
     from .sim.report import plots, table, to_json
     from .sim.simulate import simulate
     from .sim.trace import read_trace
@@ -351,7 +350,7 @@ def cmd_simulate(args) -> int:
     except FileNotFoundError:
         raise DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]) from None
     module = _trace_job(trace, args.trace)
-    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    policies = args.policies.split(",") if args.policies else None
     result = simulate(
         module,
         trace,

@@ -36,7 +36,8 @@ def summaries(result: dict) -> list[dict]:
 def table(result: dict, console: Console | None = None) -> None:
     rows = summaries(result)
     t = Table(
-        title=f"simulate {result['trace']} ({result['steps']} steps, job {result['job']}, seed {result['seed']}; "
+        title=f"simulate {result['trace']} ({result['steps']} steps, job {result['job']}, seed {result['seed']}, "
+        f"{result.get('truth', 'formula')} truth; "
         f"simulated in {result['wall_s']:.0f} s)",
         title_justify="left",
     )
@@ -62,6 +63,7 @@ def table(result: dict, console: Console | None = None) -> None:
 def to_json(result: dict) -> dict:
     runs = result["runs"]
     return {
+        "truth": result.get("truth", "formula"),
         "trace": result["trace"],
         "job": result["job"],
         "steps": result["steps"],

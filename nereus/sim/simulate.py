@@ -27,6 +27,7 @@ from .policies import POLICIES, NoPlan, Policy
 from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
 from .trace import Trace
 
+FORMULA_ONLY = ("oracle",)  # policies that know the formula truth's coefficients (not the event truth)
 FAILED_ATTEMPT = PG_INIT + ENGINE_RESTART  # an out-of-memory or a lost GPU: the attempt, then a restart
 
 
@@ -105,7 +106,17 @@ def simulate(
     The policies are independent given the step noise (drawn here, once, for all of them), so
     with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are
     the same as one process gives, up to the search's time limits on a loaded machine."""
-    names = policies or list(POLICIES)
+    names = policies or [n for n in POLICIES if truth == "formula" or n not in FORMULA_ONLY]
+    if truth != "formula" and set(names) & set(FORMULA_ONLY):
+        raise DiagnosticError(
+            [
+                Diagnostic(
+                    Loc(1, 1, str(trace.path) if trace.path else None),
+                    "the oracle searches with the formula truth's coefficients: under the event truth it is no oracle",
+                    "leave it out of --policies, or run it with --truth formula",
+                )
+            ]
+        )
     check_fits(module, trace, names)
     if steps is not None:
         trace = Trace(

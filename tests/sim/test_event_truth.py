@@ -72,3 +72,12 @@ def test_simulate_runs_the_policies_under_the_event_truth():
     for name in ("fixed", "nereus"):
         run = result["runs"][name]
         assert run.summary()["completed"] > 0
+
+
+def test_the_oracle_is_refused_under_the_event_truth_with_a_reason():
+    from nereus.ir import DiagnosticError
+
+    module = verify(parse(EXAMPLES["ppo_70b_1024gpu.nir"](), "ppo_70b_1024gpu.nir"))
+    trace = read_trace(TRACES / "length_growth.jsonl")
+    with pytest.raises(DiagnosticError, match="under the event truth it is no oracle"):
+        simulate(module, trace, ["fixed", "oracle"], steps=2, progress=False, truth="event")
