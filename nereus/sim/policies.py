@@ -241,7 +241,7 @@ class FixedDp(Fixed):
 
 
 class Verl(Restarting):
-    name, sync = "verl", "allgather"
+    name, sync = "verl", "megatron"
 
     @staticmethod
     def widest(options: list) -> list:

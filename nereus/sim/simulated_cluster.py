@@ -154,7 +154,10 @@ class SimCluster:
         generation layout sits on nodes of the training layout, else the NIC. ``allgather``
         (verl): every GPU all-gathers the full weights over the NIC (FSDP across nodes).
         ``broadcast`` (OpenRLHF): rank 0 gathers the full weights, then broadcasts them to the
-        engines, each over the NIC."""
+        engines, each over the NIC. ``megatron`` (verl's Megatron workers, colocated engines):
+        every GPU gathers its pipeline stage's parameters whole over its TP group, then receives
+        the other stages' from their owners over the PP group (a broadcast per stage), and its
+        engine cuts its own TP shard from the whole tensors, in place."""
         train = next((lay for ms, lay in plan.layouts.items() if ms.endswith(".train") and lay.model == "actor"), None)
         gen = next((lay for ms, lay in plan.layouts.items() if ms.endswith(".generate")), None)
         if train is None or gen is None:
@@ -173,6 +176,16 @@ class SimCluster:
             per = self.cluster.gpus_per_node
             same_nodes = {g // per for g in gen.mesh} <= {g // per for g in train.mesh}
             return full / (gen.tp * gen.pp) / (nvl if same_nodes else nic)
+        if method == "megatron":
+            per = self.cluster.gpus_per_node
+
+            def rate(gpus: list[int]) -> float:
+                return nvl if len({g // per for g in gpus}) <= 1 else nic
+
+            stage = full / train.pp
+            tp_gpus, pp_gpus = train.mesh[: train.tp], train.mesh[: train.tp * train.pp : train.tp]
+            gather = (train.tp - 1) / train.tp * stage / rate(tp_gpus) if train.tp > 1 else 0.0
+            return gather + ((train.pp - 1) * stage / rate(pp_gpus) if train.pp > 1 else 0.0)
         if method == "allgather":
             world = len(train.mesh)
             return full * (world - 1) / world / nic

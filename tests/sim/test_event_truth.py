@@ -81,3 +81,24 @@ def test_the_oracle_is_refused_under_the_event_truth_with_a_reason():
     trace = read_trace(TRACES / "length_growth.jsonl")
     with pytest.raises(DiagnosticError, match="under the event truth it is no oracle"):
         simulate(module, trace, ["fixed", "oracle"], steps=2, progress=False, truth="event")
+
+
+def test_verls_push_is_megatrons_gather_over_tp_then_broadcast_over_pp(sim, plan):
+    """Each GPU gathers its stage's weights whole over its TP group, then the other stages' over
+    its PP group: far fewer bytes over the NIC than FSDP's all-gather of the whole model."""
+    from nereus.sim.truth.network import LINK_EFFICIENCY
+
+    train = next(lay for ms, lay in plan.layouts.items() if ms == "actor.train")
+    full = sim.weight_bytes("actor")
+    per = sim.cluster.gpus_per_node
+    nvl = sim.cluster.intra_node.bandwidth * LINK_EFFICIENCY["nvlink"]
+    nic = sim.cluster.inter_node.bandwidth * LINK_EFFICIENCY["nic"]
+
+    def rate(gpus):
+        return nvl if len({g // per for g in gpus}) == 1 else nic
+
+    stage = full / train.pp
+    want = (train.tp - 1) / train.tp * stage / rate(train.mesh[: train.tp])
+    want += (train.pp - 1) * stage / rate(train.mesh[: train.tp * train.pp : train.tp])
+    assert sim.sync_seconds(plan, "megatron") == pytest.approx(want)
+    assert sim.sync_seconds(plan, "megatron") < sim.sync_seconds(plan, "allgather")
