@@ -17,7 +17,6 @@ OpenRLHF-like, Nereus's), at response lengths from the ``length_growth`` trace:
 from __future__ import annotations
 
 import copy
-import json
 import math
 import statistics
 import time
@@ -124,8 +123,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         "distinct_conditions": distinct,
         "seconds_per_1000_steps_one_plan": round(per_eval * distinct * 1000 / len(trace.steps), 2),
     }
-    if json_output:
-        print(json.dumps(result, indent=1))
+    if json_output:  # the command line prints it
         return result
     table = Table(title="the cost model against the event truth (PPO 70B, 1,024 GPUs, length_growth)")
     for col in ("kind", "priors: median / max", "held out, priors", "held out, calibrated"):

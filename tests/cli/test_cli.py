@@ -107,6 +107,14 @@ def test_bench_plan_search_json_smoke(capsys):
     assert rows[("PPO 8B", 16)]["greedy_over_searched"] >= 1.0  # the optimum is never worse than the peer
 
 
+def test_bench_truth_json_smoke(capsys):
+    assert main(["bench", "truth", "--quick", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["error_prior"]) == {"generate", "infer", "train"}
+    assert data["ranking_pairs"] > 0 and 0 <= data["ranking_wrong"] <= data["ranking_pairs"]
+    assert data["seconds_per_evaluation"] > 0 and data["distinct_conditions"] == 100
+
+
 def test_bench_transition_json_smoke(capsys):
     assert main(["bench", "transition", "--quick", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
