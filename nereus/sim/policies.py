@@ -43,7 +43,7 @@ from ..passes.cost.estimate import Estimate
 from ..passes.search.plan_search import PlanSearch
 from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, columns
 from . import POLICY_NAMES
-from .simulated_cluster import ENGINE_RESTART, PG_INIT, Outcome, SimCluster, conditions
+from .simulated_cluster import ENGINE_RESTART, PG_INIT, RELOAD_BYTES_PER_S, Outcome, SimCluster, conditions
 
 SEARCH_S = 10.0
 
@@ -155,8 +155,24 @@ class Restarting(Policy):
         return same_tp_pp(options, self.tp_pp[ms])
 
     def start(self, sim: SimCluster) -> None:
-        self.adopt(self.initial(sim))
         self.gpus = frozenset(sim.trace.available(0))
+        self.adopt(self.initial(sim))
+
+    @staticmethod
+    def known(sim: SimCluster, i: int) -> frozenset[int]:
+        """The GPUs the job knows it has before step ``i``, as Nereus's core knows them: those of
+        the step before less the ones announced to leave after it. A GPU lost without notice is
+        found by the step that fails on it (``recover``); one granted is seen after a step."""
+        if i == 0:
+            return frozenset(sim.trace.available(0))
+        return frozenset(sim.trace.available(i - 1)) - sim.trace.steps[i - 1].leaving
+
+    def view(self, sim: SimCluster, i: int):
+        """A copy of the job at step ``i`` on the GPUs this policy knows of (``self.gpus``)."""
+        m = copy.deepcopy(sim.module_at(i))
+        for c in m.clusters.values():
+            c.unavailable = sorted(set(range(c.nodes * c.gpus_per_node)) - self.gpus)
+        return m
 
     def adopt(self, plan: Plan) -> None:
         """Run ``plan`` from now on; what it keeps fixed is taken from it."""
@@ -164,10 +180,12 @@ class Restarting(Policy):
         self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in plan.layouts.items()}
 
     def replan(self, sim: SimCluster, i: int) -> Plan:
-        return search(copy.deepcopy(sim.module_at(i)), self.keep, f"{self.name}{i}", incumbent=self.plan)
+        return search(self.view(sim, i), self.keep, f"{self.name}{i}", incumbent=self.plan)
 
-    def _move(self, sim: SimCluster, i: int) -> Move:
+    def _move(self, sim: SimCluster, i: int, gpus: frozenset[int] | None = None) -> Move:
+        """A restart onto ``gpus`` (default: the step's, which a failed attempt revealed)."""
         t0 = time.perf_counter()
+        self.gpus = frozenset(sim.trace.available(i)) if gpus is None else gpus
         try:
             self.adopt(self.replan(sim, i))
         except NoPlan:  # nothing fits with TP/PP kept: restart with new ones, as its user would
@@ -175,12 +193,12 @@ class Restarting(Policy):
                 self.adopt(self.initial(sim, i))
             except NoPlan:
                 return Move(0.0, time.perf_counter() - t0)
-        self.gpus = frozenset(sim.trace.available(i))
         return Move(sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
 
     def react(self, sim, i):
-        if frozenset(sim.trace.available(i)) != self.gpus:
-            return self._move(sim, i)
+        known = self.known(sim, i)
+        if known != self.gpus:
+            return self._move(sim, i, known)
         return Move()
 
     def recover(self, sim, i, out):
@@ -191,7 +209,7 @@ class Fixed(Restarting):
     name = "fixed"
 
     def initial(self, sim, i=0):
-        return search(copy.deepcopy(sim.module_at(i)), None, f"fixed{i}")
+        return search(self.view(sim, i), None, f"fixed{i}")
 
 
 class FixedDp(Fixed):
@@ -235,9 +253,7 @@ class FixedDp(Fixed):
         try:
             return super().replan(sim, i)
         except NoPlan:
-            return search(
-                copy.deepcopy(sim.module_at(i)), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}"
-            )
+            return search(self.view(sim, i), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}")
 
 
 class Verl(Restarting):
@@ -251,7 +267,7 @@ class Verl(Restarting):
         return rows(options, gpus == gpus.max()) if len(gpus) else []
 
     def initial(self, sim, i=0):
-        return search(copy.deepcopy(sim.module_at(i)), lambda ms, opts, n: self.widest(opts), f"verl{i}")
+        return search(self.view(sim, i), lambda ms, opts, n: self.widest(opts), f"verl{i}")
 
     def keep(self, ms, options, n):
         return self.widest(same_tp_pp(options, self.tp_pp[ms]))
@@ -323,7 +339,7 @@ class OpenRLHF(Restarting):
         return plan
 
     def initial(self, sim, i=0):
-        m = copy.deepcopy(sim.module_at(i))
+        m = self.view(sim, i)
         best = None
         for share in self.GEN_SHARES:
             try:
@@ -338,7 +354,7 @@ class OpenRLHF(Restarting):
         return best[0]
 
     def replan(self, sim, i):
-        return self.pooled(copy.deepcopy(sim.module_at(i)), self.share, f"openrlhf{i}", True)
+        return self.pooled(self.view(sim, i), self.share, f"openrlhf{i}", True)
 
 
 class Nereus(Policy):
@@ -371,6 +387,9 @@ class Nereus(Policy):
         plan.name = "p0"
         m.plans["p0"] = plan
         self.core = DecisionCore(m, "p0", self.options, total_steps=len(sim.trace.steps))
+        # the job keeps checkpoints, as the restarting policies' reloads assume: what only failed
+        # GPUs held is read back from the last one (the move plans it as ``restored`` bytes)
+        self.core.checkpoint = ("checkpoint", 0)
         self.plan = self.core.m.plans[self.core.plan]
         self.last_seconds: dict[str, float] = {}
 
@@ -402,6 +421,10 @@ class Nereus(Policy):
         prior_nic = (self.core.m.clusters[self.core.m.plans[self.core.plan].cluster].efficiency or Efficiency()).nic
         cost = float(n.get("cost") or (n.get("makespan", 0.0) + PG_INIT + ENGINE_RESTART))
         cost += float(n.get("makespan", 0.0)) * (prior_nic / sim.nic_efficiency - 1)  # the true links are slower
+        if n.get("restored"):  # read back as a restart reads: each lost GPU's share by one GPU
+            a = self.core.m.plans[self.core.plan]
+            lost = {g for lay in a.layouts.values() for g in lay.mesh} - set(sim.trace.available(i))
+            cost += float(n["restored"]) / max(1, len(lost)) / RELOAD_BYTES_PER_S
         if self.example is None:  # one transition's transfer schedule, for the Gantt chart
             self.example = (i, gantt_rows(d.module, d.module.transitions[d.transition]))
         self.core.commit(d)

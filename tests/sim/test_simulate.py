@@ -140,7 +140,9 @@ def test_the_papers_baseline_rescales_only_dp(result):
     start = search(copy.deepcopy(sim.module_at(0)), None, "p0")
     p = result["policies"]["fixed-dp"]
     moves = result["runs"]["fixed-dp"].moves
-    assert {8, 21} <= set(moves)  # it restarts when the GPUs change
+    # it restarts when the GPUs change: onto the grant of step 8 after that step (it learns of it
+    # then, as Nereus's core does), off the GPUs announced at step 20 before step 21
+    assert {9, 21} <= set(moves)
     knobs = lambda lay: (lay.tp, lay.pp, lay.vpp, lay.recompute, lay.zero, sorted(lay.offload))
     changed = [ms for ms, lay in p.plan.layouts.items() if knobs(lay) != knobs(start.layouts[ms])]
     if changed:
@@ -258,3 +260,18 @@ def test_the_collector_collects_rarely_while_policies_run_and_as_before_after(mo
     with pytest.raises(ZeroDivisionError):
         simulate(_job(), Trace("two", "ppo_8b_16gpu", 16, steps), policies=["fixed"], progress=False)
     assert gc.get_threshold() == before
+
+
+def test_a_failure_without_notice_is_found_by_failing_for_every_policy():
+    """GPUs 8-15 fail at step 3 without notice. No policy knows before that step runs: every one
+    that used them pays the failed attempt (a restarting policy too, which used to re-plan
+    before the step, seeing the trace's future), and moves after it."""
+    steps = [
+        TraceStep(i, length_shares(1000, 4096), frozenset(range(8, 16)) if i >= 3 else frozenset(), frozenset())
+        for i in range(6)
+    ]
+    result = simulate(_job(), Trace("fail", "ppo_8b_16gpu", 16, steps), ["fixed", "verl", "nereus"], progress=False)
+    for name in ("fixed", "verl", "nereus"):
+        run = result["runs"][name]
+        assert run.failures >= 1 and run.lost_s > 0, name
+        assert 3 in run.moves, (name, run.moves)
