@@ -71,6 +71,39 @@ class Sampled:
     logprobs: list[list[float]]
 
 
+SHM_DIR = Path("/dev/shm")
+
+
+def clear_stale_shm(directory: Path = SHM_DIR) -> list[str]:
+    """Remove the shared-memory segments of vLLM's CPU TP communicator that no process maps.
+
+    vLLM names them by the group's ranks and an identity that is the same for every engine
+    started by an external launcher (``-tp:0-[0-1]-cpushm_0``), and a process that ends
+    without vLLM's teardown (a killed rank, ``os._exit``) leaves them behind: the next engine on
+    those ranks then fails to create them ("create shm in SHMManager failed. errno: 17"). A
+    segment no live process maps is such a leftover; one in use is left alone. Returns the names
+    removed."""
+    stale = sorted(directory.glob("*-cpushm_*")) if directory.is_dir() else []
+    if not stale:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        mapped.update(str(p) for p in stale if str(p) in text)
+    removed = []
+    for p in stale:
+        if str(p) not in mapped:
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except FileNotFoundError:  # another rank removed it first
+                pass
+    return removed
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -95,6 +128,8 @@ class VllmEngine:
         cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", use_cache=True)
         (self.dir / "config.json").write_text(json.dumps(cfg, indent=1))
         t0 = time.perf_counter()
+        if tp > 1:  # vLLM's CPU TP groups share memory under names that every run reuses
+            clear_stale_shm()
         self.llm = vllm.LLM(
             model=str(self.dir),
             skip_tokenizer_init=True,

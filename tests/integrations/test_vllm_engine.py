@@ -134,3 +134,20 @@ def test_ppo_engines_kept_then_restarted_with_actor_critic_and_reference(tmp_pat
         checks = res["checks"]
         assert len(checks) == 2 and all(m["exact"] for c in checks for m in c["models"].values() if m["in_b"])
         assert set(checks[0]["models"]) == {"actor.train", "critic.train", "ref.infer", "reward.infer"}
+
+
+def test_stale_shared_memory_of_a_killed_engine_is_cleared_and_a_live_one_kept(tmp_path):
+    """vLLM's CPU TP segments are named alike on every run: a leftover of a killed rank is
+    removed before an engine starts; a segment some process still maps is not."""
+    import mmap
+
+    from nereus.integrations.vllm_engine import clear_stale_shm
+
+    stale = tmp_path / "-tp:0-[0-1]-cpushm_0"
+    live = tmp_path / "-tp:0-[0-1]-cpushm_1"
+    other = tmp_path / "unrelated"
+    for p in (stale, live, other):
+        p.write_bytes(b"\0" * 4096)
+    with live.open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert clear_stale_shm(tmp_path) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
