@@ -66,7 +66,7 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         m = sim.module_at(i)
         for name, plan in plans.items():
             t0 = time.perf_counter()
-            out = sim._evaluate(plan, i)
+            out = sim.evaluate(plan, i)
             t_eval.append(time.perf_counter() - t0)
             est, per = _estimate(copy.deepcopy(m), plan)
             step_times.append((i, name, out.step_time if not out.failure else math.inf, est))

@@ -70,7 +70,7 @@ class SimCluster:
         (self.workload,) = self.base.workloads.values()
         (self.cluster,) = self.base.clusters.values()
         self.trace, self.truth, self.model = trace, truth, model
-        self.events = EventTruth(self.base) if model == "event" else None
+        self.events = EventTruth() if model == "event" else None
         self.rng = random.Random(seed)
         self._modules: dict[tuple, Module] = {}
         self._outcomes: dict[tuple, Outcome] = {}

@@ -7,10 +7,9 @@ reduce-scatter are rings; an all-to-all sends ``n - 1`` messages from every GPU;
 is one message. A link carries its bytes at ``LINK_EFFICIENCY`` of its bandwidth and pays its
 latency per step (``Link.latency`` of the cluster).
 
-**Contention**: flows that cross the same NIC at the same time share it. ``share`` is how many
-do (1: alone): a data-parallel all-reduce that runs beside pipeline sends on the same GPU, or a
-group whose GPUs sit several to a node when the node's NICs are fewer than its GPUs
-(``nics_per_node``; a DGX H100 has one per GPU).
+**Contention**: flows that cross the same NIC at the same time share it; ``share`` is how many
+do (1: alone). The stages do not pass one yet: each GPU is taken to have a NIC of its own (a DGX
+H100's), and a data-parallel all-reduce is not yet made to share it with pipeline sends.
 """
 
 from __future__ import annotations
@@ -30,15 +29,6 @@ def link_of(cluster: Cluster, gpus: list[int]) -> tuple[str, float, float]:
         return "nvlink", link.bandwidth * LINK_EFFICIENCY["nvlink"], link.latency
     link = cluster.inter_node
     return "nic", link.bandwidth * LINK_EFFICIENCY["nic"], link.latency
-
-
-def nic_sharing(cluster: Cluster, gpus: list[int], nics_per_node: int | None = None) -> float:
-    """How many of ``gpus`` share one NIC (1 when each GPU has its own)."""
-    nics = nics_per_node or cluster.gpus_per_node
-    per_node: dict[int, int] = {}
-    for g in gpus:
-        per_node[g // cluster.gpus_per_node] = per_node.get(g // cluster.gpus_per_node, 0) + 1
-    return max(1.0, max(per_node.values()) / nics)
 
 
 def collective_seconds(

@@ -65,6 +65,19 @@ def stage_params(model: Model, lay: Layout, s: int) -> int:
     return (hi - lo + 1) * layer + (first if s == 0 else 0) + (last if s == lay.pp - 1 else 0)
 
 
+def state_bytes(model: Model, lay: Layout, train: bool) -> dict[str, float]:
+    """Bytes of weights, gradients and fp32 master plus Adam moments on the fullest GPU of
+    ``lay``, divided over its copies where its ZeRO stage shards them."""
+    params = max(stage_params(model, lay, s) for s in range(lay.pp))
+    copies = lay.dp * lay.cp
+    grad = 4 if lay.grad_dtype == "fp32" else 2
+    return {
+        "weights": params * model.dtype_bytes / (copies if train and lay.zero >= 3 else 1),
+        "grads": params * grad / (copies if lay.zero >= 2 else 1) if train else 0.0,
+        "optimizer": params * 12 / (copies if lay.zero >= 1 else 1) if train else 0.0,
+    }
+
+
 class Pass:
     """Seconds of one layer (and of the head) on one GPU of ``lay`` for a micro-batch."""
 
@@ -75,14 +88,18 @@ class Pass:
         self.peak = cluster.peak_flops
         self.hbm = cluster.hbm_bandwidth
 
-    def layer(self, tokens: float, ctx: float, backward: bool = False) -> float:
+    def layer(self, tokens: float, ctx: float, backward: bool = False, attention: bool = True) -> float:
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
         up = (2 if m.mlp == "gated" else 1) * m.ffn
         g = gemm_seconds
         shapes = [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t), (tokens, up / t, h), (tokens, h, m.ffn / t)]
         gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes)
-        attn = attention_seconds(tokens, ctx, m.heads / t, m.hd, self.peak, causal=True, backward=backward)
+        attn = (
+            attention_seconds(tokens, ctx, m.heads / t, m.hd, self.peak, causal=True, backward=backward)
+            if attention
+            else 0.0
+        )
         # norms, rotary, the MLP's activation, residual adds: about 12 reads or writes of the hidden state
         sp = t if self.lay.sp else 1
         elementwise = memory_seconds(12 * tokens * h * ACT / sp, self.hbm, kernels=6)
@@ -181,10 +198,6 @@ def train_or_infer(
                 t += memory_seconds(params_full * 32 / shard, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
         worst = max(worst, t)
     # memory as allocated on the fullest GPU
-    b = model.dtype_bytes
-    weights = params_full * b / (copies if train and lay.zero >= 3 else 1)
-    grads = params_full * (4 if lay.grad_dtype == "fp32" else 2) / (copies if lay.zero >= 2 else 1) if train else 0
-    optimizer = params_full * 12 / (copies if lay.zero >= 1 else 1) if train else 0
     h, t = model.hidden, lay.tp
     q, k = model.heads * model.hd, model.kv_heads * model.hd
     tok = longest / lay.cp
@@ -197,7 +210,7 @@ def train_or_infer(
     else:
         act = in_flight_peak / lay.vpp * layers * per_layer
     logits = tok * (model.vocab if model.head == "lm" else 1) * 4 / t
-    memory = weights + grads + optimizer + (act + logits) * FRAGMENTATION + WORKSPACE
+    memory = sum(state_bytes(model, lay, train).values()) + (act + logits) * FRAGMENTATION + WORKSPACE
     return worst, memory
 
 
@@ -214,7 +227,7 @@ def generate(
     bytes other model-stages keep on its GPUs."""
     params = max(stage_params(model, lay, s) for s in range(lay.pp))
     weights = params * model.dtype_bytes
-    hbm, peak = cluster.hbm_bandwidth, cluster.peak_flops
+    hbm = cluster.hbm_bandwidth
     kv_tok = 2 * max(model.layers / lay.pp, 1) * max(model.kv_heads / lay.tp, 1.0) * model.hd * model.dtype_bytes
     free = VLLM_MEMORY * cluster.gpu_memory - weights - resident - WORKSPACE
     capacity = int(max(free, 0) / kv_tok)
@@ -222,7 +235,7 @@ def generate(
     layers = model.layers / lay.pp
 
     def gemm_s(n: int) -> float:  # one decode iteration's GEMMs and TP all-reduces, every stage in turn
-        return lay.pp * (layers * (ps.layer(n, 0.0) - attention_seconds(n, 0.0, 1, 1, peak, causal=True)) + ps.head(n))
+        return lay.pp * (layers * ps.layer(n, 0.0, attention=False) + ps.head(n))
 
     def prefill_s(tokens: float, mean: float) -> float:
         chunks = max(1, math.ceil(tokens / gen.MAX_BATCHED_TOKENS))

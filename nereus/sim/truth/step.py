@@ -37,15 +37,7 @@ def seed_of(*parts) -> int:
 def resident_bytes(m: Module, plan: Plan, ms: str, kind: str) -> tuple[float, float]:
     """(bytes model-stage ``ms`` keeps on each of its GPUs between stages, bytes it offloads)."""
     lay = plan.layouts[ms]
-    model = m.models[lay.model]
-    params = max(stages.stage_params(model, lay, s) for s in range(lay.pp))
-    copies = lay.dp * lay.cp
-    train = kind == "train"
-    parts = {
-        "weights": params * model.dtype_bytes / (copies if train and lay.zero >= 3 else 1),
-        "grads": (params * (4 if lay.grad_dtype == "fp32" else 2) / (copies if lay.zero >= 2 else 1)) if train else 0.0,
-        "optimizer": (params * 12 / (copies if lay.zero >= 1 else 1)) if train else 0.0,
-    }
+    parts = stages.state_bytes(m.models[lay.model], lay, kind == "train")
     off = sum(parts[k] for k in lay.offload)
     return sum(parts.values()) - off, off
 
@@ -65,12 +57,7 @@ def layout_of(lay) -> tuple:
 
 
 class EventTruth:
-    """The event truth of one job (``module``: its models, workload and cluster)."""
-
-    def __init__(self, module: Module):
-        (self.work,) = module.workloads.values()
-        (self.cluster,) = module.clusters.values()
-        self.module = module
+    """The event truth: ``evaluate`` a plan on the job at a step."""
 
     def evaluate(self, m: Module, plan: Plan, conditions: tuple) -> tuple[float, dict, dict, str]:
         """(step seconds, seconds per model-stage, bytes per model-stage, failure) of ``plan`` on
