@@ -30,6 +30,7 @@ step are reported: the same step, from the same state (DDP) up to reduction orde
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import signal
@@ -56,6 +57,18 @@ from .controller_bench import _model as tiny_model
 WORLD = 4
 ROWS, SEQ = 12, 32  # the global batch splits over DP 4 and DP 3
 PG_TIMEOUT = 5.0  # every group's timeout (the default group's and the model's): the longest a collective waits
+START_TIMEOUT = 60.0  # connecting the groups at start-up: on a loaded machine a rank may be seconds late
+
+
+def _start(model: Model, module) -> object:
+    """Join the job and build its model with a generous connect timeout, then bound every group's
+    collectives by ``PG_TIMEOUT`` (gloo's connect uses the group's timeout, so one ``PG_TIMEOUT``
+    for both made a rank that started late fail the whole run)."""
+    init_from_env(timeout=START_TIMEOUT)
+    live = build(llama_config(model), module.plans["a"].layouts["actor.train"], seed=0, timeout=START_TIMEOUT)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        group.set_timeout(datetime.timedelta(seconds=PG_TIMEOUT))
+    return live
 
 
 def _model(hidden: int, layers: int) -> Model:
@@ -68,11 +81,10 @@ def _module(model: Model, dp: int, zero: int, gpus: int):
 
 def nereus_side(rank: int, world: int, hidden: int, layers: int, zero: int, every: int, fail: int, ckpt: str) -> dict:
     """The job on ``world`` ranks; rank 3 dies in step ``fail``; the survivors' times."""
-    init_from_env(timeout=PG_TIMEOUT)
     model = _model(hidden, layers)
     config = llama_config(model)
     module = _module(model, world, zero, world)
-    live = build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=PG_TIMEOUT)
+    live = _start(model, module)
     adapter = LlamaAdapter(live, module, "a")
     options = ControlOptions(
         recalibrate_every=0, slowdown=1e9, response_drift=1e9, cooldown=10**6, max_pp=1, max_zero=zero, offload=False
@@ -126,11 +138,10 @@ def restart_side(rank: int, world: int, hidden: int, layers: int, zero: int, eve
     """What a restart does on ``world`` (the survivors') GPUs: fresh processes, the model under
     DP ``world``, the last checkpoint loaded, the steps since it and the failed one redone."""
     t_start = time.time()
-    init_from_env(timeout=PG_TIMEOUT)
     model = _model(hidden, layers)
     config = llama_config(model)
     module = _module(model, world, zero, world)
-    live = build(config, module.plans["a"].layouts["actor.train"], seed=0, timeout=PG_TIMEOUT)
+    live = _start(model, module)
     last = (fail // every) * every
     specs = shard_specs(live, module, "a")
     state = dcp.load(os.path.join(ckpt, f"step_{last}"), specs, dist.get_rank(), world)
