@@ -545,10 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument(
         "--truth",
-        choices=("formula", "event"),
-        default="formula",
-        help="what a plan really costs: the cost model at hidden coefficients (formula), or the step "
-        "played out event by event (event: nereus/sim/truth)",
+        choices=("event", "hidden", "long-gen", "slow-inter", "formula"),
+        default="event",
+        help="what a plan really costs: the step played out event by event (event: nereus/sim/truth); "
+        "the event truth with errors no cost model knows of: per-configuration hidden factors (hidden), "
+        "decode 20%% slower at long contexts (long-gen), cross-node DP collectives 30%% slower "
+        "(slow-inter); or the cost model at hidden coefficients (formula: fast, but the planner's own form)",
     )
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
     sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")

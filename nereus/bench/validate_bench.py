@@ -8,6 +8,14 @@ counts them, recomputation included) and nothing else: every GPU at the model's 
 compute efficiency, and every GPU at the single fraction of peak that best fits this very set
 (the best any constant can do, known only in hindsight).
 A configuration that ran must also estimate as fitting in memory.
+
+**Generation** (``validation/generation/*.nir``): published decode and serving figures (a batch
+of requests at fixed input and output lengths, one ``generate`` stage), each set beside two
+predictors: ``estimate`` with the priors, and the simulator's event truth
+(``nereus.sim.truth``: continuous batching, request by request). Neither was fitted to them.
+The constant beside them knows the bytes and nothing else: each decode iteration reads the GPU's
+share of the weights once from HBM (the memory-bound floor of a decode step), at the single
+fraction of HBM bandwidth that best fits this very set, in hindsight.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from ..passes.cost.cost_model import CostModel
 from ..passes.cost.estimate import estimate_plan
 
 VALIDATION = Path(__file__).resolve().parents[2] / "validation"
+GENERATION = VALIDATION / "generation"
 CONSTANT_EFFICIENCY = Efficiency().compute  # the model's prior
 PUBLISHED = re.compile(r"//\s*published:\s*([0-9.]+)\s*s\b")
 
@@ -85,6 +94,120 @@ def errors(rows: list[Case]) -> dict[str, np.ndarray]:
         "constant": np.abs(ideal / CONSTANT_EFFICIENCY - pub) / pub,
         "best_constant": np.abs(ideal / best - pub) / pub,
         "best_efficiency": best,
+    }
+
+
+@dataclass
+class GenerationCase:
+    source: str
+    plan: str
+    gpus: int
+    weights_s: float  # output length x the GPU's weights / HBM bandwidth: decode's memory-bound floor
+    published_s: float
+    model_s: float
+    event_s: float
+
+
+def generation_cases(directory: Path = GENERATION) -> list[GenerationCase]:
+    from ..sim.truth.step import EventTruth
+
+    out = []
+    for path in sorted(directory.glob("*.nir")):
+        text = path.read_text()
+        m = parse(text, str(path))
+        for name, plan in m.plans.items():
+            notes = " ".join(t for texts in plan.comments.values() for t, _ in texts)
+            found = PUBLISHED.search(notes)
+            if not found:
+                raise ValueError(f"{path.name}: plan @{name} has no '// published: X s' comment")
+            if estimate_plan(m, plan):
+                raise ValueError(f"{path.name}: plan @{name} does not fit in memory, yet it ran")
+            one = parse(text, str(path))  # the plan's own job alone: the event truth plays one workload
+            one.workloads = {plan.workload: one.workloads[plan.workload]}
+            one.plans = {name: one.plans[name]}
+            event_s, _, _, failure = EventTruth().evaluate(one, one.plans[name], (path.stem, name))
+            if failure:
+                raise ValueError(f"{path.name}: plan @{name} fails in the event truth ({failure})")
+            w = m.workloads[plan.workload]
+            (lay,) = plan.layouts.values()
+            model, cluster = m.models[lay.model], m.clusters[plan.cluster]
+            floor = w.response_len_mean * model.num_params() * model.dtype_bytes / lay.tp / cluster.hbm_bandwidth
+            published = float(found.group(1))
+            out.append(GenerationCase(path.stem, name, len(lay.mesh), floor, published, plan.step_time, event_s))
+    return out
+
+
+def generation_errors(rows: list[GenerationCase]) -> dict[str, np.ndarray]:
+    """Signed relative errors (predicted / published - 1) of the cost model, the event truth and
+    the best constant fraction of HBM bandwidth (fitted to this set, in hindsight)."""
+    pub = np.array([c.published_s for c in rows])
+    floor = np.array([c.weights_s for c in rows])
+    grid = np.linspace(0.02, 1.0, 981)
+    best = grid[np.argmin([np.median(np.abs(floor / e - pub) / pub) for e in grid])]
+    return {
+        "model": np.array([c.model_s for c in rows]) / pub - 1,
+        "event": np.array([c.event_s for c in rows]) / pub - 1,
+        "best_constant": floor / best / pub - 1,
+        "best_hbm_fraction": best,
+    }
+
+
+def _generation_report(console: Console | None) -> dict:
+    rows = generation_cases()
+    err = generation_errors(rows)
+    summary = {
+        k: {
+            "median": float(np.median(np.abs(err[k]))),
+            "worst": float(np.max(np.abs(err[k]))),
+            "mean_signed": float(np.mean(err[k])),
+        }
+        for k in ("model", "event", "best_constant")
+    }
+    by_source = {
+        src: {
+            k: float(np.median(np.abs(err[k][[c.source == src for c in rows]])))
+            for k in ("model", "event", "best_constant")
+        }
+        for src in sorted({c.source for c in rows})
+    }
+    if console is not None:
+        t = Table(
+            title=f"generation: {len(rows)} published figures from {len(by_source)} sources (median |error|)",
+            title_justify="left",
+        )
+        for col in (
+            "source",
+            "figures",
+            "cost model",
+            "event truth",
+            f"HBM at {err['best_hbm_fraction']:.2f} (hindsight)",
+        ):
+            t.add_column(col, justify="left" if col == "source" else "right")
+        for src, e in by_source.items():
+            n = sum(c.source == src for c in rows)
+            t.add_row(src, str(n), f"{e['model']:.1%}", f"{e['event']:.1%}", f"{e['best_constant']:.1%}")
+        console.print(t)
+        for k, label in (("model", "cost model"), ("event", "event truth"), ("best_constant", "best constant")):
+            v = summary[k]
+            console.print(
+                f"{label:>40}: median {v['median']:.1%}, worst {v['worst']:.1%}, mean signed {v['mean_signed']:+.1%}"
+            )
+    return {
+        "cases": len(rows),
+        "sources": len(by_source),
+        "best_constant_hbm_fraction": float(err["best_hbm_fraction"]),
+        "summary": summary,
+        "by_source": by_source,
+        "rows": [
+            {
+                "source": c.source,
+                "plan": c.plan,
+                "published_s": c.published_s,
+                "model_s": round(c.model_s, 4),
+                "event_s": round(c.event_s, 4),
+            }
+            for c in rows
+        ],  # fmt: skip
     }
 
 
@@ -158,4 +281,5 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         ):
             s = summary[k]
             console.print(f"{label:>40}: median {s['median']:.1%}, mean {s['mean']:.1%}, worst {s['worst']:.1%}")
+    result["generation"] = _generation_report(None if json_output else Console(width=160))
     return result

@@ -9,8 +9,8 @@ restricted to what that kind of system can run (``search``'s ``keep``):
   with its TP/PP fits (responses outgrew them), it restarts with the best new TP/PP, as its user
   would, and keeps those; so do the next two.
 - ``fixed-dp`` (the paper's baseline as its words read, "the initial fixed TP/PP layout with DP
-  scaling"): as ``fixed``, but every model-stage also keeps its recomputation, ZeRO stage,
-  offload and virtual stages until they stop fitting (``FixedDp``).
+  scaling"): as ``fixed``, and every model-stage also keeps its virtual stages; its memory knobs
+  (recomputation, ZeRO, offload) are re-tuned at every restart, as its user would (``FixedDp``).
 - ``verl``: every model-stage on all available GPUs (or the most its TP/PP can use; one colocated
   pool, run in turn), TP/PP fixed
   after step 0; the actor's weights all-gathered for generation every step; restarts as ``fixed``.
@@ -20,8 +20,9 @@ restricted to what that kind of system can run (``search``'s ``keep``):
 - ``nereus``: the live controller's decision core (``nereus.control.DecisionCore``) fed the
   simulated measurements: it recalibrates online, re-plans on its triggers and moves only when
   admission says it pays (or must); a move is a live transition (its scheduled makespan).
-- ``oracle``: re-plans at every change of conditions knowing the true coefficients (memory
-  included, so it keeps no headroom), and moves for free.
+- ``oracle``: re-plans at every change of conditions knowing the truth, and moves for free: with
+  the true coefficients (formula truth), or with the cost model fitted to the truth's exact times
+  and the truth judging between the found plan and its incumbent (event truths; ``Oracle``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from ..ir import DiagnosticError, Module, Plan
 from ..ir import verify as verify_module
 from ..ir.cluster import Efficiency
 from ..passes import run_pipeline
+from ..passes.cost.calibrate import calibrate_records
 from ..passes.cost.estimate import Estimate
 from ..passes.search.plan_search import PlanSearch
-from ..passes.search.space import DEFAULT_HEADROOM, OptionRows, columns
+from ..passes.search.space import DEFAULT_HEADROOM, columns
 from . import POLICY_NAMES
 from .simulated_cluster import ENGINE_RESTART, PG_INIT, RELOAD_BYTES_PER_S, Outcome, SimCluster, conditions
+from .truth.step import seed_of
 
 SEARCH_S = 10.0
 
@@ -122,6 +125,7 @@ class Policy:
     name = ""
     sync = "p2p"
     start_s = 0.0  # wall seconds its start took (its first search)
+    restarts_from_checkpoint = False  # a failed step crashes the job: it restarts from its last save
 
     def start(self, sim: SimCluster) -> None:
         raise NotImplementedError
@@ -140,7 +144,10 @@ class Policy:
 
 
 class Restarting(Policy):
-    """A fixed-layout system: re-searched (TP/PP kept) when its GPUs change or it cannot run; each move a restart."""
+    """A fixed-layout system: re-searched (TP/PP kept) when its GPUs change or it cannot run; each
+    move a restart from a checkpoint (saved first when the change was announced)."""
+
+    restarts_from_checkpoint = True
 
     def __init__(self):
         self.plan: Plan | None = None
@@ -183,8 +190,10 @@ class Restarting(Policy):
         return search(self.view(sim, i), self.keep, f"{self.name}{i}", incumbent=self.plan)
 
     def _move(self, sim: SimCluster, i: int, gpus: frozenset[int] | None = None) -> Move:
-        """A restart onto ``gpus`` (default: the step's, which a failed attempt revealed)."""
+        """A restart onto ``gpus`` (known before the step: a checkpoint is saved first), or onto
+        the step's GPUs, which a failed attempt revealed (the crash left the last save)."""
         t0 = time.perf_counter()
+        save = sim.save_seconds(self.plan) if gpus is not None else 0.0
         self.gpus = frozenset(sim.trace.available(i)) if gpus is None else gpus
         try:
             self.adopt(self.replan(sim, i))
@@ -193,7 +202,7 @@ class Restarting(Policy):
                 self.adopt(self.initial(sim, i))
             except NoPlan:
                 return Move(0.0, time.perf_counter() - t0)
-        return Move(sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
+        return Move(save + sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
 
     def react(self, sim, i):
         known = self.known(sim, i)
@@ -213,41 +222,23 @@ class Fixed(Restarting):
 
 
 class FixedDp(Fixed):
-    """The paper's baseline as its words read: the step-0 plan with DP rescaled. Every
-    model-stage keeps its TP, PP, virtual stages, recomputation, offload and ZeRO stage (ZeRO
-    only while DP stays above 1 or at 1: sharding over one replica is no sharding); DP, the
-    micro-batch count (which follows DP, as a per-GPU micro-batch size does), sequence
-    parallelism (which follows TP) and the placement are searched. When that no longer fits, its
-    user re-tunes the memory knobs with TP/PP kept, then, failing that, TP/PP too."""
+    """The paper's baseline as its words read ("the initial fixed TP/PP layout with DP scaling"),
+    run as its user would: every model-stage keeps its step-0 TP, PP and virtual stages; at every
+    restart DP follows the GPUs and the memory knobs (recomputation, ZeRO stage, offload) and the
+    micro-batching and placement are re-tuned for the new GPUs. When nothing fits with those
+    kept, its user changes TP/PP too (``Restarting.replan``, as ``fixed``). It differs from
+    ``fixed`` only in keeping the virtual stages."""
 
     name = "fixed-dp"
 
     def adopt(self, plan):
         super().adopt(plan)
-        self.knobs = {
-            ms: (lay.tp, lay.pp, lay.vpp, bool(lay.recompute), frozenset(lay.offload))
-            for ms, lay in plan.layouts.items()
-        }
-        self.zero = {ms: (lay.zero, lay.dp > 1) for ms, lay in plan.layouts.items()}
+        self.vpp = {ms: lay.vpp for ms, lay in plan.layouts.items()}
 
     def keep(self, ms, options, n):
-        zero, sharded = self.zero[ms]
-        tp, pp, vpp, recompute, offload = self.knobs[ms]
         c = columns(options)
-        held = options.offload if isinstance(options, OptionRows) else [o.offload for o in options]
-        same: dict[tuple, bool] = {}  # a few distinct offload tuples among the options
-        offload_kept = np.fromiter(
-            (same.setdefault(x, frozenset(x) == offload) for x in held), dtype=bool, count=len(held)
-        )
-        return rows(
-            options,
-            (c["tp"] == tp)
-            & (c["pp"] == pp)
-            & (c["vpp"] == vpp)
-            & (c["rc"] == recompute)
-            & offload_kept
-            & ((c["zero"] == zero) | ((c["dp"] > 1) != sharded)),
-        )
+        tp, pp = self.tp_pp[ms]
+        return rows(options, (c["tp"] == tp) & (c["pp"] == pp) & (c["vpp"] == self.vpp[ms]))
 
     def replan(self, sim, i):
         try:
@@ -396,10 +387,10 @@ class Nereus(Policy):
     def _record(self, sim, i, out: Outcome | None, factor: float) -> StepRecord:
         s = sim.trace.steps[i]
         w = sim.workload
-        seconds = (
-            {ms: t * factor for ms, t in out.seconds.items() if t} if out and out.seconds else dict(self.last_seconds)
-        )
-        memory = {ms: int(b) for ms, b in out.memory.items() if b} if out else {}
+        seconds = dict(self.last_seconds)
+        memory: dict[str, int] = {}
+        if out and out.seconds:
+            seconds, memory = measured(self.plan, out, factor, seed_of("measure", sim.seed, i))
         n = w.samples
         return StepRecord(
             step=i,
@@ -436,9 +427,10 @@ class Nereus(Policy):
         return move
 
     def observe(self, sim, i, out, factor):
+        record = self._record(sim, i, out, factor)
         if out.seconds:
-            self.last_seconds = {ms: t * factor for ms, t in out.seconds.items() if t}
-        self.pending = self._decide(sim, i, self._record(sim, i, out, factor))
+            self.last_seconds = dict(record.seconds)
+        self.pending = self._decide(sim, i, record)
         return Move()
 
     def recover(self, sim, i, out):
@@ -447,8 +439,39 @@ class Nereus(Policy):
         return self._decide(sim, i, record)
 
 
+# sigma of the log-normal noise of one rank's timer, per model-stage and step: a stage's ranks end
+# together at its last collective, so they time the same span up to their skew (an assumption)
+RANK_NOISE = 0.005
+RANK_MEMORY_NOISE = 0.01  # of one rank's peak memory (allocator state, what else ran)
+
+
+def measured(plan: Plan, out: Outcome, factor: float, seed: int) -> tuple[dict[str, float], dict[str, int]]:
+    """What the live Controller measures of a step: every rank of a model-stage times it and reads
+    its peak memory, each with its own noise, and the stage takes its slowest rank's time and
+    largest peak (``Controller._record``). ``factor``: the step's noise, which every rank shares."""
+    rng = np.random.default_rng(seed)
+    seconds, memory = {}, {}
+    for ms, t in out.seconds.items():
+        if not t:
+            continue
+        ranks = len(plan.layouts[ms].mesh) if ms in plan.layouts else 1
+        seconds[ms] = t * factor * float(np.exp(rng.normal(0.0, RANK_NOISE, ranks)).max())
+        b = out.memory.get(ms)
+        if b:
+            memory[ms] = int(b * float(np.exp(rng.normal(0.0, RANK_MEMORY_NOISE, ranks)).max()))
+    return seconds, memory
+
+
 class Oracle(Policy):
-    """Knows the truth; re-plans whenever the conditions change; moves for free."""
+    """Knows the truth; re-plans whenever the conditions change; moves for free.
+
+    Under the formula truth it searches with the true coefficients, memory included (so it keeps
+    no headroom): its plan is plan-search's optimum in truth. The event truth has no coefficients
+    to search with, so there, at each change of conditions, it fits the cost model to the truth's
+    exact times of the plan it runs (``calibrate``, no noise), searches with that fit, and runs
+    whichever of the found plan and its incumbent the truth says is faster. That is the best the
+    search can find knowing the truth, not a proven optimum: a plan outside what the fitted model
+    ranks first is never tried."""
 
     name = "oracle"
 
@@ -460,11 +483,41 @@ class Oracle(Policy):
     def _best(self, sim, i) -> Plan:
         key = conditions(sim.trace.steps[i])
         if key not in self.cache:
-            # the truth's memory is exact, so the oracle needs no headroom: its plan is the fastest that runs
-            self.cache[key] = search(
-                copy.deepcopy(sim.module_at(i, truth=True)), None, f"oracle{i}", headroom=0.0, incumbent=self.plan
-            )
+            self.cache[key] = self._formula(sim, i) if sim.events is None else self._event(sim, i)
         return self.cache[key]
+
+    def _formula(self, sim, i) -> Plan:
+        # the truth's memory is exact, so the oracle needs no headroom: its plan is the fastest that runs
+        m = copy.deepcopy(sim.module_at(i, truth=True))
+        return search(m, None, f"oracle{i}", headroom=0.0, incumbent=self.plan)
+
+    def _event(self, sim, i) -> Plan:
+        m = copy.deepcopy(sim.module_at(i))
+        runs = [] if self.plan is None else [self.plan]
+        if self.plan is None:  # step 0: the priors' plan is the first to learn from
+            runs.append(search(copy.deepcopy(m), None, f"oracle{i}a"))
+        fitted = {}
+        for k, plan in enumerate(runs):
+            out = sim.evaluate(plan, i)
+            if out.seconds and not out.failure:
+                fitted[f"seen{k}"] = (plan, out)
+        if fitted:
+            for name, (plan, _) in fitted.items():
+                m.plans[name] = dataclasses.replace(
+                    copy.deepcopy(plan), name=name, workload=sim.workload.name, cluster=sim.cluster.name
+                )
+            records = [(n, ms, t, None, 0) for n, (_, out) in fitted.items() for ms, t in out.seconds.items() if t]
+            calibrate_records(m, records)
+            for name in fitted:
+                del m.plans[name]
+        try:
+            runs.append(search(m, None, f"oracle{i}", incumbent=self.plan))
+        except NoPlan:
+            pass
+        ok = [(sim.evaluate(p, i).step_time, k) for k, p in enumerate(runs) if not sim.evaluate(p, i).failure]
+        if not ok:
+            raise NoPlan("no plan the oracle found runs in truth")
+        return runs[min(ok)[1]]
 
     def react(self, sim, i):
         t0 = time.perf_counter()

@@ -4,8 +4,11 @@ Per step and policy: ``react`` (a move decided before the step: paid now), the s
 (``SimCluster.evaluate``) times the step's noise, the weight push of the policy's kind, and, when
 the plan cannot run (out of memory, GPUs gone), the failed attempt (a restart) plus a forced
 move (``recover``) and the step again; if that fails too the step is lost (counted as
-infeasible time). Then ``observe`` (the Nereus policy's decision core decides here). Every
-policy sees the same noise at the same step. Latency per step = step + push + moves + lost.
+infeasible time). A policy that restarts from a checkpoint (the restarting ones) also redoes the
+steps since its last save when a step fails (the job crashed). Every ``CHECKPOINT_EVERY`` steps
+each policy saves a checkpoint. Then ``observe`` (the Nereus policy's decision core decides
+here). Every policy sees the same noise at the same step. Latency per step = step + push + moves
++ lost + checkpoint save.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ from rich.progress import Progress
 from ..ir import Diagnostic, DiagnosticError, Loc, Module
 from ..ir.diagnostics import plural
 from .policies import POLICIES, NoPlan, Policy
-from .simulated_cluster import ENGINE_RESTART, PG_INIT, SimCluster
+from .simulated_cluster import CHECKPOINT_EVERY, ENGINE_RESTART, PG_INIT, SimCluster
 from .trace import Trace
 
-FORMULA_ONLY = ("oracle",)  # policies that know the formula truth's coefficients (not the event truth)
 FAILED_ATTEMPT = PG_INIT + ENGINE_RESTART  # an out-of-memory or a lost GPU: the attempt, then a restart
 
 
@@ -39,7 +41,8 @@ class PolicyRun:
     sync: list[float] = field(default_factory=list)
     moves: list[int] = field(default_factory=list)  # steps before which the policy moved
     move_s: float = 0.0
-    lost_s: float = 0.0  # failed attempts and steps that could not run
+    lost_s: float = 0.0  # failed attempts, steps redone after a crash, and steps that could not run
+    save_s: float = 0.0  # checkpoint saves
     failures: int = 0
     decide_s: float = 0.0
     samples_per_step: int = 0
@@ -63,6 +66,7 @@ class PolicyRun:
             "transition_s": self.move_s,
             "transition_share": self.move_s / total if total else 0.0,
             "lost_s": self.lost_s,
+            "checkpoint_s": self.save_s,
             "failures": self.failures,
             "decide_s": self.decide_s,
             "run_s": total,
@@ -98,25 +102,16 @@ def simulate(
     seed: int = 0,
     progress: bool = True,
     jobs: int = 1,
-    truth: str = "formula",
+    truth: str = "event",
 ) -> dict:
     """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs.
-    ``truth``: ``formula`` or ``event`` (``SimCluster``'s two truths).
+    ``truth``: ``event`` (the step played out), a misspecified event truth (``hidden``,
+    ``long-gen``, ``slow-inter``) or ``formula`` (``SimCluster``'s truths).
 
     The policies are independent given the step noise (drawn here, once, for all of them), so
     with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are
     the same as one process gives, up to the search's time limits on a loaded machine."""
-    names = policies or [n for n in POLICIES if truth == "formula" or n not in FORMULA_ONLY]
-    if truth != "formula" and set(names) & set(FORMULA_ONLY):
-        raise DiagnosticError(
-            [
-                Diagnostic(
-                    Loc(1, 1, str(trace.path) if trace.path else None),
-                    "the oracle searches with the formula truth's coefficients: under the event truth it is no oracle",
-                    "leave it out of --policies, or run it with --truth formula",
-                )
-            ]
-        )
+    names = policies or list(POLICIES)
     check_fits(module, trace, names)
     if steps is not None:
         trace = Trace(
@@ -226,7 +221,7 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
     return run, p
 
 
-def _in_processes(module, trace, names, seed, factors, jobs, advance, truth="formula") -> tuple[dict, dict]:
+def _in_processes(module, trace, names, seed, factors, jobs, advance, truth="event") -> tuple[dict, dict]:
     """The policies in ``jobs`` worker processes, the slowest first. A policy is handed to a
     worker only when one is free: a call queued behind busy workers (the job and the trace,
     pickled, 150 KB at 1,024 GPUs: more than a pipe holds) would block the queue's feeder thread
@@ -283,12 +278,15 @@ def _account(run: PolicyRun, move, i: int) -> float:
 
 
 def _step(sim: SimCluster, p: Policy, run: PolicyRun, i: int, factor: float) -> None:
-    lost = 0.0
+    lost = save = 0.0
     extra = _account(run, p.react(sim, i), i)
     out = sim.evaluate(p.plan, i)
     if out.failure:
         run.failures += 1
         lost += FAILED_ATTEMPT
+        if p.restarts_from_checkpoint:  # the job crashed: the steps since the last save are redone
+            last = i - i % CHECKPOINT_EVERY
+            lost += sum(run.step[last:i]) + sum(run.sync[last:i])
         extra += _account(run, p.recover(sim, i, out), i)
         out = sim.evaluate(p.plan, i)
     if out.failure:  # still cannot run: the step is lost
@@ -297,8 +295,11 @@ def _step(sim: SimCluster, p: Policy, run: PolicyRun, i: int, factor: float) -> 
     else:
         step = out.step_time * factor
         sync = sim.sync_seconds(p.plan, p.sync) * factor
+        if (i + 1) % CHECKPOINT_EVERY == 0:
+            save = sim.save_seconds(p.plan)
     run.lost_s += lost
+    run.save_s += save
     run.step.append(step)
     run.sync.append(sync)
-    run.latency.append(step + sync + extra + lost)
+    run.latency.append(step + sync + extra + lost + save)
     run.decide_s += p.observe(sim, i, out, factor).decide_s

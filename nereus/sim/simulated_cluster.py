@@ -15,7 +15,8 @@ Per step, every policy also pays the push of the actor's weights from its traini
 generation layout, by its own method (``sync_seconds``). Transitions cost what ``cost_of_move``
 says: the live transition's scheduled makespan (at the true link efficiency) plus process-group
 and engine restarts; a restart from a checkpoint (what verl- and OpenRLHF-like jobs do when the
-GPUs change) reads each GPU's state back at ``RELOAD_BYTES_PER_S``.
+GPUs change) reads each GPU's state back at ``RELOAD_BYTES_PER_S``. Every policy saves a
+checkpoint every ``CHECKPOINT_EVERY`` steps, each GPU writing its state at the same rate.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..ir.cluster import Efficiency
 from ..passes.cost.cost_model import Candidates, CostModel
 from ..passes.cost.estimate import estimate_plan
 from .trace import Trace, TraceStep
+from .truth.misspecified import MISSPECIFIED, NONE
 from .truth.network import LINK_EFFICIENCY
 from .truth.step import EventTruth
 
@@ -39,8 +41,14 @@ TRUTH = Efficiency(compute=0.48, hbm=0.62, nvlink=0.6, nic=0.5, pcie=0.6, overhe
 NOISE = 0.03  # sigma of the log-normal noise of a step's time
 STRAGGLER_P, STRAGGLER_SLOWDOWN = 0.02, 1.3
 PG_INIT, ENGINE_RESTART = 2.0, 30.0  # seconds, as admit's defaults
-TRUTHS = ("formula", "event")
-RELOAD_BYTES_PER_S = 2e9  # per GPU, reading state back from a checkpoint (assumed: local NVMe / parallel FS)
+TRUTHS = ("event", "formula", *MISSPECIFIED)  # the event truth, alone or misspecified (``truth.misspecified``)
+RELOAD_BYTES_PER_S = (
+    2e9  # per GPU, reading state back from a checkpoint or writing it (assumed: local NVMe / parallel FS)
+)
+# every policy saves a checkpoint every this many steps (synchronously, as verl's and OpenRLHF's
+# trainers save): verl's and OpenRLHF's defaults never save (-1), which no long job runs with;
+# ``trainer.save_freq=20`` is what verl's example and recipe scripts most often set
+CHECKPOINT_EVERY = 20
 
 
 @dataclass
@@ -60,7 +68,7 @@ def conditions(step: TraceStep) -> tuple:
 class SimCluster:
     """The trace's job (``module``: its workload and cluster, plans ignored) under the trace."""
 
-    def __init__(self, module: Module, trace: Trace, truth: Efficiency = TRUTH, seed: int = 0, model: str = "formula"):
+    def __init__(self, module: Module, trace: Trace, truth: Efficiency = TRUTH, seed: int = 0, model: str = "event"):
         if model not in TRUTHS:
             raise ValueError(f"unknown truth {model!r}: {', '.join(TRUTHS)}")
         self.base = copy.deepcopy(module)
@@ -70,8 +78,8 @@ class SimCluster:
         (self.workload,) = self.base.workloads.values()
         (self.cluster,) = self.base.clusters.values()
         self.trace, self.truth, self.model = trace, truth, model
-        self.events = EventTruth() if model == "event" else None
-        self.rng = random.Random(seed)
+        self.events = None if model == "formula" else EventTruth(MISSPECIFIED.get(model, NONE))
+        self.seed, self.rng = seed, random.Random(seed)
         self._modules: dict[tuple, Module] = {}
         self._outcomes: dict[tuple, Outcome] = {}
 
@@ -193,19 +201,30 @@ class SimCluster:
             return 2 * full / nic
         raise ValueError(f"unknown sync method {method}")
 
+    def state_bytes(self, plan: Plan) -> float:
+        """Bytes of training state (weights, gradients, optimizer) on ``plan``'s fullest GPU."""
+        cache = self.__dict__.setdefault("_state_bytes", {})
+        if id(plan) not in cache:
+            m = self.module_at(0)
+            p = copy.deepcopy(plan)
+            p.workload, p.cluster = self.workload.name, self.cluster.name
+            m.plans["_state"] = p
+            try:
+                estimate_plan(m, p)
+            finally:
+                del m.plans["_state"]
+            cache[id(plan)] = max(
+                (lay.memory_breakdown.weights + lay.memory_breakdown.grads + lay.memory_breakdown.optimizer)
+                for lay in p.layouts.values()
+                if lay.memory_breakdown is not None
+            )
+            self.__dict__.setdefault("_state_plans", []).append(plan)  # ids stay unique while cached
+        return cache[id(plan)]
+
+    def save_seconds(self, plan: Plan) -> float:
+        """A synchronous checkpoint save: each GPU writes its state."""
+        return self.state_bytes(plan) / RELOAD_BYTES_PER_S
+
     def reload_seconds(self, plan: Plan) -> float:
         """A restart from a checkpoint: process groups, engines, and each GPU's state read back."""
-        m = self.module_at(0)
-        p = copy.deepcopy(plan)
-        p.workload, p.cluster = self.workload.name, self.cluster.name
-        m.plans["_reload"] = p
-        try:
-            estimate_plan(m, p)
-        finally:
-            del m.plans["_reload"]
-        state = max(
-            (lay.memory_breakdown.weights + lay.memory_breakdown.grads + lay.memory_breakdown.optimizer)
-            for lay in p.layouts.values()
-            if lay.memory_breakdown is not None
-        )
-        return PG_INIT + ENGINE_RESTART + state / RELOAD_BYTES_PER_S
+        return PG_INIT + ENGINE_RESTART + self.state_bytes(plan) / RELOAD_BYTES_PER_S

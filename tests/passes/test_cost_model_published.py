@@ -4,14 +4,16 @@ Time figures: ``validation/*.nir`` (34 figures from 6 sources, each configuratio
 each figure with its source), through ``nereus bench validate``. They are evidence only where
 the model predicts them better than constant-efficiency predictors, which know a
 configuration's FLOPs and nothing else (``test_validation_set_*``). Memory and KV-cache figures
-below are accounting identities (no efficiency enters them). Checks of the model against itself
+below are accounting identities (no efficiency enters them). Generation figures:
+``validation/generation/*.nir`` (50 decode and serving figures from 3 sources), predicted by the
+cost model and by the simulator's event truth (``test_generation_*``). Checks of the model against itself
 are in ``test_cost_model_self_consistency.py``.
 """
 
 import numpy as np
 import pytest
 
-from nereus.bench.validate_bench import CONSTANT_EFFICIENCY, cases, errors
+from nereus.bench.validate_bench import CONSTANT_EFFICIENCY, cases, errors, generation_cases, generation_errors
 from nereus.ir import Model
 from nereus.passes import Candidates, CostModel
 
@@ -107,3 +109,21 @@ def test_model_state_memory_matches_zero_paper(zero, published_gb):
     assert per_param * 7.5e9 / 1e9 == pytest.approx(published_gb, abs=0.05)
     if zero == 0:
         assert per_param == 16  # 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, momentum, variance)
+
+
+def test_generation_figures_the_cost_model_and_the_event_truth_beat_the_memory_bound_constant():
+    """50 published decode and serving figures (TensorRT-LLM, LMDeploy, vLLM via
+    LLM-Inference-Bench), each a batch at fixed input and output lengths. Neither predictor was
+    fitted to them. Both beat, at the median and the worst, the constant that knows the bytes:
+    every decode iteration reading the GPU's weights at the single fraction of HBM bandwidth that
+    best fits the set in hindsight. Measured today (``nereus bench validate``): cost model 16.9% /
+    55.4% (median / worst), event truth 17.3% / 49.4%, constant 33.1% / 123.9%; both predictors
+    are mostly optimistic (mean signed -5.5% and -17.8%), most of all at large batches of long
+    outputs, where neither charges enough for reading the KV cache."""
+    rows = generation_cases()
+    assert len(rows) >= 50 and len({c.source for c in rows}) >= 3
+    err = generation_errors(rows)
+    for k in ("model", "event"):
+        assert np.median(np.abs(err[k])) < np.median(np.abs(err["best_constant"])), k
+        assert np.max(np.abs(err[k])) < np.max(np.abs(err["best_constant"])), k
+        assert np.median(np.abs(err[k])) <= 0.20, k

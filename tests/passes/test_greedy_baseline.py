@@ -6,7 +6,8 @@ The variations are enumerated here by hand, independently of ``greedy_plan``'s o
 TP dividing the heads and a multiple or divisor of the KV heads, up to a node; PP dividing the
 layers or a power of two; DP filling the GPUs (at most one replica per sample); the frameworks'
 defaults otherwise (4 x PP micro-batches, at most what one pipeline flush holds per replica:
-a mini-batch when training, the step otherwise; ZeRO-1 and recomputation for training).
+a mini-batch when training, the step otherwise); training with or without recomputation, at
+ZeRO 0-3 when DP > 1 (the operator's memory knobs).
 """
 
 from __future__ import annotations
@@ -40,19 +41,21 @@ def variations(m, workload, cluster, ms: str, kind: str) -> list[Layout]:
             if pp > 1 and kind != "generate" and micro < 1:
                 continue
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-            out.append(
-                Layout(
-                    model_stage=ms,
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    layers=layers,
-                    mesh=list(range(tp * pp * dp)),
-                    micro_batches=min(4 * pp, micro) if pp > 1 and kind != "generate" else 1,
-                    zero=1 if kind == "train" and dp > 1 else 0,
-                    recompute=kind == "train",
+            knobs = [(rc, z) for rc in (False, True) for z in (range(4) if dp > 1 else [0])]
+            for recompute, zero in knobs if kind == "train" else [(False, 0)]:
+                out.append(
+                    Layout(
+                        model_stage=ms,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        layers=layers,
+                        mesh=list(range(tp * pp * dp)),
+                        micro_batches=min(4 * pp, micro) if pp > 1 and kind != "generate" else 1,
+                        zero=zero,
+                        recompute=recompute,
+                    )
                 )
-            )
     return out
 
 
@@ -71,8 +74,8 @@ def test_no_single_model_stage_variation_beats_the_baseline(job):
             assert mine.mesh[0] == 0  # every model-stage of a stage starts on the same GPUs (colocated)
             options = variations(m, workload, cluster, ms, st.kind)
             assert any(
-                (o.tp, o.pp, o.dp, o.micro_batches, o.mesh)
-                == (mine.tp, mine.pp, mine.dp, mine.micro_batches, mine.mesh)
+                (o.tp, o.pp, o.dp, o.micro_batches, o.mesh, o.zero, o.recompute)
+                == (mine.tp, mine.pp, mine.dp, mine.micro_batches, mine.mesh, mine.zero, mine.recompute)
                 for o in options
             ), (ms, mine.tp, mine.pp, mine.dp)
             for lay in options:

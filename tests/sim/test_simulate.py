@@ -1,7 +1,8 @@
-"""The simulator on a small job (PPO, Llama-3-8B-class models, 16 GPUs) and a hand-made trace:
-every policy runs every step, the oracle (optimal in truth at every step) is never slower than a
-policy that sees the same truth, the decision core learns the hidden coefficients, and bad runs
-are refused before they start."""
+"""The simulator on a small job (PPO, Llama-3-8B-class models, 16 GPUs) and a hand-made trace,
+under the event truth (the default): every policy runs every step, the oracle runs what the truth
+says is faster, the decision core's calibration brings its estimates near the event truth, and
+bad runs are refused before they start. Under the formula truth, the oracle's plan is
+plan-search's optimum, never slower than another policy's."""
 
 import copy
 
@@ -12,7 +13,7 @@ from nereus.ir import DiagnosticError
 from nereus.passes.cost.estimate import estimate_plan
 from nereus.sim.generate import length_shares
 from nereus.sim.simulate import simulate
-from nereus.sim.simulated_cluster import SimCluster
+from nereus.sim.simulated_cluster import SimCluster, conditions
 from nereus.sim.trace import Trace, TraceStep
 from nereus.testing.jobs import ppo_8b_16gpu
 
@@ -39,6 +40,13 @@ def result():
     return simulate(_job(), _trace(), progress=False)
 
 
+@pytest.fixture(scope="module")
+def formula():
+    return simulate(
+        _job(), _trace(), ["fixed", "verl", "openrlhf", "nereus", "oracle"], progress=False, truth="formula"
+    )
+
+
 def test_every_policy_runs_every_step_and_the_numbers_add_up(result):
     for name, run in result["runs"].items():
         s = run.summary()
@@ -47,23 +55,45 @@ def test_every_policy_runs_every_step_and_the_numbers_add_up(result):
         assert s["completed"] == done
         assert s["mean_s"] == pytest.approx(sum(run.latency) / done)
         assert s["throughput_samples_per_s"] == pytest.approx(512 * done / sum(run.latency))
-        # latency = the step + the weight push + moves + lost time, nothing else
-        assert sum(run.latency) == pytest.approx(sum(run.step) + sum(run.sync) + run.move_s + run.lost_s, rel=1e-9)
+        # latency = the step + the weight push + moves + lost time + checkpoint saves, nothing else
+        assert sum(run.latency) == pytest.approx(
+            sum(run.step) + sum(run.sync) + run.move_s + run.lost_s + run.save_s, rel=1e-9
+        )
     # the GPUs changed three times: every restarting policy moved, and so did Nereus (a GPU it used left)
     for name in ("fixed", "fixed-dp", "verl", "openrlhf", "nereus"):
         assert result["runs"][name].moves, name
     assert result["runs"]["oracle"].move_s == 0
 
 
-def test_the_oracle_is_never_slower_than_a_plan_in_the_same_truth(result):
-    """The oracle's plan is plan-search's optimum under the true coefficients, so at each step its
-    time (before noise, which every policy shares) is at most any other policy's."""
-    oracle = result["runs"]["oracle"]
+def test_under_the_formula_truth_the_oracle_is_never_slower_than_a_plan_in_the_same_truth(formula):
+    """There the oracle's plan is plan-search's optimum under the true coefficients, so at each step
+    its time (before noise, which every policy shares) is at most any other policy's."""
+    oracle = formula["runs"]["oracle"]
     for name in ("fixed", "verl", "openrlhf", "nereus"):
-        run = result["runs"][name]
+        run = formula["runs"][name]
         for i in range(STEPS):
             if run.step[i] > 0 and oracle.step[i] > 0:
                 assert oracle.step[i] <= run.step[i] * (1 + 1e-3), (name, i, oracle.step[i], run.step[i])
+
+
+def test_under_the_event_truth_the_oracle_runs_what_the_truth_says_is_faster(result):
+    """The event truth has no coefficients to search with: at each change of conditions the oracle
+    searches with the cost model fitted to the truth's times of its plan, and keeps whichever of
+    the found plan and its incumbent runs faster in truth. So no step runs a plan the truth puts
+    behind the one it ran before; and over the run it is the fastest policy (it moves for free)."""
+    sim = SimCluster(_job(), _trace())
+    oracle = result["policies"]["oracle"]
+    plans = [oracle.cache[conditions(s)] for s in sim.trace.steps]
+    changed = 0
+    for i in range(1, STEPS):
+        if plans[i] is not plans[i - 1]:
+            changed += 1
+            before = sim.evaluate(plans[i - 1], i)
+            if not before.failure:
+                assert sim.evaluate(plans[i], i).step_time <= before.step_time, i
+    assert changed >= 2  # the GPUs changed twice
+    mean = {n: r.summary()["mean_s"] for n, r in result["runs"].items()}
+    assert mean["oracle"] == min(mean.values()), mean
 
 
 def test_policies_run_in_worker_processes_give_the_same_runs(result):
@@ -88,10 +118,13 @@ def test_policies_run_in_worker_processes_give_the_same_runs(result):
     ]
 
 
-def test_the_decision_core_learns_to_predict_the_hidden_truth(result):
-    """After calibrating online, the core's estimate of the plan it runs is close to the step time
-    the simulated cluster's hidden coefficients give, and much closer than the priors'. (The
-    coefficients themselves need not match: one plan's steps cannot tell every one apart.)"""
+def test_calibrating_online_brings_the_estimate_near_the_event_truth(result):
+    """After calibrating online on noisy measurements (per rank, the slowest taken), the core's
+    estimate of the plan it runs, at the last step's lengths, is within 8% of the event truth's
+    step time, and at most half the priors' error. The event truth is no formula of the cost
+    model: the bound is measured, not reached by construction. Measured
+    (``simulate(_job(), _trace(), ["nereus"], seed=s)``, the last step): 4.7%, 1.1% and 1.9%
+    after calibration at seeds 0, 1 and 2, against 20%, 16% and 15% with the priors."""
     core = result["policies"]["nereus"].core
     plan = core.m.plans[core.plan]
     assert core.m.clusters[plan.cluster].efficiency is not None
@@ -109,8 +142,8 @@ def test_the_decision_core_learns_to_predict_the_hidden_truth(result):
         return p.step_time
 
     learned, prior = predicted(core.m.clusters[plan.cluster].efficiency), predicted(None)
-    assert learned == pytest.approx(truth, rel=0.05)
-    assert abs(prior / truth - 1) > 2 * abs(learned / truth - 1)
+    assert abs(learned / truth - 1) <= 0.08
+    assert abs(prior / truth - 1) >= 2 * abs(learned / truth - 1)
 
 
 def test_a_plan_that_does_not_fit_fails_its_step():
@@ -129,12 +162,11 @@ def test_a_trace_beyond_the_cluster_or_an_unknown_policy_is_refused_before_the_r
         simulate(_job(), _trace(), policies=["nereus", "slurm"], progress=False)
 
 
-def test_the_papers_baseline_rescales_only_dp(result):
-    """``fixed-dp`` keeps each model-stage's step-0 TP, PP, virtual stages, recomputation, ZeRO and
-    offload through the trace's GPU changes; its DP follows the GPUs. Only where nothing fits with
-    those kept (its user would re-tune them) may they change: then a search with them kept, at the
-    conditions of its last restart, finds no plan."""
-    from nereus.sim.policies import FixedDp, NoPlan, search
+def test_the_papers_baseline_keeps_tp_pp_and_virtual_stages_and_scales_dp(result):
+    """``fixed-dp`` keeps each model-stage's step-0 TP, PP and virtual stages through the trace's
+    GPU changes; its DP follows the GPUs (its memory knobs are re-tuned at each restart, as its
+    user would)."""
+    from nereus.sim.policies import search
 
     sim = SimCluster(_job(), _trace())
     start = search(copy.deepcopy(sim.module_at(0)), None, "p0")
@@ -143,14 +175,8 @@ def test_the_papers_baseline_rescales_only_dp(result):
     # it restarts when the GPUs change: onto the grant of step 8 after that step (it learns of it
     # then, as Nereus's core does), off the GPUs announced at step 20 before step 21
     assert {9, 21} <= set(moves)
-    knobs = lambda lay: (lay.tp, lay.pp, lay.vpp, lay.recompute, lay.zero, sorted(lay.offload))
-    changed = [ms for ms, lay in p.plan.layouts.items() if knobs(lay) != knobs(start.layouts[ms])]
-    if changed:
-        kept = FixedDp()
-        kept.adopt(start)
-        with pytest.raises(NoPlan):
-            search(copy.deepcopy(sim.module_at(max(moves))), kept.keep, "kept")
-    assert all(knobs(lay)[:2] == knobs(start.layouts[ms])[:2] for ms, lay in p.plan.layouts.items())  # TP, PP
+    kept = lambda lay: (lay.tp, lay.pp, lay.vpp)
+    assert all(kept(lay) == kept(start.layouts[ms]) for ms, lay in p.plan.layouts.items())
     assert {ms: lay.dp for ms, lay in p.plan.layouts.items()} != {ms: lay.dp for ms, lay in start.layouts.items()}
 
 
@@ -265,13 +291,21 @@ def test_the_collector_collects_rarely_while_policies_run_and_as_before_after(mo
 def test_a_failure_without_notice_is_found_by_failing_for_every_policy():
     """GPUs 8-15 fail at step 3 without notice. No policy knows before that step runs: every one
     that used them pays the failed attempt (a restarting policy too, which used to re-plan
-    before the step, seeing the trace's future), and moves after it."""
+    before the step, seeing the trace's future), and moves after it. A restarting policy's job
+    crashed: it also redoes the three steps since its last checkpoint (none saved yet); Nereus
+    moves the live state and redoes only the failed step."""
     steps = [
         TraceStep(i, length_shares(1000, 4096), frozenset(range(8, 16)) if i >= 3 else frozenset(), frozenset())
         for i in range(6)
     ]
     result = simulate(_job(), Trace("fail", "ppo_8b_16gpu", 16, steps), ["fixed", "verl", "nereus"], progress=False)
+    from nereus.sim.simulate import FAILED_ATTEMPT
+
     for name in ("fixed", "verl", "nereus"):
         run = result["runs"][name]
         assert run.failures >= 1 and run.lost_s > 0, name
         assert 3 in run.moves, (name, run.moves)
+    for name in ("fixed", "verl"):
+        run = result["runs"][name]
+        assert run.lost_s == pytest.approx(FAILED_ATTEMPT + sum(run.step[:3]) + sum(run.sync[:3]))
+    assert result["runs"]["nereus"].lost_s == pytest.approx(FAILED_ATTEMPT)

@@ -11,9 +11,10 @@ tries every layout the frameworks accept and keeps the best one ``estimate`` pre
   evenly as ``tensor_split`` splits them);
 - DP: fills the GPUs the TP groups can use (after failures, the free GPUs of each node in whole
   TP groups), at most one replica per sample;
-- the frameworks' defaults otherwise: training with activation recomputation and ZeRO-1 (when
-  DP > 1), pipelines with 4 x PP micro-batches (at most the micro-batches a replica has, as
-  ``plan-search``'s largest choice), no offload.
+- training: with or without activation recomputation, and ZeRO 0, 1, 2 or 3 when DP > 1 (the
+  operator's memory knobs: Megatron's recompute and distributed optimizer, FSDP's sharding);
+- the frameworks' defaults otherwise: pipelines with 4 x PP micro-batches (at most the
+  micro-batches a replica has, as ``plan-search``'s largest choice), no offload.
 
 Each model-stage is chosen with the others fixed, by the plan's step time under ``estimate``
 (plans that do not fit in memory rank after every plan that fits, the smaller shortfall first);
@@ -105,19 +106,21 @@ def layout_variations(m: Module, workload: Workload, cluster: Cluster, model_sta
                 continue  # dp replicas of one micro-batch each exceed a pipeline flush
             mb = min(4 * pp, micro) if pp > 1 and kind != "generate" else 1
             layers = [(lo, hi - 1) for lo, hi in (even_split(model.layers, pp, r) for r in range(pp))]
-            out.append(
-                Layout(
-                    model_stage=model_stage,
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    layers=layers,
-                    mesh=mesh,
-                    micro_batches=mb,
-                    zero=1 if train and dp > 1 else 0,
-                    recompute=train,
-                )
-            )
+            for recompute in (False, True) if train else (False,):
+                for zero in (0, 1, 2, 3) if train and dp > 1 else (0,):
+                    out.append(
+                        Layout(
+                            model_stage=model_stage,
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            layers=layers,
+                            mesh=mesh,
+                            micro_batches=mb,
+                            zero=zero,
+                            recompute=recompute,
+                        )
+                    )
     return out
 
 
@@ -235,9 +238,13 @@ def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "gr
     scorer = _Scorer(m, workload, cluster, options, kinds, name)
 
     # start from the rule of thumb: the largest TP, then the smallest power-of-two PP with which
-    # the plan fits (doubled for the model-stages that do not fit)
-    def option(ms: str, tp: int, pp: int) -> int | None:
-        return next((i for i, o in enumerate(options[ms]) if (o.tp, o.pp) == (tp, pp)), None)
+    # the plan fits (doubled for the model-stages that do not fit), at the frameworks' defaults
+    def option(ms: str, tp: int, pp: int) -> int | None:  # at the frameworks' defaults: recompute, ZeRO-1
+        opts = options[ms]
+        at = [i for i, o in enumerate(opts) if (o.tp, o.pp) == (tp, pp)]
+        train = kinds[ms] == "train"
+        usual = [i for i in at if (opts[i].recompute, opts[i].zero) == (train, min(1, opts[i].dp - 1))]
+        return (usual or at or [None])[0]
 
     top = {ms: max(o.tp for o in opts) for ms, opts in options.items()}
     choice = {ms: option(ms, top[ms], 1) for ms in options}

@@ -55,6 +55,7 @@ class Engine:
     gemm_s: object  # tokens -> seconds of one iteration's GEMMs and their all-reduce bytes at that batch
     prefill_s: object  # (tokens, mean prompt) -> seconds to prefill that many prompt tokens
     max_num_seqs: int = MAX_NUM_SEQS
+    context_factor: object = None  # mean context -> decode slowdown (a misspecified truth's); None: 1
 
 
 @dataclass
@@ -134,7 +135,10 @@ def serve(prompts: np.ndarray, responses: np.ndarray, engine: Engine) -> Served:
                     hi = mid - 1
             k = lo
         kv = float(np.sum(ctx))
-        t += _sum_max(engine.weights_s + engine.kv_s * kv, engine.kv_s * n, engine.gemm_s(n), k)  # type: ignore[operator]
+        decode = _sum_max(engine.weights_s + engine.kv_s * kv, engine.kv_s * n, engine.gemm_s(n), k)  # type: ignore[operator]
+        if engine.context_factor is not None:  # at the segment's mean context, midway
+            decode *= engine.context_factor((kv + n * (k - 1) / 2) / n)  # type: ignore[operator]
+        t += decode
         t += k * engine.fixed_s
         iterations += k
         ctx += k

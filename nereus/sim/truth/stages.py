@@ -33,6 +33,7 @@ import numpy as np
 from ...ir import Cluster, Layout, Model, Workload
 from . import generation as gen
 from .kernels import attention_seconds, gemm_seconds, memory_seconds
+from .misspecified import NONE, Misspecification
 from .network import collective_seconds, link_of
 from .pipeline import play
 
@@ -154,10 +155,17 @@ def pipeline_time(
 
 
 def train_or_infer(
-    model: Model, lay: Layout, work: Workload, cluster: Cluster, lengths: np.ndarray, kind: str
+    model: Model,
+    lay: Layout,
+    work: Workload,
+    cluster: Cluster,
+    lengths: np.ndarray,
+    kind: str,
+    misspec: Misspecification = NONE,
 ) -> tuple[float, float]:
     """(seconds, bytes on the fullest GPU) of a train or infer model-stage; ``lengths``: every
-    sequence of the step (prompt plus response)."""
+    sequence of the step (prompt plus response); ``misspec``: its ``inter_node`` slows the
+    data-parallel collectives that cross nodes."""
     train = kind == "train"
     shares = np.array_split(lengths, lay.dp)[:PASSES]  # sampled: the slowest of these ends the stage
     per = max(1, work.micro_batch)
@@ -167,7 +175,9 @@ def train_or_infer(
     params_full = max(stage_params(model, lay, s) for s in range(lay.pp))
     copies = lay.dp * lay.cp
     dp_gpus = lay.mesh[:: lay.tp * lay.pp][: lay.dp]
-    _, dp_bw, dp_lat = link_of(cluster, dp_gpus)
+    dp_link, dp_bw, dp_lat = link_of(cluster, dp_gpus)
+    if dp_link == "nic":
+        dp_bw /= misspec.inter_node
     worst, in_flight_peak, longest = 0.0, 0, 0.0
     for share in shares:
         t = 0.0
@@ -222,9 +232,10 @@ def generate(
     prompts: np.ndarray,
     responses: np.ndarray,
     resident: float,
+    misspec: Misspecification = NONE,
 ) -> tuple[float, float, int]:
     """(seconds, bytes on the fullest GPU, preemptions) of a generate model-stage; ``resident``:
-    bytes other model-stages keep on its GPUs."""
+    bytes other model-stages keep on its GPUs; ``misspec``: its ``context_factor`` slows decode."""
     params = max(stage_params(model, lay, s) for s in range(lay.pp))
     weights = params * model.dtype_bytes
     hbm = cluster.hbm_bandwidth
@@ -249,6 +260,7 @@ def generate(
         fixed_s=SCHEDULER_S,
         gemm_s=gemm_s,
         prefill_s=prefill_s,
+        context_factor=misspec.context_factor,
     )
     worst, preempted = 0.0, 0
     shares = list(zip(np.array_split(prompts, lay.dp), np.array_split(responses, lay.dp)))

@@ -26,6 +26,7 @@ import numpy as np
 from ...ir import Module, Plan
 from . import stages
 from .generation import draw
+from .misspecified import NONE, Misspecification
 
 HOST_EFFICIENCY = 0.8  # of the host link's bandwidth, for offloaded state (an assumption)
 
@@ -57,7 +58,11 @@ def layout_of(lay) -> tuple:
 
 
 class EventTruth:
-    """The event truth: ``evaluate`` a plan on the job at a step."""
+    """The event truth: ``evaluate`` a plan on the job at a step; ``misspec``: errors the cost
+    model cannot know of (``misspecified``), none by default."""
+
+    def __init__(self, misspec: Misspecification = NONE):
+        self.misspec = misspec
 
     def evaluate(self, m: Module, plan: Plan, conditions: tuple) -> tuple[float, dict, dict, str]:
         """(step seconds, seconds per model-stage, bytes per model-stage, failure) of ``plan`` on
@@ -95,12 +100,17 @@ class EventTruth:
                 if key not in played:
                     try:
                         if st.kind == "generate":
-                            played[key] = stages.generate(model, lay, work, cluster, prompts, responses, others)[:2]
+                            played[key] = stages.generate(
+                                model, lay, work, cluster, prompts, responses, others, self.misspec
+                            )[:2]
                         else:
-                            played[key] = stages.train_or_infer(model, lay, work, cluster, lengths, st.kind)
+                            played[key] = stages.train_or_infer(
+                                model, lay, work, cluster, lengths, st.kind, self.misspec
+                            )
                     except MemoryError:
                         played[key] = (math.inf, math.inf)
                 sec, mem = played[key]
+                sec *= self.misspec.hidden_factor(seed_of(st.kind, key[1], key[2]))
                 if st.kind != "generate":
                     mem += others
                 if mem > cluster.gpu_memory:
