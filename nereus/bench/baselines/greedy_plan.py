@@ -18,7 +18,8 @@ tries every layout the frameworks accept and keeps the best one ``estimate`` pre
 
 Each model-stage is chosen with the others fixed, by the plan's step time under ``estimate``
 (plans that do not fit in memory rank after every plan that fits, the smaller shortfall first);
-model-stages are revisited until no single one can change its layout for a shorter step, so the
+model-stages are revisited until no single one can change its layout for a shorter step (first
+among the frameworks' default knobs, recomputation and ZeRO-1, then among every knob), so the
 result is the best layout of every model-stage given the others. The plan is costed by the same
 ``estimate`` as searched plans, so the comparison is like for like.
 """
@@ -203,15 +204,21 @@ class _Scorer:
         return (0, 0.0, step_time(self.m, plan, times))
 
 
-def descend(scorer: _Scorer, options: dict[str, list[Layout]], choice: dict[str, int]) -> tuple[tuple, dict[str, int]]:
+def descend(
+    scorer: _Scorer,
+    options: dict[str, list[Layout]],
+    choice: dict[str, int],
+    allowed: dict[str, list[int]] | None = None,
+) -> tuple[tuple, dict[str, int]]:
     """From ``choice``, each model-stage in turn takes its best layout given the others (ties: the
-    current one), until a whole round changes nothing: (score, choice)."""
+    current one), among its ``allowed`` options (default: all), until a whole round changes
+    nothing: (score, choice)."""
     best = scorer.score(choice)
     improved = True
     while improved:  # ends: every change lowers the score, and there are finitely many plans
         improved = False
         for ms, opts in options.items():
-            for i in range(len(opts)):
+            for i in range(len(opts)) if allowed is None else allowed[ms]:
                 if i == choice[ms]:
                     continue
                 trial = dict(choice, **{ms: i})
@@ -239,12 +246,13 @@ def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "gr
 
     # start from the rule of thumb: the largest TP, then the smallest power-of-two PP with which
     # the plan fits (doubled for the model-stages that do not fit), at the frameworks' defaults
-    def option(ms: str, tp: int, pp: int) -> int | None:  # at the frameworks' defaults: recompute, ZeRO-1
-        opts = options[ms]
-        at = [i for i, o in enumerate(opts) if (o.tp, o.pp) == (tp, pp)]
+    def defaults(ms: str, o: Layout) -> bool:  # the frameworks' defaults: training recomputes, at ZeRO-1
         train = kinds[ms] == "train"
-        usual = [i for i in at if (opts[i].recompute, opts[i].zero) == (train, min(1, opts[i].dp - 1))]
-        return (usual or at or [None])[0]
+        return (o.recompute, o.zero) == (train, 1 if train and o.dp > 1 else 0)
+
+    def option(ms: str, tp: int, pp: int) -> int | None:
+        at = [i for i, o in enumerate(options[ms]) if (o.tp, o.pp) == (tp, pp)]
+        return ([i for i in at if defaults(ms, options[ms][i])] or at or [None])[0]
 
     top = {ms: max(o.tp for o in opts) for ms, opts in options.items()}
     choice = {ms: option(ms, top[ms], 1) for ms in options}
@@ -258,9 +266,22 @@ def greedy_plan(m: Module, workload: Workload, cluster: Cluster, name: str = "gr
         choice.update(grown)
     # then every model-stage in turn takes its best layout given the others, until none changes;
     # from that start and from every model-stage's fastest layout on its own (which may not fit
-    # beside the others at first), keeping the better end
-    alone = {ms: min(range(len(opts)), key=lambda i: (scorer.cost_alone(ms, i), i)) for ms, opts in options.items()}
-    best, choice = min((descend(scorer, options, start) for start in (choice, alone)), key=lambda sc: sc[0])
+    # beside the others at first), among the default knobs and among all, keeping the best end.
+    # Each start descends first among the frameworks' default knobs (what the operator tries
+    # first), then among every knob: more options can lead a descent to a worse local optimum
+    usual = {ms: [i for i, o in enumerate(opts) if defaults(ms, o)] for ms, opts in options.items()}
+
+    def two_phase(start: dict[str, int]) -> tuple[tuple, dict[str, int]]:
+        if all(start[ms] in usual[ms] for ms in start):
+            start = descend(scorer, options, start, usual)[1]
+        return descend(scorer, options, start)
+
+    def alone(among: dict[str, list[int]]) -> dict[str, int]:  # each model-stage's fastest on its own
+        return {ms: min(among[ms], key=lambda i: (scorer.cost_alone(ms, i), i)) for ms in options}
+
+    every = {ms: list(range(len(opts))) for ms, opts in options.items()}
+    starts = (choice, alone(usual), alone(every))
+    best, choice = min((two_phase(start) for start in starts), key=lambda sc: sc[0])
     if best[0]:
         return None
     plan = scorer.plan(choice)
