@@ -49,6 +49,9 @@ from .simulated_cluster import ENGINE_RESTART, PG_INIT, RELOAD_BYTES_PER_S, Outc
 from .truth.step import seed_of
 
 SEARCH_S = 10.0
+# a restarting policy's user, after an out-of-memory crash, leaves more memory free (a smaller
+# micro-batch, vLLM's gpu_memory_utilization lowered): each crash adds this much headroom
+OOM_HEADROOM_STEP, MAX_HEADROOM = 0.1, 0.5
 
 
 class NoPlan(RuntimeError):
@@ -145,7 +148,9 @@ class Policy:
 
 class Restarting(Policy):
     """A fixed-layout system: re-searched (TP/PP kept) when its GPUs change or it cannot run; each
-    move a restart from a checkpoint (saved first when the change was announced)."""
+    move a restart from a checkpoint (saved first when the change was announced). After an
+    out-of-memory crash its searches keep more memory free (``OOM_HEADROOM_STEP``), as its user
+    would: without that, a layout the cost model wrongly thinks fits crashed step after step."""
 
     restarts_from_checkpoint = True
 
@@ -153,6 +158,7 @@ class Restarting(Policy):
         self.plan: Plan | None = None
         self.tp_pp: dict[str, tuple[int, int]] = {}
         self.gpus: frozenset[int] = frozenset()
+        self.headroom = DEFAULT_HEADROOM  # memory its searches keep free; grows after each out-of-memory
 
     def initial(self, sim: SimCluster, i: int = 0) -> Plan:
         """The best plan of this kind for step ``i``'s conditions, TP/PP free."""
@@ -187,7 +193,7 @@ class Restarting(Policy):
         self.tp_pp = {ms: (lay.tp, lay.pp) for ms, lay in plan.layouts.items()}
 
     def replan(self, sim: SimCluster, i: int) -> Plan:
-        return search(self.view(sim, i), self.keep, f"{self.name}{i}", incumbent=self.plan)
+        return search(self.view(sim, i), self.keep, f"{self.name}{i}", headroom=self.headroom, incumbent=self.plan)
 
     def _move(self, sim: SimCluster, i: int, gpus: frozenset[int] | None = None) -> Move:
         """A restart onto ``gpus`` (known before the step: a checkpoint is saved first), or onto
@@ -195,14 +201,17 @@ class Restarting(Policy):
         t0 = time.perf_counter()
         save = sim.save_seconds(self.plan) if gpus is not None else 0.0
         self.gpus = frozenset(sim.trace.available(i)) if gpus is None else gpus
-        try:
-            self.adopt(self.replan(sim, i))
-        except NoPlan:  # nothing fits with TP/PP kept: restart with new ones, as its user would
+        for headroom in dict.fromkeys((self.headroom, DEFAULT_HEADROOM)):  # at the default if nothing fits with more
+            self.headroom = headroom
             try:
-                self.adopt(self.initial(sim, i))
-            except NoPlan:
-                return Move(0.0, time.perf_counter() - t0)
-        return Move(save + sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
+                self.adopt(self.replan(sim, i))
+            except NoPlan:  # nothing fits with TP/PP kept: restart with new ones, as its user would
+                try:
+                    self.adopt(self.initial(sim, i))
+                except NoPlan:
+                    continue
+            return Move(save + sim.reload_seconds(self.plan), time.perf_counter() - t0, True)
+        return Move(0.0, time.perf_counter() - t0)
 
     def react(self, sim, i):
         known = self.known(sim, i)
@@ -211,6 +220,8 @@ class Restarting(Policy):
         return Move()
 
     def recover(self, sim, i, out):
+        if out.failure == "out of memory":  # as its user would: more memory left free from now on
+            self.headroom = min(self.headroom + OOM_HEADROOM_STEP, MAX_HEADROOM)
         return self._move(sim, i)
 
 
@@ -218,7 +229,7 @@ class Fixed(Restarting):
     name = "fixed"
 
     def initial(self, sim, i=0):
-        return search(self.view(sim, i), None, f"fixed{i}")
+        return search(self.view(sim, i), None, f"fixed{i}", headroom=self.headroom)
 
 
 class FixedDp(Fixed):
@@ -244,7 +255,8 @@ class FixedDp(Fixed):
         try:
             return super().replan(sim, i)
         except NoPlan:
-            return search(self.view(sim, i), lambda ms, o, n: Restarting.keep(self, ms, o, n), f"{self.name}{i}")
+            kept = lambda ms, o, n: Restarting.keep(self, ms, o, n)  # noqa: E731
+            return search(self.view(sim, i), kept, f"{self.name}{i}", headroom=self.headroom)
 
 
 class Verl(Restarting):
@@ -258,7 +270,7 @@ class Verl(Restarting):
         return rows(options, gpus == gpus.max()) if len(gpus) else []
 
     def initial(self, sim, i=0):
-        return search(self.view(sim, i), lambda ms, opts, n: self.widest(opts), f"verl{i}")
+        return search(self.view(sim, i), lambda ms, opts, n: self.widest(opts), f"verl{i}", headroom=self.headroom)
 
     def keep(self, ms, options, n):
         return self.widest(same_tp_pp(options, self.tp_pp[ms]))
@@ -314,7 +326,7 @@ class OpenRLHF(Restarting):
             keep = (lambda ms, opts, n: same_tp_pp(opts, self.tp_pp[ms])) if fixed else None
             # a pool's part of the job is no job the verifier accepts (PPO without its critic's
             # stages): the pool's plan is not verified alone; the pooled plan is, below
-            p = search(sub, keep, name, verify="off")
+            p = search(sub, keep, name, headroom=self.headroom, verify="off")
             layouts.update(p.layouts)
             colocate += p.colocate
         order = [ms for st in w.stages for ms in st.model_stages()]
