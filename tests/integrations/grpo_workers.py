@@ -173,7 +173,19 @@ def run_in_group(rank: int, world: int, argv: list[str]) -> dict:
 
 def run_join(rank: int, world: int, argv: list[str], example: str = "grpo_tiny") -> dict:
     """``run`` on the job's ranks; on a process started to join it (``NEREUS_JOIN``), the same
-    example with ``--join``."""
+    example with ``--join``. The job's ranks start once the join request is in the job's store:
+    the joiner imports and builds as long as the job's first steps take, and on a loaded machine
+    it asked only after the job had ended (seen in CI: the joiner waited out the test's timeout)."""
     import os
+    import time
 
-    return run(rank, world, argv + (["--join"] if os.environ.get("NEREUS_JOIN") else []), example)
+    if os.environ.get("NEREUS_JOIN"):
+        return run(rank, world, argv + ["--join"], example)
+    from nereus.runtime.regroup import job_store, waiting
+
+    store, deadline = job_store(60), time.monotonic() + 120
+    while waiting(store) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no process asked to join within 120 s")
+        time.sleep(0.05)
+    return run(rank, world, argv, example)
