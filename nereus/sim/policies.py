@@ -534,7 +534,8 @@ class Oracle(Policy):
                 runs.append(search(copy.deepcopy(m), None, f"oracle{i}", headroom=headroom, incumbent=self.plan))
             except NoPlan:
                 pass
-            ok = [(sim.evaluate(p, i).step_time, k) for k, p in enumerate(runs) if not sim.evaluate(p, i).failure]
+            outs = [sim.evaluate(p, i) for p in runs]
+            ok = [(out.step_time, k) for k, out in enumerate(outs) if not out.failure]
             if ok:
                 return runs[min(ok)[1]]
         raise NoPlan("no plan the oracle found runs in truth")
