@@ -342,18 +342,19 @@ def _trace_job(trace, path: str):
 
 def cmd_simulate(args) -> int:
     from .sim.report import plots, table, to_json
-    from .sim.simulate import simulate
+    from .sim.simulate import simulate_traces
     from .sim.trace import read_trace
 
-    try:
-        trace = read_trace(args.trace)
-    except FileNotFoundError:
-        raise DiagnosticError([Diagnostic(Loc(0, 0, args.trace), "no such file")]) from None
-    module = _trace_job(trace, args.trace)
+    cases = []
+    for path in args.trace:
+        try:
+            trace = read_trace(path)
+        except FileNotFoundError:
+            raise DiagnosticError([Diagnostic(Loc(0, 0, path), "no such file")]) from None
+        cases.append((_trace_job(trace, path), trace))
     policies = args.policies.split(",") if args.policies else None
-    result = simulate(
-        module,
-        trace,
+    results = simulate_traces(
+        cases,
         policies,
         steps=args.steps,
         seed=args.seed,
@@ -361,14 +362,18 @@ def cmd_simulate(args) -> int:
         jobs=args.jobs,
         truth=args.truth,
     )
-    if args.json:
-        print(json.dumps(to_json(result), indent=1))
+    if args.json:  # one trace: its document; several: one document holding theirs
+        docs = [to_json(r) for r in results]
+        whole = docs[0] if len(docs) == 1 else {"wall_s": results[0]["wall_s"], "traces": docs}
+        print(json.dumps(whole, indent=1))
     else:
-        table(result)
+        for result in results:
+            table(result)
     if args.plot:
-        gantt = getattr(result["policies"].get("nereus"), "example", None)
-        for f in plots(result, args.plot, gantt):
-            print(f"wrote {f}", file=sys.stderr)
+        for result in results:
+            gantt = getattr(result["policies"].get("nereus"), "example", None)
+            for f in plots(result, args.plot, gantt):
+                print(f"wrote {f}", file=sys.stderr)
     return 0
 
 
@@ -538,8 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     lo.set_defaults(func=cmd_lower)
     ps = sub.add_parser("passes", help="list every pass with its options, their types and defaults")
     ps.set_defaults(func=cmd_passes)
-    sm = sub.add_parser("simulate", help="run the policies side by side on a trace (nereus/sim/traces/*.jsonl)")
-    sm.add_argument("trace", metavar="TRACE", help="a trace file (JSON lines, nereus/sim/trace.py)")
+    sm = sub.add_parser("simulate", help="run the policies side by side on traces (nereus/sim/traces/*.jsonl)")
+    sm.add_argument(
+        "trace",
+        metavar="TRACE",
+        nargs="+",
+        help="trace files (JSON lines, nereus/sim/trace.py); several run in one pool of --jobs processes",
+    )
     sm.add_argument("--policies", help=f"comma-separated: {', '.join(POLICY_NAMES)} (default: all)")
     sm.add_argument("--steps", type=int, help="simulate only the first N steps")
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
@@ -558,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=int,
         default=os.cpu_count() or 1,
-        help="run the policies in this many processes (default: one per CPU)",
+        help="run the policies (of every trace) in this many processes (default: one per CPU)",
     )
     sm.set_defaults(func=cmd_simulate)
     la = sub.add_parser(

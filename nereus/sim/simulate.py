@@ -111,50 +111,82 @@ def simulate(
     The policies are independent given the step noise (drawn here, once, for all of them), so
     with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are
     the same as one process gives, up to the search's time limits on a loaded machine."""
+    return simulate_traces([(module, trace)], policies, steps, seed, progress, jobs, truth)[0]
+
+
+def simulate_traces(
+    cases: list[tuple[Module, Trace]],
+    policies: list[str] | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    jobs: int = 1,
+    truth: str = "event",
+) -> list[dict]:
+    """``simulate`` for each (job, trace) of ``cases``, every (trace, policy) run in one pool of
+    ``jobs`` worker processes, the costliest first (``_cost``): one long run then overlaps the
+    other traces' runs instead of waiting alone at the end of its trace. One result per case, as
+    ``simulate`` gives; ``wall_s`` is the whole pool's."""
     names = policies or list(POLICIES)
-    check_fits(module, trace, names)
+    for module, trace in cases:
+        check_fits(module, trace, names)
     if steps is not None:
-        trace = Trace(
-            trace.name,
-            trace.job,
-            trace.gpus,
-            trace.steps[:steps],
-            trace.seed,
-            trace.description,
-            trace.sources,
-            trace.path,
-        )
-    sim = SimCluster(module, trace, seed=seed, model=truth)
-    factors = [sim.noise() for _ in trace.steps]  # the same noise for every policy
+        cases = [(module, _first(trace, steps)) for module, trace in cases]
+    sims = [SimCluster(module, trace, seed=seed, model=truth) for module, trace in cases]
+    factors = [[sim.noise() for _ in trace.steps] for sim, (_, trace) in zip(sims, cases)]  # the same for every policy
     t_start = time.perf_counter()
-    jobs = max(1, min(jobs, len(names)))
+    total = sum(len(trace.steps) for _, trace in cases) * len(names)
+    what = cases[0][1].name if len(cases) == 1 else plural(len(cases), "trace")
     with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"simulate {trace.name}: {len(names)} policies", total=len(trace.steps) * len(names))
-        if jobs == 1:
-            with collecting_rarely():
-                pols = {name: _start(sim, name) for name in names}
-                runs = {
-                    name: PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
-                    for name, p in pols.items()
-                }
-                for i in range(len(trace.steps)):
-                    for name, p in pols.items():
-                        _step(sim, p, runs[name], i, factors[i])
-                    bar.advance(task, len(pols))
+        task = bar.add_task(f"simulate {what}: {len(names)} policies", total=total)
+        if max(1, min(jobs, len(names) * len(cases))) == 1:
+            out = []
+            for sim, (_, trace), fs in zip(sims, cases, factors):
+                with collecting_rarely():
+                    pols = {name: _start(sim, name) for name in names}
+                    runs = {
+                        name: PolicyRun(name, decide_s=p.start_s, samples_per_step=sim.workload.samples)
+                        for name, p in pols.items()
+                    }
+                    for i in range(len(trace.steps)):
+                        for name, p in pols.items():
+                            _step(sim, p, runs[name], i, fs[i])
+                        bar.advance(task, len(pols))
+                out.append((runs, pols))
         else:
-            runs, pols = _in_processes(
-                module, trace, names, seed, factors, jobs, lambda n: bar.update(task, completed=n), truth
-            )
-    return {
-        "truth": truth,
-        "trace": trace.name,
-        "job": trace.job,
-        "steps": len(trace.steps),
-        "seed": seed,
-        "wall_s": time.perf_counter() - t_start,
-        "runs": {n: runs[n] for n in names},
-        "policies": {n: pols[n] for n in names},
-    }
+            tasks = [(k, n) for k in range(len(cases)) for n in names]
+            done = _in_processes(cases, tasks, seed, factors, jobs, lambda n: bar.update(task, completed=n), truth)
+            out = [
+                ({n: done[(k, n)][0] for n in names}, {n: done[(k, n)][1] for n in names}) for k in range(len(cases))
+            ]
+    wall = time.perf_counter() - t_start
+    return [
+        {
+            "truth": truth,
+            "trace": trace.name,
+            "job": trace.job,
+            "steps": len(trace.steps),
+            "seed": seed,
+            "wall_s": wall,
+            "runs": {n: runs[n] for n in names},
+            "policies": {n: pols[n] for n in names},
+        }
+        for (_, trace), (runs, pols) in zip(cases, out)
+    ]
+
+
+def _first(trace: Trace, steps: int) -> Trace:
+    """The trace's first ``steps`` steps."""
+    return Trace(
+        trace.name,
+        trace.job,
+        trace.gpus,
+        trace.steps[:steps],
+        trace.seed,
+        trace.description,
+        trace.sources,
+        trace.path,
+    )
 
 
 COLLECT_EVERY = (10_000, 20, 100)
@@ -194,11 +226,24 @@ def _start(sim: SimCluster, name: str) -> Policy:
     return p
 
 
-# the slowest first, so that the last to finish is a short one: the oracle searches at every change
-# of conditions, Nereus re-plans on its triggers, the restarting policies search on GPU changes
-_COST_ORDER = ("oracle", "nereus", "openrlhf", "verl", "fixed", "fixed-dp")
-_done = None  # in a worker process: the shared per-policy step counters
+# what a policy's run costs, in seconds of this machine per change of the trace's GPUs and per
+# change of its lengths, read off the 70B job's runs (docs/RESULTS.md): Nereus moves at most GPU
+# changes and re-plans at some length changes, the oracle searches at each change, the restarting
+# policies only at their restarts; and per step, the truth (about 5 ms)
+_CHANGE_SECONDS = {"nereus": (6.0, 1.0), "oracle": (1.0, 1.0)}
+_OTHER_SECONDS = (0.3, 0.02)
+_STEP_SECONDS = 0.005
+_done = None  # in a worker process: the shared per-task step counters
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _cost(trace: Trace, name: str) -> float:
+    """A policy's run on the trace, in rough seconds: the order the pool hands runs out in."""
+    pairs = list(zip(trace.steps, trace.steps[1:]))
+    gpus = sum(a.unavailable != b.unavailable for a, b in pairs)
+    lengths = sum(a.response_len_dist != b.response_len_dist for a, b in pairs)
+    per_gpus, per_lengths = _CHANGE_SECONDS.get(name, _OTHER_SECONDS)
+    return per_gpus * gpus + per_lengths * lengths + _STEP_SECONDS * len(trace.steps)
 
 
 def _init_worker(done) -> None:
@@ -221,24 +266,28 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
     return run, p
 
 
-def _in_processes(module, trace, names, seed, factors, jobs, advance, truth="event") -> tuple[dict, dict]:
-    """The policies in ``jobs`` worker processes, the slowest first. A policy is handed to a
-    worker only when one is free: a call queued behind busy workers (the job and the trace,
-    pickled, 150 KB at 1,024 GPUs: more than a pipe holds) would block the queue's feeder thread
-    once those workers are terminated on a failure, and the exit waits for that thread."""
+def _in_processes(cases, tasks, seed, factors, jobs, advance, truth="event") -> dict:
+    """The (case, policy) ``tasks`` in ``jobs`` worker processes, the costliest first; their
+    (run, policy) by task. A task is handed to a worker only when one is free: a call queued
+    behind busy workers (the job and the trace, pickled, 150 KB at 1,024 GPUs: more than a pipe
+    holds) would block the queue's feeder thread once those workers are terminated on a
+    failure, and the exit waits for that thread."""
     ctx = multiprocessing.get_context("spawn")
-    done = ctx.Array("i", len(names), lock=False)
-    queue = sorted(names, key=lambda n: _COST_ORDER.index(n) if n in _COST_ORDER else -1)
+    done = ctx.Array("i", len(tasks), lock=False)
+    queue = sorted(range(len(tasks)), key=lambda t: -_cost(cases[tasks[t][0]][1], tasks[t][1]))
     # one thread of BLAS/OpenMP per worker (read when the worker loads them): the workers already
     # fill the CPUs, and more threads than cores only contend
     threads = {k: os.environ.get(k) for k in _THREAD_VARS}
     os.environ.update({k: "1" for k in _THREAD_VARS})
     futures = {}
+    jobs = max(1, min(jobs, len(tasks)))
 
     def hand_out(pool) -> set:
-        n = queue.pop(0)
-        f = pool.submit(_run_one, module, trace, n, names.index(n), seed, factors, truth)
-        futures[f] = n
+        t = queue.pop(0)
+        k, n = tasks[t]
+        module, trace = cases[k]
+        f = pool.submit(_run_one, module, trace, n, t, seed, factors[k], truth)
+        futures[f] = tasks[t]
         return {f}
 
     try:
@@ -263,8 +312,7 @@ def _in_processes(module, trace, names, seed, factors, jobs, advance, truth="eve
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    results = {futures[f]: f.result() for f in futures}
-    return {n: r[0] for n, r in results.items()}, {n: r[1] for n, r in results.items()}
+    return {futures[f]: f.result() for f in futures}
 
 
 def _account(run: PolicyRun, move, i: int) -> float:

@@ -3,7 +3,10 @@
 Time figures: ``validation/*.nir`` (34 figures from 6 sources, each configuration written as IR,
 each figure with its source), through ``nereus bench validate``. They are evidence only where
 the model predicts them better than constant-efficiency predictors, which know a
-configuration's FLOPs and nothing else (``test_validation_set_*``). Memory and KV-cache figures
+configuration's FLOPs and nothing else (``test_validation_set_*``). Two priors were set with
+this set in view (compute 0.6, overlap 0.9), so the errors with the priors are in-sample; the
+hold-out errors (leave one source out, calibration transfer: ``nereus.bench.holdout``) are
+recorded in ``validation/holdout.json`` and recomputed here (``test_holdout_*``). Memory and KV-cache figures
 below are accounting identities (no efficiency enters them). Generation figures:
 ``validation/generation/*.nir`` (50 decode and serving figures from 3 sources), predicted by the
 cost model and by the simulator's event truth (``test_generation_*``). Checks of the model against itself
@@ -13,7 +16,15 @@ are in ``test_cost_model_self_consistency.py``.
 import numpy as np
 import pytest
 
-from nereus.bench.validate_bench import CONSTANT_EFFICIENCY, cases, errors, generation_cases, generation_errors
+from nereus.bench.validate_bench import (
+    CONSTANT_EFFICIENCY,
+    PUBLISHED,
+    VALIDATION,
+    cases,
+    errors,
+    generation_cases,
+    generation_errors,
+)
 from nereus.ir import Model
 from nereus.passes import Candidates, CostModel
 
@@ -26,6 +37,14 @@ def validation():
     return rows, errors(rows)
 
 
+@pytest.fixture(scope="module")
+def held():
+    from nereus.bench.holdout import figures, holdout
+
+    figs = figures(VALIDATION, PUBLISHED)
+    return figs, holdout(figs)
+
+
 def test_validation_set_is_at_least_15_figures_from_6_sources_and_every_run_fits(validation):
     rows, _ = validation
     assert len(rows) >= 15 and len({c.source for c in rows}) >= 6
@@ -34,9 +53,10 @@ def test_validation_set_is_at_least_15_figures_from_6_sources_and_every_run_fits
 
 
 def test_validation_set_the_model_beats_constant_efficiency(validation):
-    """The model (prior coefficients, nothing fitted to the set) against every GPU at the
-    model's prior compute efficiency, and at the efficiency that best fits the set in hindsight.
-    Printed per figure (``pytest -s``); the issue's targets: median at most 10%, worst 25%."""
+    """The model (prior coefficients; compute and overlap were set with this set in view) against
+    every GPU at the model's prior compute efficiency, and at the efficiency that best fits the
+    set in hindsight. Printed per figure (``pytest -s``); the targets: median at most 10%, worst
+    25% (in sample: the hold-out errors are ``test_holdout_*``'s)."""
     rows, err = validation
     for c, e, k in zip(rows, err["model"], err["constant"]):
         print(
@@ -48,6 +68,53 @@ def test_validation_set_the_model_beats_constant_efficiency(validation):
         assert np.mean(err["model"]) < np.mean(err[other])
         assert np.max(err["model"]) < np.max(err[other])
     assert np.median(err["model"]) <= 0.10 and np.max(err["model"]) <= 0.25
+
+
+def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty(validation, held):
+    """``validation/holdout.json`` states each prior with its uncertainty and the hold-out errors
+    measured with them. A prior moved by more than its uncertainty fails here until the record is
+    restated, and the restated numbers must be what ``nereus bench validate`` measures: the
+    errors with the priors, in sample, leaving each source out, and after calibrating on one
+    figure of the held-out source (to 0.1 percentage point)."""
+    import json
+    from dataclasses import asdict
+
+    from nereus.bench.holdout import NEUTRAL, summary
+    from nereus.ir.cluster import Efficiency
+    from nereus.passes.cost.calibrate import MIN_EFFICIENCY
+
+    record = json.loads((VALIDATION / "holdout.json").read_text())
+    for name, value in asdict(Efficiency()).items():
+        stated = record["priors"][name]
+        assert abs(value - stated["value"]) <= stated["uncertainty"], (
+            f"prior {name} moved from {stated['value']} to {value}: restate validation/holdout.json"
+        )
+    assert record["fits_start_from"] == asdict(NEUTRAL) and record["min_efficiency"] == MIN_EFFICIENCY
+    rows, err = validation
+    _, h = held
+    measured = {
+        "with_priors": {"median": float(np.median(err["model"])), "worst": float(np.max(err["model"]))},
+        "in_sample": summary(h["in_sample"]),
+        "leave_one_source_out": summary(h["loso"]),
+        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
+    }
+    for k, got in measured.items():
+        for stat in ("median", "worst"):
+            assert got[stat] == pytest.approx(record[k][stat], abs=1e-3), (k, stat)
+
+
+def test_holdout_calibrating_on_one_figure_predicts_the_others_of_its_source_better_than_the_other_sources(held):
+    """Calibration transfer (one figure of a source, after a fit to the other sources) against
+    leaving the source out (the fit to the other sources alone), on the same predictions: a
+    measured configuration of one's own stack helps at the median. Measured: 4.4% against
+    5.5% over the same 220 predictions (``nereus bench validate``); the issue's target for
+    transfer is 5%."""
+    figs, h = held
+    index = {(f.source, f.plan): i for i, f in enumerate(figs)}
+    moved = np.abs([t["error"] for t in h["transfer"]])
+    left_out = np.abs([h["loso"][index[(t["source"], t["to"])]] for t in h["transfer"]])
+    assert np.median(moved) < np.median(left_out)
+    assert np.median(moved) <= 0.05
 
 
 @pytest.mark.parametrize("sp,tp", [(False, 1), (False, 8), (True, 8)])

@@ -218,6 +218,32 @@ def test_the_command_line_runs_the_policies_in_processes_and_prints_each(tmp_pat
     assert f"{path}:12:" in capsys.readouterr().err
 
 
+def test_several_traces_share_one_pool_and_each_runs_as_alone(tmp_path, capsys):
+    """``nereus simulate A B --jobs 2 --json``: the (trace, policy) runs of both traces in one pool
+    of two processes, one JSON document with a document per trace, each trace's runs the same
+    steps as that trace simulated alone (the restarting policies and the oracle: deterministic)."""
+    import json
+    from dataclasses import replace
+
+    from nereus.cli import main
+    from nereus.sim.trace import write_trace
+
+    t = _trace()
+    paths = [tmp_path / "first.jsonl", tmp_path / "grant.jsonl"]
+    write_trace(Trace("first", t.job, t.gpus, t.steps[:6]), paths[0])
+    grant = [replace(s, step=i) for i, s in enumerate(t.steps[5:12])]  # 8 GPUs, then 16 from step 3
+    write_trace(Trace("grant", t.job, t.gpus, grant), paths[1])
+    policies = "fixed,verl,oracle"
+    assert main(["simulate", *map(str, paths), "--jobs", "2", "--json", "--policies", policies]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert [d["trace"] for d in both["traces"]] == ["first", "grant"] and both["wall_s"] > 0
+    for path, doc in zip(paths, both["traces"]):
+        assert main(["simulate", str(path), "--jobs", "1", "--json", "--policies", policies]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        assert doc["steps"] == alone["steps"] and doc["step"] == alone["step"] and doc["moves"] == alone["moves"]
+    assert both["traces"][1]["moves"]["fixed"] == [4]  # the grant at step 3: a restart onto 16 GPUs after it
+
+
 def test_the_gantt_chart_finds_every_operation_on_its_gpu_in_the_plan_it_names():
     """A load writes plan A's shard (its state offloaded between steps, brought back before it is
     read): its row is on that shard's GPU, though plan B has no such shard (PP 2 x TP 2 -> PP 4
