@@ -319,6 +319,16 @@ def _gpus(text: str) -> list[int]:
     return out
 
 
+def _truths(text: str) -> str:
+    """``event`` or ``event,hidden,...``: each a truth of the simulator (argparse reports a bad one)."""
+    from .sim import TRUTH_NAMES
+
+    bad = [t for t in text.split(",") if t not in TRUTH_NAMES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown truth {bad[0]!r}; truths: {', '.join(TRUTH_NAMES)}")
+    return text
+
+
 def _trace_job(trace, path: str):
     """The IR job a trace names: an example of ``nereus.testing.jobs`` or a .nir file beside the trace."""
     from .testing.jobs import EXAMPLES
@@ -351,7 +361,7 @@ def cmd_simulate(args) -> int:
             trace = read_trace(path)
         except FileNotFoundError:
             raise DiagnosticError([Diagnostic(Loc(0, 0, path), "no such file")]) from None
-        cases.append((_trace_job(trace, path), trace))
+        cases += [(_trace_job(trace, path), trace, truth) for truth in args.truth.split(",")]
     policies = args.policies.split(",") if args.policies else None
     results = simulate_traces(
         cases,
@@ -360,7 +370,6 @@ def cmd_simulate(args) -> int:
         seed=args.seed,
         progress=not args.json,
         jobs=args.jobs,
-        truth=args.truth,
     )
     if args.json:  # one trace: its document; several: one document holding theirs
         docs = [to_json(r) for r in results]
@@ -555,9 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0, help="noise and stragglers")
     sm.add_argument(
         "--truth",
-        choices=("event", "hidden", "long-gen", "slow-inter", "formula"),
+        type=_truths,
         default="event",
-        help="what a plan really costs: the step played out event by event (event: nereus/sim/truth); "
+        help="what a plan really costs, or several, comma-separated (each trace runs under each): "
+        "the step played out event by event (event: nereus/sim/truth); "
         "the event truth with errors no cost model knows of: per-configuration hidden factors (hidden), "
         "decode 20%% slower at long contexts (long-gen), cross-node DP collectives 30%% slower "
         "(slow-inter); or the cost model at hidden coefficients (formula: fast, but the planner's own form)",

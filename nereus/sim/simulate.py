@@ -115,7 +115,7 @@ def simulate(
 
 
 def simulate_traces(
-    cases: list[tuple[Module, Trace]],
+    cases: list[tuple],
     policies: list[str] | None = None,
     steps: int | None = None,
     seed: int = 0,
@@ -123,25 +123,29 @@ def simulate_traces(
     jobs: int = 1,
     truth: str = "event",
 ) -> list[dict]:
-    """``simulate`` for each (job, trace) of ``cases``, every (trace, policy) run in one pool of
-    ``jobs`` worker processes, the costliest first (``_cost``): one long run then overlaps the
-    other traces' runs instead of waiting alone at the end of its trace. One result per case, as
-    ``simulate`` gives; ``wall_s`` is the whole pool's."""
+    """``simulate`` for each (job, trace) or (job, trace, truth) of ``cases`` (``truth`` where a
+    case names none), every (case, policy) run in one pool of ``jobs`` worker processes, the
+    costliest first (``_cost``): one long run then overlaps the other cases' runs instead of
+    waiting alone at the end of its case. One result per case, as ``simulate`` gives; ``wall_s``
+    is the whole pool's."""
     names = policies or list(POLICIES)
-    for module, trace in cases:
+    cases = [(c[0], c[1], c[2] if len(c) > 2 else truth) for c in cases]
+    for module, trace, _ in cases:
         check_fits(module, trace, names)
     if steps is not None:
-        cases = [(module, _first(trace, steps)) for module, trace in cases]
-    sims = [SimCluster(module, trace, seed=seed, model=truth) for module, trace in cases]
-    factors = [[sim.noise() for _ in trace.steps] for sim, (_, trace) in zip(sims, cases)]  # the same for every policy
+        cases = [(module, _first(trace, steps), t) for module, trace, t in cases]
+    sims = [SimCluster(module, trace, seed=seed, model=t) for module, trace, t in cases]
+    factors = [
+        [sim.noise() for _ in trace.steps] for sim, (_, trace, _) in zip(sims, cases)
+    ]  # the same for every policy
     t_start = time.perf_counter()
-    total = sum(len(trace.steps) for _, trace in cases) * len(names)
+    total = sum(len(trace.steps) for _, trace, _ in cases) * len(names)
     what = cases[0][1].name if len(cases) == 1 else plural(len(cases), "trace")
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"simulate {what}: {len(names)} policies", total=total)
         if max(1, min(jobs, len(names) * len(cases))) == 1:
             out = []
-            for sim, (_, trace), fs in zip(sims, cases, factors):
+            for sim, (_, trace, _), fs in zip(sims, cases, factors):
                 with collecting_rarely():
                     pols = {name: _start(sim, name) for name in names}
                     runs = {
@@ -155,14 +159,14 @@ def simulate_traces(
                 out.append((runs, pols))
         else:
             tasks = [(k, n) for k in range(len(cases)) for n in names]
-            done = _in_processes(cases, tasks, seed, factors, jobs, lambda n: bar.update(task, completed=n), truth)
+            done = _in_processes(cases, tasks, seed, factors, jobs, lambda n: bar.update(task, completed=n))
             out = [
                 ({n: done[(k, n)][0] for n in names}, {n: done[(k, n)][1] for n in names}) for k in range(len(cases))
             ]
     wall = time.perf_counter() - t_start
     return [
         {
-            "truth": truth,
+            "truth": t,
             "trace": trace.name,
             "job": trace.job,
             "steps": len(trace.steps),
@@ -171,7 +175,7 @@ def simulate_traces(
             "runs": {n: runs[n] for n in names},
             "policies": {n: pols[n] for n in names},
         }
-        for (_, trace), (runs, pols) in zip(cases, out)
+        for (_, trace, t), (runs, pols) in zip(cases, out)
     ]
 
 
@@ -266,7 +270,7 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
     return run, p
 
 
-def _in_processes(cases, tasks, seed, factors, jobs, advance, truth="event") -> dict:
+def _in_processes(cases, tasks, seed, factors, jobs, advance) -> dict:
     """The (case, policy) ``tasks`` in ``jobs`` worker processes, the costliest first; their
     (run, policy) by task. A task is handed to a worker only when one is free: a call queued
     behind busy workers (the job and the trace, pickled, 150 KB at 1,024 GPUs: more than a pipe
@@ -285,7 +289,7 @@ def _in_processes(cases, tasks, seed, factors, jobs, advance, truth="event") -> 
     def hand_out(pool) -> set:
         t = queue.pop(0)
         k, n = tasks[t]
-        module, trace = cases[k]
+        module, trace, truth = cases[k]
         f = pool.submit(_run_one, module, trace, n, t, seed, factors[k], truth)
         futures[f] = tasks[t]
         return {f}

@@ -242,6 +242,16 @@ def test_several_traces_share_one_pool_and_each_runs_as_alone(tmp_path, capsys):
         alone = json.loads(capsys.readouterr().out)
         assert doc["steps"] == alone["steps"] and doc["step"] == alone["step"] and doc["moves"] == alone["moves"]
     assert both["traces"][1]["moves"]["fixed"] == [4]  # the grant at step 3: a restart onto 16 GPUs after it
+    # each trace under each truth named, in one pool; a truth the simulator lacks is refused
+    argv = ["simulate", str(paths[1]), "--jobs", "2", "--json", "--policies", "fixed", "--truth", "event,hidden"]
+    assert main(argv) == 0
+    two = json.loads(capsys.readouterr().out)["traces"]
+    assert [(d["trace"], d["truth"]) for d in two] == [("grant", "event"), ("grant", "hidden")]
+    assert two[0]["step"]["fixed"] == both["traces"][1]["step"]["fixed"]
+    assert all(a != b for a, b in zip(two[0]["step"]["fixed"], two[1]["step"]["fixed"]))  # its own hidden factors
+    with pytest.raises(SystemExit):
+        main(["simulate", str(paths[0]), "--truth", "event,exact"])
+    assert "unknown truth 'exact'" in capsys.readouterr().err
 
 
 def test_the_gantt_chart_finds_every_operation_on_its_gpu_in_the_plan_it_names():
