@@ -8,6 +8,7 @@ is a diagnostic ``FILE:LINE:COL: error: MESSAGE`` with the source line and a car
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -169,7 +170,8 @@ def cmd_replan(args) -> int:
         lose=tuple(args.lose or ()), leave=tuple(args.leave or ()), join=args.join, sets=tuple(args.set), step=args.step
     )
     options = ControlOptions(search_time_limit=args.time_limit, seed=args.seed)
-    decision, _ = what_if(parse(text, args.file), args.plan, change, options)
+    with stdout_to_stderr(args.json):
+        decision, _ = what_if(parse(text, args.file), args.plan, change, options)
     if args.output and decision.module is not None:
         _write(args.output, print_ir(decision.module))
     if args.json:
@@ -285,13 +287,35 @@ def cmd_launch(args) -> int:
         return 2
 
 
+@contextlib.contextmanager
+def stdout_to_stderr(on: bool = True):
+    """While the block runs, stdout is stderr, for ``sys.stdout`` and for file descriptor 1: what
+    prints (this process, C libraries, logging handlers that took ``sys.stdout`` at import, as
+    vLLM's do, and processes started meanwhile, which inherit descriptor 1) goes to stderr, so
+    that a ``--json`` command's stdout holds its one JSON document and nothing else."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_bench(args) -> int:
     from .bench import BENCHMARKS, run
 
     if args.name not in BENCHMARKS:
         print(f"nereus bench: unknown benchmark '{args.name}'; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 1
-    result = run(args.name, quick=args.quick, json_output=args.json)
+    with stdout_to_stderr(args.json):
+        result = run(args.name, quick=args.quick, json_output=args.json)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     return 0
@@ -363,14 +387,15 @@ def cmd_simulate(args) -> int:
             raise DiagnosticError([Diagnostic(Loc(0, 0, path), "no such file")]) from None
         cases += [(_trace_job(trace, path), trace, truth) for truth in args.truth.split(",")]
     policies = args.policies.split(",") if args.policies else None
-    results = simulate_traces(
-        cases,
-        policies,
-        steps=args.steps,
-        seed=args.seed,
-        progress=not args.json,
-        jobs=args.jobs,
-    )
+    with stdout_to_stderr(args.json):
+        results = simulate_traces(
+            cases,
+            policies,
+            steps=args.steps,
+            seed=args.seed,
+            progress=not args.json,
+            jobs=args.jobs,
+        )
     if args.json:  # one trace: its document; several: one document holding theirs
         docs = [to_json(r) for r in results]
         whole = docs[0] if len(docs) == 1 else {"wall_s": results[0]["wall_s"], "traces": docs}

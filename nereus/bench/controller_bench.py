@@ -26,8 +26,9 @@ one transition; search limited to what the live models take). Per rank:
   inside the loop (``move_s``: plan B's four models built, the one transition lowered and
   executed into them, AdamW's steps carried);
 - the same move the DCP way, on the same processes and the same plan-A state of all four models:
-  save it with ``torch.distributed.checkpoint``, load plan B's boxes (``nereus.runtime.dcp``),
-  build plan B's four models and load them (``dcp_s``).
+  every rank saves it with ``torch.distributed.checkpoint`` before the leave (``dcp_save_s``), and
+  after it the remaining ranks load plan B's boxes (``nereus.runtime.dcp``), build plan B's four
+  models and load them (``dcp_load_s``); ``dcp_s`` is the sum.
 
 Times are the slowest rank's; 4 processes share this machine's 2 cores, so the ranks also wait
 for each other at every collective, with or without the Controller.
@@ -56,7 +57,7 @@ from ..integrations.llama_adapter import JobAdapter
 from ..integrations.llama_state import export_states, load_state
 from ..integrations.stage_data import rows
 from ..ir import Model
-from ..runtime.dcp import dcp_reshard
+from ..runtime.dcp import load, save
 from ..runtime.launch import init_from_env, run_local
 
 WORLD = 4
@@ -178,9 +179,16 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         own_s=statistics.median(own),
         own_p90_s=sorted(own)[int(0.9 * (len(own) - 1))],
     )
-    # rank 3 announces it leaves: a forced decision and the move inside the loop
+    # the DCP way, first half: every rank of plan A saves its state of the four models (as a user
+    # does before restarting without the rank that leaves), on the default group of all ranks
     state, opt_steps = export_states(adapter.lives, module, "a")
-    saved = {k: v.clone() for k, v in state.items()}  # plan A's state of every model, for the DCP way below
+    saved = {k: v.clone() for k, v in state.items()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    save(saved, plan_layout(module, "a").get(rank, []), f"{tmp}/ckpt", rank, world)
+    dist.barrier()
+    out["dcp_save_s"] = time.perf_counter() - t0
+    # rank 3 announces it leaves: a forced decision and the move inside the loop
     with ctl.step():
         job_step(adapter.lives, next(tokens), ctl)
         if rank == world - 1:
@@ -196,8 +204,11 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
         models=sorted(adapter.lives),
         changed=sorted(layout_changes(plan_a, ctl.core.m.plans[ctl.plan])),
     )
-    # the DCP way, on every rank (the default group is healthy after a successful move)
-    dist.barrier()
+    if rank == world - 1:  # it left: the job's default group is re-formed without it
+        return out
+    # the DCP way, second half: the remaining ranks load plan B's boxes and build plan B's models,
+    # on the default group the move re-formed over them (ranks 0..2, as before)
+    left = dist.get_world_size()
     plan_b = ctl.plan
     box = [plan_b]
     dist.broadcast_object_list(box, src=0)
@@ -210,12 +221,13 @@ def worker(rank: int, world: int, hidden: int, layers: int, steps: tuple[int, in
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # as the move agrees on them
     dist.barrier()
     t0 = time.perf_counter()
-    new, _ = dcp_reshard(saved, plan_layout(module, "a"), plan_layout(b_module, plan_b), rank, world, f"{tmp}/ckpt")
+    new = load(f"{tmp}/ckpt", plan_layout(b_module, plan_b).get(rank, []), rank, left)
     fresh = lives_of(b_module.plans[plan_b].layouts)
     for step, ms in zip(steps.tolist(), sorted(opt_steps)):
         load_state(fresh[ms], b_module, plan_b, new, step)
     dist.barrier()
-    out["dcp_s"] = time.perf_counter() - t0
+    out["dcp_load_s"] = time.perf_counter() - t0
+    out["dcp_s"] = out["dcp_save_s"] + out["dcp_load_s"]
     out["controller_s"] = out["with_controller_s"] - out["step_s"]
     return out
 
@@ -261,6 +273,8 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         "decide_s": per_rank[0]["decide_s"],
         "move_s": slow("move_s"),
         "dcp_s": slow("dcp_s"),
+        "dcp_save_s": slow("dcp_save_s"),
+        "dcp_load_s": slow("dcp_load_s"),
         "bytes_moved": per_rank[0]["bytes_moved"],
         "target": per_rank[0]["target"],
         "stays": min(r["stays"] for r in per_rank),

@@ -79,9 +79,21 @@ def test_python_dash_m_and_usage_errors(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_bench_parse_json_smoke(capsys):
-    assert main(["bench", "parse", "--quick", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+def bench_json(name: str, timeout: float = 600) -> dict:
+    """``nereus bench NAME --quick --json`` in a process of its own: it exits 0 and its stdout is one
+    JSON document and nothing else (engines' and libraries' logs go to stderr), which is returned."""
+    r = subprocess.run(
+        [sys.executable, "-m", "nereus", "bench", name, "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)  # fails on any line that is not the document's
+
+
+def test_bench_parse_json_smoke():
+    data = bench_json("parse")
     assert [r["gpus"] for r in data["rows"]] == [128, 256, 512, 1024]
     assert all(r["shards"] == r["gpus"] for r in data["rows"])
     assert all(r["canonical_ms"] > 0 and r["expanded_ms"] > 0 for r in data["rows"])
@@ -92,32 +104,28 @@ def test_bench_unknown_name(capsys):
     assert "known: parse, estimate, plan-search, transition" in capsys.readouterr().err
 
 
-def test_bench_estimate_json_smoke(capsys):
-    assert main(["bench", "estimate", "--quick", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+def test_bench_estimate_json_smoke():
+    data = bench_json("estimate")
     assert data["candidates"] == 10_000 and data["plan_gpus"] == 1024
     assert data["vectorized_s"] > 0 and data["one_at_a_time_s"] > data["vectorized_s"]
 
 
-def test_bench_plan_search_json_smoke(capsys):
-    assert main(["bench", "plan-search", "--quick", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+def test_bench_plan_search_json_smoke():
+    data = bench_json("plan-search")
     rows = {(r["job"], r["gpus"]): r for r in data["rows"]}
     assert all(r["status"] == "optimal" for r in rows.values())
     assert rows[("PPO 8B", 16)]["greedy_over_searched"] >= 1.0  # the optimum is never worse than the peer
 
 
-def test_bench_truth_json_smoke(capsys):
-    assert main(["bench", "truth", "--quick", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+def test_bench_truth_json_smoke():
+    data = bench_json("truth")
     assert set(data["error_prior"]) == {"generate", "infer", "train"}
     assert data["ranking_pairs"] > 0 and 0 <= data["ranking_wrong"] <= data["ranking_pairs"]
     assert data["seconds_per_evaluation"] > 0 and data["distinct_conditions"] == 100
 
 
-def test_bench_transition_json_smoke(capsys):
-    assert main(["bench", "transition", "--quick", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+def test_bench_transition_json_smoke():
+    data = bench_json("transition")
     for row in data["rows"]:
         assert row["bytes_moved"] == row["lower_bound"]  # the planner reaches the lower bound
         assert row["makespan_s"] >= row["port_bound_s"] > 0
@@ -138,10 +146,9 @@ def test_bench_transition_json_smoke(capsys):
     ]  # no memory to spare: staged
 
 
-def test_bench_reshard_json_smoke(capsys):
+def test_bench_reshard_json_smoke():
     """Four gloo processes, two small cases: every method bit-exact; Nereus sends what it planned."""
-    assert main(["bench", "reshard", "--quick", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = bench_json("reshard")
     assert set(out["cases"]) == {"tp4-tp2x2 x4", "train-gen x4"}
     for case in out["cases"].values():
         assert all(case[m]["exact"] for m in ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast"))
