@@ -20,6 +20,10 @@ others:
 What a way knows before a push (Nereus: its lowered program; the peers: ``metadata``, every
 stage's tensors, every rank's packed size and boxes) is made once per layout, outside the timing.
 
+CPU seconds (``time.process_time`` of every rank in the push, summed over the ranks, the median
+round) are reported beside the wall times: stable where wall time on a shared 2-core machine is
+not.
+
 Bytes received per rank are counted for each way against the lower bound (what the rank lacks,
 from the live parameters). With vLLM installed, each rank also starts an engine and the engine's
 own load step (``reload_weights`` of the pushed tensors) is timed apart: it is the same work
@@ -226,13 +230,15 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
             "openrlhf": lambda: openrlhf_like(live, meta),
         }
         times: dict[str, list[float]] = {k: [] for k in ways}
+        cpu: dict[str, list[float]] = {k: [] for k in ways}  # this rank's CPU seconds per round
         results = {}
         for rep in range(reps + 1):  # the first round warms up (first collectives, allocations)
             for way, fn in ways.items():
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 named, received = fn()
                 if rep:
+                    cpu[way].append(time.process_time() - c0)
                     times[way].append(time.perf_counter() - t0)
                 results[way] = (named, received)
         ref = results["nereus"][0]
@@ -241,6 +247,7 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
                 raise AssertionError(f"{name}: {way} pushed other weights than nereus")
         out[name] = {way: statistics.median(t) for way, t in times.items()}
         out[name].update({f"{way}_bytes": results[way][1] for way in ways}, bound=bound)
+        out[name]["cpu"] = cpu
         if engine is not None:
             loads = [engine.load(ref) for _ in range(reps)]
             out[name]["load"] = statistics.median(loads)
@@ -265,7 +272,10 @@ def run(quick: bool = False, json_output: bool = False, engines: bool | None = N
     params = ir_model(cfg).num_params()
     result = {"benchmark": "push", "world": WORLD, "params": params, "engines": engines, "layouts": {}}
     for name in LAYOUTS:
-        row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
+        row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name] if k != "cpu"}
+        for way in ("nereus", "verl", "openrlhf"):  # all ranks' CPU seconds in a round, the median round
+            row[f"{way}_cpu_s"] = statistics.median(map(sum, zip(*(r[name]["cpu"][way] for r in per_rank))))
+        row["best_peer_cpu_over_nereus"] = min(row["verl_cpu_s"], row["openrlhf_cpu_s"]) / row["nereus_cpu_s"]
         row["bytes_at_bound"] = all(r[name]["nereus_bytes"] == r[name]["bound"] for r in per_rank)
         best = min(row["verl"], row["openrlhf"])
         row["best_peer_over_nereus"] = best / row["nereus"]
@@ -284,6 +294,7 @@ def run(quick: bool = False, json_output: bool = False, engines: bool | None = N
             "verl-like",
             "OpenRLHF-like",
             "best peer / nereus",
+            "CPU s, all ranks: nereus / verl / OpenRLHF",
             "nereus bytes = bound",
             "engine load",
             "end to end, best peer / nereus",
@@ -296,6 +307,7 @@ def run(quick: bool = False, json_output: bool = False, engines: bool | None = N
                 f"{row['verl'] * 1e3:.1f} ms",
                 f"{row['openrlhf'] * 1e3:.1f} ms",
                 f"{row['best_peer_over_nereus']:.2f}x",
+                f"{row['nereus_cpu_s']:.3f} / {row['verl_cpu_s']:.3f} / {row['openrlhf_cpu_s']:.3f}",
                 "yes" if row["bytes_at_bound"] else "NO",
                 f"{row['load'] * 1e3:.1f} ms" if engines else "-",
                 f"{row['end_to_end_ratio']:.2f}x" if engines else "-",
