@@ -18,7 +18,9 @@ gloo processes of this machine, each method in turn on the same synthetic state:
 Wall time is the slowest rank's, between barriers, best of 2 runs (5 with ``--quick``). CPU
 seconds (``cpu_s``: ``time.process_time`` of every rank in the method's call, summed over the
 ranks, the least over the runs) are the stable measure on a shared machine: ``cpu_over_floor``
-is Nereus's safety (checksums, digest and commit collectives) against the unchecked floor.
+is Nereus's safety (checksums, digest and commit collectives) against the unchecked floor;
+``packed_per_byte`` and ``hashed_per_byte`` the bytes Nereus copied into or out of message
+buffers and checksummed, per byte it sent (all ranks).
 ``best peer / floor`` is the most any exchange of the same bytes could show against the peers
 here: where it is under 2x, so is Nereus's ratio, whatever its overhead. Every method's result is checked bit for bit
 against the full tensors (outside the timing). The peers plan inside their timed region (which
@@ -79,7 +81,8 @@ def _written() -> int:
 
 
 def _method(method: str, prog, src, rank: int, world: int, path: str):
-    """Run one method on this rank: (its plan-B state, bytes it sent, bytes written to sockets or None)."""
+    """Run one method on this rank: (its plan-B state, bytes it sent, bytes written to sockets or
+    None, and for Nereus the bytes it packed and hashed, else None)."""
     from ..runtime.dcp import dcp_reshard
     from .baselines.peers import allgather_slice, gather_broadcast, p2p_floor
 
@@ -87,14 +90,14 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
         stats = Stats()
         before = _written()
         new = execute(prog, src, timeout=600, stats=stats)
-        return new, stats.sent, _written() - before
+        return new, stats.sent, _written() - before, (stats.packed, stats.hashed)
     if method == "dcp":  # writes files too: its wchar is not socket traffic
-        return *dcp_reshard(src, prog.src, prog.dst, rank, world, path), None
+        return *dcp_reshard(src, prog.src, prog.dst, rank, world, path), None, None
     if method == "floor":  # planned outside the timing, as Nereus's program is
-        return *p2p_floor(src, _floor_plan(prog, rank, world)), None
+        return *p2p_floor(src, _floor_plan(prog, rank, world)), None, None
     if method == "allgather":
-        return *allgather_slice(src, prog.src, prog.dst, rank, world), None
-    return *gather_broadcast(src, prog.src, prog.dst, rank, world), None
+        return *allgather_slice(src, prog.src, prog.dst, rank, world), None, None
+    return *gather_broadcast(src, prog.src, prog.dst, rank, world), None, None
 
 
 _FLOOR_PLANS: dict = {}
@@ -199,7 +202,7 @@ def worker(
                 path = str(Path(tmp) / f"{case}-{world}-{i}")
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
-                new, sent, written = _method(method, run_prog, src, rank, world, path)
+                new, sent, written, work = _method(method, run_prog, src, rank, world, path)
                 c1 = time.process_time()
                 dist.barrier()
                 secs = time.perf_counter() - t0
@@ -207,7 +210,7 @@ def worker(
                 exact = _exact(dst_specs, new)
                 del new
                 if best is None or secs < best["seconds"]:
-                    best = {"seconds": secs, "sent": sent, "written": written, "exact": exact}
+                    best = {"seconds": secs, "sent": sent, "written": written, "exact": exact, "work": work}
                 best["exact"] = best["exact"] and exact
             best["cpu"] = cpu
             row[method] = best
@@ -251,6 +254,9 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
                     if method.startswith("nereus"):
                         e = entry[method]
                         e["written_MB"] = sum(r[method]["written"] for r in rows) / 1e6
+                        # per byte sent, over all ranks: bytes packed or unpacked, and checksummed
+                        e["packed_per_byte"] = sum(r[method]["work"][0] for r in rows) / max(1e6 * e["sent_MB"], 1)
+                        e["hashed_per_byte"] = sum(r[method]["work"][1] for r in rows) / max(1e6 * e["sent_MB"], 1)
                         e["plan_s"] = rows[0]["plan_s"][method]  # rank 0, alone
                         e["total_s"] = e["plan_s"] + e["seconds"]
                 best_peer = min(entry[m]["seconds"] for m in PEERS)
@@ -294,6 +300,7 @@ def _table(results: dict) -> None:
         "(total)",
         "nereus / bound",
         "nereus MB",
+        "packed / hashed per byte",
         "socket MB",
         "planned MB",
         "+remap plan s",
@@ -329,6 +336,7 @@ def _table(results: dict) -> None:
             f"{n['best_peer_over_total']:.1f}x",
             f"{n['seconds'] / e['bound_s']:.2f}",
             f"{n['sent_MB']:.0f}",
+            f"{n['packed_per_byte']:.2f} / {n['hashed_per_byte']:.2f}",
             f"{n['written_MB']:.1f}",
             f"{e['planned_MB']:.0f}",
             f"{r['plan_s']:.2f}",

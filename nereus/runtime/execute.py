@@ -80,6 +80,8 @@ class Stats:
     sent: int = 0  # payload bytes this rank sent
     received: int = 0
     messages: int = 0
+    packed: int = 0  # bytes copied into send buffers and out of receive buffers (pack, unpack)
+    hashed: int = 0  # bytes checksummed (each payload sent once, each message received)
     lazy: bool = False  # destination shards allocated at their first write, not up front
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -247,12 +249,16 @@ class _Rank:
         """The bytes to send: a direct piece's slice as is (copied only if strided), or a bucket."""
         if msg.direct:
             src = self.read(msg.pieces[0])
-            return _bytes(src if src.is_contiguous() else src.contiguous())
+            if src.is_contiguous():
+                return _bytes(src)
+            self.stats.packed += msg.pieces[0].nbytes
+            return _bytes(src.contiguous())
         offs, n = self.layout(msg)
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         for p, o in zip(msg.pieces, offs):
             src = self.read(p)
             buf[o : o + p.nbytes].view(src.dtype).view(src.shape).copy_(src)
+        self.stats.packed += sum(p.nbytes for p in msg.pieces)
         return buf
 
     def landing(self, msg: Message) -> torch.Tensor:
@@ -274,10 +280,12 @@ class _Rank:
             )
             if buf.data_ptr() != dst.data_ptr():  # received beside a strided slice: copy it in
                 dst.copy_(buf.view(dst.dtype).view(dst.shape))
+                self.stats.packed += msg.pieces[0].nbytes
             return
         for p, o in zip(msg.pieces, self.layout(msg)[0]):
             dst = self.land(p)
             dst.copy_(buf[o : o + p.nbytes].view(dst.dtype).view(dst.shape))
+            self.stats.packed += p.nbytes
 
     def _tick(self, what: str, since: float) -> float:
         now = time.perf_counter()
@@ -358,6 +366,7 @@ class _Rank:
         for receiver, what in sent:
             if what not in sums:
                 sums[what] = checksum(made[what])
+                self.stats.hashed += made[what].numel()
             sums_out.setdefault(receiver, []).append(sums[what])
         for peer, vec in sorted(sums_out.items()):
             post("send", torch.cat(vec).to(self.device), peer)
@@ -373,6 +382,7 @@ class _Rank:
                 for w in works:
                     w.wait(self.timeout)
             got.setdefault(msg.sender, []).append(checksum(buf))
+            self.stats.hashed += buf.numel()
         for w in works[n_recv:] if gloo else ():
             w.wait(self.timeout)
         t = self._tick("wire", t)
@@ -419,6 +429,7 @@ class _Rank:
             buf = torch.empty(_bucket_layout(msg.pieces)[1], dtype=torch.uint8, device=self.device)
             self.stats.received += msg.nbytes
         total = checksum(buf) if self.rank == root else torch.empty(1, dtype=torch.int64, device=self.device)
+        self.stats.hashed += buf.numel()  # the root's sum, or the receiver's below
         src = root if self.group is None else dist.get_global_rank(self.group, root)
         for t in (buf, total):
             dist.broadcast(t, src=src, group=group, async_op=True).wait(self.timeout)

@@ -153,6 +153,10 @@ def test_bench_reshard_json_smoke():
     for case in out["cases"].values():
         assert all(case[m]["exact"] for m in ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast"))
         assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
+        # every byte sent is checksummed by its sender and its receiver, and no more (a payload
+        # sent to several is summed once); packed at most into a buffer and out of one
+        assert 1.0 <= case["nereus"]["hashed_per_byte"] <= 2.0 and case["nereus"]["packed_per_byte"] <= 2.0
+        assert case["nereus"]["cpu_s"] > 0 and case["floor"]["cpu_s"] > 0
         assert case["nereus+remap"]["sent_MB"] == pytest.approx(case["planned_remap_MB"])
         assert case["planned_remap_MB"] <= case["planned_MB"]
         assert case["bound_s"] > 0

@@ -10,8 +10,7 @@ must be in the module (the layouts the job ran with).
 
 Each predicted time is linear in the coefficients (``cost_model``), so the fit is a
 least-squares problem on relative errors (every measurement counts the same, whatever its
-size), bounded (no achieved fraction above 1: nothing runs faster than its peak; none below
-``MIN_EFFICIENCY``; overhead
+size), bounded (no achieved fraction above 1: nothing runs faster than its peak; overhead
 non-negative) and pulled lightly toward the prior (``RIDGE``), so that a coefficient the
 measurements cannot separate from the others stays near its prior. Generation's decode is compute- or HBM-bound
 depending on the
@@ -110,27 +109,17 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
 
 
 RIDGE = 0.003  # weight of the prior: a coefficient 10% off its prior costs as much as a 0.03% error on one measurement
-MIN_EFFICIENCY = 0.3
-"""The least achieved fraction of a peak the fit may give (compute, HBM, links), from outside the
-measurements: well-tuned stacks run LLM-sized GEMMs above 0.3 of peak (Megatron-LM reports 43-57%
-MFU end to end), STREAM-like kernels reach 0.8-0.9 of HBM, and NCCL's tests 0.6-0.8 of a link on
-large messages (small ones pay the latency term). Below it a fit explains a mechanism the model
-lacks with a coefficient: fitted to five sources of ``validation/``, the HBM fraction went to 0.04
-and the NIC's to 0.29, and the sixth source was predicted 1.6x and 2.4x too slow. Set from those
-figures; 0.2 and 0.4 were also run on the set (docs/PERFORMANCE.md gives all three)."""
 
 
 def _bounded_fit(
     A: np.ndarray, b: np.ndarray, cols: np.ndarray, scale: np.ndarray, prior: np.ndarray, lsq_linear
 ) -> np.ndarray:
     """Least squares on the scaled columns with every achieved fraction at most 1 (a coefficient
-    1 / efficiency of at least 1: nothing beats its peak) and at least ``MIN_EFFICIENCY``, and the
-    overhead non-negative, pulled
+    1 / efficiency of at least 1: nothing beats its peak) and the overhead non-negative, pulled
     toward the prior by ``RIDGE`` so that what the measurements cannot tell apart (one plan's
     steps repeat the same mix of compute, HBM and links) stays at the prior instead of drifting
     to any value that fits (an HBM 138x its peak, seen when a job measured one plan)."""
     lo = np.where(cols < C_OVERHEAD, 1.0, 0.0) * scale
-    hi = np.where(cols < C_OVERHEAD, 1.0 / MIN_EFFICIENCY, np.inf) * scale
     rows, rhs = [A], [b]
     for k, p in enumerate(prior):
         if p > 0:
@@ -140,7 +129,7 @@ def _bounded_fit(
             rhs.append(np.array([RIDGE]))
     # BVLS: exact active-set least squares, 3-8x faster than the default trust-region solver at
     # these sizes (a few columns, tens to thousands of rows), the same solution (the ridge makes it unique)
-    y = lsq_linear(np.vstack(rows), np.concatenate(rhs), bounds=(lo, hi), method="bvls").x
+    y = lsq_linear(np.vstack(rows), np.concatenate(rhs), bounds=(lo, np.full(len(cols), np.inf)), method="bvls").x
     return y / scale
 
 
