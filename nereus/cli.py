@@ -345,11 +345,11 @@ def _gpus(text: str) -> list[int]:
 
 def _truths(text: str) -> str:
     """``event`` or ``event,hidden,...``: each a truth of the simulator (argparse reports a bad one)."""
-    from .sim import TRUTH_NAMES
+    from .sim.simulated_cluster import TRUTHS
 
-    bad = [t for t in text.split(",") if t not in TRUTH_NAMES]
+    bad = [t for t in text.split(",") if t not in TRUTHS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown truth {bad[0]!r}; truths: {', '.join(TRUTH_NAMES)}")
+        raise argparse.ArgumentTypeError(f"unknown truth {bad[0]!r}; truths: {', '.join(TRUTHS)}")
     return text
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ir import Module, Plan, parse
+from ..ir import Module, Plan
 from ..ir.cluster import Efficiency
 from ..passes.cost.calibrate import Observation, fit
 from ..passes.cost.cost_model import CostModel, coefficient_vector
@@ -51,19 +51,14 @@ class Figure:
         return cost[self.model_stage].time(coefficient_vector(eff))
 
 
-def figures(directory: Path, published) -> list[Figure]:
-    """Every plan of ``directory/*.nir`` with its ``// published: X s`` figure (``published``:
-    the comment's pattern)."""
+def figures(directory: Path) -> list[Figure]:
+    """Every plan of ``directory/*.nir`` with its ``// published: X s`` figure."""
+    from .validate_bench import published_plans
+
     out = []
-    for path in sorted(directory.glob("*.nir")):
-        m = parse(path.read_text(), str(path))
-        for name, plan in m.plans.items():
-            notes = " ".join(text for texts in plan.comments.values() for text, _ in texts)
-            found = published.search(notes)
-            if not found:
-                raise ValueError(f"{path.name}: plan @{name} has no '// published: X s' comment")
-            (ms,) = plan.layouts  # one training stage: its time is the iteration's
-            out.append(Figure(path.stem, name, ms, float(found.group(1)), m, plan))
+    for path, _, m, name, plan, published in published_plans(directory):
+        (ms,) = plan.layouts  # one training stage: its time is the iteration's
+        out.append(Figure(path.stem, name, ms, published, m, plan))
     return out
 
 

@@ -57,32 +57,40 @@ class Case:
         return self.ideal_s / efficiency
 
 
-def cases(directory: Path = VALIDATION) -> list[Case]:
-    out = []
+def published_plans(directory: Path):
+    """Every plan of ``directory/*.nir`` with its figure: (path, the file's text, its module, the
+    plan's name, the plan, the ``// published: X s`` seconds), a file parsed once."""
     for path in sorted(directory.glob("*.nir")):
-        m = parse(path.read_text(), str(path))
+        text = path.read_text()
+        m = parse(text, str(path))
         for name, plan in m.plans.items():
-            notes = " ".join(text for texts in plan.comments.values() for text, _ in texts)
+            notes = " ".join(t for texts in plan.comments.values() for t, _ in texts)
             found = PUBLISHED.search(notes)
             if not found:
                 raise ValueError(f"{path.name}: plan @{name} has no '// published: X s' comment")
-            problems = estimate_plan(m, plan)
-            cluster = m.clusters[plan.cluster]
-            eff = CostModel(cluster).efficiency.compute
-            ideal = sum(lay.time_breakdown.compute * eff for lay in plan.layouts.values())
-            memory = max(lay.memory for lay in plan.layouts.values())
-            out.append(
-                Case(
-                    path.stem,
-                    name,
-                    max(lay.world for lay in plan.layouts.values()),
-                    float(found.group(1)),
-                    plan.step_time,
-                    ideal,
-                    not problems,
-                    memory / 2**30,
-                )
+            yield path, text, m, name, plan, float(found.group(1))
+
+
+def cases(directory: Path = VALIDATION) -> list[Case]:
+    out = []
+    for path, _, m, name, plan, published in published_plans(directory):
+        problems = estimate_plan(m, plan)
+        cluster = m.clusters[plan.cluster]
+        eff = CostModel(cluster).efficiency.compute
+        ideal = sum(lay.time_breakdown.compute * eff for lay in plan.layouts.values())
+        memory = max(lay.memory for lay in plan.layouts.values())
+        out.append(
+            Case(
+                path.stem,
+                name,
+                max(lay.world for lay in plan.layouts.values()),
+                published,
+                plan.step_time,
+                ideal,
+                not problems,
+                memory / 2**30,
             )
+        )
     return out
 
 
@@ -115,28 +123,20 @@ def generation_cases(directory: Path = GENERATION) -> list[GenerationCase]:
     from ..sim.truth.step import EventTruth
 
     out = []
-    for path in sorted(directory.glob("*.nir")):
-        text = path.read_text()
-        m = parse(text, str(path))
-        for name, plan in m.plans.items():
-            notes = " ".join(t for texts in plan.comments.values() for t, _ in texts)
-            found = PUBLISHED.search(notes)
-            if not found:
-                raise ValueError(f"{path.name}: plan @{name} has no '// published: X s' comment")
-            if estimate_plan(m, plan):
-                raise ValueError(f"{path.name}: plan @{name} does not fit in memory, yet it ran")
-            one = parse(text, str(path))  # the plan's own job alone: the event truth plays one workload
-            one.workloads = {plan.workload: one.workloads[plan.workload]}
-            one.plans = {name: one.plans[name]}
-            event_s, _, _, failure = EventTruth().evaluate(one, one.plans[name], (path.stem, name))
-            if failure:
-                raise ValueError(f"{path.name}: plan @{name} fails in the event truth ({failure})")
-            w = m.workloads[plan.workload]
-            (lay,) = plan.layouts.values()
-            model, cluster = m.models[lay.model], m.clusters[plan.cluster]
-            floor = w.response_len_mean * model.num_params() * model.dtype_bytes / lay.tp / cluster.hbm_bandwidth
-            published = float(found.group(1))
-            out.append(GenerationCase(path.stem, name, len(lay.mesh), floor, published, plan.step_time, event_s))
+    for path, text, m, name, plan, published in published_plans(directory):
+        if estimate_plan(m, plan):
+            raise ValueError(f"{path.name}: plan @{name} does not fit in memory, yet it ran")
+        one = parse(text, str(path))  # the plan's own job alone: the event truth plays one workload
+        one.workloads = {plan.workload: one.workloads[plan.workload]}
+        one.plans = {name: one.plans[name]}
+        event_s, _, _, failure = EventTruth().evaluate(one, one.plans[name], (path.stem, name))
+        if failure:
+            raise ValueError(f"{path.name}: plan @{name} fails in the event truth ({failure})")
+        w = m.workloads[plan.workload]
+        (lay,) = plan.layouts.values()
+        model, cluster = m.models[lay.model], m.clusters[plan.cluster]
+        floor = w.response_len_mean * model.num_params() * model.dtype_bytes / lay.tp / cluster.hbm_bandwidth
+        out.append(GenerationCase(path.stem, name, len(lay.mesh), floor, published, plan.step_time, event_s))
     return out
 
 
@@ -293,7 +293,7 @@ def _holdout_report(console: Console | None) -> dict:
     """In-sample, leave-one-source-out and calibration-transfer errors (``holdout``)."""
     from .holdout import NEUTRAL, figures, holdout, summary
 
-    figs = figures(VALIDATION, PUBLISHED)
+    figs = figures(VALIDATION)
     h = holdout(figs)
     sources = sorted({f.source for f in figs})
     by_source = {}

@@ -4,4 +4,3 @@
 """
 
 POLICY_NAMES = ("fixed", "fixed-dp", "verl", "openrlhf", "nereus", "oracle")
-TRUTH_NAMES = ("event", "hidden", "long-gen", "slow-inter", "formula")  # ``simulated_cluster.TRUTHS``, as offered

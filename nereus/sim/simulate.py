@@ -20,7 +20,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.progress import Progress
 
@@ -133,7 +133,7 @@ def simulate_traces(
     for module, trace, _ in cases:
         check_fits(module, trace, names)
     if steps is not None:
-        cases = [(module, _first(trace, steps), t) for module, trace, t in cases]
+        cases = [(module, replace(trace, steps=trace.steps[:steps]), t) for module, trace, t in cases]
     sims = [SimCluster(module, trace, seed=seed, model=t) for module, trace, t in cases]
     factors = [
         [sim.noise() for _ in trace.steps] for sim, (_, trace, _) in zip(sims, cases)
@@ -143,7 +143,7 @@ def simulate_traces(
     what = cases[0][1].name if len(cases) == 1 else plural(len(cases), "trace")
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"simulate {what}: {len(names)} policies", total=total)
-        if max(1, min(jobs, len(names) * len(cases))) == 1:
+        if min(jobs, len(names) * len(cases)) <= 1:  # one process (or one run): no pool
             out = []
             for sim, (_, trace, _), fs in zip(sims, cases, factors):
                 with collecting_rarely():
@@ -177,20 +177,6 @@ def simulate_traces(
         }
         for (_, trace, t), (runs, pols) in zip(cases, out)
     ]
-
-
-def _first(trace: Trace, steps: int) -> Trace:
-    """The trace's first ``steps`` steps."""
-    return Trace(
-        trace.name,
-        trace.job,
-        trace.gpus,
-        trace.steps[:steps],
-        trace.seed,
-        trace.description,
-        trace.sources,
-        trace.path,
-    )
 
 
 COLLECT_EVERY = (10_000, 20, 100)

@@ -18,7 +18,6 @@ import pytest
 
 from nereus.bench.validate_bench import (
     CONSTANT_EFFICIENCY,
-    PUBLISHED,
     VALIDATION,
     cases,
     errors,
@@ -41,7 +40,7 @@ def validation():
 def held():
     from nereus.bench.holdout import figures, holdout
 
-    figs = figures(VALIDATION, PUBLISHED)
+    figs = figures(VALIDATION)
     return figs, holdout(figs)
 
 
