@@ -68,7 +68,7 @@ demo: $(STAMP)
 	$(BIN)/nereus lower tests/golden/plan-transition/staging.nir -p "plan-transition{to=@b},schedule-transfers" --script out/staging.py
 	GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 --master-port 29518 out/staging.py --selftest
 	$(BIN)/nereus bench reshard --quick
-	$(BIN)/nereus simulate nereus/sim/traces/combined.jsonl --plot out/  # all 1,000 steps, six policies: 141 s on this host on 2026-12-03 (docs/RESULTS.md, Speed)
+	$(BIN)/nereus simulate nereus/sim/traces/combined.jsonl --plot out/  # all 1,000 steps, six policies, the event truth: 271 s on this 2-core host on 2026-12-05 (docs/RESULTS.md, Speed)
 
 test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/lint-imports
