@@ -1,5 +1,5 @@
 # make demo: set up .venv (pinned CPU dependencies) and run the end-to-end demo.
-# make test: same set-up plus the vLLM, verl and Megatron test extras, then the layer contracts
+# make test: same set-up plus the vLLM, verl, TRL and Megatron test extras, then the layer contracts
 # (lint-imports), ruff (lint, import order, format), mypy (nereus/ir and nereus/passes) and the whole
 # test suite on two pytest-xdist workers (--dist loadfile: a module's tests stay on one worker, so
 # its module fixtures run once).
@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.installed-vllm
 VERL_STAMP := $(VENV)/.installed-verl
 MEGATRON_STAMP := $(VENV)/.installed-megatron
+TRL_STAMP := $(VENV)/.installed-trl
 
 .PHONY: demo test bench venv clean
 
@@ -34,6 +35,12 @@ $(VERL_STAMP): $(VLLM_STAMP) requirements-verl.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-verl.txt -c requirements-cpu.txt
 	$(BIN)/python -c "import verl.trainer.main_ppo, verl.workers.config, torch; assert torch.__version__ == '2.13.0+cpu'"
 	touch $(VERL_STAMP)
+
+# the nereus[trl] test extra: TRL and accelerate, --no-deps (TRL's vllm extra pins vllm<=0.31).
+$(TRL_STAMP): $(VERL_STAMP) requirements-trl.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements-trl.txt -c requirements-cpu.txt
+	$(BIN)/python -W ignore -c "import trl.trainer.grpo_trainer, accelerate, torch; assert torch.__version__ == '2.13.0+cpu'"
+	touch $(TRL_STAMP)
 
 # the nereus[megatron] test extra: megatron-core's config classes, --no-deps.
 $(MEGATRON_STAMP): $(STAMP) requirements-megatron.txt
@@ -70,7 +77,7 @@ demo: $(STAMP)
 	$(BIN)/nereus bench reshard --quick
 	$(BIN)/nereus simulate nereus/sim/traces/combined.jsonl --plot out/  # all 1,000 steps, six policies, the event truth: 271 s on this 2-core host on 2026-12-05 (docs/RESULTS.md, Speed)
 
-test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(MEGATRON_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(TRL_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -58,7 +58,11 @@ def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
     """An FSDP2 parameter (a DTensor over a mesh with a ``dp`` dimension) as the local tensor it
     is with its DP placement made ``Replicate``: the TP shard whole (the whole tensor without TP).
     A collective over the DP group."""
-    if not isinstance(p, DTensor) or "dp" not in (p.device_mesh.mesh_dim_names or ()):
+    if not isinstance(p, DTensor):
+        return p.detach()
+    if "dp" not in (p.device_mesh.mesh_dim_names or ()):
+        if p.device_mesh.ndim == 1:  # FSDP2 over a one-dimensional mesh (accelerate's): all of it is DP
+            return p.detach().full_tensor()
         return p.detach()
     placements = list(p.placements)
     placements[p.device_mesh.mesh_dim_names.index("dp")] = Replicate()
@@ -151,17 +155,43 @@ class WeightPush:
                 out[s.key] = t
         return out
 
+    def state_of_params(self, params: dict[str, torch.Tensor]) -> dict[StateKey, torch.Tensor]:
+        """This rank's weight shards under ``@held`` from a plain model's parameters (IR tensor
+        name -> parameter: whole tensors, or FSDP2 DTensors gathered over DP first), for a
+        trainer that holds the whole model on every rank (no TP, no PP), as TRL's and
+        accelerate's DDP and FSDP2 do; each checked against the plan's shape."""
+        specs = self.held_specs.get(dist.get_rank(), [])
+        out = {}
+        with torch.no_grad():
+            for s in specs:
+                p = params.get(s.key.tensor)
+                if p is None:
+                    raise KeyError(f"{s.key}: the trainer's model has no parameter {s.key.tensor}")
+                t = gathered_over_dp(p) if self.gather_dp else p.detach()
+                if tuple(t.shape) != tuple(hi - lo for lo, hi in s.box):
+                    raise ValueError(
+                        f"{s.key}: the trainer's tensor is {tuple(t.shape)}; the plan says {s.box} of {s.shape}"
+                    )
+                out[s.key] = t
+        return out
+
     def push(self, live: LiveLlama, faults: tuple = (), timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Run the push on this rank (every rank calls it); on an engine rank, every weight whole,
         by Hugging Face name; ``{}`` elsewhere. Raises ``TransitionError`` (the trainer's weights
         untouched) when it fails: then the default group must be re-created before the next
         collective (the executor's contract), and the engines still hold the last weights they
         loaded."""
+        return self.push_state(self.state_of(live), faults, timeout)
+
+    def push_state(
+        self, state: dict[StateKey, torch.Tensor], faults: tuple = (), timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``push`` from this rank's ``@held`` state as given (``state_of`` or ``state_of_params``)."""
         stats = Stats()
         t0 = time.perf_counter()
         new = execute(
             self.program,
-            self.state_of(live),
+            state,
             timeout=self.timeout if timeout is None else timeout,
             faults=faults,
             stats=stats,
