@@ -69,3 +69,35 @@ def recompute_twins(rank: int, world: int, tp: int, zero: int) -> dict:
     return {k: out[k] for k in ("rank", "same_losses", "same_params")} | {
         "forwards": (out[False]["layer0_forwards"], out[True]["layer0_forwards"])
     }
+
+
+def push_from_plain_fsdp(rank: int, world: int) -> dict:
+    """A plain Hugging Face Llama under FSDP2 on a one-dimensional mesh (accelerate's: no ``dp``
+    name), pushed by ``state_of_params`` (the TRL sync's path) to an engine on every rank: what
+    each rank gets against torch's own ``full_tensor`` of every parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from nereus.integrations.trl import ir_name
+
+    init_from_env(timeout=60)
+    cfg = LlamaConfig(**w.tiny())
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    lay = layout(ir_model(cfg), dp=world, zero=3)
+    pusher = WeightPush(ir_model(cfg), lay, list(range(world)), world, timeout=30)
+    params = {ir_name(n): p for n, p in model.named_parameters()}
+    pushed = pusher.push_state(pusher.state_of_params(params))
+    with torch.no_grad():
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {
+        "sharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "names": sorted(pushed) == sorted(full),
+        "exact": all(torch.equal(t, full[n]) for n, t in pushed.items()),
+        "received": pusher.stats.bytes_received,
+    }

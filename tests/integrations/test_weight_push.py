@@ -37,3 +37,13 @@ def test_recompute_runs_each_layer_twice_and_trains_bit_identically(tp, zero):
     for res in run_local(w.recompute_twins, 4, tp, zero, timeout=180):
         assert res["forwards"] == (1, 2), res
         assert res["same_losses"] and res["same_params"], res
+
+
+@pytest.mark.slow
+def test_a_plain_fsdp2_model_on_a_one_dimensional_mesh_pushes_every_weight_whole_and_exact():
+    """The TRL sync's path (``state_of_params``) from FSDP2 as accelerate shards a model: every
+    parameter a DTensor over one unnamed mesh dimension, gathered whole before the push."""
+    results = run_local(w.push_from_plain_fsdp, 2, timeout=180)
+    for res in results:
+        assert res["sharded"] and res["names"] and res["exact"], res
+        assert res["received"] == 0, res  # the gather made every weight whole: the push moves nothing more
