@@ -33,7 +33,7 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm.txt
 # requirements pull transformers<5.11 and CUDA builds); torch stays the CPU pin.
 $(VERL_STAMP): $(VLLM_STAMP) requirements-verl.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-verl.txt -c requirements-cpu.txt
-	$(BIN)/python -c "import verl.trainer.main_ppo, verl.workers.config, torch; assert torch.__version__ == '2.13.0+cpu'"
+	$(BIN)/python -c "import verl.trainer.main_ppo, verl.workers.config, verl.checkpoint_engine, torch; assert torch.__version__ == '2.13.0+cpu'"
 	touch $(VERL_STAMP)
 
 # the nereus[trl] test extra: TRL and accelerate, --no-deps (TRL's vllm extra pins vllm<=0.31).

@@ -38,6 +38,7 @@ from ..backend.shards import StateKey, plan_layout
 from ..ir import Layout, Model, Module
 from ..ir.diagnostics import plural
 from ..runtime.execute import Stats, execute
+from ..runtime.private_group import is_private
 from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
 from .llama_state import live_tensor
@@ -73,7 +74,8 @@ def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
 class PushStats:
     pushes: int = 0
     seconds: list[float] = field(default_factory=list)  # execute, per push
-    bytes_received: int = 0  # by this rank, per push
+    bytes_received: int = 0  # by this rank, in the last push
+    bytes_sent: int = 0  # by this rank, in the last push
 
 
 class WeightPush:
@@ -125,6 +127,12 @@ class WeightPush:
         self.held_specs = plan_layout(self.module, "held")
         self.stats = PushStats()
 
+    @property
+    def gpu(self) -> int:
+        """This process's GPU id in the plans: its rank in a private group (``PrivateGroup``), else
+        its rank in the default group."""
+        return self.group.rank if is_private(self.group) else dist.get_rank()
+
     def serves(self, layout: Layout) -> bool:
         """Whether this push was planned from ``layout`` (the trainer's, which a move changes)."""
         return _key(layout) == self.held_key
@@ -160,7 +168,7 @@ class WeightPush:
         name -> parameter: whole tensors, or FSDP2 DTensors gathered over DP first), for a
         trainer that holds the whole model on every rank (no TP, no PP), as TRL's and
         accelerate's DDP and FSDP2 do; each checked against the plan's shape."""
-        specs = self.held_specs.get(dist.get_rank(), [])
+        specs = self.held_specs.get(self.gpu, [])
         out = {}
         with torch.no_grad():
             for s in specs:
@@ -200,4 +208,5 @@ class WeightPush:
         self.stats.seconds.append(time.perf_counter() - t0)
         self.stats.pushes += 1
         self.stats.bytes_received = stats.received
+        self.stats.bytes_sent = stats.sent
         return {hf_name(k.tensor): t for k, t in new.items() if k.state == "weight"}

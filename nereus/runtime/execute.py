@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..backend.program import Message, Piece, Program, Step
 from ..ir.diagnostics import plural
+from .private_group import is_private
 from .state import LocalState, ShardSpec, StateKey, torch_dtype
 
 # torch 2.13 names the equal-chunk all-gather all_gather_single (all_gather_into_tensor is deprecated)
@@ -320,7 +321,7 @@ class _Rank:
         self.check_program()
         fault = self._fault(step.round)
         t = time.perf_counter()
-        gloo = dist.get_backend() == "gloo"
+        gloo = _backend(self.group) == "gloo"
         batch: list[dist.P2POp] = []  # NCCL: every op of the round in one batch
         works: list = []
 
@@ -476,11 +477,18 @@ def _check_out(
     return dict(out)
 
 
+def _backend(group=None) -> str:
+    """The backend of ``group`` (None: the default group's)."""
+    return group.backend if is_private(group) else dist.get_backend(group)
+
+
 AGREE_TAG, DIGEST_TAG = 1, 2  # point-to-point tags of the agreement and the digest exchange (data uses 0)
 
 
 def _p2p(op: str, tensor: torch.Tensor, peer: int, group=None):
     """``isend`` / ``irecv`` to rank ``peer`` of ``group`` (None: the default group)."""
+    if is_private(group):
+        return (group.isend if op == "send" else group.irecv)(tensor, peer)
     if group is None:
         return (dist.isend if op == "send" else dist.irecv)(tensor, peer)
     if op == "send":
@@ -495,11 +503,14 @@ def _share(value: int, rank: int, world: int, device, tag: int, group=None) -> t
     an all-gather."""
     every = torch.empty(world, dtype=torch.int64, device=device)
     every[rank] = value
-    if dist.get_backend() != "gloo":
+    if _backend(group) != "gloo":
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         return [_all_gather_equal(every, mine, group=group, async_op=True)], every
     mine = every[rank : rank + 1].clone()
-    if group is None:
+    if is_private(group):
+        works = [group.irecv(every[r : r + 1], r, tag) for r in range(world) if r != rank]
+        works += [group.isend(mine, r, tag) for r in range(world) if r != rank]
+    elif group is None:
         works = [dist.irecv(every[r : r + 1], r, tag=tag) for r in range(world) if r != rank]
         works += [dist.isend(mine, r, tag=tag) for r in range(world) if r != rank]
     else:
@@ -547,7 +558,8 @@ def execute(
 
     ``group``: the process group whose ranks the program's ranks are (default: the default
     group), so that a job that shrank runs transitions on the ranks that remain; only its
-    members call this. Its programs broadcast point to point or in chains (``lower``'s
+    members call this. A ``PrivateGroup`` spans processes of different worlds (a trainer's and
+    its rollout workers', each a job of its own). Its programs broadcast point to point or in chains (``lower``'s
     ``broadcast="p2p"`` or ``"chain"``; ``"auto"`` never makes subgroups).
 
     ``memory_limit`` (bytes on this rank's device): when plan A's shards and all of plan B's do
@@ -558,15 +570,13 @@ def execute(
     weights, say), filled in place and returned as those shards instead of new tensors. After a
     failure they hold partial data; plan A's ``state`` is intact as always.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = (group.rank, group.size) if is_private(group) else (dist.get_rank(group), dist.get_world_size(group))
     if world != program.world:
         raise TransitionError(f"the program needs {plural(program.world, 'rank')}, the process group has {world}")
     device = (
         torch.device(device)
         if device is not None
-        else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
+        else (torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else torch.device("cpu"))
     )
     bound = datetime.timedelta(seconds=timeout)
     error: BaseException | None = None
