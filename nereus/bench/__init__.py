@@ -19,6 +19,7 @@ BENCHMARKS = {
     "elastic": "elastic_bench",
     "validate": "validate_bench",
     "truth": "truth_bench",
+    "verl": "verl_bench",
 }
 
 

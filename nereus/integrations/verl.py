@@ -28,7 +28,9 @@ rank 0 alone; a cell that several rollout workers need goes out once and is pass
 over the trainer and rollout workers (``runtime.private_group``: they are separate Ray worker
 groups, each with a default group of its own), with the executor's checksums, agreement and
 rollback. The program is planned and lowered once per pair of world sizes; the group is made
-at every ``init_process_group`` (verl calls it at every update) and dropped at ``finalize``.
+at the first ``init_process_group`` and kept for the updates after it while the ranks stay the
+same, as verl's NCCL engine keeps its group (``rebuild_group: true`` drops it at every
+``finalize``).
 
 What stock verl does not allow, and an upstream change would add: verl hands a backend whole
 tensors on every trainer rank (``get_per_tensor_param``); its sharded export
@@ -78,6 +80,7 @@ class NereusCheckpointEngine(CheckpointEngine):
         model: str | None = None,
         dtype: str | None = None,
         timeout: float = 120.0,
+        rebuild_group: bool = False,
     ) -> None:
         if model is None:
             raise ValueError(
@@ -89,7 +92,10 @@ class NereusCheckpointEngine(CheckpointEngine):
         if dtype is not None:
             self.ir.dtype = dtype
         self.bucket_size, self.is_master, self.timeout = bucket_size, is_master, timeout
+        self.rebuild_group = rebuild_group
         self.group: PrivateGroup | None = None
+        self.meta: dict[str, Any] | None = None  # what ``prepare`` offered while the group is kept
+        self.joined: tuple | None = None  # (rank, world, master, trainers) of the group kept
         self.rank = self.world = self.trainers = 0
         self.pushes: dict[tuple[int, int], WeightPush] = {}
         self.sent = self.received = 0
@@ -97,8 +103,11 @@ class NereusCheckpointEngine(CheckpointEngine):
 
     # -- topology ------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """Where this worker would host the group's store (the first trainer worker's is used)."""
-        return {"host": socket.gethostbyname(socket.gethostname()), "port": free_port()}
+        """Where this worker would host the group's store (the first trainer worker's is used):
+        while a group is kept, where it already is."""
+        if self.group is None or self.meta is None:
+            self.meta = {"host": socket.gethostbyname(socket.gethostname()), "port": free_port()}
+        return self.meta
 
     @classmethod
     def build_topology(
@@ -115,15 +124,23 @@ class NereusCheckpointEngine(CheckpointEngine):
         return kwargs(list(range(a))), kwargs(list(range(a, world)))
 
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict, trainers: int) -> None:
-        self.rank, self.world, self.trainers = rank, world_size, trainers
+        """Join the group; a group kept from the last update with the same ranks is reused (verl's
+        NCCL engine keeps its group too unless ``rebuild_group``)."""
+        joined = (rank, world_size, master_metadata["host"], master_metadata["port"], trainers)
+        if self.group is not None and joined == self.joined:
+            return
+        if self.group is not None:
+            self.group.close()
+        self.rank, self.world, self.trainers, self.joined = rank, world_size, trainers, joined
         self.group = PrivateGroup(
             master_metadata["host"], master_metadata["port"], rank, world_size, timeout=self.timeout
         )
 
     def finalize(self) -> None:
-        if self.group is not None:
+        """After an update: the group is kept for the next one, or dropped with ``rebuild_group``."""
+        if self.rebuild_group and self.group is not None:
             self.group.close()
-        self.group = None
+            self.group, self.meta, self.joined = None, None, None
 
     # -- the push ------------------------------------------------------------------------------
     def push_plan(self) -> WeightPush:
