@@ -90,6 +90,14 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
         if md.head_dim is not None:
             args.append(("--kv-channels", md.head_dim, f"{mdl} head_dim"))
         args.append(("--ffn-hidden-size", md.ffn, mdl))
+        if md.moe:  # every layer MoE; experts split as TP splits a dense MLP (EP 1, expert TP = TP)
+            args += [
+                ("--num-experts", md.experts, f"{mdl} experts"),
+                ("--moe-router-topk", md.experts_per_token, f"{mdl} experts_per_token"),
+                ("--moe-ffn-hidden-size", md.expert_ffn, f"{mdl} expert_ffn"),
+            ]
+            if md.shared_expert_ffn:
+                args.append(("--moe-shared-expert-intermediate-size", md.shared_expert_ffn, f"{mdl} shared_expert_ffn"))
         if md.mlp == "gated":
             args.append(("--swiglu", None, f"{mdl} mlp = gated"))
         if not md.tied_embeddings:

@@ -1,4 +1,5 @@
-"""A ``Model`` from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3 and Mistral families).
+"""A ``Model`` from a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3 and Mistral families, and the
+mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral).
 
 What is read (the IR attribute each key sets):
 
@@ -14,6 +15,11 @@ What is read (the IR attribute each key sets):
 ``model_type = qwen2``                ``qkv_bias = true`` (Qwen2 always has q/k/v biases)
 ``attention_bias``                    ``qkv_bias`` (Llama, Mistral, Qwen3; o_proj's bias is a note)
 ``model_type = qwen3``                ``qk_norm = true`` (per-head q/k RMSNorm weights)
+``num_experts`` (Mixtral:             ``experts``; ``num_experts_per_tok`` -> ``experts_per_token``;
+``num_local_experts``)                ``moe_intermediate_size`` (Mixtral: ``intermediate_size``)
+                                      -> ``expert_ffn``; Qwen2-MoE's
+                                      ``shared_expert_intermediate_size`` -> ``shared_expert_ffn``;
+                                      Mixtral: ``moe_naming = mixtral``
 ``rope_theta`` (v5: ``rope_parameters``) ``rope_theta`` (an integer base)
 ``rms_norm_eps``                      ``norm_eps``
 ``torch_dtype`` (v5: ``dtype``)       ``dtype``: bfloat16 -> bf16, float16 -> fp16, float32 -> fp32
@@ -31,7 +37,9 @@ What the IR cannot express, reported as notes (``//`` comments above the printed
   the cost model sizes KV caches and attention for full attention.
 
 The context length does not change any tensor's shape and is not part of the IR. An unsupported
-``model_type`` (a mixture-of-experts config names what the IR lacks: experts and a router), a
+``model_type`` (DeepSeek's and other mixtures of experts with dense first layers or shared
+experts in another form name what the IR lacks; so does a Qwen MoE config with dense layers
+among its MoE layers, ``mlp_only_layers`` or ``decoder_sparse_step``), a
 missing or non-integer shape key, or an unknown dtype raise a ``DiagnosticError`` naming the key
 and the file.
 """
@@ -45,9 +53,11 @@ from pathlib import Path
 from .diagnostics import Diagnostic, DiagnosticError, Loc
 from .model import Model
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# mixture-of-experts families, refused by name: the IR's model has dense MLPs only
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "granitemoe")
+DENSE = ("llama", "qwen2", "qwen3", "mistral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")  # mixtures of experts whose every layer is MoE
+FAMILIES = DENSE + MOE
+# mixture-of-experts families the IR does not model yet, refused by name
+MOE_FAMILIES = ("deepseek_v2", "deepseek_v3", "olmoe", "granitemoe")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # IR attribute <- config key, in the order the printer writes them
@@ -93,13 +103,12 @@ def model_from_hf_config(
         raise _error(source, f"head = '{head}': choose lm or value")
     family = cfg.get("model_type")
     experts = {k: cfg[k] for k in EXPERT_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 1}
-    if family in MOE_FAMILIES or experts:
+    if family in MOE_FAMILIES or (experts and family not in MOE):
         what = ", ".join(f"{k} = {v}" for k, v in experts.items()) or "experts"
         raise _error(
             source,
-            f"model_type = {family!r} is a mixture-of-experts model ({what}): the IR's model spec has dense "
-            "MLPs only, no experts, router or shared experts",
-            f"supported: {', '.join(FAMILIES)} (dense Llama-style decoders)",
+            f"model_type = {family!r} is a mixture-of-experts model ({what}) the IR does not model",
+            f"mixtures of experts supported: {', '.join(MOE)} (every layer MoE, no dense first layers)",
         )
     if family not in FAMILIES:
         raise _error(
@@ -125,6 +134,7 @@ def model_from_hf_config(
     eps = cfg.get("rms_norm_eps")
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0):
         raise _error(source, f"rms_norm_eps = {eps!r} is not a positive number")
+    moe = _moe(cfg, family, source) if family in MOE else {}
     model = Model(
         name=name,
         layers=shape["layers"],
@@ -137,8 +147,9 @@ def model_from_hf_config(
         dtype=DTYPES[raw_dtype] if raw_dtype else "bf16",
         mlp="gated",
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")),
-        qk_norm=family == "qwen3",
+        qkv_bias=family in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias")),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **moe,
         rope_theta=round(rope_theta) if rope_theta is not None and rope_theta == round(rope_theta) else None,
         norm_eps=float(eps) if eps is not None else None,
         head=head,
@@ -150,6 +161,37 @@ def model_from_hf_config(
         (f"// note: {n}", False) for n in notes
     ]
     return model
+
+
+def _moe(cfg: dict, family: str, source: str) -> dict:
+    """The IR's expert attributes of a Qwen3-MoE, Qwen2-MoE or Mixtral config."""
+    if family == "mixtral":
+        return dict(
+            experts=_posint(cfg, "num_local_experts", source),
+            experts_per_token=_posint(cfg, "num_experts_per_tok", source),
+            expert_ffn=_posint(cfg, "intermediate_size", source),
+            moe_naming="mixtral",
+        )
+    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise _error(
+            source,
+            f"decoder_sparse_step = {step}, mlp_only_layers = {dense}: dense MLP layers among the MoE layers "
+            "are not modelled",
+            "the IR's mixture of experts has every layer MoE",
+        )
+    # the Hub's Qwen configs say num_experts; transformers 5 writes num_local_experts for it
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    if cfg.get(key) is None:
+        key = "num_experts"  # the error names the Hub's key
+    out = dict(
+        experts=_posint(cfg, key, source),
+        experts_per_token=_posint(cfg, "num_experts_per_tok", source),
+        expert_ffn=_posint(cfg, "moe_intermediate_size", source),
+    )
+    if family == "qwen2_moe":
+        out["shared_expert_ffn"] = _posint(cfg, "shared_expert_intermediate_size", source)
+    return out
 
 
 def hf_notes(cfg: dict, model: Model) -> list[str]:

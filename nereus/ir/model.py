@@ -19,6 +19,15 @@ rows: column-split at head granularity, K/V replicated as their weights are. Qwe
 query and key RMSNorm weights (``qk_norm``: ``self_attn.q_norm.weight``, ``k_norm``, one
 head dimension each) are replicated.
 
+A mixture of experts (``experts``, ``experts_per_token``, ``expert_ffn``; Qwen3-MoE, Qwen2-MoE with
+its ``shared_expert_ffn``, Mixtral with ``moe_naming = mixtral``) has every layer's MLP replaced by
+a router (``mlp.gate.weight``, ``[experts, hidden]``, replicated) and one SwiGLU per expert, each a
+family of its own under its checkpoint name (``mlp.experts.N.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.N.w1.weight``): TP splits each expert as a dense MLP (Megatron's
+expert tensor parallelism equal to TP), and every DP replica holds every expert. Expert
+parallelism (experts split over ranks) is not in the IR yet; neither are dense first layers
+(DeepSeek-V3's).
+
 Uneven splits: a dimension of ``n`` rows over ``t`` ranks gives rank ``r`` the rows
 ``[r*(n//t) + min(r, n%t), ...)`` of length ``n//t + (r < n%t)`` (``torch.tensor_split``'s
 rule): the first ``n % t`` ranks hold one row more. Attention heads are never split unevenly:
@@ -56,6 +65,28 @@ MODEL_ATTRS = [
     AttrSpec("tied_embeddings", "bool", default=False),
     AttrSpec("qkv_bias", "bool", default=False, doc="biases on the q/k/v projections (Qwen2)"),
     AttrSpec("qk_norm", "bool", default=False, doc="RMSNorm of each head's queries and keys (Qwen3)"),
+    AttrSpec(
+        "experts",
+        "posint",
+        default=None,
+        doc="routed experts per layer (mixture of experts: every layer's MLP is experts and a router)",
+    ),
+    AttrSpec("experts_per_token", "posint", default=None, doc="experts each token is routed to (top-k)"),
+    AttrSpec("expert_ffn", "posint", default=None, doc="each expert's SwiGLU intermediate size"),
+    AttrSpec(
+        "shared_expert_ffn",
+        "posint",
+        default=None,
+        doc="a shared expert every token goes through, with its sigmoid gate (Qwen2-MoE), of this size",
+    ),
+    AttrSpec(
+        "moe_naming",
+        "choice",
+        default="qwen",
+        choices=("qwen", "mixtral"),
+        doc="checkpoint names of the experts: qwen (mlp.experts.N.*_proj, mlp.gate) or mixtral "
+        "(block_sparse_moe.experts.N.w1/w2/w3, block_sparse_moe.gate)",
+    ),
     AttrSpec("rope_theta", "posint", default=None, doc="RoPE base (Hugging Face rope_theta); no tensor depends on it"),
     AttrSpec("norm_eps", "float", default=None, doc="RMSNorm epsilon (rms_norm_eps); no tensor depends on it"),
     AttrSpec(
@@ -118,6 +149,11 @@ class Model:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    experts: int | None = None
+    experts_per_token: int | None = None
+    expert_ffn: int | None = None
+    shared_expert_ffn: int | None = None
+    moe_naming: str = "qwen"
     rope_theta: int | None = None
     norm_eps: float | None = None
     head: str = "lm"
@@ -173,9 +209,7 @@ class Model:
             TensorSpec("self_attn.o_proj.weight", (h, q), "row", True),
             *qk_norm,
             TensorSpec("post_attention_layernorm.weight", (h,), "replicated", True),
-            *([TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True)] if self.mlp == "gated" else []),
-            TensorSpec("mlp.up_proj.weight", (self.ffn, h), "column", True),
-            TensorSpec("mlp.down_proj.weight", (h, self.ffn), "row", True),
+            *(self._moe_tensors() if self.moe else self._mlp_tensors()),
             TensorSpec("norm.weight", (h,), "replicated", False, "last"),
         ]
         if self.head == "value":
@@ -184,11 +218,80 @@ class Model:
             specs.append(TensorSpec("lm_head.weight", (self.vocab, h), "vocab", False, "last"))
         return {s.family: s for s in specs}
 
+    def _mlp_tensors(self) -> list[TensorSpec]:
+        h = self.hidden
+        return [
+            *([TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True)] if self.mlp == "gated" else []),
+            TensorSpec("mlp.up_proj.weight", (self.ffn, h), "column", True),
+            TensorSpec("mlp.down_proj.weight", (h, self.ffn), "row", True),
+        ]
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts (``experts``, ``experts_per_token`` and
+        ``expert_ffn`` set; the verifier reports a model with some of them only)."""
+        return self.experts is not None and self.experts_per_token is not None and self.expert_ffn is not None
+
+    def expert_families(self, e: int) -> tuple[str, ...]:
+        """The checkpoint names of expert ``e``'s gate, up and down projections."""
+        if self.moe_naming == "mixtral":
+            return tuple(f"block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
+        return tuple(f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
+
+    def _moe_tensors(self) -> list[TensorSpec]:
+        """The router, every expert's SwiGLU (each expert's projections split by TP as a dense
+        MLP's: Megatron's expert tensor parallelism equal to TP) and the shared expert with its
+        gate, by their checkpoint names."""
+        h, f = self.hidden, cast(int, self.expert_ffn)
+        router = "block_sparse_moe.gate.weight" if self.moe_naming == "mixtral" else "mlp.gate.weight"
+        specs = [TensorSpec(router, (cast(int, self.experts), h), "replicated", True)]
+        for e in range(cast(int, self.experts)):
+            gate, up, down = self.expert_families(e)
+            specs += [
+                TensorSpec(gate, (f, h), "column", True),
+                TensorSpec(up, (f, h), "column", True),
+                TensorSpec(down, (h, f), "row", True),
+            ]
+        if self.shared_expert_ffn is not None:
+            g = self.shared_expert_ffn
+            specs += [
+                TensorSpec("mlp.shared_expert.gate_proj.weight", (g, h), "column", True),
+                TensorSpec("mlp.shared_expert.up_proj.weight", (g, h), "column", True),
+                TensorSpec("mlp.shared_expert.down_proj.weight", (h, g), "row", True),
+                TensorSpec("mlp.shared_expert_gate.weight", (1, h), "replicated", True),
+            ]
+        return specs
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP intermediate size a token's GEMMs see: ``ffn`` for a dense model; for a
+        mixture of experts, its experts' (top-k) and the shared expert's."""
+        if not self.moe:
+            return self.ffn
+        return cast(int, self.experts_per_token) * cast(int, self.expert_ffn) + (self.shared_expert_ffn or 0)
+
     def num_params(self) -> int:
         total = 0
         for s in self.tensors.values():
             total += s.numel() * (self.layers if s.per_layer else 1)
         return total
+
+    @property
+    def expert_share(self) -> float:
+        """The routed experts' share of the parameters (0 for a dense model)."""
+        if not self.moe:
+            return 0.0
+        experts = self.layers * cast(int, self.experts) * 3 * cast(int, self.expert_ffn) * self.hidden
+        return experts / self.num_params()
+
+    def num_active_params(self) -> int:
+        """Parameters a token's forward pass reads: every one of a dense model; of a mixture of
+        experts, the routed experts' only (``experts_per_token`` of ``experts``)."""
+        if not self.moe:
+            return self.num_params()
+        per_expert = 3 * cast(int, self.expert_ffn) * self.hidden
+        idle = cast(int, self.experts) - cast(int, self.experts_per_token)
+        return self.num_params() - self.layers * idle * per_expert
 
     # ------------------------------------------------------------ TP sharding
     def tp_span(self, spec: TensorSpec, tp: int, rank: int) -> tuple[int, int] | None:

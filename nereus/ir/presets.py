@@ -13,6 +13,11 @@ Sources:
 - qwen2.5-14b: https://huggingface.co/Qwen/Qwen2.5-14B/blob/main/config.json               (14.77 B with biases)
 - qwen3-8b:    https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json                  (8.19 B)
 - mistral-7b:  https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json      (7.24 B)
+- qwen3-30b-a3b: https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json           (30.53 B, 3.35 B active)
+- mixtral-8x7b: https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json   (46.70 B, 12.88 B active)
+
+The two mixtures of experts have every layer MoE (``ffn`` is Qwen3-MoE's dense size, which no
+layer uses; Mixtral's ``expert_ffn`` is its ``intermediate_size``).
 
 All are untied, SwiGLU (``mlp = gated``) with GQA except Llama-2-7B (``kv_heads = heads``); ``dtype`` is
 the IR's default bf16 (Llama-2-7B's checkpoint is fp16: ``nereus import-hf`` on its config says so).
@@ -85,11 +90,41 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, rope_theta=10000, norm_eps=1e-5
     ),
+    "qwen3-30b-a3b": dict(
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        ffn=6144,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        experts_per_token=8,
+        expert_ffn=768,
+        rope_theta=1000000,
+        norm_eps=1e-6,
+    ),
+    "mixtral-8x7b": dict(
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        vocab=32000,
+        experts=8,
+        experts_per_token=2,
+        expert_ffn=14336,
+        moe_naming="mixtral",
+        rope_theta=1000000,
+        norm_eps=1e-5,
+    ),
 }
 
 # What the IR leaves out of each preset (printed by ``nereus import-hf --preset``): see hf_config.
 PRESET_NOTES: dict[str, list[str]] = {
     "mistral-7b": ["sliding_window = 4096 not modelled: the cost model sizes KV caches for full attention"],
+    "qwen3-30b-a3b": ["the router's top-k normalisation (norm_topk_prob) changes no tensor"],
 }
 
 
@@ -102,7 +137,7 @@ def _get(name: str) -> dict[str, Any]:
 
 def preset_attrs(name: str) -> str:
     """The preset's shape as IR attribute text: ``layers = 32, hidden = 4096, ...``."""
-    return ", ".join(f"{k} = {format_number(v)}" for k, v in _get(name).items())
+    return ", ".join(f"{k} = {v if isinstance(v, str) else format_number(v)}" for k, v in _get(name).items())
 
 
 def preset_model(name: str, model_name: str = "actor", *, trained: bool = False, head: str = "lm") -> Model:

@@ -131,6 +131,38 @@ def _models(m: Module, sink: DiagnosticSink) -> None:
             )
         if md.head == "value" and md.tied_embeddings:
             sink.error(at(md, "tied_embeddings"), f"model @{md.name} has a value head, so there is no LM head to tie")
+        _experts(md, sink)
+
+
+MOE_ATTRS = ("experts_per_token", "expert_ffn", "shared_expert_ffn")
+
+
+def _experts(md, sink: DiagnosticSink) -> None:
+    """A mixture of experts: its attributes together and consistent."""
+    if md.experts is None:
+        for key in MOE_ATTRS:
+            if getattr(md, key) is not None:
+                sink.error(
+                    at(md, key), f"{key} = {getattr(md, key)} but model @{md.name} has no experts", "set experts"
+                )
+        if md.moe_naming != "qwen":
+            sink.error(at(md, "moe_naming"), f"moe_naming = {md.moe_naming} but model @{md.name} has no experts")
+        return
+    for key in ("experts_per_token", "expert_ffn"):
+        if getattr(md, key) is None:
+            sink.error(at(md, "experts"), f"model @{md.name} has experts = {md.experts} but no {key}")
+    if md.experts < 2:
+        sink.error(at(md, "experts"), f"experts = {md.experts}: a mixture needs at least 2 experts")
+    if md.experts_per_token is not None and md.experts_per_token > md.experts:
+        sink.error(
+            at(md, "experts_per_token"),
+            f"experts_per_token = {md.experts_per_token} is more than experts = {md.experts}",
+            "each token is routed to experts_per_token of the experts",
+        )
+    if md.mlp != "gated":
+        sink.error(at(md, "mlp"), f"mlp = {md.mlp}: the experts are SwiGLU MLPs (mlp = gated)")
+    if md.moe_naming == "mixtral" and md.shared_expert_ffn is not None:
+        sink.error(at(md, "shared_expert_ffn"), "moe_naming = mixtral: Mixtral has no shared expert")
 
 
 def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:

@@ -152,6 +152,10 @@ MEGATRON_FLAGS = {
     "--num-query-groups": int,
     "--kv-channels": int,
     "--ffn-hidden-size": int,
+    "--num-experts": int,
+    "--moe-router-topk": int,
+    "--moe-ffn-hidden-size": int,
+    "--moe-shared-expert-intermediate-size": int,
     "--normalization": str,
     "--position-embedding-type": str,
 }

@@ -68,6 +68,18 @@ def _zero3(m):
     return "grpo_p0"
 
 
+def _moe(m):
+    """The GRPO job's actor and reference as mixtures of experts (Qwen2-MoE-like: 8 experts, top 2,
+    a shared expert), on the same plan: the experts split by TP as a dense MLP (EP 1)."""
+    for name in ("actor", "ref"):
+        md = m.models[name]
+        md.experts, md.experts_per_token, md.expert_ffn, md.shared_expert_ffn = 8, 2, md.ffn // 8, md.ffn // 4
+        md.__dict__.pop("tensors", None)  # the inventory, cached, is remade with the experts
+    m.emus.clear()  # the dense MLP's slices: the plan's EMUs are derived again where needed
+    nereus.verify(m)
+    return "grpo_p0"
+
+
 def _searched(name):
     def make(m):
         nereus.run_pipeline(m, "plan-search")
@@ -87,6 +99,7 @@ CASES = {
     "ppo_fsdp": ("ppo8b", _fsdp),
     "grpo_dynamic": ("grpo", _dynamic),
     "grpo_zero3": ("grpo", _zero3),
+    "grpo_moe": ("grpo", _moe),
 }
 _CACHE: dict = {}
 
@@ -269,6 +282,8 @@ def transformer_config(a):
         )
     if a.swiglu:
         kw |= {"gated_linear_unit": True, "activation_func": F.silu}
+    if a.num_experts:  # Megatron-LM: args.num_experts -> num_moe_experts
+        kw["num_moe_experts"] = a.num_experts
     return TransformerConfig(**kw)
 
 
@@ -335,6 +350,15 @@ def test_megatron_core_accepts_the_arguments(name):
         )
         assert cfg.add_qkv_bias == md.qkv_bias and cfg.qk_layernorm == md.qk_norm and cfg.kv_channels == md.hd
         assert cfg.num_query_groups in (md.kv_heads, None) and cfg.ffn_hidden_size == md.ffn
+        moe = (
+            cfg.num_moe_experts,
+            cfg.moe_router_topk,
+            cfg.moe_ffn_hidden_size,
+            cfg.moe_shared_expert_intermediate_size,
+        )
+        assert moe == (
+            (md.experts, md.experts_per_token, md.expert_ffn, md.shared_expert_ffn) if md.moe else (None,) * 4
+        )
         ddp = ddp_config(a)
         assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
         assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)

@@ -228,19 +228,112 @@ def test_qwen3_imports(tmp_path, capsys):
     "cfg, words",
     [
         (
-            {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
-            ["'mixtral' is a mixture-of-experts model", "num_local_experts = 8", "no experts, router"],
+            {"model_type": "deepseek_v3", "n_routed_experts": 256},
+            ["'deepseek_v3' is a mixture-of-experts model", "n_routed_experts = 256", "qwen3_moe, qwen2_moe, mixtral"],
         ),
-        ({"model_type": "qwen3_moe", "num_experts": 128}, ["'qwen3_moe'", "num_experts = 128", "no experts"]),
-        ({"model_type": "qwen2_moe", "num_experts": 60}, ["'qwen2_moe'", "num_experts = 60"]),
+        ({"model_type": "llama", "num_experts": 8}, ["'llama'", "num_experts = 8"]),
+        (
+            {
+                "model_type": "qwen3_moe",
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+                "mlp_only_layers": [0, 1],
+            },
+            ["mlp_only_layers = [0, 1]", "dense MLP layers among the MoE layers"],
+        ),
+        ({"model_type": "qwen3_moe", "num_experts": 128}, ["no 'num_experts_per_tok'"]),
     ],
 )
-def test_moe_is_a_clear_error(tmp_path, cfg, words):
+def test_unmodelled_moe_is_a_clear_error(tmp_path, cfg, words):
     path = write(tmp_path, LLAMA3_8B | cfg)
     with pytest.raises(DiagnosticError) as e:
         model_from_hf_config(path, "actor")
     text = str(e.value)
     assert str(path) in text and all(w in text for w in words), text
+
+
+MOE_TINY = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE_TINY))
+def test_moe_import_matches_transformers_checkpoint(family, tmp_path):
+    """A tiny Qwen3-MoE, Mixtral and Qwen2-MoE from transformers: total parameters equal, active
+    ones equal the non-expert parameters plus top-k experts per layer, and every IR tensor is a
+    checkpoint tensor (the names ``save_pretrained`` writes, per expert) of the same shape, and
+    the other way round; the printed block parses back to the same model."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    cfg = transformers.AutoConfig.for_model(family, **(TINY | MOE_TINY[family]))
+    ir = model_from_hf_config(cfg.to_dict(), "actor")
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in hf.parameters())
+    assert ir.num_params() == total
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    k, e = cfg.num_experts_per_tok, ir.experts
+    assert ir.num_active_params() == total - experts + experts * k // e
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shapes = {n.removeprefix("model."): tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    want = {}
+    for fam, spec in ir.tensors.items():
+        for layer in range(ir.layers) if spec.per_layer else [None]:
+            want[fam if layer is None else f"layers.{layer}.{fam}"] = spec.shape
+    assert want == shapes
+    assert nereus.verify(nereus.parse(model_block(ir))).models["actor"] == ir
+
+
+@pytest.mark.parametrize(
+    "cfg, total, active",
+    [
+        (  # Qwen/Qwen3-30B-A3B's config.json
+            dict(
+                model_type="qwen3_moe",
+                num_hidden_layers=48,
+                hidden_size=2048,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                intermediate_size=6144,
+                moe_intermediate_size=768,
+                num_experts=128,
+                num_experts_per_tok=8,
+                vocab_size=151936,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                torch_dtype="bfloat16",
+            ),
+            30_532_122_624,  # transformers 5.19 on the meta device; published: 30.5 B total, 3.3 B active
+            30_532_122_624 - 48 * (128 - 8) * 3 * 768 * 2048,  # 120 idle experts a layer: 3,353,032,704
+        ),
+        (  # mistralai/Mixtral-8x7B-v0.1's config.json
+            dict(
+                model_type="mixtral",
+                num_hidden_layers=32,
+                hidden_size=4096,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                intermediate_size=14336,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                vocab_size=32000,
+                torch_dtype="bfloat16",
+            ),
+            46_702_792_704,  # transformers 5.19 on the meta device; published: 46.7 B total, 12.9 B active
+            46_702_792_704 - 32 * (8 - 2) * 3 * 14336 * 4096,  # 6 idle experts a layer: 12,879,925,248
+        ),
+    ],
+)
+def test_published_moe_counts(tmp_path, cfg, total, active):
+    m = model_from_hf_config(write(tmp_path, cfg), "actor")
+    assert (m.num_params(), m.num_active_params()) == (total, active)
 
 
 # -------------------------------------------- transformers: a real model from the same config
@@ -317,3 +410,12 @@ def test_value_head_matches_transformers():
     hf = transformers.AutoModelForSequenceClassification.from_config(cfg)
     ir = model_from_hf_config(cfg.to_dict(), "critic", head="value")
     assert ir.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_moe_presets_are_the_published_configs(tmp_path):
+    """The presets equal ``import-hf`` of the published configs (``test_published_moe_counts``'s)."""
+    qwen = preset_model("qwen3-30b-a3b")
+    assert (qwen.num_params(), qwen.num_active_params()) == (30_532_122_624, 3_353_032_704)
+    mixtral = preset_model("mixtral-8x7b")
+    assert (mixtral.num_params(), mixtral.num_active_params()) == (46_702_792_704, 12_879_925_248)
+    assert nereus.verify(nereus.parse(model_block(mixtral))).models["actor"] == mixtral

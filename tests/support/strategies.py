@@ -228,6 +228,11 @@ HANDLED = {
         "tied_embeddings",
         "head",
         "trained",
+        "experts",
+        "experts_per_token",
+        "expert_ffn",
+        "shared_expert_ffn",
+        "moe_naming",
     },
     "workload": {
         "algorithm",
@@ -341,6 +346,14 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
         trained=trained,
     )
     fill_optional(draw, md, _model_mod.MODEL_ATTRS, HANDLED["model"])
+    if draw(st.integers(0, 3)) == 0:  # a mixture of experts, every layer (its experts are SwiGLU)
+        md.experts = draw(st.integers(2, 5))
+        md.experts_per_token = draw(st.integers(1, md.experts))
+        md.expert_ffn = draw(st.integers(lo, hi))
+        md.moe_naming = draw(st.sampled_from(["qwen", "mixtral"]))
+        if md.moe_naming == "qwen" and draw(st.booleans()):
+            md.shared_expert_ffn = draw(st.integers(lo, hi))
+        md.mlp = "gated"
     return md
 
 

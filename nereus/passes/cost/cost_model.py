@@ -271,6 +271,13 @@ class StageCost:
         return out
 
 
+def touched_share(model: Model, batch) -> np.ndarray:
+    """The share of a mixture of experts' experts a decode step of ``batch`` tokens reads:
+    ``1 - (1 - k/E)^batch`` under even routing, each token to k of E experts."""
+    k, e = model.experts_per_token or 1, model.experts or 1
+    return 1 - (1 - k / e) ** np.maximum(np.asarray(batch, dtype=float), 1.0)
+
+
 def decode_iterations(lengths: np.ndarray, samples, slots) -> tuple[np.ndarray, np.ndarray]:
     """Decode iterations of continuous batching (vLLM) until the last response of a replica
     ends, and how many of them run while the batch drains: ``samples`` responses whose lengths
@@ -321,10 +328,14 @@ class CostModel:
 
     @staticmethod
     def gemm_flops(model: Model) -> int:
-        """Forward FLOPs per token of one layer's GEMMs (projections and MLP; not attention)."""
+        """Forward FLOPs per token of one layer's GEMMs (projections and MLP; not attention). A
+        mixture of experts: the router's and the ``experts_per_token`` experts' (and the shared
+        expert's) a token goes through (``Model.active_ffn``)."""
         h, q, k = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
-        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.ffn
+        # the router's logits; Qwen2-MoE's shared expert also has a one-row sigmoid gate
+        router = 2 * h * ((model.experts or 0) + (1 if model.shared_expert_ffn else 0)) if model.moe else 0
+        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.active_ffn + router
 
     @staticmethod
     def head_flops(model: Model) -> int:
@@ -457,7 +468,7 @@ class CostModel:
         def act_layer(tokens):
             """Bytes of activations one layer stores for backward, per micro-batch (flash attention)."""
             replicated = 4 * tokens * h * ACT_BYTES
-            sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.ffn) * tokens * ACT_BYTES
+            sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.active_ffn) * tokens * ACT_BYTES
             return replicated / sp_div + sharded / tp
 
         if kind in ("train", "infer"):
@@ -545,8 +556,12 @@ class CostModel:
             )
             # a token passes the pipeline stages one after another, so PP does not shorten a decode
             # step (it frees memory for a larger batch): each step costs pp stage reads
+            # a mixture of experts reads, per decode step, the experts its batch's tokens are routed
+            # to: of E experts, top-k each, a batch of b tokens touches E (1 - (1 - k/E)^b) under
+            # even routing (all of them once b is large)
+            read = weights * (1 - model.expert_share * (1 - touched_share(model, conc))) if model.moe else weights
             dec_memory = (
-                pp * (steps * weights + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
+                pp * (steps * read + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
             )
             decode = (dec_compute, dec_memory, np.clip(draining / np.maximum(steps, 1), 0.0, 1.0))
             tp_bytes = samples * (p + r) * 2 * stage_layers * ring_tp * h * ACT_BYTES

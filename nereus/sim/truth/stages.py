@@ -27,6 +27,7 @@ allocator's fragmentation (``FRAGMENTATION`` of the activations). Both are assum
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 
@@ -92,10 +93,20 @@ class Pass:
     def layer(self, tokens: float, ctx: float, backward: bool = False, attention: bool = True) -> float:
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
-        up = (2 if m.mlp == "gated" else 1) * m.ffn
         g = gemm_seconds
-        shapes = [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t), (tokens, up / t, h), (tokens, h, m.ffn / t)]
-        gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes)
+        shapes = [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t)]
+        if m.moe:  # the router, then each expert's GEMMs on its share of the routed tokens (even routing)
+            e, f = cast(int, m.experts), cast(int, m.expert_ffn)
+            routed = tokens * cast(int, m.experts_per_token) / e
+            shapes.append((tokens, e, h))
+            expert = g(routed, 2 * f / t, h, self.peak, self.hbm) + g(routed, h, f / t, self.peak, self.hbm)
+            if m.shared_expert_ffn:
+                shapes += [(tokens, 2 * m.shared_expert_ffn / t, h), (tokens, h, m.shared_expert_ffn / t)]
+        else:
+            up = (2 if m.mlp == "gated" else 1) * m.ffn
+            shapes += [(tokens, up / t, h), (tokens, h, m.ffn / t)]
+            e, expert = 0, 0.0
+        gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes) + e * expert
         attn = (
             attention_seconds(tokens, ctx, m.heads / t, m.hd, self.peak, causal=True, backward=backward)
             if attention
@@ -212,7 +223,7 @@ def train_or_infer(
     q, k = model.heads * model.hd, model.kv_heads * model.hd
     tok = longest / lay.cp
     layers = max(hi - lo + 1 for lo, hi in lay.layers)
-    per_layer = 4 * tok * h * ACT / (t if lay.sp else 1) + (2 * q + 2 * k + 3 * model.ffn) * tok * ACT / t
+    per_layer = 4 * tok * h * ACT / (t if lay.sp else 1) + (2 * q + 2 * k + 3 * model.active_ffn) * tok * ACT / t
     if not train:
         act = 2 * per_layer
     elif lay.recompute:

@@ -47,6 +47,7 @@ def shape_of(model) -> tuple:
     return (
         model.layers, model.hidden, model.heads, model.kv_heads, model.hd, model.ffn, model.vocab,
         model.mlp, model.head, model.dtype, model.trained,
+        model.experts, model.experts_per_token, model.expert_ffn, model.shared_expert_ffn,
     )  # fmt: skip
 
 
