@@ -72,6 +72,15 @@ class Sampled:
 
 
 SHM_DIR = Path("/dev/shm")
+# the engine's model class by the config's model_type (Llama by default; the mixtures of experts
+# the IR models, which vLLM's CPU build serves: a tiny Qwen3-MoE's log-probabilities match
+# transformers' within 5e-7 in float32)
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def clear_stale_shm(directory: Path = SHM_DIR) -> list[str]:
@@ -125,7 +134,8 @@ class VllmEngine:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg = config.to_dict()
-        cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", use_cache=True)
+        arch = ARCHITECTURES.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")
+        cfg.update(architectures=[arch], torch_dtype="float32", use_cache=True)
         (self.dir / "config.json").write_text(json.dumps(cfg, indent=1))
         t0 = time.perf_counter()
         if tp > 1:  # vLLM's CPU TP groups share memory under names that every run reuses
