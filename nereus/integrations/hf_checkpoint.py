@@ -14,14 +14,19 @@ import torch
 
 from ..ir import Model
 
-PREFIX = "model."
+PREFIX = "model."  # Hugging Face's names are the IR's with this prefix (``lm_head.weight`` aside)
+
+
+def ir_name(hf: str) -> str:
+    """The IR tensor name of a Hugging Face parameter or checkpoint name (``model.layers.0...`` -> ``layers.0...``)."""
+    return hf.removeprefix(PREFIX)
 
 
 def checkpoint_params(model: torch.nn.Module, ir: Model) -> dict[str, torch.Tensor]:
     """IR tensor name -> the live parameter (or a view of it) that holds it."""
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        key = name.removeprefix(PREFIX)
+        key = ir_name(name)
         if ".mlp.experts." not in key:
             if ir.moe and ir.moe_naming == "mixtral" and ".mlp.gate." in key:
                 key = key.replace(".mlp.gate.", ".block_sparse_moe.gate.")

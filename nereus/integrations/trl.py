@@ -38,13 +38,9 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from ..ir import Diagnostic, DiagnosticError, Layout
 from ..ir.diagnostics import NOWHERE
-from .hf_llama import PREFIX, ir_model
+from .hf_checkpoint import ir_name
+from .hf_llama import ir_model
 from .weight_push import WeightPush
-
-
-def ir_name(hf: str) -> str:
-    """The IR tensor name of a Hugging Face parameter name (``model.layers.0...`` -> ``layers.0...``)."""
-    return hf.removeprefix(PREFIX)
 
 
 class NereusVLLMGeneration(VLLMGeneration):

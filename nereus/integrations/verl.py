@@ -55,14 +55,8 @@ from ..ir import Layout, Model
 from ..ir.hf_config import model_from_hf_config
 from ..runtime.launch import free_port
 from ..runtime.private_group import PrivateGroup
+from .hf_checkpoint import ir_name
 from .weight_push import WeightPush
-
-PREFIX = "model."
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def ir_name(hf: str) -> str:
-    return hf.removeprefix(PREFIX)
 
 
 @CheckpointEngineRegistry.register("nereus")

@@ -79,7 +79,7 @@ def push_from_plain_fsdp(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaForCausalLM
 
-    from nereus.integrations.trl import ir_name
+    from nereus.integrations.hf_checkpoint import ir_name
 
     init_from_env(timeout=60)
     cfg = LlamaConfig(**w.tiny())
