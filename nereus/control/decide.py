@@ -3,7 +3,9 @@
 ``DecisionCore.decide()`` after each step (``check()``: steps 1-2, then ``replan()``: 3-4):
 
 1. at the first step and every ``recalibrate_every`` steps, refit the cost model's coefficients
-   to the stage times of the last ``window`` steps (``calibrate``) and re-estimate the current plan;
+   to the stage times and memory peaks of the last ``window`` steps (``calibrate``: the peaks set
+   ``memory_slack``) and re-estimate the current plan; when a memory trigger fires between
+   those steps, refit then too, so that the re-plan weighs plans at the slack of the peak that fired;
 2. check the triggers (``triggers.py``); none: ``stay``, at the cost of a few comparisons. A GPU
    change that a re-plan already weighed and rejected fires again only when the GPUs change again
    (or when it forces a move); a length drift weighed and rejected, when the lengths drift again
@@ -187,6 +189,10 @@ class DecisionCore:
             triggers += measured
         else:
             triggers += forced_measured
+        if opts.recalibrate_every and "recalibrated" not in numbers and any(t.kind == "memory" for t in triggers):
+            # the re-plan weighs plans by memory: fit the slack to the peak that fired (the fit's
+            # times come along, from the same window)
+            numbers.update(self._recalibrate(window))
         if not triggers:
             numbers["decide_s"] = round(time.perf_counter() - t0, 6)
             self._pending = None

@@ -19,6 +19,14 @@ class Efficiency:
     decode kernels reach 60-80% of HBM bandwidth; NCCL buses reach 70-80% of link bandwidth;
     data-parallel communication beside compute is 90% hidden (``overlap``). ``calibrate``
     replaces them with values fitted to the job.
+
+    ``memory_slack``: device memory a training or inference step holds at its peak per byte the
+    cost model counts (weights, gradients, optimizer state, activations, logits). What the model
+    does not count is the caching allocator's fragmentation and slack, the CUDA context and the
+    libraries' workspaces, which a measured peak and a published per-GPU memory figure include.
+    The prior, 1, counts none of it: no published figure was fitted. ``calibrate`` sets it to the
+    largest ratio of a measured peak to the model's count in its records, so a job's own peaks
+    decide which plans fit (generation is exempt: the engine fills its memory by design).
     """
 
     compute: float = 0.6
@@ -28,6 +36,7 @@ class Efficiency:
     pcie: float = 0.7
     overhead: float = 10e-6  # seconds per layer per pass over a micro-batch or decode step
     overlap: float = 0.9  # share of data-parallel communication hidden behind the compute it can overlap
+    memory_slack: float = 1.0  # peak bytes held per byte counted, training and inference (see above)
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ EFFICIENCY = RecordSpec(
         AttrSpec("pcie", "float", 0.7),
         AttrSpec("overhead", "time", 10e-6),
         AttrSpec("overlap", "float", 0.9),
+        AttrSpec("memory_slack", "float", 1.0),
     ),
     Efficiency,
 )

@@ -37,6 +37,7 @@ class MemoryBreakdown:
     optimizer: int = 0
     activations: int = 0
     kv_cache: int = 0
+    slack: int = 0  # held beyond what is counted (the cluster's memory_slack)
     resident: int = 0  # state of other model-stages kept on the same GPU
 
 
@@ -73,6 +74,9 @@ MEMORY_COMPONENTS = {
     "schedule; generation: the logits of the running batch",
     "kv_cache": "generation: the KV cache of the sequences running at once, in vLLM's share of memory "
     "(gpu_memory_utilization 0.9, less the weights and the resident state)",
+    "slack": "training and inference: what the GPU holds beyond the counted bytes above (allocator "
+    "fragmentation, CUDA context, workspaces), (memory_slack - 1) x their sum; 0 until calibrate fits "
+    "memory_slack to measured peaks",
     "resident": "state of other model-stages kept on the same GPU between their stages (weights; grads and "
     "optimizer state of trained ones), less what they offload",
 }

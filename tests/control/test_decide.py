@@ -454,3 +454,31 @@ def test_where_restarting_the_engines_does_not_pay_the_best_plan_that_keeps_them
     assert n["step_time_restarting"] == pytest.approx(free.numbers["step_time_new"])
     assert n["step_time_restarting"] <= n["step_time_new"] < n["step_time_now"]
     assert kept.module.transitions[kept.transition].admit.engine_restart == 0  # admit agrees: no restart
+
+
+def test_a_peak_over_the_gpu_sets_the_slack_and_plan_b_fits_at_it():
+    """Training peaked 15% over the GPU though the count says it fits: the core refits the
+    memory slack to that peak before it re-plans (between its regular refits), and every
+    training and inference layout of plan B fits at it, with the headroom plan-search keeps."""
+    c = core(recalibrate_every=1000)
+    plan = c.m.plans[c.plan]
+    cluster = c.m.clusters[plan.cluster]
+    cap = cluster.gpu_memory
+    rec = as_planned(c, 0)
+    c.observe(as_planned(c, 0))
+    assert c.decide().action == "stay"  # the first step's refit: times only, no peaks
+    lay = plan.layouts["actor.train"]
+    counted = lay.memory - lay.memory_breakdown.resident
+    c.observe(
+        StepRecord(1, rec.seconds, memory={"actor.train": int(cap * 1.15)}, response_lengths=rec.response_lengths)
+    )
+    d = c.decide()
+    assert d.forced and d.numbers["recalibrated"] and d.action == "transition"
+    slack = cluster.efficiency.memory_slack
+    assert slack == pytest.approx((cap * 1.15 - lay.memory_breakdown.resident) / counted, rel=1e-3)
+    b = d.module.plans[d.target]
+    kinds = {ms: d.module.workloads[b.workload].stage_of(ms).kind for ms in b.layouts}
+    for ms, lay_b in b.layouts.items():
+        if kinds[ms] != "generate":
+            assert lay_b.memory_breakdown.slack > 0, ms
+            assert lay_b.memory <= cap * 0.95 + 2**21, ms

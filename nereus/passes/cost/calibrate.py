@@ -17,8 +17,9 @@ depending on the
 coefficients, and data-parallel communication is hidden up to a share or up to the compute
 beside it, so the fit re-assigns both and solves again until the assignment is stable; the
 hidden share itself (``overlap``) is chosen from a grid of 0.05 by the error after the fit.
-Coefficients that no measurement exercises keep their prior. The cluster gets the fitted
-``efficiency`` and a ``calibration`` record with the mean absolute percentage error before and
+Coefficients that no measurement exercises keep their prior. Measured memory peaks set
+``memory_slack`` (``memory_slack``, below); without peaks it keeps its prior. The cluster gets
+the fitted ``efficiency`` and a ``calibration`` record with the mean absolute percentage error before and
 after.
 """
 
@@ -45,6 +46,7 @@ class Observation:
     model_stage: str
     seconds: float
     cost: LayoutCost
+    memory: int | None = None  # the measured peak on the stage's fullest GPU (bytes), if measured
 
 
 @dataclass
@@ -219,7 +221,7 @@ def observations(m: Module, records, model_for=None) -> list[Observation]:
         if ms not in costs[plan]:
             problems.append(Diagnostic(Loc(line, 1, None), f"plan @{plan} has no model-stage {ms}"))
             continue
-        obs.append(Observation(plan, ms, seconds, costs[plan][ms]))
+        obs.append(Observation(plan, ms, seconds, costs[plan][ms], _memory))
     if problems:
         raise DiagnosticError(problems)
     return obs
@@ -246,6 +248,21 @@ class Calibrate(ModulePass):
         calibrate_records(module, read_profile(self.profile))
 
 
+def memory_slack(obs: list[Observation]) -> float | None:
+    """The largest ratio of a measured peak to the bytes the cost model counts, over the training
+    and inference observations with a peak (None when there are none): the peak less what other
+    model-stages keep on that GPU, against the stage's own count. Not below 1: a peak under the
+    count says the model overcounts what it does count (activations, most often), and a plan
+    packed tighter than counted risks an out-of-memory whose restart costs more than the memory
+    saved. The largest, not a mean: a peak is a peak, and an underestimate fails a step."""
+    ratios = [
+        (o.memory - max(o.cost.others.values(), default=0.0)) / float(o.cost.cost.counted()[0])
+        for o in obs
+        if o.memory and o.cost.cost.decode is None and o.cost.cost.counted()[0] > 0  # decode: generation
+    ]
+    return printed_precision(max(1.0, max(ratios)), 4) if ratios else None
+
+
 def calibrate_records(module: Module, records) -> dict[str, FitResult]:
     """Fit every cluster named by ``records`` (``read_profile``'s tuples: plan, model-stage,
     seconds, memory, line) and record the result on it; the fit per cluster name."""
@@ -258,6 +275,9 @@ def calibrate_records(module: Module, records) -> dict[str, FitResult]:
         obs = observations(module, recs)
         cluster = module.clusters[cluster_name]
         result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency())
+        slack = memory_slack(obs)
+        if slack is not None:
+            result.efficiency = replace(result.efficiency, memory_slack=slack)
         cluster.efficiency = Efficiency(**{k: printed_precision(v, 4) for k, v in vars(result.efficiency).items()})
         cluster.calibration = Calibration(
             len(obs), printed_precision(result.error_before, 4), printed_precision(result.error_after, 4)

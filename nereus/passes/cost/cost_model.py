@@ -36,7 +36,8 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
   ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
   attention and no sequence parallelism (Korthikanti et al. 2022, adapted to SwiGLU/GQA),
-  ``min(p, m)`` micro-batches in flight; fp32 logits; the KV cache.
+  ``min(p, m)`` micro-batches in flight; fp32 logits; the KV cache. Training and inference hold
+  ``memory_slack`` times what is counted (allocator, context, workspaces; 1 until calibrated).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
         1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))
     ]
     # the five positional efficiencies: mypy cannot count a starred generator
-    return Efficiency(*(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap)  # type: ignore[misc]
+    return Efficiency(
+        *(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap, memory_slack=prior.memory_slack
+    )  # type: ignore[misc]
 
 
 @dataclass
@@ -220,6 +223,7 @@ class StageCost:
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature, draining share) of generation's decode
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
+    slack: float = 1.0  # peak bytes held per byte counted (``Efficiency.memory_slack``; 1 for generation)
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
         return self.features_for(coeffs) @ coeffs + self.latency
@@ -249,8 +253,13 @@ class StageCost:
         share_bound = (1 - share) * c >= c - w
         return np.where(share_bound[:, None], share * comm, window)
 
-    def memory(self) -> np.ndarray:
+    def counted(self) -> np.ndarray:
+        """The bytes the model counts: state, activations and logits (and generation's KV cache)."""
         return self.weights + self.grads + self.optimizer + self.activations + self.kv_cache
+
+    def memory(self) -> np.ndarray:
+        """The peak held: what is counted, training's and inference's times ``slack``."""
+        return self.counted() * self.slack if self.slack != 1.0 else self.counted()
 
     def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
         # np.isscalar narrows col to numpy's scalar types, which mypy will not take as an index
@@ -588,6 +597,7 @@ class CostModel:
             waits=waits,
             decode=decode,
             overlap=overlap,
+            slack=1.0 if kind == "generate" else self.efficiency.memory_slack,
         )
 
     def offload_time(self, bytes_: float) -> tuple[float, float]:

@@ -54,6 +54,7 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
             optimizer=round_bytes(c.optimizer[0]),
             activations=round_bytes(c.activations[0]),
             kv_cache=round_bytes(c.kv_cache[0]),
+            slack=round_bytes(own - c.counted()[0]),
             resident=round_bytes(others),
         )
         if not np.isfinite(t):
@@ -81,6 +82,7 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
                             ("optimizer", c.optimizer[0]),
                             ("activations", c.activations[0]),
                             ("kv_cache", c.kv_cache[0]),
+                            ("slack", own - c.counted()[0]),
                             ("resident", others),
                         )
                         if v
