@@ -47,7 +47,7 @@ from ..passes.cost.calibrate import Calibrate
 from ..passes.cost.estimate import Estimate
 from ..passes.schedule.schedule_transfers import ScheduleTransfers
 from ..passes.search.plan_search import PlanSearch
-from ..passes.search.space import columns
+from ..passes.search.space import DEFAULT_HEADROOM, columns
 from ..passes.transition.admit import Admit, fixed_costs
 from ..passes.transition.derive_emus import DeriveEmus
 from ..passes.transition.plan_transition import PlanTransition
@@ -137,6 +137,7 @@ class DecisionCore:
         self.leaving: set[int] = set()
         self.planned_response = float(self.workload.response_len_mean)
         self.weighed_memory: dict[str, int] = {}  # model-stage -> the peak a re-plan weighed and kept plan A at
+        self.peaks_fitted = False  # calibrate has set memory_slack from measured training or inference peaks
         self.history: list[StepRecord] = []
         self.last_replan = -(10**9)
         self.gpus_considered: tuple | None = None  # (GPUs, leaving) the last re-plan weighed
@@ -292,6 +293,9 @@ class DecisionCore:
         ]
         if not records:
             return {}
+        w = self.m.workloads[self.m.plans[self.plan].workload]
+        if any(peak and getattr(w.stage_of(ms), "kind", "generate") != "generate" for _, ms, _, peak, _ in records):
+            self.peaks_fitted = True  # calibrate sets memory_slack from them (and keeps it after)
         # cost the measured steps at the lengths they generated: fitted at stale lengths, the
         # coefficients would absorb the difference (a plan committed for 1,733-token responses,
         # run at 2,000, learned a 13% slower cluster)
@@ -508,6 +512,9 @@ class DecisionCore:
                         offload=opts.offload,
                         incumbent=f"@{incumbent}",
                         keep=both(self.keep, keep),
+                        # the default headroom stands for what the count leaves out; once measured
+                        # peaks set the slack, only the memory trigger's margin is kept free
+                        headroom=opts.memory_headroom if self.peaks_fitted else DEFAULT_HEADROOM,
                     )
                 ],
             )

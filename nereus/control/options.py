@@ -19,7 +19,10 @@ class ControlOptions:
       one the plan was made for (or a rejected re-plan last weighed) by more than this fraction.
     - ``memory_headroom``: re-plan when a model-stage's measured peak memory leaves less than
       this fraction of the GPU free (after a re-plan that kept the plan at a peak, only past half
-      the way from that peak to the GPU's memory).
+      the way from that peak to the GPU's memory). Also what a re-plan's search keeps free once
+      measured peaks have set the cost model's ``memory_slack``: a plan B that left less would
+      fire this trigger at once. Before that, plan-search's own headroom (10%), which stands for
+      what the cost model does not count.
     - ``slowdown``: re-plan when a model-stage's measured time exceeds the plan's estimate (after
       recalibration) by more than this fraction: it became a bottleneck the plan did not expect.
     - ``cooldown``: steps after a decision to re-plan before an optional trigger may fire again
