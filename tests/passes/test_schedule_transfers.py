@@ -15,6 +15,7 @@ from nereus.passes.schedule.buckets import Bucket, bucket_ports
 from nereus.passes.schedule.cpsat import solve_schedule
 from nereus.passes.schedule.list_schedules import (
     bottom_levels,
+    dense,
     greedy,
     insertion,
     port_graph,
@@ -63,7 +64,7 @@ def instances(draw):
 @given(instances())
 def test_list_schedules_respect_ports_and_precedences(inst):
     buckets, prec = inst
-    for schedule in (greedy, insertion, serial):
+    for schedule in (greedy, insertion, serial, dense):
         assert_valid(buckets, prec, schedule(buckets, prec))
     sched = solve_schedule(buckets, prec, time_limit=1.0)
     assert_valid(buckets, prec, sched.starts)
@@ -86,6 +87,35 @@ def test_insertion_fills_the_gaps_broadcasts_leave():
     assert max(s + b.duration for s, b in zip(starts, buckets)) == 8
     sched = solve_schedule(buckets, set(), time_limit=1.0)
     assert (sched.makespan, sched.status) == (8, "optimal")
+
+
+def test_dense_keeps_every_port_working_where_one_global_order_does_not():
+    """GPU 2 sends to GPUs 5 and 3, which GPUs 0 and 1 also send to: three ports of 12 ticks.
+    In one global order (the longest first, then by index) the first two buckets take ports 5
+    and 3, so both of GPU 2's wait, one after the other (18); the dense schedule starts GPU 2's
+    first as port 2 has the most work, and at 6 the other two pairs, each on ports just freed
+    (12, the bound). Above ``LARGE`` buckets ``solve_schedule`` keeps the best of the three."""
+    buckets = [Bucket(src, (dst,), "nic", [], duration=6) for src, dst in ((0, 5), (1, 3), (2, 5), (2, 3))]
+    spans = {
+        f.__name__: max(s + b.duration for s, b in zip(f(buckets, set()), buckets))
+        for f in (serial, insertion, greedy, dense)
+    }
+    assert spans == {"serial": 18, "insertion": 18, "greedy": 18, "dense": 12} and port_bound(buckets) == 12
+    assert_valid(buckets, set(), dense(buckets, set()))
+
+
+def test_above_large_the_dense_schedule_is_kept_where_it_is_shorter():
+    """The instance above on 1,001 disjoint sets of GPUs: 4,004 buckets, above ``LARGE``, where
+    only one-pass list schedules run; the one-pass order gives 18, the dense schedule 12."""
+    from nereus.passes.schedule.cpsat import LARGE
+
+    pairs = ((0, 5), (1, 3), (2, 5), (2, 3))
+    buckets = [Bucket(6 * k + a, (6 * k + b,), "nic", [], duration=6) for k in range(1001) for a, b in pairs]
+    assert len(buckets) > LARGE
+    assert max(s + b.duration for s, b in zip(serial(buckets, set()), buckets)) == 18
+    sched = solve_schedule(buckets, set(), time_limit=1.0)
+    assert_valid(buckets, set(), sched.starts)
+    assert (sched.makespan, sched.status, sched.searched) == (12, "optimal", False)
 
 
 def test_no_search_above_search_max_buckets(monkeypatch):

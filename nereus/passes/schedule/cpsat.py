@@ -1,16 +1,29 @@
 """The CP-SAT model of a bucket schedule: no-overlap per port, precedences, the makespan minimised from
-the better list schedule, under a time limit; above ``SEARCH_MAX`` buckets the list schedules alone.
+the better list schedule, under a time limit; above ``SEARCH_MAX`` buckets the list schedules alone
+(above ``LARGE``: ``serial``, ``dense`` and ``insertion``, the best of them).
 
 Part of ``schedule-transfers`` (``schedule_transfers.py``)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import chain
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from .buckets import Bucket, Precedences, bucket_ports, precedence_pairs
-from .list_schedules import Schedule, bottom_levels, bucket_durations, greedy, insertion, port_bound, port_graph, serial
+from .list_schedules import (
+    Schedule,
+    bottom_levels,
+    bucket_durations,
+    dense,
+    greedy,
+    insertion,
+    port_bound,
+    port_graph,
+    serial,
+)
 
 SEARCH_MAX = 2000
 """Buckets: above this, no CP-SAT search after the list schedules. On every transition of 2,169
@@ -19,6 +32,10 @@ to 3,984 buckets where the search ran (the simulator's three traces and the tran
 its time; on the test suite's (up to 279 buckets) it shortened 26 of 329 (docs/PERFORMANCE.md)."""
 INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
 LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy``
+DENSE_MAX = 30_000_000
+"""Above ``LARGE``, ``dense`` runs where the sum over ports of their buckets squared (what its
+scans of ready buckets can read, at most) is at most this: 5.6 million on the transition bench's
+case 3 (0.8-1.1 s), 27.8 million on its case 5 (1.0 s, most buckets waiting on others)."""
 
 
 def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, seed: int = 0) -> Schedule:
@@ -33,6 +50,12 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
         ).tolist()  # both list schedules order by them
         warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
+        per_port = np.bincount(np.fromiter(chain.from_iterable(graph[2]), dtype=np.int64))
+        if horizon > bound and int((per_port**2).sum()) <= DENSE_MAX:  # 2.08x -> 1.10x on the bench's widest move
+            other = dense(buckets, prec, graph, tails)
+            span = max(s + b.duration for s, b in zip(other, buckets))
+            if span < horizon:
+                warm, horizon = other, span
         # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
         # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
         if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:

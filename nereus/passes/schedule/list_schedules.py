@@ -308,3 +308,98 @@ def serial(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int
     if placed != len(buckets):
         raise ValueError("cyclic dependencies between transfer buckets")
     return start
+
+
+def dense(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int] | None = None) -> list[int]:
+    """Dense list schedule, event by event: whenever a port falls idle, it starts at once one of
+    its ready buckets whose every port is idle too, if there is one; no port waits while a
+    bucket could run on it. Of those, the bucket with the longest chain of work from its start
+    (``tails``: its bottom level, its duration where nothing follows it) first, then the one
+    whose other ports have the most work left. Freed ports choose in order of their own work left.
+
+    ``serial`` and ``insertion`` place buckets in one global order, each as early as the ports
+    it names allow: on a move where most ports are near the busiest (TP 8 x PP 4 ZeRO-1 to TP 4
+    ZeRO-3 at 1,024 GPUs: 4,096 ports, 49,686 buckets, hundreds of ports within 1% of the bound)
+    a port's next bucket in that order waits for its partner while the port could serve another
+    (2.08x the port bound; this: 1.10x). Event-driven, each freed port reads its ready buckets:
+    O(events x buckets per port). ``graph``: ``port_graph``'s, if made (read only)."""
+    preds, succs, ports, busy = graph or port_graph(buckets, prec)
+    n = len(buckets)
+    duration = [b.duration for b in buckets]
+    tail = tails or duration
+    left = list(busy)  # work not started yet, per port
+    idle = [True] * len(left)
+    ready: list[list[int]] = [[] for _ in left]  # per port, ready buckets not started (started ones dropped lazily)
+    waiting = [len(ps) for ps in preds]
+    started = [False] * n
+    start = [0] * n
+    ends: list[tuple[int, int]] = []  # (end, bucket) of the running buckets
+    placed = 0
+
+    def run(i: int, t: int) -> None:
+        nonlocal placed
+        started[i] = True
+        start[i] = t
+        placed += 1
+        d = duration[i]
+        for q in ports[i]:
+            idle[q] = False
+            left[q] -= d
+        heapq.heappush(ends, (t + d, i))
+
+    def choose(p: int, t: int) -> None:
+        """Start on idle port ``p`` the best of its ready buckets whose ports are all idle."""
+        best, best_key, keep = -1, None, []
+        for i in ready[p]:
+            if started[i]:
+                continue
+            keep.append(i)
+            other = 0  # the most work left on another of its ports; -1: one of them is busy
+            for q in ports[i]:
+                if not idle[q]:
+                    other = -1
+                    break
+                if q != p and left[q] > other:
+                    other = left[q]
+            if other >= 0:
+                k = (tail[i], other)
+                if best_key is None or k > best_key:
+                    best, best_key = i, k
+        ready[p] = keep
+        if best >= 0:
+            run(best, t)
+
+    def release(i: int) -> None:
+        for q in ports[i]:
+            ready[q].append(i)
+
+    fresh = [i for i in range(n) if waiting[i] == 0]
+    for i in fresh:
+        release(i)
+    t = 0
+    freed = sorted(range(len(left)), key=lambda q: -left[q])
+    while True:
+        for q in freed:
+            if idle[q]:
+                choose(q, t)
+        for i in fresh:  # ready now on ports that were idle before and freed nothing at t
+            if not started[i] and all(idle[q] for q in ports[i]):
+                run(i, t)
+        if not ends:
+            break
+        t = ends[0][0]
+        freed, fresh = [], []
+        while ends and ends[0][0] == t:
+            _, i = heapq.heappop(ends)
+            for q in ports[i]:
+                idle[q] = True
+                freed.append(q)
+            for j in succs[i]:
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    fresh.append(j)
+                    release(j)
+        freed.sort(key=lambda q: -left[q])
+    if placed != n:
+        raise ValueError("cyclic dependencies between transfer buckets")
+    return start
