@@ -39,6 +39,7 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
         lay = plan.layouts[ms]
         c = lc.cost
         own = float(c.memory()[0])
+        slack = own - float(c.counted()[0])  # held beyond what is counted (memory_slack)
         gpu, others = max(lc.others.items(), key=lambda kv: (kv[1], -kv[0]))
         peak = own + others
         parts = c.breakdown(coeffs)
@@ -54,7 +55,7 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
             optimizer=round_bytes(c.optimizer[0]),
             activations=round_bytes(c.activations[0]),
             kv_cache=round_bytes(c.kv_cache[0]),
-            slack=round_bytes(own - c.counted()[0]),
+            slack=round_bytes(slack),
             resident=round_bytes(others),
         )
         if not np.isfinite(t):
@@ -82,7 +83,7 @@ def estimate_plan(m: Module, plan: Plan, model: CostModel | None = None) -> list
                             ("optimizer", c.optimizer[0]),
                             ("activations", c.activations[0]),
                             ("kv_cache", c.kv_cache[0]),
-                            ("slack", own - c.counted()[0]),
+                            ("slack", slack),
                             ("resident", others),
                         )
                         if v

@@ -38,6 +38,12 @@ scans of ready buckets can read, at most) is at most this: 5.6 million on the tr
 case 3 (0.8-1.1 s), 27.8 million on its case 5 (1.0 s, most buckets waiting on others)."""
 
 
+def _dense_work(graph) -> int:
+    """The sum over ports of their buckets squared (``DENSE_MAX``), from ``port_graph``'s ports."""
+    per_port = np.bincount(np.fromiter(chain.from_iterable(graph[2]), dtype=np.int64))
+    return int((per_port**2).sum())
+
+
 def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, seed: int = 0) -> Schedule:
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
@@ -50,8 +56,7 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
         ).tolist()  # both list schedules order by them
         warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
-        per_port = np.bincount(np.fromiter(chain.from_iterable(graph[2]), dtype=np.int64))
-        if horizon > bound and int((per_port**2).sum()) <= DENSE_MAX:  # 2.08x -> 1.10x on the bench's widest move
+        if horizon > bound and _dense_work(graph) <= DENSE_MAX:  # 2.08x -> 1.10x on the bench's widest move
             other = dense(buckets, prec, graph, tails)
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
