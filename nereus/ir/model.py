@@ -24,8 +24,9 @@ its ``shared_expert_ffn``, Mixtral with ``moe_naming = mixtral``) has every laye
 a router (``mlp.gate.weight``, ``[experts, hidden]``, replicated) and one SwiGLU per expert, each a
 family of its own under its checkpoint name (``mlp.experts.N.gate_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.N.w1.weight``): TP splits each expert as a dense MLP (Megatron's
-expert tensor parallelism equal to TP), and every DP replica holds every expert. Expert
-parallelism (experts split over ranks) is not in the IR yet; neither are dense first layers
+expert tensor parallelism equal to TP), and every DP replica holds every expert. A layout's
+expert parallelism (``ep``, ``etp``) splits the experts over ranks (``Layout.expert_rank``); dense
+first layers are not in the IR yet
 (DeepSeek-V3's).
 
 Uneven splits: a dimension of ``n`` rows over ``t`` ranks gives rank ``r`` the rows
@@ -237,6 +238,12 @@ class Model:
         if self.moe_naming == "mixtral":
             return tuple(f"block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
         return tuple(f"mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down"))
+
+    @cached_property
+    def expert_of(self) -> dict[str, int]:
+        """The routed expert each expert family belongs to (``mlp.experts.3.up_proj.weight`` -> 3);
+        the router, the shared expert and every dense tensor are absent."""
+        return {f: e for e in range(self.experts or 0) for f in self.expert_families(e)} if self.moe else {}
 
     def _moe_tensors(self) -> list[TensorSpec]:
         """The router, every expert's SwiGLU (each expert's projections split by TP as a dense

@@ -223,6 +223,21 @@ LAYOUT_ATTRS = [
         doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers",
     ),
     AttrSpec(
+        "ep",
+        "posint",
+        default=1,
+        doc="expert parallelism (a mixture of experts): the routed experts split over ep ranks, carved from "
+        "dp x cp x tp as Megatron does (expert ranks ordered etp, ep, expert-dp; tokens reach their experts by "
+        "all-to-all)",
+    ),
+    AttrSpec(
+        "etp",
+        "posint",
+        default=None,
+        doc="expert tensor parallelism: the TP size of each routed expert (Megatron's "
+        "--expert-tensor-parallel-size; default tp); divides tp",
+    ),
+    AttrSpec(
         "fp8",
         "bool",
         default=False,
@@ -268,6 +283,8 @@ class Layout:
     cp: int = 1  # context-parallel size
     sp: bool = False  # sequence parallelism
     vpp: int = 1  # virtual pipeline stages per PP rank
+    ep: int = 1  # expert parallelism: routed experts split over ep ranks
+    etp: int | None = None  # each routed expert's TP size (None: tp)
     fp8: bool = False  # FP8 GEMMs
     grad_dtype: str = "bf16"  # bf16 | fp32
     offload: list[str] = field(default_factory=list)  # weights | grads | optimizer, kept in host memory between stages
@@ -302,6 +319,30 @@ class Layout:
         """The GPU at state coordinate (replica, pp, tp); tp varies fastest, then pp, then the
         replica (``d x cp + c`` for DP rank d and CP rank c)."""
         return self.mesh[(dp * self.pp + pp) * self.tp + tp]
+
+    @property
+    def expert_tp(self) -> int:
+        """Each routed expert's TP size: ``etp``, or ``tp`` when unset."""
+        return self.etp if self.etp is not None else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Copies of each expert slice in a pipeline stage: ``dp x cp x tp / (etp x ep)`` (ZeRO
+        shards the experts' state over them)."""
+        return self.replicas * self.tp // (self.expert_tp * self.ep)
+
+    @property
+    def carves_experts(self) -> bool:
+        """Whether the experts are split otherwise than the dense layers (``ep > 1`` or ``etp != tp``)."""
+        return self.ep > 1 or self.expert_tp != self.tp
+
+    def expert_rank(self, replica: int, tp: int) -> tuple[int, int, int]:
+        """(EP rank, ETP rank, expert-DP rank) of the GPU at (``replica``, ``tp``) of a pipeline
+        stage. Megatron orders a stage's ranks tp fastest, then cp, then dp (rank ``tp + tp_size x
+        replica``) and carves the expert groups from them etp fastest, then ep, then expert-dp."""
+        r = tp + self.tp * replica
+        etp = self.expert_tp
+        return (r // etp) % self.ep, r % etp, r // (etp * self.ep)
 
     def coords(self):
         """Every (replica, pp, tp) coordinate, in mesh order."""

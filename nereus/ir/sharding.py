@@ -10,9 +10,17 @@ ZeRO (``zero`` on the layout) the state is sharded over DP as FSDP2 shards a par
 TP-local slice is split along its dimension 0 among the DP replicas by the uneven-split rule
 (``even_split``): optimizer state from ZeRO-1, weights too under ZeRO-3. Gradients are not
 part of an EMU: they are recomputed every step and carry nothing across a step boundary.
+
+Expert parallelism (``ep``, ``etp`` on the layout of a mixture of experts) carves expert ranks
+from each pipeline stage's dp x cp x tp ranks as Megatron does (``Layout.expert_rank``): EP rank
+``i`` holds experts ``[i E / ep, (i + 1) E / ep)`` (the uneven-split rule), each split by ETP as a
+dense MLP is by TP, and ZeRO splits the experts' state over the expert-DP ranks holding the same
+slice. The router, the shared expert and every dense tensor keep the dense rule.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 from .emu import Emu, Shard, SliceEntry
 from .model import Model, even_split
@@ -35,7 +43,43 @@ def shard_entries(
     model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0
 ) -> list[SliceEntry]:
     """The slices held at pipeline stage ``pp``, tensor rank ``tp`` of DP replica ``dp_rank``, in inventory order."""
+    if model.moe and layout.carves_experts:
+        return _carved_entries(model, layout, pp, tp, dp_rank, states)
     return _dp_entries(_tp_slices(model, layout, pp, tp, states), layout.replicas, dp_rank)
+
+
+def _carved_entries(model: Model, layout: Layout, pp: int, tp: int, replica: int, states) -> list[SliceEntry]:
+    """``shard_entries`` under expert parallelism: dense tensors by the dense rule, each routed
+    expert held by its EP rank only, split by ETP and (ZeRO) over expert-DP."""
+    ep, etp_rank, edp_rank = layout.expert_rank(replica, tp)
+    experts = even_split(cast(int, model.experts), layout.ep, ep)
+    lo, hi = layout.layers[pp]
+    out: list[SliceEntry] = []
+    for state in states:
+        dense_split = dp_sharded(state, layout.zero) and layout.replicas > 1
+        expert_split = dp_sharded(state, layout.zero) and layout.expert_dp > 1
+        for spec in model.tensors.values():
+            if spec.per_layer:
+                layers: tuple[int, int] | None = (lo, hi)
+            elif pp in model.stages_holding(spec, layout.pp):
+                layers = None
+            else:
+                continue
+            e = model.expert_of.get(spec.family)
+            if e is None:
+                box = model.tp_box(spec, layout.tp, tp)
+                parts, rank = (layout.replicas, replica) if dense_split else (1, 0)
+            elif experts[0] <= e < experts[1]:
+                box = model.tp_box(spec, layout.expert_tp, etp_rank)
+                parts, rank = (layout.expert_dp, edp_rank) if expert_split else (1, 0)
+            else:
+                continue
+            a, b = box[0]
+            first = even_split(b - a, parts, rank)
+            box = ((a + first[0], a + first[1]),) + box[1:]
+            if all(b > a for a, b in box):  # a dimension smaller than its split leaves the last ranks nothing
+                out.append(SliceEntry(family=spec.family, layers=layers, box=box, state=state))
+    return out
 
 
 def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[tuple]:
@@ -94,6 +138,8 @@ def derive_emus(
     Replicas whose slices are equal share one entry tuple, which the printer and the verifier
     use to treat them once.
     """
+    if model.moe and layout.carves_experts:
+        return _carved_emus(plan_name, model, layout, states, kv_cache)
     sharded = any(dp_sharded(s, layout.zero) for s in states) and layout.replicas > 1
     cache: dict[tuple[int, int, int], tuple[SliceEntry, ...]] = {}
     tp_slices: dict[tuple[int, int], list[tuple]] = {}  # replicas differ only in what ZeRO splits
@@ -109,5 +155,24 @@ def derive_emus(
                     cache[key] = tuple(_dp_entries(tp_slices[(p, t)], layout.replicas, key[0]))
                 shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         # a list: Emu.__post_init__ makes it a tuple
+        emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))  # type: ignore[arg-type]
+    return emus
+
+
+def _carved_emus(plan_name: str, model: Model, layout: Layout, states, kv_cache: int | None) -> list[Emu]:
+    """``derive_emus`` under expert parallelism: a shard's slices depend on its replica through
+    ZeRO's dense split and its expert ranks, so shards with equal ranks share one entry tuple."""
+    sharded = any(dp_sharded(s, layout.zero) for s in states)
+    cache: dict[tuple, tuple[SliceEntry, ...]] = {}
+    emus = []
+    for d in range(layout.replicas):
+        shards = []
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                ep, etp, edp = layout.expert_rank(d, t)
+                key = (p, t, d if sharded else 0, ep, etp, edp if sharded else 0)
+                if key not in cache:
+                    cache[key] = tuple(_carved_entries(model, layout, p, t, d, states))
+                shards.append(Shard(pp=p, tp=t, gpu=layout.gpu(d, p, t), entries=cache[key], kv_cache=kv_cache))
         emus.append(Emu(plan=plan_name, model_stage=layout.model_stage, replica=d, shards=shards))  # type: ignore[arg-type]
     return emus

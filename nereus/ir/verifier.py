@@ -421,6 +421,7 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
                 f"multiple of pp = {lay.pp}",
                 f"use micro_batches = {lay.micro_batches // lay.pp * lay.pp or lay.pp}",
             )
+    _verify_experts(lay, model, sink)
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
             sink.error(at(lay, "offload"), f"{ms}: only a training model-stage has {what} to offload")
@@ -431,6 +432,48 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {absent}",
             "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
             "(an H100 node's PCIe 5 and DRAM), or drop offload",
+        )
+
+
+def _verify_experts(lay: Layout, model, sink: DiagnosticSink) -> None:
+    """Expert parallelism: a mixture of experts, EP dividing its experts, ETP dividing TP, and EP x
+    ETP ranks carved from a pipeline stage's dp x cp x tp."""
+    ms = lay.model_stage
+    if lay.ep == 1 and lay.etp is None:
+        return
+    key = "ep" if lay.ep > 1 else "etp"
+    if model is None:
+        return
+    if not model.moe:
+        sink.error(
+            at(lay, key),
+            f"{ms}: {key} = {getattr(lay, key)} splits experts, but model @{model.name} has none",
+            "drop ep and etp, or give the model experts, experts_per_token and expert_ffn",
+        )
+        return
+    if lay.etp is not None and lay.tp % lay.etp:
+        sink.error(
+            at(lay, "etp"),
+            f"{ms}: etp = {lay.etp} does not divide tp = {lay.tp}",
+            "expert TP ranks are carved from the TP group: choose etp dividing tp",
+        )
+        return
+    if model.experts % lay.ep:
+        sink.error(
+            at(lay, "ep"),
+            f"{ms}: ep = {lay.ep} does not divide experts = {model.experts} of model @{model.name}",
+            _use("ep", [d for d in range(1, model.experts + 1) if model.experts % d == 0 and d <= lay.ep * 2]),
+        )
+        return
+    ranks = lay.replicas * lay.tp
+    carved = lay.ep * lay.expert_tp
+    if carved > ranks or ranks % carved:
+        sink.error(
+            at(lay, "ep"),
+            f"{ms}: ep x etp = {lay.ep} x {lay.expert_tp} = {carved} expert ranks "
+            + ("are more than" if carved > ranks else "do not divide")
+            + f" the {ranks} ranks of a pipeline stage (dp x cp x tp = {lay.dp} x {lay.cp} x {lay.tp}) they are carved from",
+            "Megatron carves EP x ETP from dp x cp x tp: choose ep x etp dividing it",
         )
 
 

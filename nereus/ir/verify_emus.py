@@ -16,7 +16,7 @@ import numpy as np
 
 from .diagnostics import DiagnosticSink, Loc, did_you_mean, plural
 from .emu import STATES, Emu, Shard, SliceEntry, tensor_name
-from .model import TensorSpec
+from .model import TensorSpec, even_split
 from .module import Module
 from .sharding import dp_sharded
 
@@ -117,6 +117,7 @@ def verify_emus(m: Module, sink: DiagnosticSink) -> None:
             clean.add(emu.key)
         checked[key] = True
     _dp_sharded_coverage(m, clean, sink)
+    _expert_coverage(m, clean, sink)
 
 
 def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: DiagnosticSink) -> None:
@@ -169,7 +170,7 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
         if (
             d != spec.tp_dim
             and (a, b) != (0, n)
-            and not (d == 0 and dp_sharded(e.state, lay.zero) and lay.replicas > 1)
+            and not (d == 0 and dp_sharded(e.state, lay.zero) and (lay.replicas > 1 or lay.expert_dp > 1))
         ):
             what = "is replicated" if spec.tp_dim is None else f"is split only along dimension {spec.tp_dim}"
             sink.error(
@@ -192,6 +193,8 @@ def _coverage(ctx: _Ctx, emu: Emu, sink: DiagnosticSink) -> None:
         if state not in states or (dp_sharded(state, lay.zero) and lay.replicas > 1):
             continue  # sharded over DP: checked across replicas in _dp_sharded_coverage
         for spec in model.tensors.values():
+            if lay.carves_experts and spec.family in model.expert_of:
+                continue  # split over expert ranks: checked across replicas in _expert_coverage
             held = groups.get((state, spec.family), [])
             want = model.tp_replication(spec, lay.tp)
             if not spec.per_layer and spec.placement == "first_and_last" and lay.pp > 1:
@@ -244,6 +247,8 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
         ]
         for state in states:
             for spec in model.tensors.values():
+                if lay.carves_experts and spec.family in model.expert_of:
+                    continue  # checked in _expert_coverage
                 held = [
                     e
                     for emu in emus
@@ -267,6 +272,55 @@ def _dp_sharded_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
                     f"replicas, expected {want}",
                     f"zero = {lay.zero} shards {state} over DP: the replicas "
                     "together hold each element once per TP replication",
+                )
+
+
+def _expert_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
+    """Routed experts under expert parallelism: every element of every expert held once per
+    expert-DP rank over *all* replicas (once in all under ZeRO), as ``expert_rank`` carves them.
+
+    Checked only where every replica of the model-stage is declared and passed its own checks.
+    """
+    by_stage: dict[tuple[str, str], list[Emu]] = defaultdict(list)
+    for key in clean:
+        by_stage[key[:2]].append(m.emus[key])
+    for (plan, ms), emus in sorted(by_stage.items()):
+        ctx = _Ctx(m, emus[0])
+        lay, model = ctx.layout, ctx.model
+        assert lay is not None and model is not None  # clean EMUs have a layout and a model
+        if not (model.moe and lay.carves_experts) or len(emus) != lay.replicas:
+            continue
+        emus.sort(key=lambda e: e.replica)
+        held: dict[tuple[str, str], list[tuple[bool, SliceEntry]]] = defaultdict(list)
+        for emu in emus:
+            for s in emu.shards:
+                first, last = even_split(model.experts, lay.ep, lay.expert_rank(emu.replica, s.tp)[0])
+                for e in s.entries:
+                    if e.family in model.expert_of:
+                        held[(e.state, e.family)].append((first <= model.expert_of[e.family] < last, e))
+        for state in [st for st in STATES if any(k[0] == st for k in held)]:
+            want = 1 if dp_sharded(state, lay.zero) else lay.expert_dp
+            for family in model.expert_of:
+                spec = model.tensors[family]
+                entries = held.get((state, family), [])
+                bad = _bad_cell(spec, model.layers, [e for _, e in entries], want)
+                if bad is None:
+                    continue
+                cell, count = bad
+                layers, box = (cell[0][0], cell[0][1] - 1), cell[1:]
+                name = tensor_name(family, layers)
+                # an extra copy: at a slice off its EP rank, else the last; a missing one: the first replica
+                extra = sorted(
+                    ((ok, (e.loc.line, e.loc.col), e.loc) for ok, e in entries if _covers(e, cell[0], box)),
+                    key=lambda x: (x[0], -x[1][0], -x[1][1]),
+                )
+                loc = extra[0][2] if count > want else emus[0].loc
+                sink.error(
+                    loc,
+                    f"{ms}: {'' if state == 'weight' else state + ' '}{name} {format_box(box)} is held "
+                    f"{plural(count, 'time')} across the {lay.replicas} replicas, expected {want}",
+                    f"ep = {lay.ep}, etp = {lay.expert_tp}: each expert lives on its EP rank's GPUs, split by etp, "
+                    f"once per expert-DP rank ({lay.expert_dp})" + (" and once in all under ZeRO" if want == 1 else ""),
                 )
 
 
