@@ -585,7 +585,7 @@ def layout_text(lay) -> str:
 
 SAME_KEYS = (
     "tp", "pp", "dp", "cp", "zero", "layers", "mesh", "micro_batches", "recompute", "sp", "vpp", "fp8", "grad_dtype",
-    "offload",
+    "offload", "ep", "etp",
 )  # fmt: skip
 
 

@@ -90,11 +90,13 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
         if md.head_dim is not None:
             args.append(("--kv-channels", md.head_dim, f"{mdl} head_dim"))
         args.append(("--ffn-hidden-size", md.ffn, mdl))
-        if md.moe:  # every layer MoE; experts split as TP splits a dense MLP (EP 1, expert TP = TP)
+        if md.moe:  # every layer MoE; EP x ETP carved from dp x cp x tp, as the layout carves them
             args += [
                 ("--num-experts", md.experts, f"{mdl} experts"),
                 ("--moe-router-topk", md.experts_per_token, f"{mdl} experts_per_token"),
                 ("--moe-ffn-hidden-size", md.expert_ffn, f"{mdl} expert_ffn"),
+                ("--expert-model-parallel-size", lay.ep, f"{src} ep"),
+                ("--expert-tensor-parallel-size", lay.expert_tp, f"{src} etp" if lay.etp else f"{src} tp (etp unset)"),
             ]
             if md.shared_expert_ffn:
                 args.append(("--moe-shared-expert-intermediate-size", md.shared_expert_ffn, f"{mdl} shared_expert_ffn"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..ir import Module, Plan
 from ..ir.attributes import compress_ints
 from .common import desc, flushes, generate_memory, header, kinds
+from .vllm import vllm_expert_parallel
 
 # model-stage keys verl's config leaves open: Hydra overrides add them with a leading +
 OPEN_KEYS = ("override_ddp_config.",)
@@ -107,6 +108,9 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
             if lay.vpp > 1:
                 put(f"{e}.virtual_pipeline_model_parallel_size", lay.vpp, src)
             put(f"{e}.context_parallel_size", lay.cp, src)
+            if m.models[lay.model].moe:
+                put(f"{e}.expert_model_parallel_size", lay.ep, f"{src} ep")
+                put(f"{e}.expert_tensor_parallel_size", lay.expert_tp, f"{src} etp" if lay.etp else f"{src} tp")
             put(f"{e}.sequence_parallel", lay.sp, f"{src} sp")
             put(f"{e}.param_offload", "weights" in off, f"{src} offload")
             if trained:
@@ -143,6 +147,11 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     f"not expressible in verl: {ms} uneven pipeline stages {sizes} layers (verl splits evenly)"
                 )
         else:
+            if lay.carves_experts and m.models[lay.model].moe:
+                notes.append(
+                    f"not expressible in verl: {ms} ep = {lay.ep}, etp = {lay.expert_tp} (verl's FSDP workers "
+                    "shard experts as any other weight; expert parallelism needs its Megatron workers)"
+                )
             put(fsdp["param_offload"], "weights" in off, f"{src} offload")
             if trained:
                 put(fsdp["optimizer_offload"], "optimizer" in off, f"{src} offload")
@@ -213,6 +222,14 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     "such setting)"
                 )
         md = m.models[lay.model]
+        if md.moe and lay.carves_experts:
+            if vllm_expert_parallel(lay) == "engine":
+                put(f"{prefix}.expert_parallel_size", lay.ep, f"layout {ms} ep (vLLM's EP: every expert whole)")
+            else:
+                notes.append(
+                    f"not expressible in verl: {ms} ep = {lay.ep}, etp = {lay.expert_tp}; verl's vLLM {what} "
+                    f"splits experts over an engine's TP ranks, each whole (ep = tp = {lay.tp}, etp = 1)"
+                )
         if lay.fp8 or md.dtype == "fp8":
             put(f"{prefix}.quantization", "fp8", f"layout {ms} fp8" if lay.fp8 else f"model @{md.name} dtype = fp8")
 

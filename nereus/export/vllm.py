@@ -10,6 +10,16 @@ from .common import desc, generate_memory, header, kinds
 DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def vllm_expert_parallel(lay) -> str | None:
+    """How vLLM runs a generation layout's expert parallelism (``enable_expert_parallel``: each
+    expert whole, split over every TP x DP rank of a server): ``"engine"`` when EP spans each
+    engine's TP ranks, ``"server"`` when it spans all DP engines of one server, None when vLLM
+    cannot run it so (or there is none)."""
+    if not lay.carves_experts or lay.expert_tp != 1 or lay.pp > 1 or lay.cp > 1:
+        return None
+    return "engine" if lay.ep == lay.tp else "server" if lay.ep == lay.tp * lay.dp else None
+
+
 def vllm_engine_args(m: Module, plan: Plan, model_stage: str) -> dict:
     """``vllm.EngineArgs`` keyword arguments of one engine of a generating model-stage (no ``model``)."""
     lay, w = plan.layouts[model_stage], m.workloads[plan.workload]
@@ -22,6 +32,8 @@ def vllm_engine_args(m: Module, plan: Plan, model_stage: str) -> dict:
     }
     if md.dtype in DTYPE:
         kw["dtype"] = DTYPE[md.dtype]
+    if md.moe and vllm_expert_parallel(lay):
+        kw["enable_expert_parallel"] = True
     if lay.fp8 or md.dtype == "fp8":
         kw["quantization"] = "fp8"
     return kw
@@ -46,7 +58,8 @@ def vllm_lines(m: Module, plan: Plan, target: str) -> list[str]:
         per = lay.tp * lay.pp * lay.cp
         groups = [lay.mesh[i * per : (i + 1) * per] for i in range(lay.dp)]
         shown = " ".join(str(g) for g in groups[:8]) + (f" ... ({lay.dp} in all)" if lay.dp > 8 else "")
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in kw.items())
+        ep = vllm_expert_parallel(lay) if m.models[lay.model].moe else None
         lines += [
             "",
             f"# {ms}: {desc(lay)}, model @{lay.model}",
@@ -56,10 +69,21 @@ def vllm_lines(m: Module, plan: Plan, target: str) -> list[str]:
             f"#   gpu_memory_utilization: layout {ms}, the cost model's budget: 0.9 of {c.gpu_memory / 2**30:.0f} GiB "
             f"less {others / 2**30:.1f} GiB other model-stages keep on these GPUs; KV cache {kv / 2**30:.1f} GiB per "
             "GPU",
-            f"#   per instance: CUDA_VISIBLE_DEVICES={','.join(str(g % c.gpus_per_node) for g in groups[0])} "
-            f"vllm serve MODEL {flags}",
-            f"#   or one server for all: vllm serve MODEL {flags} --data-parallel-size {lay.dp}",
         ]
+        per_instance = (
+            f"#   per instance: CUDA_VISIBLE_DEVICES={','.join(str(g % c.gpus_per_node) for g in groups[0])} "
+            f"vllm serve MODEL {flags}"
+        )
+        one_server = f"vllm serve MODEL {flags} --data-parallel-size {lay.dp}"
+        if ep == "engine":  # one server for all would spread the experts over its TP x DP ranks
+            lines += [
+                per_instance,
+                f"#   ep = tp = {lay.ep}: each engine holds every expert, so one server per instance",
+            ]
+        elif ep == "server":
+            lines.append(f"#   ep = {lay.ep} = tp x dp: experts span the engines (vLLM's EP is TP x DP): {one_server}")
+        else:
+            lines += [per_instance, f"#   or one server for all: {one_server}"]
         if any(len({c.node_of(g) for g in grp}) > 1 for grp in groups):
             lines.append("#   an engine spans nodes: vLLM runs it with --distributed-executor-backend ray")
         for what, bad, why in (
@@ -73,6 +97,11 @@ def vllm_lines(m: Module, plan: Plan, target: str) -> list[str]:
         ):
             if bad:
                 lines.append(f"# not expressible in vLLM: {ms} {what} = {getattr(lay, what)} ({why})")
+        if m.models[lay.model].moe and lay.carves_experts and ep is None:
+            lines.append(
+                f"# not expressible in vLLM: {ms} ep = {lay.ep}, etp = {lay.expert_tp} (vLLM keeps each expert "
+                "whole over all TP x DP ranks: ep = tp or tp x dp, etp = 1)"
+            )
         if m.models[lay.model].dtype == "fp8":
             lines.append(
                 f"# not expressible in vLLM: model @{lay.model} dtype = fp8 weights (exported as quantization = fp8)"

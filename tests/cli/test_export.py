@@ -156,6 +156,8 @@ MEGATRON_FLAGS = {
     "--moe-router-topk": int,
     "--moe-ffn-hidden-size": int,
     "--moe-shared-expert-intermediate-size": int,
+    "--expert-model-parallel-size": int,
+    "--expert-tensor-parallel-size": int,
     "--normalization": str,
     "--position-embedding-type": str,
 }

@@ -19,6 +19,7 @@ dynamic-batching and ZeRO-3 variants), checked by the frameworks' own code:
 - vLLM: ``tests/cli/test_export.py``.
 """
 
+import copy
 import argparse
 import dataclasses
 import inspect
@@ -75,9 +76,22 @@ def _moe(m):
         md = m.models[name]
         md.experts, md.experts_per_token, md.expert_ffn, md.shared_expert_ffn = 8, 2, md.ffn // 8, md.ffn // 4
         md.__dict__.pop("tensors", None)  # the inventory, cached, is remade with the experts
+        md.__dict__.pop("expert_of", None)
     m.emus.clear()  # the dense MLP's slices: the plan's EMUs are derived again where needed
     nereus.verify(m)
     return "grpo_p0"
+
+
+def _expert_parallel(m):
+    """``grpo_moe`` with expert parallelism: training EP 4 x ETP 2 carved from TP 4 x DP 2, the
+    reference EP 4 with whole experts, and the rollout's vLLM engines EP over their TP ranks."""
+    plan = _moe(m)
+    p = m.plans[plan]
+    for ms, ep, etp in (("actor.train", 4, 2), ("actor.infer", 4, 2), ("ref.infer", 4, 1), ("actor.generate", 2, 1)):
+        p.layouts[ms] = replace(p.layouts[ms], ep=ep, etp=etp)
+    m.emus.clear()
+    nereus.verify(m)
+    return plan
 
 
 def _searched(name):
@@ -100,6 +114,7 @@ CASES = {
     "grpo_dynamic": ("grpo", _dynamic),
     "grpo_zero3": ("grpo", _zero3),
     "grpo_moe": ("grpo", _moe),
+    "grpo_ep": ("grpo", _expert_parallel),
 }
 _CACHE: dict = {}
 
@@ -200,6 +215,14 @@ def test_verl_overrides_pass_verls_validation(name, tmp_path, verl_config_dir):
         and rollout.pipeline_model_parallel_size == 1
     )
     assert cfg.trainer.total_training_steps == w.steps
+    if m.models["actor"].moe:
+        assert rollout.expert_parallel_size == gen.ep
+        train = p.layouts["actor.train"]
+        megatron = cfg.actor_rollout_ref.actor.megatron
+        assert (megatron.expert_model_parallel_size, megatron.expert_tensor_parallel_size) == (
+            train.ep,
+            train.expert_tp,
+        )
     roles = set(w.roles)
     assert (cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) == ("ref" in roles)
     assert (reward is not None and reward.enable) == ("reward" in roles)
@@ -253,6 +276,9 @@ def megatron_args(argv):
     a = p.parse_args(argv)
     a.rotary_base = 10000 if a.rotary_base is None else a.rotary_base
     a.norm_epsilon = 1e-5 if a.norm_epsilon is None else a.norm_epsilon
+    a.expert_model_parallel_size = a.expert_model_parallel_size or 1
+    # validate_args: "if args.expert_tensor_parallel_size is None: ... = args.tensor_model_parallel_size"
+    a.expert_tensor_parallel_size = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
     return a
 
 
@@ -359,6 +385,8 @@ def test_megatron_core_accepts_the_arguments(name):
         assert moe == (
             (md.experts, md.experts_per_token, md.expert_ffn, md.shared_expert_ffn) if md.moe else (None,) * 4
         )
+        if md.moe:
+            assert (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (lay.ep, lay.expert_tp)
         ddp = ddp_config(a)
         assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
         assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)
@@ -379,3 +407,39 @@ def test_cases_cover_what_the_checks_are_for():
     assert any(lay.tp > 1 for lay in lays) and any(lay.pp > 1 for lay in lays) and any(lay.zero == 3 for lay in lays)
     assert any(md.qkv_bias for md in case("grpo_p0")[0].models.values())
     assert json.dumps(sorted(CASES))
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+@pytest.mark.parametrize("ep, how", [(2, "per instance"), (8, "experts span the engines")])
+def test_vllm_parses_the_rollouts_expert_parallelism(ep, how):
+    """EP over each engine's TP ranks runs one server per instance; EP over TP x DP, one server
+    for all: each line parsed by vLLM's own argument parser."""
+    pytest.importorskip("vllm")
+    from vllm import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    m, plan = case("grpo_ep")
+    m = copy.deepcopy(m)
+    p = m.plans[plan]
+    p.layouts["actor.generate"] = replace(p.layouts["actor.generate"], ep=ep, etp=1)
+    m.emus.clear()
+    nereus.verify(m)
+    text = export_plan(m, plan, "vllm")
+    line = next(x for x in text.splitlines() if how in x and "vllm serve MODEL" in x)
+    flags = shlex.split(line.split("vllm serve MODEL", 1)[1])
+    parsed = EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(flags))
+    assert parsed.enable_expert_parallel
+    # vLLM's EP size is TP x DP of the server
+    assert parsed.tensor_parallel_size * parsed.data_parallel_size == ep
+    assert "not expressible" not in text.split("# actor.generate")[1]
+
+
+def test_an_expert_split_vllm_cannot_run_is_said():
+    m, plan = case("grpo_ep")
+    m = copy.deepcopy(m)
+    p = m.plans[plan]
+    p.layouts["actor.generate"] = replace(p.layouts["actor.generate"], ep=4, etp=2)  # experts split by TP 2
+    m.emus.clear()
+    nereus.verify(m)
+    assert "not expressible in vLLM: actor.generate ep = 4, etp = 2" in export_plan(m, plan, "vllm")
+    assert "not expressible in verl: actor.generate ep = 4, etp = 2" in export_plan(m, plan, "verl")

@@ -23,9 +23,7 @@ EXPERTS = 8
 
 def layout(ms: str, tp=1, pp=1, dp=1, mesh=None, **kw) -> Layout:
     layers = [(lo, hi - 1) for lo, hi in (even_split(3, pp, r) for r in range(pp))]
-    return Layout(
-        model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(mesh or range(tp * pp * dp)), **kw
-    )
+    return Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(mesh or range(tp * pp * dp)), **kw)
 
 
 def module(a: dict, b: dict | None = None):
