@@ -472,7 +472,8 @@ def _verify_experts(lay: Layout, model, sink: DiagnosticSink) -> None:
             at(lay, "ep"),
             f"{ms}: ep x etp = {lay.ep} x {lay.expert_tp} = {carved} expert ranks "
             + ("are more than" if carved > ranks else "do not divide")
-            + f" the {ranks} ranks of a pipeline stage (dp x cp x tp = {lay.dp} x {lay.cp} x {lay.tp}) they are carved from",
+            + f" the {ranks} ranks of a pipeline stage (dp x cp x tp = {lay.dp} x {lay.cp} x {lay.tp})"
+            " they are carved from",
             "Megatron carves EP x ETP from dp x cp x tp: choose ep x etp dividing it",
         )
 

@@ -19,8 +19,8 @@ dynamic-batching and ZeRO-3 variants), checked by the frameworks' own code:
 - vLLM: ``tests/cli/test_export.py``.
 """
 
-import copy
 import argparse
+import copy
 import dataclasses
 import inspect
 import json
