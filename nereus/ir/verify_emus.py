@@ -11,6 +11,7 @@ Replicas printed as one block share their slice lists, so each distinct layout i
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import cast
 
 import numpy as np
 
@@ -294,7 +295,7 @@ def _expert_coverage(m: Module, clean: set, sink: DiagnosticSink) -> None:
         held: dict[tuple[str, str], list[tuple[bool, SliceEntry]]] = defaultdict(list)
         for emu in emus:
             for s in emu.shards:
-                first, last = even_split(model.experts, lay.ep, lay.expert_rank(emu.replica, s.tp)[0])
+                first, last = even_split(cast(int, model.experts), lay.ep, lay.expert_rank(emu.replica, s.tp)[0])
                 for e in s.entries:
                     if e.family in model.expert_of:
                         held[(e.state, e.family)].append((first <= model.expert_of[e.family] < last, e))
