@@ -21,6 +21,7 @@ class TimeBreakdown:
     tp: float = 0.0
     pp: float = 0.0
     cp: float = 0.0  # context parallelism's ring-attention K/V exchange
+    ep: float = 0.0  # expert parallelism's all-to-all dispatch and combine
     dp: float = 0.0
     optimizer: float = 0.0
     memory: float = 0.0  # HBM-bound decode
@@ -56,6 +57,8 @@ TIME_COMPONENTS = {
     "their latency",
     "pp": "pipeline sends of activations (and their gradients) between stages",
     "cp": "context parallelism's ring-attention K/V exchange",
+    "ep": "expert parallelism: all-to-all dispatch of each token to its top-k experts and combine back, per MoE "
+    "layer and pass, over the EP group's link, plus its latency",
     "dp": "gradient reduction over the data-parallel replicas (and ZeRO-3's weight gathers), what compute does "
     "not hide",
     "optimizer": "the optimizer step, HBM-bound (Adam reads and writes 32 bytes per parameter of its shard)",

@@ -8,7 +8,7 @@ import pytest
 
 from nereus.ir.hf_config import model_from_hf_config
 from nereus.ir.presets import preset_model
-from nereus.passes.cost.cost_model import CostModel, touched_share
+from nereus.passes.cost.cost_model import Candidates, CostModel, touched_share
 
 QWEN2_57B_A14B = dict(
     model_type="qwen2_moe",
@@ -44,3 +44,116 @@ def test_a_decode_step_reads_the_experts_its_batch_touches():
     one, eight, many = touched_share(m, [1, 8, 4096])
     assert one == pytest.approx(8 / 128)  # one token: its 8 experts
     assert one < eight < many and many == pytest.approx(1.0)  # a large batch reads every expert
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _emu_bytes(m, plan: str, ms: str) -> tuple[int, int]:
+    """(weight bytes, fp32 optimizer bytes) of the routed experts on the fullest GPU, counted from
+    the derived EMUs."""
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+
+    derive_missing_emus(m, plan)
+    md = m.models[m.plans[plan].layouts[ms].model]
+    weights: dict[int, int] = {}
+    optimizer: dict[int, int] = {}
+    for emu in m.emus.values():
+        if (emu.plan, emu.model_stage) != (plan, ms):
+            continue
+        for s in emu.shards:
+            for e in s.entries:
+                if e.family not in md.expert_of:
+                    continue
+                into = weights if e.state == "weight" else optimizer
+                into[s.gpu] = into.get(s.gpu, 0) + e.numel() * (md.dtype_bytes if e.state == "weight" else 4)
+    return max(weights.values()), max(optimizer.values())
+
+
+@pytest.mark.parametrize(
+    "tp, dp, ep, etp, zero, pp",
+    [
+        (2, 4, 1, None, 1, 1),
+        (2, 4, 4, 2, 1, 1),
+        (2, 4, 8, 1, 0, 1),
+        (1, 8, 8, 1, 1, 1),
+        (2, 2, 2, 2, 1, 2),
+        (4, 2, 2, 2, 1, 1),
+    ],
+)
+def test_expert_weights_and_optimizer_state_on_the_fullest_gpu_are_what_the_emus_hold(tp, dp, ep, etp, zero, pp):
+    """The cost model's per-GPU expert state under EP and ETP, against the sharding rule's EMUs."""
+    import nereus
+    from nereus.ir import Layout, Plan
+
+    from ..support.jobs import moe_job
+
+    m = moe_job(experts=8, expert_ffn=16, layers=4)
+    md = m.models["actor"]
+    layers = [(0, 3)] if pp == 1 else [(0, 1), (2, 3)]
+    train = Layout(
+        model_stage="actor.train", tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(range(8)), ep=ep, etp=etp, zero=zero
+    )
+    gen = Layout(model_stage="actor.generate", tp=1, pp=1, dp=8, layers=[(0, 3)], mesh=list(range(8)))
+    ref = Layout(model_stage="ref.infer", tp=1, pp=1, dp=8, layers=[(0, 3)], mesh=list(range(8)))
+    m.plans["a"] = Plan(
+        name="a", workload="w", cluster="c", layouts={"actor.train": train, "actor.generate": gen, "ref.infer": ref}
+    )
+    nereus.verify(m)
+    cost = CostModel(m.clusters["c"])
+    cand = Candidates.of_layout(m.clusters["c"], train)
+    dense, experts = cost.split_params(md, cand)
+    w, _, opt = cost._state("train", cand, 0 * dense, experts, md.dtype_bytes)
+    want_w, want_opt = _emu_bytes(m, "a", "actor.train")
+    assert (float(w[0]), float(opt[0])) == (want_w, want_opt)
+
+
+def test_all_to_all_costs_grow_with_ep_and_move_to_the_nic_when_the_ep_group_spans_nodes():
+    from nereus.ir import Layout
+
+    from ..support.jobs import moe_job
+
+    m = moe_job(experts=8, expert_ffn=16, layers=4)  # 2 nodes of 4 GPUs
+    c, md, w = m.clusters["c"], m.models["actor"], m.workloads["w"]
+    cost = CostModel(c)
+
+    def ep_seconds(ep, etp, mesh):
+        lay = Layout(model_stage="actor.train", tp=2, pp=1, dp=4, layers=[(0, 3)], mesh=mesh, ep=ep, etp=etp)
+        cand = Candidates.of_layout(c, lay)
+        st = cost.stage(md, w, "train", cand)
+        return st.breakdown(cost.coeffs)["ep"], int(cand.ep_link[0])
+
+    node_major = list(range(8))
+    assert ep_seconds(1, None, node_major)[0] == 0.0
+    # EP 2 x ETP 1: a TP pair's own GPUs; EP 2 x ETP 2: two TP pairs on one node; EP 4 x ETP 2:
+    # all four replicas, over both nodes (a stage's ranks ordered tp fastest, then replica)
+    pair, link_pair = ep_seconds(2, 1, node_major)
+    node, link_node = ep_seconds(2, 2, node_major)
+    both, link_both = ep_seconds(4, 2, node_major)
+    assert (link_pair, link_node, link_both) == (0, 0, 1)  # NVLink, NVLink, NIC
+    assert 0 < pair == node < both  # (ep - 1) / ep of the tokens leave: 1/2, 1/2, 3/4
+    # EP 2 x ETP 2 with replicas 0 and 1 on different nodes: its EP group crosses the NIC
+    spread = [0, 1, 4, 5, 2, 3, 6, 7]
+    crossed, link = ep_seconds(2, 2, spread)
+    assert link == 1 and crossed > node
+
+
+def test_the_search_grids_ep_link_is_the_one_its_canonical_mesh_gives():
+    from itertools import product
+
+    from nereus.ir import Layout
+
+    from ..support.jobs import moe_job
+
+    c = moe_job().clusters["c"]  # 2 nodes of 4 GPUs
+    seen = set()
+    for tp, pp, dp, ep, etp in product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4)):
+        if tp * pp * dp > 8 or tp % etp or (dp * tp) % (ep * etp):
+            continue
+        layers = [(0, 2)] if pp == 1 else [(0, 1), (2, 2)]
+        lay = Layout(model_stage="actor.train", tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(range(tp * pp * dp)))
+        lay.ep, lay.etp = ep, etp
+        grid = Candidates.grid(c, 3, tp, pp, dp, ep=ep, etp=etp)
+        assert grid.ep_link[0] == Candidates.of_layout(c, lay).ep_link[0], (tp, pp, dp, ep, etp)
+        seen.add(int(grid.ep_link[0]))
+    assert seen == {0, 1}

@@ -20,6 +20,7 @@ example parses, verifies and prints in milliseconds.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 from hypothesis import strategies as st
 
@@ -267,6 +268,8 @@ HANDLED = {
         "grad_dtype",
         "fp8",
         "cp",
+        "ep",
+        "etp",
     },  # vpp, fp8, cp: tests/ir/test_layout_features.py
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
@@ -451,6 +454,13 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         time=draw(st.none() | quantity(Dim.TIME)),
         memory=draw(st.none() | quantity(Dim.SIZE)),
     )
+    if model.moe and draw(st.booleans()):
+        # EP x ETP carved from the TP ranks alone, so that it divides dp x cp x tp whatever DP becomes
+        lay.etp = draw(st.sampled_from([t for t in range(1, tp + 1) if tp % t == 0]))
+        e = cast(int, model.experts)
+        lay.ep = draw(
+            st.sampled_from([k for k in range(1, tp // lay.etp + 1) if (tp // lay.etp) % k == 0 and e % k == 0])
+        )
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
     return lay
 

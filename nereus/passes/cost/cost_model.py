@@ -33,6 +33,14 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   activations, TP and PP traffic divided by ``c``; ring attention passes the other chunks' K/V
   (their gradients too in backward), charged in series; gradients reduce and ZeRO shards over
   ``d x c`` replicas.
+- Expert parallelism (a mixture of experts, ``ep`` and ``etp``): a GPU holds ``E / ep`` experts,
+  each split over ``etp`` ranks, and ZeRO shards them (and their gradients reduce) over the
+  ``d x c x t / (ep x etp)`` expert-DP ranks. Each MoE layer dispatches every token to its top-k
+  experts and combines them back by all-to-all over the EP group (Megatron's alltoall
+  dispatcher): ``(ep - 1) / ep`` of ``k`` hidden vectors per token leave a GPU each way, per
+  forward and backward pass, its replica's tokens split over TP (sequence parallel, which
+  Megatron requires for MoE with TP). Routing is assumed even: load imbalance is not charged.
+  A decode step reads the experts its batch touches among the GPU's own.
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
   ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
   attention and no sequence parallelism (Korthikanti et al. 2022, adapted to SwiGLU/GQA),
@@ -94,10 +102,20 @@ class Candidates:
     fp8: np.ndarray = field(default=cast(np.ndarray, None))  # GEMMs in FP8
     cp: np.ndarray = field(default=cast(np.ndarray, None))  # context parallelism: ranks splitting each sequence
     cp_link: np.ndarray = field(default=cast(np.ndarray, None))
+    ep: np.ndarray = field(default=cast(np.ndarray, None))  # expert parallelism: experts split over ep ranks
+    etp: np.ndarray = field(default=cast(np.ndarray, None))  # each expert's TP size (default: tp)
+    ep_link: np.ndarray = field(default=cast(np.ndarray, None))  # the EP group's all-to-all link
 
     def __post_init__(self):
         n = len(self.tp)
+        if self.etp is None:
+            self.etp = np.asarray(self.tp, dtype=np.int64)
+        if self.ep_link is None:
+            self.ep_link = np.asarray(self.tp_link)
         for name, value, dtype in (
+            ("ep", 1, np.int64),
+            ("etp", 1, np.int64),
+            ("ep_link", NVLINK, np.int64),
             ("resident", 0.0, float),
             ("sp", False, bool),
             ("vpp", 1, np.int64),
@@ -131,14 +149,36 @@ class Candidates:
         vpp=1,
         grad_bytes=2,
         cp=1,
+        ep=1,
+        etp=None,
     ) -> "Candidates":
         """Candidates placed canonically (tp fastest on consecutive GPUs, then pp, cp, dp), layers
-        split by tensor_split's rule."""
-        tp, pp, dp, mb, rc, z, sp, vpp, gb, cp = np.broadcast_arrays(
-            *(np.atleast_1d(v) for v in (tp, pp, dp, micro_batches, recompute, zero, sp, vpp, grad_bytes, cp))
+        split by tensor_split's rule; ``etp`` None: each expert split as TP splits a dense MLP."""
+        tp, pp, dp, mb, rc, z, sp, vpp, gb, cp, ep, etp = np.broadcast_arrays(
+            *(
+                np.atleast_1d(v)
+                for v in (
+                    tp,
+                    pp,
+                    dp,
+                    micro_batches,
+                    recompute,
+                    zero,
+                    sp,
+                    vpp,
+                    grad_bytes,
+                    cp,
+                    ep,
+                    tp if etp is None else etp,
+                )
+            )
         )
         tp, pp, dp, cp = tp.astype(np.int64), pp.astype(np.int64), dp.astype(np.int64), cp.astype(np.int64)
+        ep, etp = ep.astype(np.int64), etp.astype(np.int64)
         g = cluster.gpus_per_node
+        # an EP group: ranks etp apart in a stage's (tp fastest, then cp, dp) order; beyond one TP
+        # group it spans ep x etp / tp replicas, pp x tp GPUs apart under canonical placement
+        ep_span = np.where(ep * etp <= tp, tp, (ep * etp // np.maximum(tp, 1) - 1) * pp * tp + tp)
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
         last = np.where(pp == 1, layers, layers // pp)
         return cls(
@@ -160,6 +200,9 @@ class Candidates:
             grad_bytes=gb,
             cp=cp,
             cp_link=np.where(tp * pp * cp <= g, NVLINK, NIC),
+            ep=ep,
+            etp=etp,
+            ep_link=np.where(ep_span <= g, NVLINK, NIC),
         )
 
     @classmethod
@@ -182,6 +225,14 @@ class Candidates:
         dp_link = spans_nodes(nodes != nodes[:1])
         by_cp = nodes.reshape(lay.dp, lay.cp, lay.pp, lay.tp)
         cp_link = spans_nodes(by_cp != by_cp[:, :1])
+        # an EP group: the GPUs of one pipeline stage with the same expert-DP and ETP ranks
+        groups: dict[tuple, set[int]] = {}
+        for d in range(lay.replicas):
+            for t in range(lay.tp):
+                e, et, edp = lay.expert_rank(d, t)
+                for p in range(lay.pp):
+                    groups.setdefault((p, edp, et), set()).add(int(nodes[d, p, t]))
+        ep_link = NIC if any(len(g) > 1 for g in groups.values()) else NVLINK
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
         return cls(
@@ -204,6 +255,9 @@ class Candidates:
             fp8=a(lay.fp8),
             cp=a(lay.cp),
             cp_link=a(cp_link),
+            ep=a(lay.ep),
+            etp=a(lay.expert_tp),
+            ep_link=a(ep_link),
         )
 
 
@@ -358,6 +412,8 @@ class CostModel:
             t = int(t)
             layer = first = last = 0
             for spec in model.tensors.values():
+                if spec.family in model.expert_of:
+                    continue  # expert_params_per_layer
                 n = 1
                 for lo, hi in model.tp_box(spec, t, 0):
                     n *= hi - lo
@@ -373,6 +429,19 @@ class CostModel:
         return per[:, 0], per[:, 1], per[:, 2]
 
     @staticmethod
+    def expert_params_per_layer(model: Model, ep: np.ndarray, etp: np.ndarray) -> np.ndarray:
+        """Routed-expert parameters of one layer on the fullest GPU: ``ceil(E / ep)`` experts, each
+        ETP rank 0's slice (0 for a dense model)."""
+        if not model.moe:
+            return np.zeros(len(ep))
+        gate, up, down = (model.tensors[f] for f in model.expert_families(0))
+        per = {
+            int(t): sum(int(np.prod([hi - lo for lo, hi in model.tp_box(s, int(t), 0)])) for s in (gate, up, down))
+            for t in np.unique(etp)
+        }
+        return -(-cast(int, model.experts) // ep) * np.array([per[int(t)] for t in etp], dtype=float)
+
+    @staticmethod
     def kv_bytes_per_token(model: Model, tp, layers=None) -> np.ndarray:
         """KV cache bytes per token on one GPU: 2 x layers x kv_heads x head_dim x bytes / TP
         (each rank keeps at least one K/V head when TP exceeds kv_heads)."""
@@ -382,9 +451,17 @@ class CostModel:
 
     def params_per_gpu(self, model: Model, c: Candidates) -> np.ndarray:
         """Parameters held by the fullest GPU (weights only, before ZeRO)."""
+        return np.sum(self.split_params(model, c), axis=0)
+
+    def split_params(self, model: Model, c: Candidates) -> tuple[np.ndarray, np.ndarray]:
+        """(dense, routed-expert) parameters on the fullest GPU (weights only, before ZeRO)."""
         layer, first, last = self._local_params(model, c.tp)
-        single = c.first_layers * layer + first + last
-        return np.where(c.pp == 1, single, np.maximum(c.first_layers * layer + first, c.last_layers * layer + last))
+        experts = self.expert_params_per_layer(model, c.ep, c.etp)
+        a, b = c.first_layers * (layer + experts) + first, c.last_layers * (layer + experts) + last
+        single = c.first_layers * (layer + experts) + first + last
+        stage = np.where(c.pp == 1, single, np.maximum(a, b))
+        held = np.where(c.pp == 1, c.first_layers, np.where(a >= b, c.first_layers, c.last_layers))
+        return stage - held * experts, held * experts
 
     def _bw(self, link: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(bandwidth B/s, latency s, coefficient column) per candidate for NVLINK/NIC codes."""
@@ -398,18 +475,27 @@ class CostModel:
         """(weights, gradients, fp32 master and Adam moments) bytes on the fullest GPU of ``c``'s
         layouts of ``model`` running a stage of ``kind``: ``stage``'s, without its time."""
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            return self._state(kind, c, self.params_per_gpu(model, c), model.dtype_bytes)
+            return self._state(kind, c, *self.split_params(model, c), model.dtype_bytes)
 
     @staticmethod
-    def _state(kind: str, c: Candidates, params: np.ndarray, b: int):
+    def expert_dp(c: Candidates) -> np.ndarray:
+        """Copies of each expert slice: ``dp x cp x tp / (ep x etp)`` (ZeRO shards experts over them)."""
+        return c.dp.astype(float) * c.cp.astype(float) * c.tp / (c.ep * c.etp)
+
+    @staticmethod
+    def _state(kind: str, c: Candidates, dense: np.ndarray, experts: np.ndarray, b: int):
         if kind != "train":
             zeros = np.zeros(len(c))
-            return params * b, zeros, zeros
+            return (dense + experts) * b, zeros, zeros
         replicas = c.dp.astype(float) * c.cp.astype(float)  # ZeRO shards over every copy of the weights
-        weights = params * b / np.where(c.zero >= 3, replicas, 1.0)
-        grads = params * c.grad_bytes / np.where(c.zero >= 2, replicas, 1.0)
-        optimizer = params * 12 / np.where(c.zero >= 1, replicas, 1.0)
-        return weights, grads, optimizer
+        edp = CostModel.expert_dp(c)
+
+        def over(bytes_per_param, stage: int):
+            return bytes_per_param * (
+                dense / np.where(c.zero >= stage, replicas, 1.0) + experts / np.where(c.zero >= stage, edp, 1.0)
+            )
+
+        return over(b, 3), over(c.grad_bytes, 2), over(12, 1)
 
     def stage(self, model: Model, workload: Workload, kind: str, c: Candidates) -> StageCost:
         """Features and memory of ``c``'s layouts of ``model`` running a stage of ``kind``."""
@@ -460,15 +546,22 @@ class CostModel:
         bubble = np.where(c.pp > 1, (pp - 1) / (m * v), 0.0)  # interleaving: v chunks per rank, a v-th of the bubble
         sp_div = np.where(c.sp, tp, 1.0)  # sequence parallelism shards the activations outside the TP GEMMs
         stage_layers = c.max_layers.astype(float)
-        params = self.params_per_gpu(model, c)
+        dense_params, expert_params = self.split_params(model, c)
+        edp = self.expert_dp(c)
         tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
+        ep_bw, ep_lat, ep_col = self._bw(c.ep_link)
+        ep = c.ep.astype(float)
+        moe_layers = stage_layers if model.moe else np.zeros(n)
+        # all-to-all bytes a GPU sends per MoE layer and token of its replica, each way (dispatch or
+        # combine): k hidden vectors per token, its replica's tokens split over TP, (ep - 1) / ep leave
+        a2a_tok = (model.experts_per_token or 0) * h * ACT_BYTES / tp * (ep - 1) / ep
         pp_bw, pp_lat, pp_col = self._bw(c.pp_link)
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
         ring_tp = 2 * (tp - 1) / tp
         decode = overlap = None
         zeros = np.zeros(n)
-        weights, grads, optimizer = self._state(kind, c, params, b)
+        weights, grads, optimizer = self._state(kind, c, dense_params, expert_params, b)
         activations = kv = zeros
 
         q_dim, k_dim = model.heads * model.hd, model.kv_heads * model.hd
@@ -510,6 +603,10 @@ class CostModel:
             wait(
                 "cp", np.where(c.cp > 1, n_mb_total * (1 + bubble) * stage_layers * cp_passes * (cp - 1) * cp_lat, 0.0)
             )
+            # EP: dispatch and combine per MoE layer and pass (backward sends their gradients back)
+            a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * passes * a2a_tok * (1 + bubble), 0.0)
+            add("ep", ep_col, np.where(c.ep > 1, a2a / ep_bw, 0.0))
+            wait("ep", np.where(c.ep > 1, n_mb_total * (1 + bubble) * moe_layers * passes * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
@@ -517,8 +614,11 @@ class CostModel:
                 # ZeRO-3 reduce-scatters gradients (its gathers are below); 0-2 all-reduce them, or
                 # reduce-scatter them and all-gather the updated weights: the same bytes
                 grad_ring = np.where(c.zero == 3, (replicas - 1) / replicas, ring_dp)
-                grad_bytes = n_opt * grad_ring * params * c.grad_bytes
-                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * (replicas - 1) / replicas * params * b, 0.0)
+                # experts reduce (and ZeRO-3 gathers them) over their expert-DP ranks only
+                expert_ring = np.where(c.zero == 3, (edp - 1) / edp, 2 * (edp - 1) / edp)
+                grad_bytes = n_opt * (grad_ring * dense_params + expert_ring * expert_params) * c.grad_bytes
+                gathered = (replicas - 1) / replicas * dense_params + (edp - 1) / edp * expert_params
+                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * gathered * b, 0.0)
                 dp_feat = np.where(replicas > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
                 add("dp", dp_col, dp_feat)
                 # what compute hides: ZeRO-3 gathers and reduces layer by layer beside all of it;
@@ -531,8 +631,10 @@ class CostModel:
                 win_f[:, C_COMPUTE] = np.where(replicas > 1, window, 0.0)
                 overlap = (comm_f, win_f, self.efficiency.overlap)
                 wait("dp", np.where(replicas > 1, n_opt * 2 * (replicas - 1) * dp_lat, 0.0))
-                shard_opt = np.where(c.zero >= 1, replicas, 1.0)
-                add("optimizer", C_HBM, n_opt * 32 * params / shard_opt / self.cluster.hbm_bandwidth)
+                opt_params = dense_params / np.where(c.zero >= 1, replicas, 1.0) + expert_params / np.where(
+                    c.zero >= 1, edp, 1.0
+                )
+                add("optimizer", C_HBM, n_opt * 32 * opt_params / self.cluster.hbm_bandwidth)
                 # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
                 # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
@@ -568,7 +670,7 @@ class CostModel:
             # a mixture of experts reads, per decode step, the experts its batch's tokens are routed
             # to: of E experts, top-k each, a batch of b tokens touches E (1 - (1 - k/E)^b) under
             # even routing (all of them once b is large)
-            read = weights * (1 - model.expert_share * (1 - touched_share(model, conc))) if model.moe else weights
+            read = dense_params * b + expert_params * b * touched_share(model, conc) if model.moe else weights
             dec_memory = (
                 pp * (steps * read + per_seq(lambda x: (p * x + x * x / 2) * kv_tok)) / self.cluster.hbm_bandwidth
             )
@@ -578,6 +680,10 @@ class CostModel:
             wait("tp", np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0))
             add("pp", pp_col, np.where(c.pp > 1, samples * (p + r) * (pp - 1) * h * ACT_BYTES / pp_bw, 0.0))
             wait("pp", np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0))
+            # EP: each decode step dispatches and combines its batch's tokens per MoE layer
+            gen_a2a = np.where(c.ep > 1, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
+            add("ep", ep_col, np.where(c.ep > 1, gen_a2a / ep_bw, 0.0))
+            wait("ep", np.where(c.ep > 1, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
             kv = np.minimum(conc, samples) * (p + r) * kv_tok
             activations = np.minimum(conc, samples) * V * 4 / tp
