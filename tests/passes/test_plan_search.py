@@ -1,6 +1,7 @@
 """plan-search: the CP-SAT optimum equals brute force, plans verify and fit, infeasible is a diagnostic."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -60,6 +61,9 @@ def instances(draw):
     ref = Model(
         name="ref", layers=layers, hidden=hidden, heads=heads, kv_heads=actor.kv_heads, ffn=hidden * 3, vocab=32000
     )
+    if draw(st.booleans()):  # mixtures of experts: the search also tries expert parallelism
+        experts = draw(st.sampled_from([4, 8]))
+        actor, ref = (replace(md, experts=experts, experts_per_token=2, expert_ffn=hidden) for md in (actor, ref))
     shape = draw(st.sampled_from(["gen-train", "gen-infer2-train", "gen-infer-train"]))
     stages = [Stage(name="generate", kind="generate", models=["actor"])]
     if shape == "gen-infer2-train":
@@ -585,7 +589,7 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
 
     grid = layout_grid(model, workload, kind, pos.n, pos.per_node, max_tp, max_pp, max_zero, offload, pos.exhaustive)
     cols = list(zip(*grid))
-    tp, pp, dp, mb, zero, vpp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7))
+    tp, pp, dp, mb, zero, vpp, ep, etp = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 3, 5, 7, 8, 9))
     rc, off = np.array(cols[4], dtype=bool), list(cols[6])
     weights, grads, optimizer = cost.state(
         model,
@@ -601,6 +605,8 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
             zero=zero,
             sp=sequence_parallel(tp, kind),
             vpp=vpp,
+            ep=ep,
+            etp=etp,
         ),
     )
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
@@ -608,7 +614,9 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     rho = np.full(len(tp), np.inf)
     if kind == "generate":
         keep, rho = wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
-        tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
+        tp, pp, dp, mb, rc, zero, offloaded, vpp, ep, etp = (
+            v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp, ep, etp)
+        )
         off = [off[i] for i in keep]
     gpus = tp * pp * dp
     by_size = {int(g): pos.classes(int(g)) for g in np.unique(gpus)}
@@ -620,7 +628,18 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     ).reshape(-1, 3)
     col = np.array([list(classes).index(k) for k in ex_cls], dtype=np.int64)
     return costed_rows(
-        cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk
+        cost,
+        workload,
+        model,
+        kind,
+        (tp, pp, dp, mb, rc, zero, vpp, ep, etp),
+        off,
+        offloaded,
+        rho,
+        classes,
+        ex_row,
+        col,
+        lk,
     )
 
 

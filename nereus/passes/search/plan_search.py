@@ -160,6 +160,8 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
             & (col["pp"] == lay.pp)
             & (col["dp"] == lay.dp)
             & (col["vpp"] == lay.vpp)
+            & (col["ep"] == lay.ep)
+            & (col["etp"] == lay.expert_tp)
             & (col["mb"] == lay.micro_batches)
             & (col["rc"] == bool(lay.recompute))
             & (col["zero"] == lay.zero)
@@ -413,6 +415,8 @@ def to_plan(problem: SearchProblem, sol: Solution, name: str, workload: str, clu
                     recompute=o.recompute,
                     sp=bool(sequence_parallel(o.tp, problem.spaces[ms].kind)),
                     vpp=o.vpp,
+                    ep=o.ep,
+                    etp=o.etp,
                     offload=[k for k in ("weights", "grads", "optimizer") if k in o.offload],
                 )
     order = [ms for _, mss in problem.stages for ms in mss]
@@ -483,7 +487,7 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
     )
     if not rows:
         return None
-    tp, pp, dp, mb, rc, z, _, v = (list(col) for col in zip(*rows))
+    tp, pp, dp, mb, rc, z, _, v, ep, etp = (list(col) for col in zip(*rows))
     sc = cost.stage(
         model,
         problem.workload,
@@ -499,6 +503,8 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
             zero=z,
             sp=sequence_parallel(tp, kind),
             vpp=v,
+            ep=ep,
+            etp=etp,
         ),
     )
     if kind == "generate":

@@ -217,6 +217,8 @@ class Option:
     peak: int  # KiB: own peak during its stage (generation: its largest peak + others' state, less rho)
     resident: int  # KiB: own state kept between stages
     vpp: int = 1  # virtual pipeline stages per rank
+    ep: int = 1  # expert parallelism (a mixture of experts)
+    etp: int | None = None  # each expert's TP size (None: tp)
 
     @property
     def extra(self) -> int:
@@ -237,7 +239,7 @@ class OptionRows(Sequence):
         times_s: np.ndarray,
         units: np.ndarray,
     ) -> None:
-        self.columns = columns  # tp pp dp mb rc zero rho gpus peak resident vpp fastest (units), one row per option
+        self.columns = columns  # tp pp dp mb rc zero rho gpus peak resident vpp ep etp fastest (units), one per option
         self.offload, self.classes, self.times_s, self.units = offload, classes, times_s, units
         self._made: dict[int, Option] = {}
 
@@ -270,6 +272,8 @@ class OptionRows(Sequence):
                 int(c["peak"][i]),
                 int(c["resident"][i]),
                 int(c["vpp"][i]),
+                int(c["ep"][i]),
+                None if int(c["etp"][i]) == int(c["tp"][i]) else int(c["etp"][i]),
             )
         return o
 
@@ -290,10 +294,12 @@ def columns(options) -> dict[str, np.ndarray]:
         "peak": "peak",
         "resident": "resident",
         "vpp": "vpp",
+        "ep": "ep",
     }
     out = {
         k: np.array([getattr(o, a) for o in options], dtype=bool if k == "rc" else np.int64) for k, a in names.items()
     }
+    out["etp"] = np.array([o.tp if o.etp is None else o.etp for o in options], dtype=np.int64)
     out["fastest"] = np.array([min(o.times.values()) for o in options], dtype=np.int64)
     return out
 
@@ -445,7 +451,7 @@ def build_problem(
             ]
         cols = {
             k: np.asarray(getattr(c, k))[keep]
-            for k in ("tp", "pp", "dp", "mb", "rc", "zero", "rho", "gpus", "peak", "resident", "vpp")
+            for k in ("tp", "pp", "dp", "mb", "rc", "zero", "rho", "gpus", "peak", "resident", "vpp", "ep", "etp")
         }
         kept_units = units[keep]
         cols["fastest"] = (
@@ -474,9 +480,10 @@ def layout_grid(
     full: bool = True,
     zeros: tuple[int, ...] | None = None,
 ) -> list[tuple]:
-    """(tp, pp, dp, micro_batches, recompute, zero, offload, vpp) of every candidate layout
-    (module docs); ``full=False`` is the large-cluster space; ``zeros``: the ZeRO stages of
-    training layouts (default 2 and 3), each at most ``max_zero``."""
+    """(tp, pp, dp, micro_batches, recompute, zero, offload, vpp, ep, etp) of every candidate
+    layout (module docs); ``full=False`` is the large-cluster space; ``zeros``: the ZeRO stages of
+    training layouts (default 2 and 3), each at most ``max_zero``. A mixture of experts also
+    gets its expert carvings (``expert_carvings``)."""
     tps = [
         t
         for t in range(1, min(max_tp, model.heads) + 1)
@@ -520,8 +527,28 @@ def layout_grid(
                 for rc in (False, True) if kind == "train" else (False,):
                     for z in stages if kind == "train" and dp > 1 else (0,):
                         for off in (OFFLOAD_CHOICES if full else LEAN_OFFLOAD)[kind] if offload else ((),):
-                            rows.append((tp, pp, dp, mb, rc, z, off, v))
+                            for ep, etp in expert_carvings(model, kind, tp, dp):
+                                rows.append((tp, pp, dp, mb, rc, z, off, v, ep, etp))
     return rows
+
+
+EXPERT_PARALLEL = (1, 2, 4, 8, 16, 32, 64)  # EP sizes the search tries (powers of two, as deployments use)
+
+
+def expert_carvings(model: Model, kind: str, tp: int, dp: int) -> list[tuple[int, int]]:
+    """(ep, etp) choices of a layout: (1, tp) for a dense model. A mixture of experts in training
+    or inference also splits its experts over EP ranks carved from dp x tp, each expert split as a
+    dense MLP (etp = tp, EP from DP) or whole (etp = 1, Megatron's common MoE setting); in
+    generation, vLLM's expert parallelism over each engine's TP ranks (ep = tp, etp = 1)."""
+    out = [(1, tp)]
+    if not model.moe:
+        return out
+    e = cast(int, model.experts)
+    if kind == "generate":
+        return out + ([(tp, 1)] if tp > 1 and e % tp == 0 else [])
+    for etp in sorted({tp, 1}, reverse=True):
+        out += [(ep, etp) for ep in EXPERT_PARALLEL[1:] if e % ep == 0 and (dp * tp) % (ep * etp) == 0]
+    return out
 
 
 _GRIDS: dict[tuple, tuple | None] = {}  # _grid_columns, by what layout_grid reads
@@ -540,7 +567,7 @@ def _grid_columns(
     full: bool,
     zeros: tuple[int, ...] | None = None,
 ) -> tuple | None:
-    """``layout_grid`` as read-only arrays (tp, pp, dp, mb, rc, zero, vpp), the offload choices
+    """``layout_grid`` as read-only arrays (tp, pp, dp, mb, rc, zero, vpp, ep, etp), the offload choices
     (a tuple per row, the distinct choices, and each row's choice's index), or None for an
     empty grid. Remembered by what the grid depends on: the model's heads, KV heads and layers,
     and the workload's batch sizes (a search at every step asks for the same grids again)."""
@@ -548,6 +575,7 @@ def _grid_columns(
         model.heads,
         model.kv_heads,
         model.layers,
+        model.experts if model.moe else None,
         workload.samples,
         workload.mini_batch,
         workload.micro_batch,
@@ -567,7 +595,7 @@ def _grid_columns(
     out = None
     if grid:
         cols = list(zip(*grid))
-        arrays = [np.array(cols[i], dtype=bool if i == 4 else np.int64) for i in (0, 1, 2, 3, 4, 5, 7)]
+        arrays = [np.array(cols[i], dtype=bool if i == 4 else np.int64) for i in (0, 1, 2, 3, 4, 5, 7, 8, 9)]
         for a in arrays:
             a.setflags(write=False)
         off = list(cols[6])
@@ -608,6 +636,8 @@ class Rows:
     peak: np.ndarray  # KiB
     resident: np.ndarray  # KiB
     vpp: np.ndarray
+    ep: np.ndarray
+    etp: np.ndarray
 
 
 def candidates(
@@ -629,14 +659,16 @@ def candidates(
     )
     if g is None:
         e = np.zeros(0, dtype=np.int64)
-        return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e, e)
-    tp, pp, dp, mb, rc, zero, vpp, off, choices, code = g
+        return Rows(e, e, e, e, e.astype(bool), e, [], e, e, e, np.zeros((0, 0)), e, e, e, e, e)
+    tp, pp, dp, mb, rc, zero, vpp, ep, etp, off, choices, code = g
     off = list(off)
     sp = sequence_parallel(tp, kind)
     weights, grads, optimizer = cost.state(
         model,
         kind,
-        Candidates.grid(cluster, model.layers, tp, pp, dp, micro_batches=mb, recompute=rc, zero=zero, sp=sp, vpp=vpp),
+        Candidates.grid(
+            cluster, model.layers, tp, pp, dp, micro_batches=mb, recompute=rc, zero=zero, sp=sp, vpp=vpp, ep=ep, etp=etp
+        ),
     )
     state = {"weights": weights, "grads": grads, "optimizer": optimizer}
     offloaded = np.zeros(len(tp))  # each row's offloaded state, summed in its choice's order
@@ -647,7 +679,9 @@ def candidates(
     rho = np.full(len(tp), np.inf)  # bytes others may keep (generation)
     if kind == "generate":  # one row per number of waves the KV cache allows, at the most others may keep
         keep, rho = wave_points(cost, workload, model, weights, tp, pp, dp, MAX_WAVE_POINTS if pos.exhaustive else 8)
-        tp, pp, dp, mb, rc, zero, offloaded, vpp = (v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp))
+        tp, pp, dp, mb, rc, zero, offloaded, vpp, ep, etp = (
+            v[keep] for v in (tp, pp, dp, mb, rc, zero, offloaded, vpp, ep, etp)
+        )
         off = [off[i] for i in keep.tolist()]
     gpus = tp * pp * dp
     # every row at every start class of its size, with the links of the mesh at that start: the
@@ -675,7 +709,18 @@ def candidates(
             dtype=np.int64,
         ).reshape(-1, 3)[key_of.reshape(-1)]
     return costed_rows(
-        cost, workload, model, kind, (tp, pp, dp, mb, rc, zero, vpp), off, offloaded, rho, classes, ex_row, col, lk
+        cost,
+        workload,
+        model,
+        kind,
+        (tp, pp, dp, mb, rc, zero, vpp, ep, etp),
+        off,
+        offloaded,
+        rho,
+        classes,
+        ex_row,
+        col,
+        lk,
     )
 
 
@@ -693,11 +738,11 @@ def costed_rows(
     col: np.ndarray,
     lk: np.ndarray,
 ) -> Rows:
-    """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp: one entry per row)
+    """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp, ep, etp: one entry per row)
     expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
     mesh's (tp, pp, dp) links ``lk[i]``. Each expansion is costed for its time; a row's memory is
     its first expansion's."""
-    tp, pp, dp, mb, rc, zero, vpp = cols
+    tp, pp, dp, mb, rc, zero, vpp, ep, etp = cols
     cluster = cost.cluster
     times = np.full((len(tp), len(classes)), np.inf)
     peak = np.zeros(len(tp))
@@ -715,7 +760,10 @@ def costed_rows(
             zero=zero[r],
             sp=sequence_parallel(tp[r], kind),
             vpp=vpp[r],
+            ep=ep[r],
+            etp=etp[r],
         )
+        # the EP group's link stays the canonical mesh's (``Candidates.grid``)
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
@@ -756,6 +804,8 @@ def costed_rows(
             np.where(np.isfinite(peak), np.ceil(peak / KIB), np.iinfo(np.int64).max // 4).astype(np.int64),
             np.ceil(resident / KIB).astype(np.int64),
             vpp,
+            ep,
+            etp,
         )
 
 
