@@ -52,7 +52,17 @@ def hf_name(name: str) -> str:
 
 
 def _key(lay: Layout) -> tuple:
-    return lay.tp, lay.pp, lay.dp, lay.cp, lay.zero, tuple(map(tuple, lay.layers)), tuple(lay.mesh)
+    return (
+        lay.tp,
+        lay.pp,
+        lay.dp,
+        lay.cp,
+        lay.zero,
+        tuple(map(tuple, lay.layers)),
+        tuple(lay.mesh),
+        lay.ep,
+        lay.expert_tp,
+    )
 
 
 def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
@@ -117,6 +127,8 @@ class WeightPush:
             cp=held.cp,
             layers=list(held.layers),
             mesh=list(held.mesh),
+            ep=held.ep,  # an expert-parallel trainer holds only its EP rank's experts
+            etp=held.etp,
         )
         engine = Layout(
             model_stage=stage, tp=1, pp=1, dp=len(self.engines), layers=[(0, model.layers - 1)], mesh=list(self.engines)

@@ -143,6 +143,8 @@ def train_and_move(rank: int, world: int) -> dict:
     for s in range(STEPS_A, STEPS_A + STEPS_B):
         losses.append(live.step(batch(s, rank)))
 
+    pushed = push_to_generation(live, ir, cfg, world)
+
     # the reference: the unsplit HF model on the whole global batch, one process
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg)
@@ -154,4 +156,56 @@ def train_and_move(rank: int, world: int) -> dict:
         loss.backward()
         opt.step()
         ref_losses.append(float(loss))
-    return {"losses": losses, "ref": ref_losses, "problems": problems, "moved": moved, "ep_rank": live.ep_rank}
+    return {
+        "losses": losses,
+        "ref": ref_losses,
+        "problems": problems,
+        "moved": moved,
+        "ep_rank": live.ep_rank,
+        "pushed": pushed,
+    }
+
+
+SEQS = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+
+
+def logprobs(model, seqs) -> list[list[float]]:
+    with torch.no_grad():
+        out = []
+        for q in seqs:
+            lp = model(torch.tensor([q])).logits[0, :-1].float().log_softmax(-1)
+            out.append(lp[torch.arange(len(q) - 1), torch.tensor(q[1:])].tolist())
+        return out
+
+
+def push_to_generation(live, ir, cfg, world: int) -> dict:
+    """The EP-trained weights pushed (``WeightPush`` from the EP layout) into a trainer-side
+    generation model on every rank (a plain HF model, every expert whole): the tensors bit-exact
+    against the gathered experts, and its log-probabilities those of the EP model."""
+    from transformers import AutoModelForCausalLM
+
+    from nereus.integrations.hf_checkpoint import checkpoint_params
+    from nereus.integrations.weight_push import WeightPush, hf_name
+
+    rank = dist.get_rank()
+    push = WeightPush(ir, live.layout, list(range(world)), world, timeout=60)
+    mine = {name: p.data[index] for name, (p, index) in live.named_views().items()}
+    pushed = push.push_state(push.state_of_params(mine))
+    full = gathered(live)
+    f = ir.expert_ffn
+    wrong = []
+    for i in range(ir.layers):
+        for e in range(ir.experts):
+            gate, up, down = (hf_name(f"layers.{i}.{n}") for n in ir.expert_families(e))
+            fused_gu, fused_d = full[f"{i}.gate_up_proj.weight"][e], full[f"{i}.down_proj.weight"][e]
+            for name, want in ((gate, fused_gu[:f]), (up, fused_gu[f:]), (down, fused_d)):
+                if not torch.equal(pushed[name], want):
+                    wrong.append(name)
+    torch.manual_seed(1 + rank)
+    generator = AutoModelForCausalLM.from_config(cfg)  # other weights until the push lands
+    with torch.no_grad():
+        for name, view in checkpoint_params(generator, ir).items():
+            view.copy_(pushed[hf_name(name)])
+    served, trained = logprobs(generator, SEQS), logprobs(live.model, SEQS)  # the EP forward: every rank at once
+    gap = max(abs(a - b) for u, v in zip(served, trained) for a, b in zip(u, v))
+    return {"tensors": len(pushed), "wrong": wrong, "gap": gap, "received": push.stats.bytes_received}
