@@ -27,6 +27,12 @@ class Efficiency:
     The prior, 1, counts none of it: no published figure was fitted. ``calibrate`` sets it to the
     largest ratio of a measured peak to the model's count in its records, so a job's own peaks
     decide which plans fit (generation is exempt: the engine fills its memory by design).
+
+    ``expert_imbalance``: under expert parallelism, the tokens the busiest EP rank's experts
+    receive per token of the mean (a mixture of experts' routing is uneven; the step waits for
+    the busiest rank). It scales the experts' GEMMs and the all-to-all of layouts with ``ep > 1``.
+    The prior, 1, is even routing (what a router's load-balancing loss aims at); no published
+    figure was fitted. ``calibrate`` fits it when its records hold such layouts.
     """
 
     compute: float = 0.6
@@ -37,6 +43,7 @@ class Efficiency:
     overhead: float = 10e-6  # seconds per layer per pass over a micro-batch or decode step
     overlap: float = 0.9  # share of data-parallel communication hidden behind the compute it can overlap
     memory_slack: float = 1.0  # peak bytes held per byte counted, training and inference (see above)
+    expert_imbalance: float = 1.0  # busiest EP rank's routed tokens per mean (see above)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ EFFICIENCY = RecordSpec(
         AttrSpec("overhead", "time", 10e-6),
         AttrSpec("overlap", "float", 0.9),
         AttrSpec("memory_slack", "float", 1.0),
+        AttrSpec("expert_imbalance", "float", 1.0),
     ),
     Efficiency,
 )

@@ -157,3 +157,49 @@ def test_the_search_grids_ep_link_is_the_one_its_canonical_mesh_gives():
         assert grid.ep_link[0] == Candidates.of_layout(c, lay).ep_link[0], (tp, pp, dp, ep, etp)
         seen.add(int(grid.ep_link[0]))
     assert seen == {0, 1}
+
+
+def test_calibrate_recovers_the_busiest_ep_ranks_load_from_measured_steps():
+    """Steps measured on a cluster whose routing loads the busiest EP rank 1.35x the mean (and
+    whose GEMMs run at 0.45 of peak): calibrate, on plans with and without expert parallelism,
+    finds both; with ep = 1 everywhere nothing tells the imbalance apart and it stays at 1."""
+    from dataclasses import replace
+
+    import nereus
+    from nereus.ir import Layout, Plan
+    from nereus.ir.cluster import Efficiency
+    from nereus.passes.cost.calibrate import calibrate_records, synthetic_profile
+
+    from ..support.jobs import moe_job
+
+    def job(carvings):
+        m = moe_job(experts=8, layers=4)
+        for name, md in m.models.items():  # large enough that compute, not per-layer overhead, sets the time
+            m.models[name] = replace(md, hidden=2048, heads=16, kv_heads=4, ffn=8192, vocab=32000, expert_ffn=1024)
+        m.workloads["w"].prompt_len_mean = m.workloads["w"].prompt_len_max = 512
+        for i, (tp, dp, ep, etp) in enumerate(carvings):
+            lay = lambda ms, **kw: Layout(model_stage=ms, pp=1, layers=[(0, 3)], mesh=list(range(8)), **kw)
+            m.plans[f"p{i}"] = Plan(
+                name=f"p{i}",
+                workload="w",
+                cluster="c",
+                layouts={
+                    "actor.generate": lay("actor.generate", tp=1, dp=8),
+                    "ref.infer": lay("ref.infer", tp=tp, dp=dp, ep=ep, etp=etp),
+                    "actor.train": lay("actor.train", tp=tp, dp=dp, ep=ep, etp=etp, zero=1),
+                },
+            )
+        return nereus.verify(m)
+
+    hidden = Efficiency(compute=0.45, expert_imbalance=1.35)
+    m = job([(1, 8, 1, None), (2, 4, 1, None), (1, 8, 8, 1), (2, 4, 4, 1), (2, 4, 2, 2)])
+    records = [(r["plan"], r["model_stage"], r["seconds"], None, 1) for r in synthetic_profile(m, hidden, steps=1)]
+    (result,) = calibrate_records(m, records).values()
+    assert result.efficiency.expert_imbalance == pytest.approx(1.35)
+    assert result.efficiency.compute == pytest.approx(0.45, rel=0.02)
+    assert result.error_after < 0.01 < result.error_before
+
+    dense = job([(1, 8, 1, None), (2, 4, 1, None)])
+    records = [(r["plan"], r["model_stage"], r["seconds"], None, 1) for r in synthetic_profile(dense, hidden)]
+    (result,) = calibrate_records(dense, records).values()
+    assert result.efficiency.expert_imbalance == 1.0

@@ -16,7 +16,9 @@ measurements cannot separate from the others stays near its prior. Generation's 
 depending on the
 coefficients, and data-parallel communication is hidden up to a share or up to the compute
 beside it, so the fit re-assigns both and solves again until the assignment is stable; the
-hidden share itself (``overlap``) is chosen from a grid of 0.05 by the error after the fit.
+hidden share itself (``overlap``) is chosen from a grid of 0.05 by the error after the fit, and
+so is the busiest EP rank's load (``expert_imbalance``) where measurements ran experts over EP
+ranks.
 Coefficients that no measurement exercises keep their prior. Measured memory peaks set
 ``memory_slack`` (``memory_slack``, below); without peaks it keeps its prior. The cluster gets
 the fitted ``efficiency`` and a ``calibration`` record with the mean absolute percentage error before and
@@ -75,9 +77,39 @@ def _per_cost(obs: list[Observation], f) -> dict[int, Any]:
 
 
 OVERLAP_GRID = np.linspace(0.0, 1.0, 21)
+IMBALANCE_GRID = np.linspace(1.0, 2.0, 21)
 
 
 def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
+    """``_fit_overlap``, and where some measurement ran experts over EP ranks, the busiest rank's
+    load (``expert_imbalance``) chosen from a grid of 0.05 between 1 and 2 by the error after
+    the fit, as the overlap is."""
+    uneven = [o for o in obs if o.cost.cost.imbalance is not None]
+    if not uneven:
+        return _fit_overlap(obs, prior, max_iter)
+    saved = [cast(tuple, o.cost.cost.imbalance) for o in uneven]
+    best = None
+    try:
+        for factor in IMBALANCE_GRID:
+            for o, (feats, _) in zip(uneven, saved):
+                o.cost.cost.imbalance = (feats, float(factor))
+            r = _fit_overlap(obs, replace(prior, expert_imbalance=float(factor)), max_iter)
+            if best is None or r.error_after < best.error_after - 1e-12:
+                best = r
+    finally:
+        for o, imb in zip(uneven, saved):
+            o.cost.cost.imbalance = imb
+    assert best is not None  # IMBALANCE_GRID is not empty
+    return FitResult(
+        best.efficiency,
+        _mape(obs, coefficient_vector(prior)),
+        best.error_after,
+        best.used + ("expert_imbalance",),
+        best.iterations,
+    )
+
+
+def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
     """Bounded least squares on relative error, pulled toward the prior (``_bounded_fit``); see the
     module docstring. The share of
     data-parallel communication that compute hides (``overlap``) enters the time through a

@@ -39,7 +39,9 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   experts and combines them back by all-to-all over the EP group (Megatron's alltoall
   dispatcher): ``(ep - 1) / ep`` of ``k`` hidden vectors per token leave a GPU each way, per
   forward and backward pass, its replica's tokens split over TP (sequence parallel, which
-  Megatron requires for MoE with TP). Routing is assumed even: load imbalance is not charged.
+  Megatron requires for MoE with TP). Uneven routing stretches the experts' GEMMs and the
+  all-to-all by ``efficiency.expert_imbalance`` (the busiest EP rank's tokens per mean; 1 until
+  calibrated). TP's all-reduces are charged as for a dense layer.
   A decode step reads the experts its batch touches among the GPU's own.
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
   ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
@@ -75,7 +77,11 @@ def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
     ]
     # the five positional efficiencies: mypy cannot count a starred generator
     return Efficiency(
-        *(float(v) for v in inv), overhead=float(x[5]), overlap=prior.overlap, memory_slack=prior.memory_slack
+        *(float(v) for v in inv),
+        overhead=float(x[5]),
+        overlap=prior.overlap,
+        memory_slack=prior.memory_slack,
+        expert_imbalance=prior.expert_imbalance,
     )  # type: ignore[misc]
 
 
@@ -277,6 +283,9 @@ class StageCost:
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature, draining share) of generation's decode
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
+    # (features n x 6 of the experts' GEMMs and all-to-all under EP, by breakdown entry; the busiest
+    # EP rank's load per mean): the time adds (factor - 1) x those features
+    imbalance: tuple | None = None
     slack: float = 1.0  # peak bytes held per byte counted (``Efficiency.memory_slack``; 1 for generation)
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
@@ -287,9 +296,11 @@ class StageCost:
         and data-parallel communication less what the compute beside it hides: of ``comm``
         seconds beside a ``window`` of compute, ``max((1 - overlap) x comm, comm - window)``
         stay exposed (both linear in the coefficients once the case is chosen)."""
-        if self.decode is None and self.overlap is None:
+        if self.decode is None and self.overlap is None and self.imbalance is None:
             return self.features
         f = self.features.copy()
+        if self.imbalance is not None:
+            f += (self.imbalance[1] - 1.0) * sum(self.imbalance[0].values())
         if self.decode is not None:
             comp, mem, _ = self.decode
             compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
@@ -325,6 +336,9 @@ class StageCost:
             out[name] = out.get(name, 0.0) + float(waited[i])
         if self.overlap is not None:
             out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
+        if self.imbalance is not None:
+            for name, feat in self.imbalance[0].items():
+                out[name] = out.get(name, 0.0) + (self.imbalance[1] - 1.0) * float(feat[i] @ coeffs)
         if self.decode is not None:
             comp, mem, tail = self.decode
             bound = "compute" if comp[i] * coeffs[C_COMPUTE] >= mem[i] * coeffs[C_HBM] else "memory"
@@ -517,6 +531,13 @@ class CostModel:
         latency = np.zeros(n)
         parts: dict[str, tuple[int, np.ndarray]] = {}
         waits: dict[str, np.ndarray] = {}
+        uneven: dict[str, np.ndarray] = {}  # features the busiest EP rank stretches (``StageCost.imbalance``)
+
+        def onehot(col) -> np.ndarray:
+            """n x 6: a 1 in each candidate's column ``col``."""
+            out = np.zeros((n, len(COEFFS)))
+            out[np.arange(n), np.broadcast_to(np.asarray(col), (n,))] = 1.0
+            return out
 
         def wait(name: str, seconds):
             """Fixed latency (not calibrated) charged to breakdown entry ``name``."""
@@ -606,6 +627,11 @@ class CostModel:
             # EP: dispatch and combine per MoE layer and pass (backward sends their gradients back)
             a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * passes * a2a_tok * (1 + bubble), 0.0)
             add("ep", ep_col, np.where(c.ep > 1, a2a / ep_bw, 0.0))
+            if model.moe:  # the busiest EP rank's experts: their GEMMs and all-to-all wait for it
+                expert_flops = passes * L * 2 * 3 * h * cast(int, model.experts_per_token) * cast(int, model.expert_ffn)
+                expert_ideal = np.where(c.ep > 1, tokens * expert_flops / (tp * pp * cp * peak) * (1 + bubble), 0.0)
+                uneven["compute"] = expert_ideal[:, None] * onehot(C_COMPUTE)
+                uneven["ep"] = np.where(c.ep > 1, a2a / ep_bw, 0.0)[:, None] * onehot(ep_col)
             wait("ep", np.where(c.ep > 1, n_mb_total * (1 + bubble) * moe_layers * passes * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
@@ -683,6 +709,8 @@ class CostModel:
             # EP: each decode step dispatches and combines its batch's tokens per MoE layer
             gen_a2a = np.where(c.ep > 1, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
             add("ep", ep_col, np.where(c.ep > 1, gen_a2a / ep_bw, 0.0))
+            if model.moe:
+                uneven["ep"] = np.where(c.ep > 1, gen_a2a / ep_bw, 0.0)[:, None] * onehot(ep_col)
             wait("ep", np.where(c.ep > 1, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
             kv = np.minimum(conc, samples) * (p + r) * kv_tok
@@ -703,6 +731,7 @@ class CostModel:
             waits=waits,
             decode=decode,
             overlap=overlap,
+            imbalance=(uneven, self.efficiency.expert_imbalance) if uneven and np.any(c.ep > 1) else None,
             slack=1.0 if kind == "generate" else self.efficiency.memory_slack,
         )
 
