@@ -39,7 +39,7 @@ What the IR cannot express, reported as notes (``//`` comments above the printed
 The context length does not change any tensor's shape and is not part of the IR. An unsupported
 ``model_type`` (DeepSeek's and other mixtures of experts with dense first layers or shared
 experts in another form name what the IR lacks; so does a Qwen MoE config with dense layers
-among its MoE layers, ``mlp_only_layers`` or ``decoder_sparse_step``), a
+among its MoE layers, ``mlp_only_layers`` other than the first layers or ``decoder_sparse_step``), a
 missing or non-integer shape key, or an unknown dtype raise a ``DiagnosticError`` naming the key
 and the file.
 """
@@ -172,13 +172,13 @@ def _moe(cfg: dict, family: str, source: str) -> dict:
             expert_ffn=_posint(cfg, "intermediate_size", source),
             moe_naming="mixtral",
         )
-    step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
-    if step != 1 or dense:
+    step, dense = cfg.get("decoder_sparse_step", 1), sorted(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense != list(range(len(dense))):
         raise _error(
             source,
             f"decoder_sparse_step = {step}, mlp_only_layers = {dense}: dense MLP layers among the MoE layers "
             "are not modelled",
-            "the IR's mixture of experts has every layer MoE",
+            "the IR's mixture of experts has its dense layers first (dense_layers), the rest MoE",
         )
     # the Hub's Qwen configs say num_experts; transformers 5 writes num_local_experts for it
     key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
@@ -191,6 +191,8 @@ def _moe(cfg: dict, family: str, source: str) -> dict:
     )
     if family == "qwen2_moe":
         out["shared_expert_ffn"] = _posint(cfg, "shared_expert_intermediate_size", source)
+    if dense:  # mlp_only_layers = [0, ..., k - 1]: the first k layers keep the dense MLP
+        out["dense_layers"] = len(dense)
     return out
 
 

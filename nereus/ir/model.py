@@ -24,10 +24,12 @@ its ``shared_expert_ffn``, Mixtral with ``moe_naming = mixtral``) has every laye
 a router (``mlp.gate.weight``, ``[experts, hidden]``, replicated) and one SwiGLU per expert, each a
 family of its own under its checkpoint name (``mlp.experts.N.gate_proj.weight``; Mixtral's
 ``block_sparse_moe.experts.N.w1.weight``): TP splits each expert as a dense MLP (Megatron's
-expert tensor parallelism equal to TP), and every DP replica holds every expert. A layout's
-expert parallelism (``ep``, ``etp``) splits the experts over ranks (``Layout.expert_rank``); dense
-first layers are not in the IR yet
-(DeepSeek-V3's).
+expert tensor parallelism equal to TP) by default, and every DP replica holds every expert. A
+layout's expert parallelism (``ep``: experts split over EP ranks; ``etp``: each expert's TP size)
+carves expert ranks from dp x cp x tp as Megatron does (``Layout.expert_rank``).
+``dense_layers = 3`` keeps a dense MLP (``mlp.gate_proj.weight`` ..., of size ``ffn``) in the
+first three layers (DeepSeek-V3's); those families, and the MoE ones, exist only in their layers
+(``TensorSpec.layer_range``).
 
 Uneven splits: a dimension of ``n`` rows over ``t`` ranks gives rank ``r`` the rows
 ``[r*(n//t) + min(r, n%t), ...)`` of length ``n//t + (r < n%t)`` (``torch.tensor_split``'s
@@ -81,6 +83,13 @@ MODEL_ATTRS = [
         doc="a shared expert every token goes through, with its sigmoid gate (Qwen2-MoE), of this size",
     ),
     AttrSpec(
+        "dense_layers",
+        "posint",
+        default=None,
+        doc="a mixture of experts whose first N layers keep a dense MLP of size ffn (DeepSeek-V3's "
+        "first_k_dense_replace; Qwen3-MoE's mlp_only_layers when they are the first); the others are MoE",
+    ),
+    AttrSpec(
         "moe_naming",
         "choice",
         default="qwen",
@@ -116,6 +125,11 @@ class TensorSpec:
     rule: str  # one of RULES
     per_layer: bool
     placement: str = "layer"  # layer | first | last | first_and_last (pipeline stage holding it)
+    layer_range: tuple[int, int] | None = None  # inclusive layers a per-layer family exists in (None: every layer)
+
+    def span(self, num_layers: int) -> tuple[int, int]:
+        """The inclusive layers this per-layer family exists in."""
+        return self.layer_range if self.layer_range is not None else (0, num_layers - 1)
 
     @property
     def tp_dim(self) -> int | None:
@@ -154,6 +168,7 @@ class Model:
     experts_per_token: int | None = None
     expert_ffn: int | None = None
     shared_expert_ffn: int | None = None
+    dense_layers: int | None = None
     moe_naming: str = "qwen"
     rope_theta: int | None = None
     norm_eps: float | None = None
@@ -210,7 +225,7 @@ class Model:
             TensorSpec("self_attn.o_proj.weight", (h, q), "row", True),
             *qk_norm,
             TensorSpec("post_attention_layernorm.weight", (h,), "replicated", True),
-            *(self._moe_tensors() if self.moe else self._mlp_tensors()),
+            *(self._moe_tensors() + self._dense_first() if self.moe else self._mlp_tensors()),
             TensorSpec("norm.weight", (h,), "replicated", False, "last"),
         ]
         if self.head == "value":
@@ -219,13 +234,25 @@ class Model:
             specs.append(TensorSpec("lm_head.weight", (self.vocab, h), "vocab", False, "last"))
         return {s.family: s for s in specs}
 
-    def _mlp_tensors(self) -> list[TensorSpec]:
-        h = self.hidden
+    def _mlp_tensors(self, layer_range: tuple[int, int] | None = None) -> list[TensorSpec]:
+        h, r, f = self.hidden, layer_range, self.ffn
+        gate = (
+            [TensorSpec("mlp.gate_proj.weight", (f, h), "column", True, layer_range=r)] if self.mlp == "gated" else []
+        )
         return [
-            *([TensorSpec("mlp.gate_proj.weight", (self.ffn, h), "column", True)] if self.mlp == "gated" else []),
-            TensorSpec("mlp.up_proj.weight", (self.ffn, h), "column", True),
-            TensorSpec("mlp.down_proj.weight", (h, self.ffn), "row", True),
+            *gate,
+            TensorSpec("mlp.up_proj.weight", (f, h), "column", True, layer_range=r),
+            TensorSpec("mlp.down_proj.weight", (h, f), "row", True, layer_range=r),
         ]
+
+    def _dense_first(self) -> list[TensorSpec]:
+        """The dense MLP of the first ``dense_layers`` layers of a mixture of experts."""
+        return self._mlp_tensors((0, self.dense_layers - 1)) if self.dense_layers else []
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        return self.layers - (self.dense_layers or 0) if self.moe else 0
 
     @property
     def moe(self) -> bool:
@@ -251,21 +278,22 @@ class Model:
         gate, by their checkpoint names."""
         h, f = self.hidden, cast(int, self.expert_ffn)
         router = "block_sparse_moe.gate.weight" if self.moe_naming == "mixtral" else "mlp.gate.weight"
-        specs = [TensorSpec(router, (cast(int, self.experts), h), "replicated", True)]
+        r = (self.dense_layers, self.layers - 1) if self.dense_layers else None  # the MoE layers
+        specs = [TensorSpec(router, (cast(int, self.experts), h), "replicated", True, layer_range=r)]
         for e in range(cast(int, self.experts)):
             gate, up, down = self.expert_families(e)
             specs += [
-                TensorSpec(gate, (f, h), "column", True),
-                TensorSpec(up, (f, h), "column", True),
-                TensorSpec(down, (h, f), "row", True),
+                TensorSpec(gate, (f, h), "column", True, layer_range=r),
+                TensorSpec(up, (f, h), "column", True, layer_range=r),
+                TensorSpec(down, (h, f), "row", True, layer_range=r),
             ]
         if self.shared_expert_ffn is not None:
             g = self.shared_expert_ffn
             specs += [
-                TensorSpec("mlp.shared_expert.gate_proj.weight", (g, h), "column", True),
-                TensorSpec("mlp.shared_expert.up_proj.weight", (g, h), "column", True),
-                TensorSpec("mlp.shared_expert.down_proj.weight", (h, g), "row", True),
-                TensorSpec("mlp.shared_expert_gate.weight", (1, h), "replicated", True),
+                TensorSpec("mlp.shared_expert.gate_proj.weight", (g, h), "column", True, layer_range=r),
+                TensorSpec("mlp.shared_expert.up_proj.weight", (g, h), "column", True, layer_range=r),
+                TensorSpec("mlp.shared_expert.down_proj.weight", (h, g), "row", True, layer_range=r),
+                TensorSpec("mlp.shared_expert_gate.weight", (1, h), "replicated", True, layer_range=r),
             ]
         return specs
 
@@ -280,7 +308,8 @@ class Model:
     def num_params(self) -> int:
         total = 0
         for s in self.tensors.values():
-            total += s.numel() * (self.layers if s.per_layer else 1)
+            lo, hi = s.span(self.layers)
+            total += s.numel() * (hi - lo + 1 if s.per_layer else 1)
         return total
 
     @property
@@ -288,7 +317,7 @@ class Model:
         """The routed experts' share of the parameters (0 for a dense model)."""
         if not self.moe:
             return 0.0
-        experts = self.layers * cast(int, self.experts) * 3 * cast(int, self.expert_ffn) * self.hidden
+        experts = self.moe_layers * cast(int, self.experts) * 3 * cast(int, self.expert_ffn) * self.hidden
         return experts / self.num_params()
 
     def num_active_params(self) -> int:
@@ -298,7 +327,7 @@ class Model:
             return self.num_params()
         per_expert = 3 * cast(int, self.expert_ffn) * self.hidden
         idle = cast(int, self.experts) - cast(int, self.experts_per_token)
-        return self.num_params() - self.layers * idle * per_expert
+        return self.num_params() - self.moe_layers * idle * per_expert
 
     # ------------------------------------------------------------ TP sharding
     def tp_span(self, spec: TensorSpec, tp: int, rank: int) -> tuple[int, int] | None:

@@ -2,7 +2,8 @@
 
 Weights follow the model's TP sharding rules (``Model.tp_span``) and the layout's pipeline
 layer ranges; one entry per (family, pipeline stage) covers the stage's whole layer range,
-since every layer of a stage is sliced the same way.
+since every layer of a stage is sliced the same way (a family that exists in some layers only,
+a mixture of experts' dense first layers, covers the stage's layers it exists in).
 
 A trained model in a train stage also holds its optimizer state: the fp32 master copy and
 Adam's two moments (``master``, ``exp_avg``, ``exp_avg_sq``), sliced like the weights. Under
@@ -39,6 +40,13 @@ def dp_sharded(state: str, zero: int) -> bool:
     return zero >= 3 if state == "weight" else zero >= 1
 
 
+def _within(spec, num_layers: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """The layers of a stage's range ``lo..hi`` that a per-layer family exists in (None: none)."""
+    a, b = spec.span(num_layers)
+    a, b = max(a, lo), min(b, hi)
+    return (a, b) if a <= b else None
+
+
 def shard_entries(
     model: Model, layout: Layout, pp: int, tp: int, states=("weight",), dp_rank: int = 0
 ) -> list[SliceEntry]:
@@ -60,7 +68,9 @@ def _carved_entries(model: Model, layout: Layout, pp: int, tp: int, replica: int
         expert_split = dp_sharded(state, layout.zero) and layout.expert_dp > 1
         for spec in model.tensors.values():
             if spec.per_layer:
-                layers: tuple[int, int] | None = (lo, hi)
+                layers = _within(spec, model.layers, lo, hi)
+                if layers is None:
+                    continue
             elif pp in model.stages_holding(spec, layout.pp):
                 layers = None
             else:
@@ -93,7 +103,9 @@ def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[t
         split = dp_sharded(state, layout.zero) and layout.replicas > 1
         for spec in model.tensors.values():
             if spec.per_layer:
-                layers = (lo, hi)
+                layers = _within(spec, model.layers, lo, hi)
+                if layers is None:
+                    continue
             elif pp in model.stages_holding(spec, layout.pp):
                 layers = None
             else:

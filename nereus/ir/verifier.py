@@ -134,7 +134,7 @@ def _models(m: Module, sink: DiagnosticSink) -> None:
         _experts(md, sink)
 
 
-MOE_ATTRS = ("experts_per_token", "expert_ffn", "shared_expert_ffn")
+MOE_ATTRS = ("experts_per_token", "expert_ffn", "shared_expert_ffn", "dense_layers")
 
 
 def _experts(md, sink: DiagnosticSink) -> None:
@@ -163,6 +163,12 @@ def _experts(md, sink: DiagnosticSink) -> None:
         sink.error(at(md, "mlp"), f"mlp = {md.mlp}: the experts are SwiGLU MLPs (mlp = gated)")
     if md.moe_naming == "mixtral" and md.shared_expert_ffn is not None:
         sink.error(at(md, "shared_expert_ffn"), "moe_naming = mixtral: Mixtral has no shared expert")
+    if md.dense_layers is not None and md.dense_layers >= md.layers:
+        sink.error(
+            at(md, "dense_layers"),
+            f"dense_layers = {md.dense_layers}: model @{md.name} has {md.layers} layers, so none would be MoE",
+            "drop experts for a dense model, or keep fewer dense layers",
+        )
 
 
 def _workloads(m: Module, sink: DiagnosticSink) -> set[str]:

@@ -142,6 +142,14 @@ def _entry(ctx: _Ctx, emu: Emu, pp: int, tp: int, e: SliceEntry, sink: Diagnosti
         sink.error(e.loc, f"{e.family} is not a per-layer tensor: write it without layers.")
         return
     if e.layers is not None:
+        first, last = spec.span(model.layers)
+        if e.layers[0] < first or e.layers[1] > last:
+            sink.error(
+                e.loc,
+                f"{e.family} exists in layers {first}..{last} only, not in {e.layers[0]}..{e.layers[1]}",
+                f"model @{model.name} has dense_layers = {model.dense_layers}" if model.dense_layers else None,
+            )
+            return
         lo, hi = lay.layers[pp]
         if e.layers[0] < lo or e.layers[1] > hi:
             sink.error(
@@ -361,12 +369,20 @@ def _bad_cell(spec: TensorSpec, num_layers: int, entries: list[SliceEntry], want
     """
     shape = ((num_layers,) if spec.per_layer else ()) + spec.shape
     boxes = [e.region for e in entries]  # entries were checked: layers present exactly for per-layer families
-    cuts = [sorted({0, n} | {x for b in boxes for x in b[d]}) for d, n in enumerate(shape)]
+    first, last = spec.span(num_layers)  # a family of some layers only is held 0 times elsewhere
+    cuts = [
+        sorted({0, n} | ({first, last + 1} if d == 0 and spec.per_layer else set()) | {x for b in boxes for x in b[d]})
+        for d, n in enumerate(shape)
+    ]
     index = [{x: i for i, x in enumerate(c)} for c in cuts]
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     for b in boxes:
         grid[tuple(slice(ix[lo], ix[hi]) for ix, (lo, hi) in zip(index, b))] += 1
-    bad = np.argwhere(grid != want)
+    expect = np.full(grid.shape, want, dtype=np.int32)
+    if spec.per_layer:
+        outside = np.array([not (first <= a and b <= last + 1) for a, b in zip(cuts[0], cuts[0][1:])])
+        expect[outside] = 0
+    bad = np.argwhere(grid != expect)
     if not len(bad):
         return None
     cell = tuple(int(i) for i in bad[0])

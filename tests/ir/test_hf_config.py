@@ -238,9 +238,9 @@ def test_qwen3_imports(tmp_path, capsys):
                 "num_experts": 128,
                 "num_experts_per_tok": 8,
                 "moe_intermediate_size": 768,
-                "mlp_only_layers": [0, 1],
+                "mlp_only_layers": [1, 3],
             },
-            ["mlp_only_layers = [0, 1]", "dense MLP layers among the MoE layers"],
+            ["mlp_only_layers = [1, 3]", "dense MLP layers among the MoE layers"],
         ),
         ({"model_type": "qwen3_moe", "num_experts": 128}, ["no 'num_experts_per_tok'"]),
     ],
@@ -255,6 +255,7 @@ def test_unmodelled_moe_is_a_clear_error(tmp_path, cfg, words):
 
 MOE_TINY = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen3_moe_dense_first": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
@@ -271,7 +272,7 @@ def test_moe_import_matches_transformers_checkpoint(family, tmp_path):
     transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
 
-    cfg = transformers.AutoConfig.for_model(family, **(TINY | MOE_TINY[family]))
+    cfg = transformers.AutoConfig.for_model(family.removesuffix("_dense_first"), **(TINY | MOE_TINY[family]))
     ir = model_from_hf_config(cfg.to_dict(), "actor")
     hf = transformers.AutoModelForCausalLM.from_config(cfg)
     total = sum(p.numel() for p in hf.parameters())
@@ -279,12 +280,14 @@ def test_moe_import_matches_transformers_checkpoint(family, tmp_path):
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     k, e = cfg.num_experts_per_tok, ir.experts
     assert ir.num_active_params() == total - experts + experts * k // e
+    assert ir.dense_layers == (len(cfg.mlp_only_layers) or None if family.endswith("dense_first") else None)
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         shapes = {n.removeprefix("model."): tuple(f.get_slice(n).get_shape()) for n in f.keys()}
     want = {}
     for fam, spec in ir.tensors.items():
-        for layer in range(ir.layers) if spec.per_layer else [None]:
+        lo, hi = spec.span(ir.layers)
+        for layer in range(lo, hi + 1) if spec.per_layer else [None]:
             want[fam if layer is None else f"layers.{layer}.{fam}"] = spec.shape
     assert want == shapes
     assert nereus.verify(nereus.parse(model_block(ir))).models["actor"] == ir

@@ -73,12 +73,54 @@ def _emu_bytes(m, plan: str, ms: str) -> tuple[int, int]:
 @pytest.mark.parametrize(
     "tp, dp, ep, etp, zero, pp",
     [
-        (2, 4, 1, None, 1, 1),
-        (2, 4, 4, 2, 1, 1),
-        (2, 4, 8, 1, 0, 1),
-        (1, 8, 8, 1, 1, 1),
-        (2, 2, 2, 2, 1, 2),
-        (4, 2, 2, 2, 1, 1),
+        (
+            2,
+            4,
+            1,
+            None,
+            1,
+            1,
+        ),
+        (
+            2,
+            4,
+            4,
+            2,
+            1,
+            1,
+        ),
+        (
+            2,
+            4,
+            8,
+            1,
+            0,
+            1,
+        ),
+        (
+            1,
+            8,
+            8,
+            1,
+            1,
+            1,
+        ),
+        (
+            2,
+            2,
+            2,
+            2,
+            1,
+            2,
+        ),
+        (
+            4,
+            2,
+            2,
+            2,
+            1,
+            1,
+        ),
     ],
 )
 def test_expert_weights_and_optimizer_state_on_the_fullest_gpu_are_what_the_emus_hold(tp, dp, ep, etp, zero, pp):
@@ -203,3 +245,43 @@ def test_calibrate_recovers_the_busiest_ep_ranks_load_from_measured_steps():
     records = [(r["plan"], r["model_stage"], r["seconds"], None, 1) for r in synthetic_profile(dense, hidden)]
     (result,) = calibrate_records(dense, records).values()
     assert result.efficiency.expert_imbalance == 1.0
+
+
+@pytest.mark.parametrize(
+    "tp, dp, ep, etp, pp, dense", [(2, 2, 2, 2, 2, 1), (2, 2, 2, 1, 2, 3), (2, 4, 4, 2, 1, 2), (1, 4, 4, 1, 2, 2)]
+)
+def test_with_dense_first_layers_the_fullest_gpus_state_is_what_the_emus_hold(tp, dp, ep, etp, pp, dense):
+    """A mixture of experts with dense first layers (zero = 0: no uneven ZeRO splits): the
+    weights and optimizer state on the fullest GPU, by the cost model, equal the most any GPU
+    holds by the EMUs (the first stage's dense layers hold no experts)."""
+    import nereus
+    from nereus.ir import Layout, Plan
+    from nereus.passes.transition.derive_emus import derive_missing_emus
+
+    from ..support.jobs import moe_job
+
+    m = moe_job(experts=8, expert_ffn=16, layers=4, dense_layers=dense)
+    md = m.models["actor"]
+    layers = [(0, 3)] if pp == 1 else [(0, 1), (2, 3)]
+    mesh = list(range(tp * pp * dp))
+    train = Layout(model_stage="actor.train", tp=tp, pp=pp, dp=dp, layers=layers, mesh=mesh, ep=ep, etp=etp)
+    other = lambda ms: Layout(model_stage=ms, tp=1, pp=1, dp=8, layers=[(0, 3)], mesh=list(range(8)))
+    m.plans["a"] = Plan(
+        name="a",
+        workload="w",
+        cluster="c",
+        layouts={"actor.train": train, "actor.generate": other("actor.generate"), "ref.infer": other("ref.infer")},
+    )
+    nereus.verify(m)
+    derive_missing_emus(m, "a")
+    held: dict[tuple[int, str], int] = {}
+    for emu in m.emus.values():
+        if (emu.plan, emu.model_stage) == ("a", "actor.train"):
+            for s in emu.shards:
+                for e in s.entries:
+                    kind = "weight" if e.state == "weight" else "optimizer"
+                    held[(s.gpu, kind)] = held.get((s.gpu, kind), 0) + e.numel() * (2 if kind == "weight" else 4)
+    cost = CostModel(m.clusters["c"])
+    w, _, opt = cost.state(md, "train", Candidates.of_layout(m.clusters["c"], train))
+    assert float(w[0]) == max(v for (g, k), v in held.items() if k == "weight")
+    assert float(opt[0]) == max(v for (g, k), v in held.items() if k == "optimizer")

@@ -26,8 +26,8 @@ def layout(ms: str, tp=1, pp=1, dp=1, mesh=None, **kw) -> Layout:
     return Layout(model_stage=ms, tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(mesh or range(tp * pp * dp)), **kw)
 
 
-def module(a: dict, b: dict | None = None):
-    m = moe_job(experts=EXPERTS)
+def module(a: dict, b: dict | None = None, dense_layers: int | None = None):
+    m = moe_job(experts=EXPERTS, dense_layers=dense_layers)
     for name, lays in (("a", a), ("b", b)):
         if lays is not None:
             m.plans[name] = Plan(name=name, workload="w", cluster="c", layouts={ms: l for ms, l in lays.items()})
@@ -203,10 +203,12 @@ def test_ep8_training_to_ep4_by_tp2_generation_moves_exactly_the_experts_each_gp
 
 
 def random_ep_pairs(n: int, seed: int = 0) -> list[str]:
-    """Plan pairs of the MoE job with random EP, ETP, TP, PP, DP and ZeRO, as IR text."""
+    """Plan pairs of the MoE job (every other one with a dense first layer) with random EP, ETP,
+    TP, PP, DP and ZeRO, as IR text."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
+        dense = 1 if len(out) % 2 else None
         plans = []
         for _ in range(2):
             lays = {}
@@ -219,7 +221,7 @@ def random_ep_pairs(n: int, seed: int = 0) -> list[str]:
                 mesh = rng.sample(range(8), tp * pp * dp)
                 lays[ms] = layout(ms, tp=tp, pp=pp, dp=dp, mesh=mesh, ep=ep, etp=etp, zero=zero)
             plans.append(lays)
-        m = module(*plans)
+        m = module(*plans, dense_layers=dense)
         try:
             nereus.verify(m)
         except nereus.DiagnosticError:
@@ -272,3 +274,48 @@ def test_plan_search_chooses_expert_parallelism_where_it_pays():
         oom = [d.message for d in out.warnings[before:] if ms in d.message]
         assert oom or out.plans["unsplit"].step_time > plan.step_time, ms
         del m.plans["unsplit"]
+
+
+# ---------------------------------------------------------------- dense first layers
+
+
+def test_dense_first_layers_hold_the_dense_mlp_and_the_rest_the_experts():
+    """``dense_layers = 1`` of 3: layer 0 has the dense MLP, layers 1..2 the router and experts;
+    a pipeline stage holds each family over the layers it has of it, and the transition between
+    EP layouts moves exactly what each GPU lacks."""
+    train = layout("actor.train", tp=2, pp=2, dp=2, ep=2, etp=1, zero=1)
+    m = module(both(train, layout("actor.generate", tp=2, dp=4)), dense_layers=1)
+    nereus.verify(m)
+    derive_missing_emus(m, "a")
+    emu = m.emus[("a", "actor.train", 0)]
+    by_stage = {s.pp: {(e.family, e.layers) for e in s.entries if e.state == "weight"} for s in emu.shards}
+    assert ("mlp.up_proj.weight", (0, 0)) in by_stage[0] and ("mlp.gate.weight", (1, 1)) in by_stage[0]
+    assert not any(f == "mlp.up_proj.weight" for f, _ in by_stage[1])  # layer 2 is MoE
+    assert ("mlp.gate.weight", (2, 2)) in by_stage[1]
+    md = m.models["actor"]
+    assert md.num_params() == sum(
+        s.numel() * ((s.span(md.layers)[1] - s.span(md.layers)[0] + 1) if s.per_layer else 1)
+        for s in md.tensors.values()
+    )
+    train_b = layout("actor.train", tp=1, pp=1, dp=8, ep=8, etp=1, zero=1)
+    m = module(
+        both(train, layout("actor.generate", tp=2, dp=4)), both(train_b, layout("actor.generate", tp=1, dp=8)), 1
+    )
+    nereus.verify(m)
+    nereus.run_pipeline(m, "plan-transition{to=@b},schedule-transfers")
+    t = m.transitions["a_to_b"]
+    assert simulate(m, t).mismatches == []
+    assert t.bytes_moved == t.lower_bound
+
+
+def test_an_expert_slice_in_a_dense_layer_is_an_error_at_its_line():
+    m = module(both(layout("actor.train", dp=8, ep=8), layout("actor.generate", tp=2, dp=4)), dense_layers=1)
+    derive_missing_emus(m, "a")
+    text = nereus.print_ir(m)
+    start = text.index("emu @a actor.train[0]")
+    i = text.index("layers.1..2.mlp.experts.0.up_proj.weight", start)
+    bad = text[:i] + "layers.0..2" + text[i + len("layers.1..2") :]
+    with pytest.raises(nereus.DiagnosticError) as err:
+        nereus.verify(nereus.parse(bad))
+    (d,) = [d for d in err.value.diagnostics if "exists in layers 1..2 only" in d.message]
+    assert d.loc.line == bad[:i].count("\n") + 1

@@ -47,12 +47,14 @@ def job(heads=4, kv=2, hidden=48, ffn=90, vocab=101, layers=5, gpus=8, per_node=
     return Module(clusters={"c": c}, models={"actor": actor, "ref": ref}, workloads={"w": w})
 
 
-def moe_job(experts=8, expert_ffn=18, layers=3) -> Module:
+def moe_job(experts=8, expert_ffn=18, layers=3, dense_layers=None) -> Module:
     """``job`` with a mixture of experts as actor and reference (Qwen3-MoE names, an expert FFN
-    that TP 4 splits unevenly)."""
+    that TP 4 splits unevenly; ``dense_layers``: that many dense first layers)."""
     m = job(layers=layers)
     for name, md in m.models.items():
-        m.models[name] = replace(md, experts=experts, experts_per_token=2, expert_ffn=expert_ffn, qk_norm=True)
+        m.models[name] = replace(
+            md, experts=experts, experts_per_token=2, expert_ffn=expert_ffn, qk_norm=True, dense_layers=dense_layers
+        )
     return m
 
 

@@ -233,6 +233,7 @@ HANDLED = {
         "experts_per_token",
         "expert_ffn",
         "shared_expert_ffn",
+        "dense_layers",
         "moe_naming",
     },
     "workload": {
@@ -356,6 +357,8 @@ def models(draw, name: str, head: str = "lm", trained: bool = False, tiny_dims: 
         md.moe_naming = draw(st.sampled_from(["qwen", "mixtral"]))
         if md.moe_naming == "qwen" and draw(st.booleans()):
             md.shared_expert_ffn = draw(st.integers(lo, hi))
+        if md.layers > 1 and draw(st.booleans()):
+            md.dense_layers = draw(st.integers(1, md.layers - 1))
         md.mlp = "gated"
     return md
 

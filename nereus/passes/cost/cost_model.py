@@ -407,12 +407,19 @@ class CostModel:
     def gemm_flops(model: Model) -> int:
         """Forward FLOPs per token of one layer's GEMMs (projections and MLP; not attention). A
         mixture of experts: the router's and the ``experts_per_token`` experts' (and the shared
-        expert's) a token goes through (``Model.active_ffn``)."""
+        expert's) a token goes through (``Model.active_ffn``), averaged with its dense first
+        layers' MLP where it has some."""
         h, q, k = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
         # the router's logits; Qwen2-MoE's shared expert also has a one-row sigmoid gate
         router = 2 * h * ((model.experts or 0) + (1 if model.shared_expert_ffn else 0)) if model.moe else 0
-        return 2 * h * (q + 2 * k) + 2 * q * h + 2 * n_mlp * h * model.active_ffn + router
+        attention = 2 * h * (q + 2 * k) + 2 * q * h
+        if not model.dense_layers:
+            return attention + 2 * n_mlp * h * model.active_ffn + router
+        # dense first layers: the mean over the layers (every use multiplies it by the layers)
+        moe, dense = model.moe_layers, model.dense_layers
+        mlp = (moe * (2 * n_mlp * h * model.active_ffn + router) + dense * 2 * n_mlp * h * model.ffn) / model.layers
+        return attention + mlp  # type: ignore[return-value]
 
     @staticmethod
     def head_flops(model: Model) -> int:
@@ -420,11 +427,14 @@ class CostModel:
 
     @staticmethod
     def _local_params(model: Model, tp: np.ndarray):
-        """Per TP rank 0: parameters of one layer, of the first stage's extras, of the last stage's extras."""
-        cache: dict[int, tuple[int, int, int]] = {}
+        """Per TP rank 0: parameters of one layer, of the first stage's extras, of the last
+        stage's extras, and of one of a mixture of experts' dense first layers (``dense_layers``;
+        the layer's otherwise). Routed experts are apart (``expert_params_per_layer``)."""
+        cache: dict[int, tuple[int, int, int, int]] = {}
+        last_layer = model.layers - 1  # a MoE layer whenever the model has experts
         for t in np.unique(tp):
             t = int(t)
-            layer = first = last = 0
+            layer = first = last = dense = 0
             for spec in model.tensors.values():
                 if spec.family in model.expert_of:
                     continue  # expert_params_per_layer
@@ -432,15 +442,17 @@ class CostModel:
                 for lo, hi in model.tp_box(spec, t, 0):
                     n *= hi - lo
                 if spec.per_layer:
-                    layer += n
+                    a, b = spec.span(model.layers)
+                    layer += n if a <= last_layer <= b else 0
+                    dense += n if a <= 0 <= b else 0
                 else:
                     if spec.placement in ("first", "first_and_last"):
                         first += n
                     if spec.placement in ("last", "first_and_last"):
                         last += n
-            cache[t] = (layer, first, last)
-        per = np.array([cache[int(t)] for t in tp], dtype=float).reshape(-1, 3)
-        return per[:, 0], per[:, 1], per[:, 2]
+            cache[t] = (layer, first, last, dense)
+        per = np.array([cache[int(t)] for t in tp], dtype=float).reshape(-1, 4)
+        return per[:, 0], per[:, 1], per[:, 2], per[:, 3]
 
     @staticmethod
     def expert_params_per_layer(model: Model, ep: np.ndarray, etp: np.ndarray) -> np.ndarray:
@@ -468,14 +480,28 @@ class CostModel:
         return np.sum(self.split_params(model, c), axis=0)
 
     def split_params(self, model: Model, c: Candidates) -> tuple[np.ndarray, np.ndarray]:
-        """(dense, routed-expert) parameters on the fullest GPU (weights only, before ZeRO)."""
-        layer, first, last = self._local_params(model, c.tp)
+        """(dense, routed-expert) parameters on the fullest GPU (weights only, before ZeRO): of
+        the first stage, the last and (pp > 2) a middle one of ``max_layers`` MoE layers. A
+        mixture of experts' dense first layers (``dense_layers``) are the first stage's first."""
+        layer, first, last, dense_layer = self._local_params(model, c.tp)
         experts = self.expert_params_per_layer(model, c.ep, c.etp)
-        a, b = c.first_layers * (layer + experts) + first, c.last_layers * (layer + experts) + last
-        single = c.first_layers * (layer + experts) + first + last
-        stage = np.where(c.pp == 1, single, np.maximum(a, b))
-        held = np.where(c.pp == 1, c.first_layers, np.where(a >= b, c.first_layers, c.last_layers))
-        return stage - held * experts, held * experts
+        k = float(model.dense_layers or 0)
+        L = float(model.layers)
+
+        def stage(lo, n, extra):  # layers [lo, lo + n): (dense part, experts)
+            dense = np.clip(np.minimum(lo + n, k) - lo, 0.0, None)
+            return dense * dense_layer + (n - dense) * layer + extra, (n - dense) * experts
+
+        one = stage(0.0, L, first + last)
+        head = stage(0.0, c.first_layers.astype(float), first)
+        tail = stage(L - c.last_layers, c.last_layers.astype(float), last)
+        middle = stage(L, c.max_layers.astype(float), 0.0)  # past the dense layers: all MoE
+        options = [head, tail] + [tuple(np.where(c.pp > 2, v, 0.0) for v in middle)]
+        total = [d + e for d, e in options]
+        pick = np.argmax(np.stack(total), axis=0)
+        dense = np.choose(pick, [d for d, _ in options])
+        expert = np.choose(pick, [e for _, e in options])
+        return np.where(c.pp == 1, one[0], dense), np.where(c.pp == 1, one[1], expert)
 
     def _bw(self, link: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(bandwidth B/s, latency s, coefficient column) per candidate for NVLINK/NIC codes."""
@@ -572,7 +598,8 @@ class CostModel:
         tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
         ep_bw, ep_lat, ep_col = self._bw(c.ep_link)
         ep = c.ep.astype(float)
-        moe_layers = stage_layers if model.moe else np.zeros(n)
+        # MoE layers of the fullest stage (dense first layers: the model's share of MoE layers)
+        moe_layers = stage_layers * model.moe_layers / L if model.moe else np.zeros(n)
         # all-to-all bytes a GPU sends per MoE layer and token of its replica, each way (dispatch or
         # combine): k hidden vectors per token, its replica's tokens split over TP, (ep - 1) / ep leave
         a2a_tok = (model.experts_per_token or 0) * h * ACT_BYTES / tp * (ep - 1) / ep
@@ -628,7 +655,15 @@ class CostModel:
             a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * passes * a2a_tok * (1 + bubble), 0.0)
             add("ep", ep_col, np.where(c.ep > 1, a2a / ep_bw, 0.0))
             if model.moe:  # the busiest EP rank's experts: their GEMMs and all-to-all wait for it
-                expert_flops = passes * L * 2 * 3 * h * cast(int, model.experts_per_token) * cast(int, model.expert_ffn)
+                expert_flops = (
+                    passes
+                    * model.moe_layers
+                    * 2
+                    * 3
+                    * h
+                    * cast(int, model.experts_per_token)
+                    * cast(int, model.expert_ffn)
+                )
                 expert_ideal = np.where(c.ep > 1, tokens * expert_flops / (tp * pp * cp * peak) * (1 + bubble), 0.0)
                 uneven["compute"] = expert_ideal[:, None] * onehot(C_COMPUTE)
                 uneven["ep"] = np.where(c.ep > 1, a2a / ep_bw, 0.0)[:, None] * onehot(ep_col)
