@@ -13,6 +13,7 @@ BENCHMARKS = {
     "plan-search": "plan_search_bench",
     "transition": "transition_bench",
     "reshard": "reshard_bench",
+    "ep": "ep_bench",
     "calibrate": "calibrate_bench",
     "controller": "controller_bench",
     "push": "push_bench",

@@ -1,7 +1,8 @@
 """``nereus bench reshard``: live state moved between layouts by real processes, Nereus vs its peers.
 
 Every case of ``nereus.testing.cases`` (TP 4 -> 2 x DP 2 and back, TP 4 -> 2 on half the GPUs, PP 2 -> 4,
-DP 4 -> 2 under ZeRO-1, a training layout -> full replication for generation), on 4 and 8
+DP 4 -> 2 under ZeRO-1, a training layout -> full replication for generation; a mixture of
+experts from EP 4 to EP 2, and to generation's TP 2 x EP 2), on 4 and 8
 gloo processes of this machine, each method in turn on the same synthetic state:
 
 - ``nereus``: the transition planned by ``plan-transition``, lowered by ``lower-collectives``
@@ -12,6 +13,8 @@ gloo processes of this machine, each method in turn on the same synthetic state:
 - ``dcp``: PyTorch DCP save under plan A, then load into plan B's boxes (``runtime.dcp``);
 - ``allgather``: every rank all-gathers every tensor, then slices (verl's resharding);
 - ``gather+bcast``: rank 0 gathers every tensor, then broadcasts it (OpenRLHF's weight sync);
+- ``holder-bcast``: every distinct source box broadcast whole by one of its holders (the
+  broadcast of whole experts that slime and NeMo-RL sync experts with);
 - ``floor`` (not a peer): an unchecked minimal point-to-point exchange of the same bytes
   (``testing.peers.p2p_floor``), what safety is held against: ``nereus / floor``.
 
@@ -61,7 +64,7 @@ from ..runtime.launch import init_from_env, run_local
 from ..runtime.state import cut, full_tensor, synthetic_state
 from ..testing.cases import CASES, case_module
 
-METHODS = ("nereus", "nereus+remap", "floor", "dcp", "allgather", "gather+bcast")
+METHODS = ("nereus", "nereus+remap", "floor", "dcp", "allgather", "gather+bcast", "holder-bcast")
 PEERS = METHODS[3:]
 
 
@@ -84,7 +87,7 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
     """Run one method on this rank: (its plan-B state, bytes it sent, bytes written to sockets or
     None, and for Nereus the bytes it packed and hashed, else None)."""
     from ..runtime.dcp import dcp_reshard
-    from .baselines.peers import allgather_slice, gather_broadcast, p2p_floor
+    from .baselines.peers import allgather_slice, gather_broadcast, holder_broadcast, p2p_floor
 
     if method.startswith("nereus"):
         stats = Stats()
@@ -97,6 +100,8 @@ def _method(method: str, prog, src, rank: int, world: int, path: str):
         return *p2p_floor(src, _floor_plan(prog, rank, world)), None, None
     if method == "allgather":
         return *allgather_slice(src, prog.src, prog.dst, rank, world), None, None
+    if method == "holder-bcast":
+        return *holder_broadcast(src, prog.src, prog.dst, rank, world), None, None
     return *gather_broadcast(src, prog.src, prog.dst, rank, world), None, None
 
 
@@ -218,9 +223,9 @@ def worker(
     return out
 
 
-def run(quick: bool = False, json_output: bool = False) -> dict:
+def run(quick: bool = False, json_output: bool = False, cases: list[str] | None = None) -> dict:
     worlds = (4,) if quick else (4, 8)
-    cases = ["tp4-tp2x2", "train-gen"] if quick else list(CASES)
+    cases = cases or (["tp4-tp2x2", "train-gen"] if quick else list(CASES))
     hidden = 128 if quick else None
     ring_bytes = (4 if quick else 64) * 2**20
     results: dict = {"cases": {}, "ring_GBps": {}}
@@ -296,6 +301,7 @@ def _table(results: dict) -> None:
         "dcp s",
         "allgather s",
         "gather+bcast s",
+        "holder-bcast s",
         "best peer / nereus (transfer)",
         "(total)",
         "nereus / bound",
@@ -332,6 +338,7 @@ def _table(results: dict) -> None:
             cell(e, "dcp"),
             cell(e, "allgather"),
             cell(e, "gather+bcast"),
+            cell(e, "holder-bcast"),
             f"{n['best_peer_over_transfer']:.1f}x",
             f"{n['best_peer_over_total']:.1f}x",
             f"{n['seconds'] / e['bound_s']:.2f}",

@@ -10,7 +10,7 @@
 Importing this package imports neither pytest nor torch.
 """
 
-from .cases import CASES, case_module, job_text
+from .cases import CASES, EP_CASES, case_module, job_text
 from .golden import GoldenMismatch, compare, produce, run_header
 
-__all__ = ["CASES", "GoldenMismatch", "case_module", "compare", "job_text", "produce", "run_header"]
+__all__ = ["CASES", "EP_CASES", "GoldenMismatch", "case_module", "compare", "job_text", "produce", "run_header"]

@@ -11,6 +11,13 @@ of one model-stage, with the EMUs of both derived from the layouts:
 - ``train-gen``: a training layout (TP 4) -> a generation layout that replicates the weights on
   every GPU (TP 1 x DP n): weights only.
 
+``EP_CASES`` move a mixture of experts (8 experts, top 2) between expert-parallel layouts:
+
+- ``ep4-ep2``: EP 4 -> EP 2 (expert-DP doubles: each GPU gains as many experts as it had), DP n,
+  training state;
+- ``ep4-tp2ep2``: training EP 4 -> a generation layout of TP 2 engines with EP 2 over their ranks
+  (vLLM's expert parallelism: every expert whole), weights only.
+
 ``hidden`` sizes the model; the defaults hold about 440 MB of distinct state in the training
 cases (hidden 512: 31.6 M parameters x 14 bytes) and 330 MB of bf16 weights in ``train-gen``
 (hidden 1280); tests pass a small ``hidden``.
@@ -22,22 +29,39 @@ from ..ir import Module, parse
 from ..passes import run_pipeline
 
 CASES = ("tp4-tp2x2", "tp2x2-tp4", "tp4-tp2", "pp2-pp4", "dp4-dp2", "train-gen")
+EP_CASES = ("ep4-ep2", "ep4-tp2ep2")
 
 
-def _layout_block(kind: str, tp: int, pp: int, dp: int, layers: int, gpus: list[int], zero: int = 0) -> str:
+def _layout_block(
+    kind: str,
+    tp: int,
+    pp: int,
+    dp: int,
+    layers: int,
+    gpus: list[int],
+    zero: int = 0,
+    ep: int = 1,
+    etp: int | None = None,
+) -> str:
     per = layers // pp
     bounds = ", ".join(f"{i * per}..{(i + 1) * per - 1 if i < pp - 1 else layers - 1}" for i in range(pp))
     extra = f"\n    zero = {zero}" if zero else ""
+    extra += f"\n    ep = {ep}" if ep > 1 else ""
+    extra += f"\n    etp = {etp}" if etp is not None else ""
     return (
         f"  layout actor.{kind} {{\n    tp = {tp}\n    pp = {pp}\n    dp = {dp}\n"
         f"    layers = [{bounds}]\n    mesh = [{', '.join(map(str, gpus))}]{extra}\n  }}\n"
     )
 
 
-def job_text(n: int, kind: str, a: tuple, b: tuple, layers: int = 8, hidden: int = 1024, vocab: int = 8192) -> str:
-    """Cluster, model, workload and plans ``a`` and ``b``, each ``(tp, pp, dp, gpus, zero)``. An
+def job_text(
+    n: int, kind: str, a: tuple, b: tuple, layers: int = 8, hidden: int = 1024, vocab: int = 8192, experts: int = 0
+) -> str:
+    """Cluster, model, workload and plans ``a`` and ``b``, each ``(tp, pp, dp, gpus, zero)`` (and
+    ``ep, etp`` after them for a mixture of ``experts``, top 2, each of FFN ``hidden``). An
     optimizer step is 12 micro-batches, which DP 1, 2, 3, 4 and 6 split evenly (the controller's
     tests lose one of four ranks and go on with three)."""
+    moe = f"\n  experts = {experts}\n  experts_per_token = 2\n  expert_ffn = {hidden}" if experts else ""
     stage = (
         "stage generate { kind = generate, models = [@actor] }"
         if kind == "generate"
@@ -60,7 +84,7 @@ model @actor {{
   kv_heads = 4
   ffn = {hidden * 11 // 4}
   vocab = {vocab}
-  trained = true
+  trained = true{moe}
 }}
 
 workload @job {{
@@ -79,10 +103,10 @@ workload @job {{
 }}
 """
     plans = ""
-    for name, (tp, pp, dp, gpus, zero) in (("a", a), ("b", b)):
+    for name, (tp, pp, dp, gpus, zero, *carving) in (("a", a), ("b", b)):
         plans += (
             f"\nplan @{name} {{\n  workload = @job\n  cluster = @node\n"
-            + _layout_block(kind, tp, pp, dp, layers, gpus, zero)
+            + _layout_block(kind, tp, pp, dp, layers, gpus, zero, *carving)
             + "}\n"
         )
     return head + plans
@@ -105,8 +129,13 @@ def case_module(case: str, n: int, hidden: int | None = None, layers: int = 8) -
         kind, a, b = "train", (q, 1, 4, all_gpus, 1), (q, 2, 2, all_gpus, 1)
     elif case == "train-gen":
         kind, a, b = "generate", (4, 1, q, all_gpus, 0), (1, 1, n, all_gpus, 0)
+    elif case == "ep4-ep2":
+        kind, a, b = "train", (1, 1, n, all_gpus, 0, 4, 1), (1, 1, n, all_gpus, 0, 2, 1)
+    elif case == "ep4-tp2ep2":
+        kind, a, b = "generate", (1, 1, n, all_gpus, 0, 4, 1), (2, 1, n // 2, all_gpus, 0, 2, 1)
     else:
-        raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
-    hidden = hidden or (1280 if kind == "generate" else 512)
-    m = parse(job_text(n, kind, a, b, layers=layers, hidden=hidden))
+        raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES + EP_CASES)}")
+    experts = 8 if case in EP_CASES else 0
+    hidden = hidden or (1280 if kind == "generate" else 512) // (2 if experts else 1)
+    m = parse(job_text(n, kind, a, b, layers=layers, hidden=hidden, experts=experts))
     return run_pipeline(m, "derive-emus{plan=@a},derive-emus{plan=@b}")

@@ -162,6 +162,19 @@ def test_bench_reshard_json_smoke():
         assert case["bound_s"] > 0
 
 
+def test_bench_ep_json_smoke():
+    """``nereus bench ep --quick --json``: the two expert-parallel moves on 4 processes, every way
+    bit-exact, Nereus sending its planned bytes, the experts' peers sending more."""
+    out = bench_json("ep")
+    assert set(out["cases"]) == {"ep4-ep2 x4", "ep4-tp2ep2 x4"}
+    for case in out["cases"].values():
+        methods = ("nereus", "nereus+remap", "dcp", "allgather", "gather+bcast", "holder-bcast")
+        assert all(case[m]["exact"] for m in methods)
+        assert case["nereus"]["sent_MB"] == pytest.approx(case["planned_MB"])
+        assert case["allgather"]["sent_MB"] > case["nereus"]["sent_MB"]
+        assert case["holder-bcast"]["sent_MB"] > case["nereus"]["sent_MB"]
+
+
 def test_bench_push_smoke():
     """Four gloo processes, three trainer layouts, no engines: the three ways push the same
     weights bit for bit (checked inside), and Nereus receives exactly the lower bound."""

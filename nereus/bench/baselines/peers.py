@@ -9,6 +9,8 @@ rank's destination shards (every spec of ``dst_layout[rank]``, contiguous, bit-i
   shards of every tensor, assembles the full tensors it needs and slices its plan-B box out.
 - ``gather_broadcast`` is OpenRLHF's weight sync: rank 0 collects the full tensors, broadcasts
   them to every rank, and every rank slices its box out.
+- ``holder_broadcast`` is the broadcast of whole experts (slime's and NeMo-RL's expert sync):
+  each distinct source box broadcast to every rank by one of its holders.
 
 Both batch tensors into flat ``uint8`` buckets of at most ``bucket_bytes`` of full tensors (as
 verl and NeMo-RL bucket their weight sync) instead of one collective per tensor, and reuse the
@@ -246,6 +248,40 @@ def gather_broadcast(
         for k in bucket:
             if k in mine:
                 out[k] = cut(fulls[k], mine[k].box).clone(memory_format=torch.contiguous_format)
+    return out, sent
+
+
+def holder_broadcast(
+    src: LocalState, src_layout: Layout, dst_layout: Layout, rank: int, world: int, *, bucket_bytes: int = BUCKET_BYTES
+) -> tuple[LocalState, int]:
+    """Broadcast of whole experts (slime's and NeMo-RL's expert sync, generalised): per bucket, every
+    holder chosen for a distinct source box broadcasts its packed boxes to the whole group (gloo's
+    binomial tree rooted at it), and every rank assembles the tensors it needs and slices its box.
+    A tensor held whole under plan A (an expert under expert parallelism, a replicated norm) goes
+    out whole from one holder; TP shards go out from each of their holders. No gather to one rank
+    first, and no rank sends what another already sends. Bytes sent: each broadcast's buffer
+    times this rank's sends in the tree rooted at its holder."""
+    sources, buckets = _plan(src_layout, dst_layout, bucket_bytes)
+    mine = {s.key: s for s in dst_layout.get(rank, [])}
+    steps = [(bucket, _senders(sources, bucket, world)) for bucket in buckets]
+    flat = torch.empty(max((_span(sp) for _, senders in steps for sp in senders), default=0), dtype=torch.uint8)
+    out: LocalState = {}
+    sent = 0
+    for bucket, senders in steps:
+        fulls = {k: torch.empty(mine[k].shape, dtype=torch_dtype(mine[k].dtype)) for k in bucket if k in mine}
+        for root, specs in enumerate(senders):
+            if not specs:
+                continue
+            buf = flat[: _span(specs)]
+            if rank == root:
+                _pack(src, specs, buf)
+            dist.broadcast(buf, src=root)
+            sent += _tree_sends(rank, world, root) * buf.numel()
+            for s, t in _unpack(buf, specs):
+                if s.key in fulls:
+                    cut(fulls[s.key], s.box).copy_(t)
+        for key, full in fulls.items():
+            out[key] = cut(full, mine[key].box).contiguous()
     return out, sent
 
 
