@@ -12,6 +12,10 @@ set in view (compute 0.6, raised from 0.5; overlap 0.9, added): the errors with 
 sample. The errors on figures a fit did not see are ``holdout``'s: leave one source out, and
 calibration transfer (``validation/holdout.json`` records them with the priors).
 
+**Mixtures of experts** (``validation/moe/*.nir``): published MoE pre-training figures (expert
+parallelism, all-to-all dispatch), each beside ``estimate`` with the priors (none set with them in
+view) and the same two constant-efficiency predictors; reported apart from the dense set.
+
 **Generation** (``validation/generation/*.nir``): published decode and serving figures (a batch
 of requests at fixed input and output lengths, one ``generate`` stage), each set beside two
 predictors: ``estimate`` with the priors, and the simulator's event truth
@@ -38,6 +42,7 @@ from ..passes.cost.estimate import estimate_plan
 
 VALIDATION = Path(__file__).resolve().parents[2] / "validation"
 GENERATION = VALIDATION / "generation"
+MOE = VALIDATION / "moe"
 CONSTANT_EFFICIENCY = Efficiency().compute  # the model's prior
 PUBLISHED = re.compile(r"//\s*published:\s*([0-9.]+)\s*s\b")
 
@@ -285,8 +290,65 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
             s = summary[k]
             console.print(f"{label:>40}: median {s['median']:.1%}, mean {s['mean']:.1%}, worst {s['worst']:.1%}")
     result["holdout"] = _holdout_report(None if json_output else Console(width=160))
+    result["moe"] = _moe_report(None if json_output else Console(width=160))
     result["generation"] = _generation_report(None if json_output else Console(width=160))
     return result
+
+
+def _moe_report(console: Console | None) -> dict:
+    """The MoE figures: signed errors of the cost model and of the constants, per figure."""
+    rows = cases(MOE)
+    err = errors(rows)
+    pub = np.array([c.published_s for c in rows])
+    signed = {
+        "model": np.array([c.model_s for c in rows]) / pub - 1,
+        "constant": np.array([c.constant_s(CONSTANT_EFFICIENCY) for c in rows]) / pub - 1,
+        "best_constant": np.array([c.constant_s(float(err["best_efficiency"])) for c in rows]) / pub - 1,
+    }
+    summary = {k: {"median": float(np.median(np.abs(v))), "worst": float(np.max(np.abs(v)))} for k, v in signed.items()}
+    if console is not None:
+        t = Table(
+            title=f"mixtures of experts: estimate against {len(rows)} published figures (signed error)",
+            title_justify="left",
+        )
+        for col in ("source", "plan", "GPUs", "published", "model", "error", "constant", "best constant", "fits"):
+            t.add_column(col, justify="left" if col in ("source", "plan") else "right")
+        for i, c in enumerate(rows):
+            t.add_row(
+                c.source,
+                c.plan,
+                str(c.gpus),
+                f"{c.published_s:.2f} s",
+                f"{c.model_s:.2f} s",
+                f"{signed['model'][i]:+.1%}",
+                f"{signed['constant'][i]:+.1%}",
+                f"{signed['best_constant'][i]:+.1%}",
+                "yes" if c.fits else "NO",
+            )
+        console.print(t)
+        for k, label in (
+            ("model", "model"),
+            ("constant", f"constant {CONSTANT_EFFICIENCY}"),
+            ("best_constant", f"best constant ({err['best_efficiency']:.3f}, fitted to these figures)"),
+        ):
+            console.print(f"{label:>40}: median {summary[k]['median']:.1%}, worst {summary[k]['worst']:.1%}")
+    return {
+        "cases": len(rows),
+        "best_constant_efficiency": float(err["best_efficiency"]),
+        "summary": summary,
+        "rows": [
+            {
+                "source": c.source,
+                "plan": c.plan,
+                "published_s": c.published_s,
+                "model_s": round(c.model_s, 4),
+                "model_error": round(float(signed["model"][i]), 4),
+                "constant_error": round(float(signed["constant"][i]), 4),
+                "fits": c.fits,
+            }
+            for i, c in enumerate(rows)
+        ],
+    }
 
 
 def _holdout_report(console: Console | None) -> dict:

@@ -178,3 +178,32 @@ def test_generation_figures_the_cost_model_and_the_event_truth_beat_the_memory_b
         assert np.median(np.abs(err[k])) < np.median(np.abs(err["best_constant"])), k
         assert np.max(np.abs(err[k])) < np.max(np.abs(err["best_constant"])), k
         assert np.median(np.abs(err[k])) <= 0.20, k
+
+
+def test_moe_figures_are_stated_and_the_model_misses_them_as_recorded():
+    """Six published MoE pre-training figures (Megatron-Bridge's H100 and B200 rows of Qwen3-30B-A3B
+    and Qwen3-235B-A22B, NeMo AutoModel's H100 Qwen3-30B), none fitted. Recorded as measured
+    (``nereus bench validate``, docs/PERFORMANCE.md): the cost model's median |error| 36% and worst
+    53%, in both directions (the all-to-all in series over the NIC without DeepEP's per-node
+    dedup is too slow; GEMMs at 0.6 of the FP8 peak are too fast), better than the prior constant
+    (70%) and far worse than a constant fitted to these six in hindsight (12%). This test fails
+    when a change moves the model's errors on them by more than 5 points, so that the record is
+    restated, and checks that the AutoModel run, which ran, is found not to fit (a known miss)."""
+    from nereus.bench.validate_bench import MOE, _moe_report
+
+    report = _moe_report(None)
+    assert report["cases"] == 6 and {r["source"] for r in report["rows"]} == {
+        "megatron_bridge_h100_b200",
+        "nemo_automodel_h100",
+    }
+    s = report["summary"]
+    assert s["model"]["median"] == pytest.approx(0.362, abs=0.05)
+    assert s["model"]["worst"] == pytest.approx(0.529, abs=0.05)
+    assert s["model"]["median"] < s["constant"]["median"]
+    assert [r["fits"] for r in report["rows"]].count(False) == 1
+    assert MOE.is_dir()
+
+
+def test_the_dense_set_does_not_take_the_moe_figures(validation):
+    rows, _ = validation
+    assert not {c.source for c in rows} & {"megatron_bridge_h100_b200", "nemo_automodel_h100"}

@@ -111,6 +111,7 @@ class Candidates:
     ep: np.ndarray = field(default=cast(np.ndarray, None))  # expert parallelism: experts split over ep ranks
     etp: np.ndarray = field(default=cast(np.ndarray, None))  # each expert's TP size (default: tp)
     ep_link: np.ndarray = field(default=cast(np.ndarray, None))  # the EP group's all-to-all link
+    ep_local: np.ndarray = field(default=cast(np.ndarray, None))  # EP group members on a GPU's node (itself included)
 
     def __post_init__(self):
         n = len(self.tp)
@@ -118,10 +119,13 @@ class Candidates:
             self.etp = np.asarray(self.tp, dtype=np.int64)
         if self.ep_link is None:
             self.ep_link = np.asarray(self.tp_link)
+        if self.ep_local is None:  # every member on one node, unless the link says otherwise
+            self.ep_local = np.where(np.asarray(self.ep_link) == NVLINK, np.asarray(self.ep), 1)
         for name, value, dtype in (
             ("ep", 1, np.int64),
             ("etp", 1, np.int64),
             ("ep_link", NVLINK, np.int64),
+            ("ep_local", 1, np.int64),
             ("resident", 0.0, float),
             ("sp", False, bool),
             ("vpp", 1, np.int64),
@@ -185,6 +189,7 @@ class Candidates:
         # an EP group: ranks etp apart in a stage's (tp fastest, then cp, dp) order; beyond one TP
         # group it spans ep x etp / tp replicas, pp x tp GPUs apart under canonical placement
         ep_span = np.where(ep * etp <= tp, tp, (ep * etp // np.maximum(tp, 1) - 1) * pp * tp + tp)
+        local = {key: _ep_local(*key, g) for key in set(zip(tp.tolist(), pp.tolist(), ep.tolist(), etp.tolist()))}
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
         last = np.where(pp == 1, layers, layers // pp)
         return cls(
@@ -209,6 +214,7 @@ class Candidates:
             ep=ep,
             etp=etp,
             ep_link=np.where(ep_span <= g, NVLINK, NIC),
+            ep_local=np.array([local[k] for k in zip(tp.tolist(), pp.tolist(), ep.tolist(), etp.tolist())]),
         )
 
     @classmethod
@@ -239,6 +245,14 @@ class Candidates:
                 for p in range(lay.pp):
                     groups.setdefault((p, edp, et), set()).add(int(nodes[d, p, t]))
         ep_link = NIC if any(len(g) > 1 for g in groups.values()) else NVLINK
+        # the members of replica 0's TP rank 0's EP group on its node (itself included)
+        e0, et0, edp0 = lay.expert_rank(0, 0)
+        ep_local = sum(
+            1
+            for d in range(lay.replicas)
+            for t in range(lay.tp)
+            if lay.expert_rank(d, t)[1:] == (et0, edp0) and nodes[d, 0, t] == nodes[0, 0, 0]
+        )
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
         return cls(
@@ -264,7 +278,16 @@ class Candidates:
             ep=a(lay.ep),
             etp=a(lay.expert_tp),
             ep_link=a(ep_link),
+            ep_local=a(ep_local),
         )
+
+
+def _ep_local(tp: int, pp: int, ep: int, etp: int, per_node: int) -> int:
+    """Members of an EP group on its first GPU's node under canonical placement: a stage's ranks
+    ``r = t + tp x replica`` sit on GPU ``(replica x pp) x tp + t``; the group is ranks ``0, etp,
+    2 etp, ...``."""
+    gpu = lambda r: (r // tp) * pp * tp + r % tp
+    return sum(1 for j in range(ep) if gpu(j * etp) // per_node == 0)
 
 
 @dataclass
@@ -329,7 +352,9 @@ class StageCost:
     def breakdown(self, coeffs: np.ndarray, i: int = 0) -> dict[str, float]:
         # np.isscalar narrows col to numpy's scalar types, which mypy will not take as an index
         out = {
-            name: float(feat[i] * coeffs[col if np.isscalar(col) else col[i]])  # type: ignore[index]
+            name: float(feat[i] @ coeffs)
+            if col is None
+            else float(feat[i] * coeffs[col if np.isscalar(col) else col[i]])  # type: ignore[index]
             for name, (col, feat) in self.parts.items()
         }
         for name, waited in self.waits.items():
@@ -555,7 +580,7 @@ class CostModel:
         b = model.dtype_bytes
         F = np.zeros((n, len(COEFFS)))
         latency = np.zeros(n)
-        parts: dict[str, tuple[int, np.ndarray]] = {}
+        parts: dict[str, tuple[Any, np.ndarray]] = {}
         waits: dict[str, np.ndarray] = {}
         uneven: dict[str, np.ndarray] = {}  # features the busiest EP rank stretches (``StageCost.imbalance``)
 
@@ -579,8 +604,17 @@ class CostModel:
                 sel = col == cc
                 F[sel, cc] += feat[sel]
             prev = parts.get(name)
-            # a breakdown entry keeps one column per candidate; links differ only by candidate
-            parts[name] = (int(col[0]) if np.all(col == col[0]) else col, (prev[1] if prev else 0) + feat)
+            # a breakdown entry keeps one column per candidate (links differ only by candidate), or
+            # its features (n x 6) where it spans several columns (EP's all-to-all over NVLink and the NIC)
+            one = int(col[0]) if np.all(col == col[0]) else col
+            if prev is None or (prev[0] is not None and np.array_equal(prev[0], one)):
+                parts[name] = (one, (prev[1] if prev else 0) + feat)
+            else:
+                mat = np.zeros((n, len(COEFFS))) if prev[0] is not None else prev[1]
+                if prev[0] is not None:
+                    mat[np.arange(n), np.broadcast_to(np.asarray(prev[0]), (n,))] += prev[1]
+                mat[np.arange(n), col] += feat
+                parts[name] = (None, mat)
 
         samples = workload.samples / dp
         s = workload.prompt_len_mean + workload.response_len_mean
@@ -597,12 +631,21 @@ class CostModel:
         edp = self.expert_dp(c)
         tp_bw, tp_lat, tp_col = self._bw(c.tp_link)
         ep_bw, ep_lat, ep_col = self._bw(c.ep_link)
+        nv_bw, nic_bw = self.cluster.intra_node.bandwidth, self.cluster.inter_node.bandwidth
         ep = c.ep.astype(float)
+        local = np.minimum(c.ep_local.astype(float), ep)
         # MoE layers of the fullest stage (dense first layers: the model's share of MoE layers)
         moe_layers = stage_layers * model.moe_layers / L if model.moe else np.zeros(n)
         # all-to-all bytes a GPU sends per MoE layer and token of its replica, each way (dispatch or
-        # combine): k hidden vectors per token, its replica's tokens split over TP, (ep - 1) / ep leave
-        a2a_tok = (model.experts_per_token or 0) * h * ACT_BYTES / tp * (ep - 1) / ep
+        # combine): k hidden vectors per token (one per routed expert, as Megatron's all-to-all
+        # dispatcher permutes them), its replica's tokens split over TP; of the ep destinations,
+        # local - 1 are on its node (NVLink) and ep - local on others (the NIC)
+        a2a_tok = (model.experts_per_token or 0) * h * ACT_BYTES / tp
+
+        def a2a_seconds(volume):
+            """(NVLink, NIC) features of ``volume`` bytes per destination share under EP."""
+            return volume * (local - 1) / ep / nv_bw, volume * (ep - local) / ep / nic_bw
+
         pp_bw, pp_lat, pp_col = self._bw(c.pp_link)
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
@@ -651,9 +694,13 @@ class CostModel:
             wait(
                 "cp", np.where(c.cp > 1, n_mb_total * (1 + bubble) * stage_layers * cp_passes * (cp - 1) * cp_lat, 0.0)
             )
-            # EP: dispatch and combine per MoE layer and pass (backward sends their gradients back)
-            a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * passes * a2a_tok * (1 + bubble), 0.0)
-            add("ep", ep_col, np.where(c.ep > 1, a2a / ep_bw, 0.0))
+            # EP: dispatch and combine per MoE layer, forward and backward (the backward's all-to-all
+            # carries the gradients of both; the weight gradients need none), again when recomputing
+            a2a_passes = np.where(c.recompute, 3.0, 2.0) if kind == "train" else np.ones(n)
+            a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * a2a_passes * a2a_tok * (1 + bubble), 0.0)
+            a2a_nv, a2a_nic = a2a_seconds(a2a)
+            add("ep", C_NVLINK, a2a_nv)
+            add("ep", C_NIC, a2a_nic)
             if model.moe:  # the busiest EP rank's experts: their GEMMs and all-to-all wait for it
                 expert_flops = (
                     passes
@@ -666,8 +713,11 @@ class CostModel:
                 )
                 expert_ideal = np.where(c.ep > 1, tokens * expert_flops / (tp * pp * cp * peak) * (1 + bubble), 0.0)
                 uneven["compute"] = expert_ideal[:, None] * onehot(C_COMPUTE)
-                uneven["ep"] = np.where(c.ep > 1, a2a / ep_bw, 0.0)[:, None] * onehot(ep_col)
-            wait("ep", np.where(c.ep > 1, n_mb_total * (1 + bubble) * moe_layers * passes * 2 * (ep - 1) * ep_lat, 0.0))
+                uneven["ep"] = a2a_nv[:, None] * onehot(C_NVLINK) + a2a_nic[:, None] * onehot(C_NIC)
+            wait(
+                "ep",
+                np.where(c.ep > 1, n_mb_total * (1 + bubble) * moe_layers * a2a_passes * 2 * (ep - 1) * ep_lat, 0.0),
+            )
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
@@ -743,9 +793,11 @@ class CostModel:
             wait("pp", np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0))
             # EP: each decode step dispatches and combines its batch's tokens per MoE layer
             gen_a2a = np.where(c.ep > 1, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
-            add("ep", ep_col, np.where(c.ep > 1, gen_a2a / ep_bw, 0.0))
+            gen_nv, gen_nic = a2a_seconds(gen_a2a)
+            add("ep", C_NVLINK, gen_nv)
+            add("ep", C_NIC, gen_nic)
             if model.moe:
-                uneven["ep"] = np.where(c.ep > 1, gen_a2a / ep_bw, 0.0)[:, None] * onehot(ep_col)
+                uneven["ep"] = gen_nv[:, None] * onehot(C_NVLINK) + gen_nic[:, None] * onehot(C_NIC)
             wait("ep", np.where(c.ep > 1, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
             kv = np.minimum(conc, samples) * (p + r) * kv_tok
