@@ -178,6 +178,7 @@ def show(m: Module, title: str, console: Console | None = None, breakdown: bool 
             "TP",
             "PP",
             "DP",
+            "EP",
             "GPUs",
             "micro",
             "ZeRO",
@@ -195,6 +196,7 @@ def show(m: Module, title: str, console: Console | None = None, breakdown: bool 
                 str(lay.tp),
                 str(lay.pp),
                 str(lay.dp),
+                str(lay.ep) + (f" x {lay.expert_tp}" if lay.expert_tp != lay.tp else ""),
                 compress_ints(lay.mesh),
                 str(lay.micro_batches),
                 str(lay.zero),
@@ -305,6 +307,9 @@ def _layout_text(lay) -> str:
     if lay.pp > 1:
         parts += ["layers " + "|".join(f"{lo}..{hi}" for lo, hi in lay.layers)]
     parts += [f"VPP {lay.vpp}"] if lay.vpp > 1 else []
+    parts += (
+        [f"EP {lay.ep}" + (f" x ETP {lay.expert_tp}" if lay.expert_tp != lay.tp else "")] if lay.carves_experts else []
+    )
     parts += ["SP"] if lay.sp else []
     parts += ["FP8"] if lay.fp8 else []
     parts += [f"{lay.grad_dtype} grads"] if lay.grad_dtype != "bf16" else []

@@ -19,6 +19,8 @@ def header(m: Module, plan: Plan, framework: str, what: str) -> list[str]:
 
 def desc(lay: Layout) -> str:
     sizes = f"tp {lay.tp} x pp {lay.pp}" + (f" x cp {lay.cp}" if lay.cp > 1 else "") + f" x dp {lay.dp}"
+    if lay.carves_experts:
+        sizes += f", ep {lay.ep}" + (f" x etp {lay.expert_tp}" if lay.expert_tp != lay.tp else "")
     return f"{sizes} on GPUs {compress_ints(sorted(lay.mesh))}"
 
 
