@@ -427,8 +427,13 @@ def _layers(m: Module, model: str, pp: int) -> list[tuple[int, int]]:
 
 
 def _fresh(lay: Layout, **kw) -> Layout:
-    """``lay`` with ``kw`` changed and its estimates dropped."""
-    return replace(lay, **kw, time=None, memory=None, time_breakdown=None, memory_breakdown=None, runner_up=None)
+    """``lay`` with ``kw`` changed and its estimates dropped. Its expert carving is kept where the
+    new sizes can still carve it (EP x ETP dividing dp x cp x tp, ETP dividing TP), else dropped:
+    the framework then runs the experts split as TP splits a dense MLP."""
+    out = replace(lay, **kw, time=None, memory=None, time_breakdown=None, memory_breakdown=None, runner_up=None)
+    if out.carves_experts and (out.tp % out.expert_tp or (out.replicas * out.tp) % (out.ep * out.expert_tp)):
+        out = replace(out, ep=1, etp=None)
+    return out
 
 
 def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
