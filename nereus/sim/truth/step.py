@@ -47,14 +47,14 @@ def shape_of(model) -> tuple:
     return (
         model.layers, model.hidden, model.heads, model.kv_heads, model.hd, model.ffn, model.vocab,
         model.mlp, model.head, model.dtype, model.trained,
-        model.experts, model.experts_per_token, model.expert_ffn, model.shared_expert_ffn,
+        model.experts, model.experts_per_token, model.expert_ffn, model.shared_expert_ffn, model.dense_layers,
     )  # fmt: skip
 
 
 def layout_of(lay) -> tuple:
     return (
         lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp, lay.zero, lay.recompute, lay.sp, lay.grad_dtype,
-        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh),
+        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp,
     )  # fmt: skip
 
 
