@@ -196,7 +196,8 @@ def test_the_search_grids_ep_link_is_the_one_its_canonical_mesh_gives():
         lay = Layout(model_stage="actor.train", tp=tp, pp=pp, dp=dp, layers=layers, mesh=list(range(tp * pp * dp)))
         lay.ep, lay.etp = ep, etp
         grid = Candidates.grid(c, 3, tp, pp, dp, ep=ep, etp=etp)
-        assert grid.ep_link[0] == Candidates.of_layout(c, lay).ep_link[0], (tp, pp, dp, ep, etp)
+        exact = Candidates.of_layout(c, lay)
+        assert (grid.ep_link[0], grid.ep_local[0]) == (exact.ep_link[0], exact.ep_local[0]), (tp, pp, dp, ep, etp)
         seen.add(int(grid.ep_link[0]))
     assert seen == {0, 1}
 

@@ -189,7 +189,13 @@ class Candidates:
         # an EP group: ranks etp apart in a stage's (tp fastest, then cp, dp) order; beyond one TP
         # group it spans ep x etp / tp replicas, pp x tp GPUs apart under canonical placement
         ep_span = np.where(ep * etp <= tp, tp, (ep * etp // np.maximum(tp, 1) - 1) * pp * tp + tp)
-        local = {key: _ep_local(*key, g) for key in set(zip(tp.tolist(), pp.tolist(), ep.tolist(), etp.tolist()))}
+        if np.all(ep == 1):  # no expert parallelism (every dense model): nothing to carve
+            ep_local = np.ones(len(tp), dtype=np.int64)
+        else:  # per distinct (tp, pp, ep, etp): a few among the candidates
+            combos = np.stack([tp, pp, ep, etp], axis=1)
+            distinct, which = np.unique(combos, axis=0, return_inverse=True)
+            local = [_ep_local(int(a), int(b), int(c), int(d), g) for a, b, c, d in distinct]
+            ep_local = np.array(local, dtype=np.int64)[which.reshape(-1)]
         first = -(-layers // pp)  # tensor_split's rule: the first layers % pp stages hold one more
         last = np.where(pp == 1, layers, layers // pp)
         return cls(
@@ -214,7 +220,7 @@ class Candidates:
             ep=ep,
             etp=etp,
             ep_link=np.where(ep_span <= g, NVLINK, NIC),
-            ep_local=np.array([local[k] for k in zip(tp.tolist(), pp.tolist(), ep.tolist(), etp.tolist())]),
+            ep_local=ep_local,
         )
 
     @classmethod
@@ -237,22 +243,7 @@ class Candidates:
         dp_link = spans_nodes(nodes != nodes[:1])
         by_cp = nodes.reshape(lay.dp, lay.cp, lay.pp, lay.tp)
         cp_link = spans_nodes(by_cp != by_cp[:, :1])
-        # an EP group: the GPUs of one pipeline stage with the same expert-DP and ETP ranks
-        groups: dict[tuple, set[int]] = {}
-        for d in range(lay.replicas):
-            for t in range(lay.tp):
-                e, et, edp = lay.expert_rank(d, t)
-                for p in range(lay.pp):
-                    groups.setdefault((p, edp, et), set()).add(int(nodes[d, p, t]))
-        ep_link = NIC if any(len(g) > 1 for g in groups.values()) else NVLINK
-        # the members of replica 0's TP rank 0's EP group on its node (itself included)
-        e0, et0, edp0 = lay.expert_rank(0, 0)
-        ep_local = sum(
-            1
-            for d in range(lay.replicas)
-            for t in range(lay.tp)
-            if lay.expert_rank(d, t)[1:] == (et0, edp0) and nodes[d, 0, t] == nodes[0, 0, 0]
-        )
+        ep_link, ep_local = ep_placement(nodes, lay.ep, lay.expert_tp)
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
         return cls(
@@ -280,6 +271,26 @@ class Candidates:
             ep_link=a(ep_link),
             ep_local=a(ep_local),
         )
+
+
+def ep_placement(nodes: np.ndarray, ep: int, etp: int) -> tuple[int, int]:
+    """(link code, members on the first GPU's node) of the EP groups of a layout whose GPUs sit on
+    ``nodes`` (replicas x pp x tp, as ``Layout.gpu`` places them): an EP group is the GPUs of one
+    pipeline stage with the same expert-DP and ETP ranks (``Layout.expert_rank``); it crosses the
+    NIC when some group spans nodes. (NVLink, 1) without expert parallelism."""
+    if ep <= 1:
+        return NVLINK, 1
+    replicas, _, tp = nodes.shape
+    r = np.arange(replicas * tp)
+    d, t = r // tp, r % tp
+    group = (r // (etp * ep)) * etp + r % etp  # (expert-DP rank, ETP rank) as one number
+    on = nodes[d, :, t]  # (ranks, pp): each rank's node at every pipeline stage
+    crosses = False
+    for g in np.unique(group):
+        members = on[group == g]
+        crosses = crosses or bool(np.any(members.max(axis=0) != members.min(axis=0)))
+    local = int(np.sum((group == group[0]) & (on[:, 0] == on[0, 0])))
+    return (NIC if crosses else NVLINK), local
 
 
 def _ep_local(tp: int, pp: int, ep: int, etp: int, per_node: int) -> int:
@@ -509,6 +520,11 @@ class CostModel:
         the first stage, the last and (pp > 2) a middle one of ``max_layers`` MoE layers. A
         mixture of experts' dense first layers (``dense_layers``) are the first stage's first."""
         layer, first, last, dense_layer = self._local_params(model, c.tp)
+        if not model.moe:  # every layer alike, no experts
+            fl, ll, ml = c.first_layers, c.last_layers, c.max_layers
+            staged = np.maximum(fl * layer + first, ll * layer + last)
+            staged = np.where(c.pp > 2, np.maximum(staged, ml * layer), staged)
+            return np.where(c.pp == 1, model.layers * layer + first + last, staged), np.zeros(len(c))
         experts = self.expert_params_per_layer(model, c.ep, c.etp)
         k = float(model.dense_layers or 0)
         L = float(model.layers)
@@ -633,6 +649,7 @@ class CostModel:
         ep_bw, ep_lat, ep_col = self._bw(c.ep_link)
         nv_bw, nic_bw = self.cluster.intra_node.bandwidth, self.cluster.inter_node.bandwidth
         ep = c.ep.astype(float)
+        carved = bool(np.any(c.ep > 1))  # some candidate runs an all-to-all (dense models: none)
         local = np.minimum(c.ep_local.astype(float), ep)
         # MoE layers of the fullest stage (dense first layers: the model's share of MoE layers)
         moe_layers = stage_layers * model.moe_layers / L if model.moe else np.zeros(n)
@@ -699,9 +716,10 @@ class CostModel:
             a2a_passes = np.where(c.recompute, 3.0, 2.0) if kind == "train" else np.ones(n)
             a2a = np.where(c.ep > 1, 2 * tokens / cp * moe_layers * a2a_passes * a2a_tok * (1 + bubble), 0.0)
             a2a_nv, a2a_nic = a2a_seconds(a2a)
-            add("ep", C_NVLINK, a2a_nv)
-            add("ep", C_NIC, a2a_nic)
-            if model.moe:  # the busiest EP rank's experts: their GEMMs and all-to-all wait for it
+            if carved:
+                add("ep", C_NVLINK, a2a_nv)
+                add("ep", C_NIC, a2a_nic)
+            if model.moe and carved:  # the busiest EP rank's experts: their GEMMs and all-to-all wait for it
                 expert_flops = (
                     passes
                     * model.moe_layers
@@ -794,8 +812,9 @@ class CostModel:
             # EP: each decode step dispatches and combines its batch's tokens per MoE layer
             gen_a2a = np.where(c.ep > 1, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
             gen_nv, gen_nic = a2a_seconds(gen_a2a)
-            add("ep", C_NVLINK, gen_nv)
-            add("ep", C_NIC, gen_nic)
+            if carved:
+                add("ep", C_NVLINK, gen_nv)
+                add("ep", C_NIC, gen_nic)
             if model.moe:
                 uneven["ep"] = gen_nv[:, None] * onehot(C_NVLINK) + gen_nic[:, None] * onehot(C_NIC)
             wait("ep", np.where(c.ep > 1, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))

@@ -57,7 +57,15 @@ import numpy as np
 
 from ...ir import Cluster, Model, Workload
 from ...ir.verifier import flush_samples, replicas_share_steps
-from ..cost.cost_model import C_PCIE, NIC, NVLINK, VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
+from ..cost.cost_model import (
+    C_PCIE,
+    NIC,
+    NVLINK,
+    VLLM_GPU_MEMORY_UTILIZATION,
+    Candidates,
+    CostModel,
+    ep_placement,
+)
 
 KIB = 1024
 NO_RHO = 1 << 50  # not a generation candidate: any resident state of others is fine
@@ -88,6 +96,7 @@ SPAN = 1 << 30  # start classes SPAN + s: the single start s of a run across seg
 
 
 _LINKS: dict[tuple, tuple[int, int, int]] = {}  # Positions.links, by segments and mesh
+_EP_LINKS: dict[tuple, tuple[int, int]] = {}  # ``Positions.ep_links``, remembered likewise
 
 
 @dataclass
@@ -184,6 +193,22 @@ class Positions:
             if len(_LINKS) >= 1 << 17:
                 _LINKS.clear()
             got = _LINKS[key] = self._links(tp, pp, dp, cls)
+        return got
+
+    def ep_links(self, tp: int, pp: int, dp: int, ep: int, etp: int, cls: int) -> tuple[int, int]:
+        """(EP link code, EP group members on a node) of the mesh of a run of class ``cls``, as
+        ``Candidates.of_layout`` derives them (``cost_model.ep_placement``)."""
+        key = (tuple(self.segments), self.per_node, self.exhaustive, tp, pp, dp, ep, etp, cls)
+        got = _EP_LINKS.get(key)
+        if got is None:
+            if len(_EP_LINKS) >= 1 << 17:
+                _EP_LINKS.clear()
+            if cls == ANYWHERE:
+                got = (NIC, 1) if ep > 1 else (NVLINK, 1)
+            else:
+                start = self.starts(cls, tp * pp * dp)[0]
+                got = ep_placement(self.node[start : start + tp * pp * dp].reshape(dp, pp, tp), ep, etp)
+            _EP_LINKS[key] = got
         return got
 
     def _links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
@@ -708,6 +733,11 @@ def candidates(
             [pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
             dtype=np.int64,
         ).reshape(-1, 3)[key_of.reshape(-1)]
+    if len(ex_row) and np.any(ep > 1):  # the EP groups' links where the mesh at each start puts them
+        keys = np.stack([tp[ex_row], pp[ex_row], dp[ex_row], ep[ex_row], etp[ex_row], classes[col]], axis=1)
+        distinct, which = np.unique(keys, axis=0, return_inverse=True)
+        got = np.array([pos.ep_links(*(int(v) for v in k)) for k in distinct], dtype=np.int64).reshape(-1, 2)
+        lk = np.concatenate([lk, got[which.reshape(-1)]], axis=1)
     return costed_rows(
         cost,
         workload,
@@ -740,7 +770,8 @@ def costed_rows(
 ) -> Rows:
     """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp, ep, etp: one entry per row)
     expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
-    mesh's (tp, pp, dp) links ``lk[i]``. Each expansion is costed for its time; a row's memory is
+    mesh's (tp, pp, dp) links ``lk[i]`` (then its EP link and EP members on a node, where a row
+    has expert parallelism). Each expansion is costed for its time; a row's memory is
     its first expansion's."""
     tp, pp, dp, mb, rc, zero, vpp, ep, etp = cols
     cluster = cost.cluster
@@ -763,8 +794,9 @@ def costed_rows(
             ep=ep[r],
             etp=etp[r],
         )
-        # the EP group's link stays the canonical mesh's (``Candidates.grid``)
         cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
+        if lk.shape[1] > 3:  # expert parallelism: the EP groups' links and members on a node
+            cand.ep_link, cand.ep_local = lk[:, 3], lk[:, 4]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
         feat, lat = cost.offload_time(offloaded[r])  # as estimate charges it
