@@ -93,6 +93,60 @@ def _module(cluster, w, models) -> Module:
     return Module(clusters={cluster.name: cluster}, models=dict(models), workloads={w.name: w})
 
 
+def test_expert_parallelism_is_costed_on_the_mesh_the_search_places_it_on():
+    """Found by the property below: GPUs 1 and 3 of two 2-GPU nodes are all that is left, so an
+    EP 2 layout's all-to-all crosses the NIC. The search must cost it there, as ``estimate`` does
+    for the placed plan (it once took the canonical, one-node mesh and was 6% optimistic)."""
+    cluster = Cluster(
+        name="c",
+        nodes=2,
+        gpus_per_node=2,
+        gpu_memory=4 * GIB,
+        peak_flops=312e12,
+        hbm_bandwidth=2e12,
+        intra_node=Link(300e9, 2e-6),
+        inter_node=Link(25e9, 5e-6),
+        host_link=Link(25e9, 10e-6),
+        unavailable=[0, 2],
+    )
+    shape = dict(layers=4, hidden=1024, heads=8, kv_heads=2, ffn=3072, vocab=32000)
+    moe = dict(experts=4, experts_per_token=2, expert_ffn=1024)
+    models = {
+        "actor": Model(name="actor", trained=True, **shape, **moe),
+        "ref": Model(name="ref", **shape, **moe),
+    }
+    w = Workload(
+        name="w",
+        algorithm="grpo",
+        roles=["actor", "ref"],
+        global_batch=8,
+        group_size=4,
+        prompt_len_mean=256,
+        prompt_len_max=512,
+        response_len_mean=1024,
+        response_len_max=2048,
+        micro_batch=2,
+        stages=[
+            Stage(name="generate", kind="generate", models=["actor"]),
+            Stage(name="train", kind="train", models=["actor"]),
+        ],
+    )
+    problem = build_problem(cluster, w, models, max_tp=2, max_pp=2, max_zero=2, offload=False)
+    exact, _, _, _ = brute_force(problem, limit=300_000)
+    sol = solve(problem, time_limit=30)
+    assert sol.status == "optimal" and sol.objective == exact
+    m = _module(cluster, w, models)
+    plan = m.plans["p"] = to_plan(problem, sol, "p", w.name, cluster.name)
+    nereus.verify(m)
+    from nereus.passes.cost.estimate import estimate_plan
+
+    assert estimate_plan(m, plan) == []
+    assert abs(sol.objective * problem.unit_s - plan.step_time) <= 2 * problem.unit_s + 1e-4 * plan.step_time
+    # and the search did weigh expert parallelism over the NIC here
+    carved = [o for sp in problem.spaces.values() for o in sp.options if o.ep > 1]
+    assert carved
+
+
 @st.composite
 def small_instances(draw):
     """Jobs small enough for brute force over every option, start and grouping: up to 8 GPUs,
