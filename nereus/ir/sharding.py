@@ -40,11 +40,20 @@ def dp_sharded(state: str, zero: int) -> bool:
     return zero >= 3 if state == "weight" else zero >= 1
 
 
-def _within(spec, num_layers: int, lo: int, hi: int) -> tuple[int, int] | None:
-    """The layers of a stage's range ``lo..hi`` that a per-layer family exists in (None: none)."""
-    a, b = spec.span(num_layers)
-    a, b = max(a, lo), min(b, hi)
-    return (a, b) if a <= b else None
+def _held(model: Model, layout: Layout, pp: int) -> list[tuple]:
+    """(spec, layers) of every tensor pipeline stage ``pp`` holds, in inventory order: a per-layer
+    family over the stage's layers it exists in, a non-layer tensor (layers None) on the stages
+    holding it."""
+    lo, hi = layout.layers[pp]
+    out: list[tuple] = []
+    for spec in model.tensors.values():
+        if spec.per_layer:
+            a, b = spec.span(model.layers)
+            if max(a, lo) <= min(b, hi):
+                out.append((spec, (max(a, lo), min(b, hi))))
+        elif pp in model.stages_holding(spec, layout.pp):
+            out.append((spec, None))
+    return out
 
 
 def shard_entries(
@@ -61,20 +70,12 @@ def _carved_entries(model: Model, layout: Layout, pp: int, tp: int, replica: int
     expert held by its EP rank only, split by ETP and (ZeRO) over expert-DP."""
     ep, etp_rank, edp_rank = layout.expert_rank(replica, tp)
     experts = even_split(cast(int, model.experts), layout.ep, ep)
-    lo, hi = layout.layers[pp]
+    held = _held(model, layout, pp)
     out: list[SliceEntry] = []
     for state in states:
         dense_split = dp_sharded(state, layout.zero) and layout.replicas > 1
         expert_split = dp_sharded(state, layout.zero) and layout.expert_dp > 1
-        for spec in model.tensors.values():
-            if spec.per_layer:
-                layers = _within(spec, model.layers, lo, hi)
-                if layers is None:
-                    continue
-            elif pp in model.stages_holding(spec, layout.pp):
-                layers = None
-            else:
-                continue
+        for spec, layers in held:
             e = model.expert_of.get(spec.family)
             if e is None:
                 box = model.tp_box(spec, layout.tp, tp)
@@ -96,20 +97,12 @@ def _tp_slices(model: Model, layout: Layout, pp: int, tp: int, states) -> list[t
     """The slices at (``pp``, ``tp``) before ZeRO splits them, in inventory order: (state,
     family, layers, TP box, split over DP); a slice no replica splits comes as its ``SliceEntry``
     (None when empty), which every replica shares."""
-    lo, hi = layout.layers[pp]
+    held = _held(model, layout, pp)
     boxes: dict[str, tuple] = {}  # the TP box of a tensor is the same for every state
     out: list = []
     for state in states:
         split = dp_sharded(state, layout.zero) and layout.replicas > 1
-        for spec in model.tensors.values():
-            if spec.per_layer:
-                layers = _within(spec, model.layers, lo, hi)
-                if layers is None:
-                    continue
-            elif pp in model.stages_holding(spec, layout.pp):
-                layers = None
-            else:
-                continue
+        for spec, layers in held:
             box = boxes.get(spec.family)
             if box is None:
                 box = boxes[spec.family] = model.tp_box(spec, layout.tp, tp)

@@ -87,25 +87,38 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
     uneven = [o for o in obs if o.cost.cost.imbalance is not None]
     if not uneven:
         return _fit_overlap(obs, prior, max_iter)
-    saved = [cast(tuple, o.cost.cost.imbalance) for o in uneven]
+    return _best_on_grid(
+        obs,
+        uneven,
+        "imbalance",
+        IMBALANCE_GRID,
+        lambda t, v: (t[0], v),
+        prior,
+        "expert_imbalance",
+        _fit_overlap,
+        max_iter,
+    )
+
+
+def _best_on_grid(obs, chosen, attr, grid, rebuild, prior, field, inner, max_iter) -> FitResult:
+    """``inner``'s fit at every value of ``grid`` of the cost attribute ``attr`` of the ``chosen``
+    observations (``rebuild(saved tuple, value)``) and of the prior's ``field``; the one with the
+    least error after the fit. The costs get their own attribute back afterwards."""
+    saved = [cast(tuple, getattr(o.cost.cost, attr)) for o in chosen]
     best = None
     try:
-        for factor in IMBALANCE_GRID:
-            for o, (feats, _) in zip(uneven, saved):
-                o.cost.cost.imbalance = (feats, float(factor))
-            r = _fit_overlap(obs, replace(prior, expert_imbalance=float(factor)), max_iter)
+        for value in grid:
+            for o, t in zip(chosen, saved):
+                setattr(o.cost.cost, attr, rebuild(t, float(value)))
+            r = inner(obs, replace(prior, **{field: float(value)}), max_iter)
             if best is None or r.error_after < best.error_after - 1e-12:
                 best = r
     finally:
-        for o, imb in zip(uneven, saved):
-            o.cost.cost.imbalance = imb
-    assert best is not None  # IMBALANCE_GRID is not empty
+        for o, t in zip(chosen, saved):
+            setattr(o.cost.cost, attr, t)
+    assert best is not None  # the grids are not empty
     return FitResult(
-        best.efficiency,
-        _mape(obs, coefficient_vector(prior)),
-        best.error_after,
-        best.used + ("expert_imbalance",),
-        best.iterations,
+        best.efficiency, _mape(obs, coefficient_vector(prior)), best.error_after, best.used + (field,), best.iterations
     )
 
 
@@ -120,25 +133,16 @@ def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int = 10) 
     with_overlap = [o for o in obs if o.cost.cost.overlap is not None and np.any(o.cost.cost.overlap[0])]
     if not with_overlap:
         return _fit_linear(obs, prior, max_iter)
-    saved = [cast(tuple, o.cost.cost.overlap) for o in with_overlap]
-    best = None
-    try:
-        for share in OVERLAP_GRID:
-            for o, (comm, window, _) in zip(with_overlap, saved):
-                o.cost.cost.overlap = (comm, window, float(share))
-            r = _fit_linear(obs, replace(prior, overlap=float(share)), max_iter)
-            if best is None or r.error_after < best.error_after - 1e-12:
-                best = r
-    finally:
-        for o, ov in zip(with_overlap, saved):
-            o.cost.cost.overlap = ov
-    assert best is not None  # OVERLAP_GRID is not empty
-    return FitResult(
-        best.efficiency,
-        _mape(obs, coefficient_vector(prior)),
-        best.error_after,
-        best.used + ("overlap",),
-        best.iterations,
+    return _best_on_grid(
+        obs,
+        with_overlap,
+        "overlap",
+        OVERLAP_GRID,
+        lambda t, v: (t[0], t[1], v),
+        prior,
+        "overlap",
+        _fit_linear,
+        max_iter,
     )
 
 
