@@ -418,7 +418,12 @@ class DecisionCore:
         self._run(
             m,
             [
-                ScheduleTransfers(time_limit=opts.schedule_time_limit, seed=opts.seed, transition=f"@{name}"),
+                ScheduleTransfers(
+                    time_limit=opts.schedule_time_limit,
+                    seed=opts.seed,
+                    deterministic=opts.deterministic,
+                    transition=f"@{name}",
+                ),
                 Admit(
                     horizon=horizon,
                     margin=opts.margin,
@@ -504,6 +509,7 @@ class DecisionCore:
                     PlanSearch(
                         time_limit=opts.search_time_limit,
                         seed=opts.seed,
+                        deterministic=opts.deterministic,
                         workload=f"@{w.name}",
                         cluster=f"@{cluster.name}",
                         into=f"@{target}",

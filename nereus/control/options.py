@@ -28,6 +28,9 @@ class ControlOptions:
     - ``cooldown``: steps after a decision to re-plan before an optional trigger may fire again
       (GPU changes always fire).
     - ``search_time_limit`` (s) and ``seed``: plan-search's; ``schedule_time_limit`` (s).
+    - ``deterministic``: both limits count CP-SAT's deterministic time, not the clock
+      (``passes.infra.solver_budget``): the same job decides the same on a loaded machine. The
+      simulator sets it; a live job wants the clock.
     - ``margin``, ``pg_init``, ``engine_restart``: admit's (a transition must pay back its cost
       times 1 + margin over the remaining steps).
     - ``max_pp`` (0: any), ``max_zero``, ``offload``: plan-search only proposes layouts the live
@@ -50,6 +53,7 @@ class ControlOptions:
     search_time_limit: float = 5.0
     seed: int = 0
     schedule_time_limit: float = 2.0
+    deterministic: bool = False
     margin: float = 0.1
     pg_init: float = 2.0
     engine_restart: float = 30.0

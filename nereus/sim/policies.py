@@ -86,6 +86,7 @@ def search(
                 PlanSearch(
                     time_limit=time_limit,
                     seed=0,
+                    deterministic=True,  # every run of a trace decides the same, on a loaded machine too
                     into=f"@{name}",
                     headroom=headroom,
                     incumbent=f"@{given}" if given else "",
@@ -376,7 +377,11 @@ class Nereus(Policy):
     def start(self, sim):
         m = copy.deepcopy(sim.module_at(0))
         if self.options is None:
-            # the core as the live controller runs it, except verification on large jobs: at
+            # the core as the live controller runs it, except two things. Its solves are bounded by
+            # CP-SAT's deterministic time, not the clock: a solve that stopped at a wall-clock limit
+            # stopped elsewhere on a loaded machine, and two runs of one trace moved other bytes
+            # (a replayed move and the worker-process runs differed under a parallel test suite).
+            # And verification on large jobs: at
             # 1,024 GPUs one verification of a planned move (plans A and B, a million slices,
             # half a million operations) costs more than planning it (11.5 s against 7 s on
             # availability's first move), and the simulator never runs its moves; the small jobs
@@ -384,7 +389,10 @@ class Nereus(Policy):
             (c,) = m.clusters.values()
             small = c.nodes * c.gpus_per_node <= self.VERIFY_GPUS
             self.options = ControlOptions(
-                search_time_limit=5.0, schedule_time_limit=0.5, verify="end" if small else "off"
+                search_time_limit=5.0,
+                schedule_time_limit=0.5,
+                deterministic=True,
+                verify="end" if small else "off",
             )
         plan = copy.deepcopy(self.start_plan) if self.start_plan is not None else search(m, None, "p0")
         plan.name = "p0"

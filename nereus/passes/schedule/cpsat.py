@@ -12,6 +12,7 @@ from itertools import chain
 import numpy as np
 from ortools.sat.python import cp_model
 
+from ..infra.solver_budget import Budget
 from .buckets import Bucket, Precedences, bucket_ports, precedence_pairs
 from .list_schedules import (
     Schedule,
@@ -44,7 +45,9 @@ def _dense_work(graph) -> int:
     return int((per_port**2).sum())
 
 
-def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, seed: int = 0) -> Schedule:
+def solve_schedule(
+    buckets: list[Bucket], prec: Precedences, time_limit: float, seed: int = 0, deterministic: bool = False
+) -> Schedule:
     if not buckets:
         return Schedule([], 0, 0, "optimal", 0)
     graph = port_graph(buckets, prec)  # read by the bound and the one-pass schedule; greedy's changes its busy times
@@ -104,7 +107,7 @@ def solve_schedule(buckets: list[Bucket], prec: Precedences, time_limit: float, 
     m.add_max_equality(makespan, ends)
     m.minimize(makespan)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
+    Budget(float(time_limit), deterministic).limit(solver)
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(m)

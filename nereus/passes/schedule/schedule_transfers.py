@@ -39,18 +39,20 @@ from .cpsat import SEARCH_MAX, solve_schedule
 from .list_schedules import Schedule, bucket_durations
 
 
-def schedule_transition(m: Module, t: Transition, time_limit: float = 5.0, seed: int = 0) -> Schedule:
+def schedule_transition(
+    m: Module, t: Transition, time_limit: float = 5.0, seed: int = 0, deterministic: bool = False
+) -> Schedule:
     """Set start and duration of every operation; makespan, port bound and status on the transition."""
     with gc_paused():
-        return _schedule_transition(m, t, time_limit, seed)
+        return _schedule_transition(m, t, time_limit, seed, deterministic)
 
 
-def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int) -> Schedule:
+def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int, deterministic: bool) -> Schedule:
     cluster = m.clusters[m.plans[t.target].cluster]
     model = CostModel(cluster)
     buckets, bucket_of = buckets_of(m, t, model)
     prec = bucket_precedences(t, buckets, bucket_of)
-    sched = solve_schedule(buckets, prec, time_limit, seed)
+    sched = solve_schedule(buckets, prec, time_limit, seed, deterministic)
     end = _times_in_buckets(buckets, sched.starts)
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
     for op in t.ops:  # copies and frees: after their dependencies, on no link port
@@ -104,11 +106,14 @@ def _rounded(x: np.ndarray) -> list[float]:
 @register
 @dataclass(frozen=True)
 class ScheduleTransfers(ModulePass):
-    """Options: ``time_limit`` (s), ``seed``, ``transition`` (``@name``; default: every transition)."""
+    """Options: ``time_limit`` (s), ``seed``, ``deterministic`` (true: ``time_limit`` counts CP-SAT's
+    deterministic time, see ``infra.solver_budget``), ``transition`` (``@name``; default: every
+    transition)."""
 
     name = "schedule-transfers"
     time_limit: float = 5.0
     seed: int = 0
+    deterministic: bool = False
     transition: Ref = ""
 
     def apply(self, module: Module) -> None:
@@ -126,7 +131,7 @@ class ScheduleTransfers(ModulePass):
             )
         for name in names:
             t = module.transitions[name]
-            sched = schedule_transition(module, t, self.time_limit, self.seed)
+            sched = schedule_transition(module, t, self.time_limit, self.seed, self.deterministic)
             if sched.status != "optimal":
                 gap = (sched.makespan - sched.bound) / sched.makespan if sched.makespan else 0.0
                 why = (

@@ -27,7 +27,6 @@ solver's status, objective, bound and gap, and ``estimate`` (the placed plan's s
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -44,6 +43,7 @@ from ...ir.units import Dim, format_quantity
 from ..cost.cost_model import VLLM_GPU_MEMORY_UTILIZATION, Candidates, CostModel
 from ..cost.estimate import estimate_plan
 from ..infra.pass_manager import ModulePass, Ref, api_option, check_time_limit, no_such, register
+from ..infra.solver_budget import Budget
 from .bounds import option_bounds, restrict, stage_bounds
 from .explain import explain
 from .space import (
@@ -80,7 +80,13 @@ class Solution:
         return (self.objective - cast(int, self.bound)) / self.objective
 
 
-def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known: Solution | None = None) -> Solution:
+def solve(
+    problem: SearchProblem,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    known: Solution | None = None,
+    deterministic: bool = False,
+) -> Solution:
     """The optimal plan of ``problem`` (CP-SAT, deterministic for a given seed: one worker).
 
     Solved under a cap on the step time: with ``lb`` the bound of ``search.bounds``, the model
@@ -92,8 +98,9 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
     plan, given to CP-SAT as its hint, and every better one. ``known``: a plan of the problem
     (``placed``), the best so far from the start, so the first cap is at most its step time. So
     the result, its status and its bound are those of the whole problem; on a time-out, the best
-    plan so far with the bound proven so far."""
-    deadline = time.monotonic() + float(time_limit)
+    plan so far with the bound proven so far. ``deterministic``: ``time_limit`` is CP-SAT's
+    deterministic time (``infra.solver_budget``), so a time-out too gives the same plan under load."""
+    budget = Budget(float(time_limit), deterministic)
     bounds = option_bounds(problem)
     lb = floor = sum(stage_bounds(problem, bounds).values())  # no plan is faster than floor
     slack = max(lb // FIRST_SLACK, 1)
@@ -110,7 +117,7 @@ def solve(problem: SearchProblem, time_limit: float = 10.0, seed: int = 0, known
             index = {ms: {int(c): i for i, c in enumerate(kept)} for ms, kept in keep.items()}
             if all(c in index[ms] for ms, c in best.choice.items()):
                 hint = replace(best, choice={ms: index[ms][c] for ms, c in best.choice.items()})
-        sol = _solve_model(model, max(deadline - time.monotonic(), 0.01), seed, hint)
+        sol = _solve_model(model, budget, seed, hint)
         sol.options = sum(len(sp.options) for sp in model.spaces.values())
         if sol.choice is not None:
             sol.choice = {ms: int(keep[ms][c]) for ms, c in sol.choice.items()}
@@ -205,7 +212,7 @@ def _timed_out(best: Solution | None, bound: int) -> Solution:
     return replace(best, status="feasible", bound=min(bound, best.objective))
 
 
-def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Solution | None = None) -> Solution:
+def _solve_model(problem: SearchProblem, budget: Budget, seed: int, hint: Solution | None = None) -> Solution:
     """CP-SAT on ``problem``'s whole model, starting from ``hint`` (a plan of it) if given;
     deterministic for a given seed (one worker)."""
     pos = problem.positions
@@ -311,7 +318,7 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
             for k, b in enumerate(ys):
                 m.add_hint(b, k == hint.partition[st])
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
+    budget.limit(solver)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1  # byte-identical plans for the same input and seed
     # presolve found little on these models and dominated small solves: no probing, one round
@@ -329,6 +336,7 @@ def _solve_model(problem: SearchProblem, time_limit: float, seed: int, hint: Sol
     solver.parameters.find_big_linear_overlap = False
     solver.parameters.symmetry_level = 0
     status = solver.solve(m)
+    budget.charge(solver)
     name = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}.get(
         status, "unknown"
     )
@@ -522,7 +530,9 @@ def min_need(problem: SearchProblem, ms: str) -> float | None:
 @register
 @dataclass(frozen=True)
 class PlanSearch(ModulePass):
-    """Options: ``time_limit`` (s), ``seed``, ``objective`` (step-time), ``workload``/``cluster``
+    """Options: ``time_limit`` (s), ``seed``, ``deterministic`` (true: ``time_limit`` counts CP-SAT's
+    deterministic time, so a search that times out still gives the same plan on a loaded
+    machine; see ``infra.solver_budget``), ``objective`` (step-time), ``workload``/``cluster``
     (``@name``; default: the only one), ``into`` (``@name`` of the new plan; default ``@<workload>_searched``),
     ``max_pp`` (0: any), ``max_zero`` and ``offload`` (false: none): only layouts the job can run;
     ``headroom`` (fraction of GPU memory training and inference leave free for the CUDA context,
@@ -544,6 +554,7 @@ class PlanSearch(ModulePass):
     name = "plan-search"
     time_limit: float = 10.0
     seed: int = 0
+    deterministic: bool = False
     objective: str = "step-time"
     workload: Ref = ""
     cluster: Ref = ""
@@ -622,7 +633,7 @@ class PlanSearch(ModulePass):
             if self.incumbent not in module.plans:
                 raise no_such(module, "plan-search", "plan", self.incumbent)
             known = placed(problem, module.plans[self.incumbent])
-        sol = solve(problem, self.time_limit, self.seed, known)
+        sol = solve(problem, self.time_limit, self.seed, known, self.deterministic)
         if sol.status == "unknown":
             raise DiagnosticError(
                 [
@@ -671,7 +682,13 @@ class PlanSearch(ModulePass):
         )
         if self.explain:
             why = explain(
-                module, plan, problem, sol.choice, objective, lambda p, t: solve(p, t, self.seed), self.time_limit
+                module,
+                plan,
+                problem,
+                sol.choice,
+                objective,
+                lambda p, t: solve(p, t, self.seed, deterministic=self.deterministic),
+                self.time_limit,
             )
             for ms, r in why.runner_ups.items():
                 plan.layouts[ms].runner_up = r and replace(r, step_time=printed_precision(r.step_time))
