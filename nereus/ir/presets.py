@@ -14,9 +14,10 @@ Sources:
 - qwen3-8b:    https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json                  (8.19 B)
 - mistral-7b:  https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json      (7.24 B)
 - qwen3-30b-a3b: https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json           (30.53 B, 3.35 B active)
+- qwen3-235b-a22b: https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json       (235.09 B, 22.19 B active)
 - mixtral-8x7b: https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json   (46.70 B, 12.88 B active)
 
-The two mixtures of experts have every layer MoE (``ffn`` is Qwen3-MoE's dense size, which no
+The three mixtures of experts have every layer MoE (``ffn`` is Qwen3-MoE's dense size, which no
 layer uses; Mixtral's ``expert_ffn`` is its ``intermediate_size``).
 
 All are untied, SwiGLU (``mlp = gated``) with GQA except Llama-2-7B (``kv_heads = heads``); ``dtype`` is
@@ -105,6 +106,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000,
         norm_eps=1e-6,
     ),
+    "qwen3-235b-a22b": dict(
+        layers=94,
+        hidden=4096,
+        heads=64,
+        kv_heads=4,
+        head_dim=128,
+        ffn=12288,
+        vocab=151936,
+        qk_norm=True,
+        experts=128,
+        experts_per_token=8,
+        expert_ffn=1536,
+        rope_theta=1000000,
+        norm_eps=1e-6,
+    ),
     "mixtral-8x7b": dict(
         layers=32,
         hidden=4096,
@@ -125,6 +141,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 PRESET_NOTES: dict[str, list[str]] = {
     "mistral-7b": ["sliding_window = 4096 not modelled: the cost model sizes KV caches for full attention"],
     "qwen3-30b-a3b": ["the router's top-k normalisation (norm_topk_prob) changes no tensor"],
+    "qwen3-235b-a22b": ["the router's top-k normalisation (norm_topk_prob) changes no tensor"],
 }
 
 

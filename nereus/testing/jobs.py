@@ -28,6 +28,7 @@ LLAMA3_8B = preset_attrs("llama3-8b")
 LLAMA2_7B = preset_attrs("llama2-7b")
 QWEN2_7B = preset_attrs("qwen2-7b")
 LLAMA3_70B = preset_attrs("llama3-70b")
+QWEN3_235B_A22B = preset_attrs("qwen3-235b-a22b")
 
 
 TRAIN_70B = ", micro_batches = 16, zero = 1, recompute = true"  # the 70B job's training layouts
@@ -199,10 +200,64 @@ plan @ppo70b_p0 {{
     return _with_emus(text, "ppo70b_p0", "actor.train", f"ppo_70b_{gpus}gpu.nir")
 
 
+def grpo_moe(gpus: int = 1024) -> str:
+    """GRPO on Qwen3-235B-A22B (128 experts, top 8) on ``gpus`` H100s (a multiple of 64), at DAPO's
+    scale of a step (512 prompts x 16 responses). The actor trains as NeMo-RL's Qwen3-235B recipe
+    lays it out (TP 4 x PP 8 with EP 16 carved from its data parallelism: each expert split over
+    the TP ranks); it generates with vLLM engines of TP 8 x PP 2 with expert parallelism over each
+    stage's TP ranks (whole experts: ETP 1); the actor's and the reference's inference passes
+    share the GPUs, TP 4 x PP 8, the reference offloaded between steps."""
+    assert gpus % 64 == 0, "the MoE job needs a multiple of 64 GPUs"
+    nodes = gpus // 8
+    # 94 layers over 8 stages: 12 on the first six, 11 on the last two (the head's stage)
+    eight = "0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..82, 83..93"
+    text = f"""\
+// GRPO on Qwen3-235B-A22B (a mixture of 128 experts, 8 per token) on {nodes} nodes x 8
+// H100-80GB = {gpus} GPUs: a frozen reference model beside the trained actor.
+cluster @h100x{gpus} {{
+  nodes = {nodes}
+  gpus_per_node = 8
+{H100}
+}}
+
+model @actor {{ {QWEN3_235B_A22B}, trained = true }}
+model @ref {{ {QWEN3_235B_A22B} }}
+
+workload @grpo_moe {{
+  algorithm = grpo
+  roles = [@actor, @ref]
+  global_batch = 512
+  group_size = 16
+  prompt_len_mean = 1024
+  prompt_len_max = 2048
+  response_len_mean = 2048
+  response_len_max = 8192
+  mini_batch = 2048
+  micro_batch = 1
+  steps = 1000
+  stage generate {{ kind = generate, models = [@actor] }}
+  stage infer {{ kind = infer, models = [@actor, @ref] }}
+  stage train {{ kind = train, models = [@actor] }}
+}}
+
+plan @grpo_moe_p0 {{
+  workload = @grpo_moe
+  cluster = @h100x{gpus}
+  colocate = [[actor.infer, ref.infer]]
+  layout actor.generate {{ tp = 8, pp = 2, dp = {gpus // 16}, ep = 8, etp = 1, layers = [0..46, 47..93], mesh = [0..{gpus - 1}] }}
+  layout actor.infer {{ tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}], mesh = [0..{gpus - 1}] }}
+  layout ref.infer {{ tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}], mesh = [0..{gpus - 1}], offload = [weights] }}
+  layout actor.train {{ tp = 4, pp = 8, dp = {gpus // 32}, ep = 16, layers = [{eight}], mesh = [0..{gpus - 1}], micro_batches = 16, zero = 1, recompute = true }}
+}}
+"""
+    return print_ir(parse(text, f"grpo_moe_{gpus}gpu.nir"))
+
+
 EXAMPLES = {
     "ppo_8b_16gpu.nir": ppo_8b_16gpu,
     "grpo_7b_8gpu.nir": grpo_7b_8gpu,
     "ppo_70b_1024gpu.nir": ppo_70b,
+    "grpo_moe_1024gpu.nir": grpo_moe,
 }
 
 

@@ -10,7 +10,7 @@ import nereus
 from nereus.cli import main
 from nereus.ir import DiagnosticError
 from nereus.ir.hf_config import model_block, model_from_hf_config
-from nereus.ir.presets import PRESETS, preset_attrs, preset_model
+from nereus.ir.presets import PRESETS, SHAPE_KEYS, preset_attrs, preset_model
 
 # the public config.json files (the keys the import reads, and a few it ignores)
 LLAMA3_8B = {
@@ -316,6 +316,27 @@ def test_moe_import_matches_transformers_checkpoint(family, tmp_path):
             30_532_122_624,  # transformers 5.19 on the meta device; published: 30.5 B total, 3.3 B active
             30_532_122_624 - 48 * (128 - 8) * 3 * 768 * 2048,  # 120 idle experts a layer: 3,353,032,704
         ),
+        (  # Qwen/Qwen3-235B-A22B's config.json (the simulator's MoE job)
+            dict(
+                model_type="qwen3_moe",
+                num_hidden_layers=94,
+                hidden_size=4096,
+                num_attention_heads=64,
+                num_key_value_heads=4,
+                head_dim=128,
+                intermediate_size=12288,
+                moe_intermediate_size=1536,
+                num_experts=128,
+                num_experts_per_tok=8,
+                vocab_size=151936,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                tie_word_embeddings=False,
+                torch_dtype="bfloat16",
+            ),
+            235_093_634_560,  # transformers 5.19 on the meta device; published: 235 B total, 22 B active
+            235_093_634_560 - 94 * (128 - 8) * 3 * 1536 * 4096,  # 120 idle experts a layer: 22,190,763,520
+        ),
         (  # mistralai/Mixtral-8x7B-v0.1's config.json
             dict(
                 model_type="mixtral",
@@ -337,6 +358,10 @@ def test_moe_import_matches_transformers_checkpoint(family, tmp_path):
 def test_published_moe_counts(tmp_path, cfg, total, active):
     m = model_from_hf_config(write(tmp_path, cfg), "actor")
     assert (m.num_params(), m.num_active_params()) == (total, active)
+    presets = [p for p in PRESETS if all(PRESETS[p].get(k) == getattr(m, k) for k in (*SHAPE_KEYS, "experts"))]
+    assert presets  # every one has its preset
+    for p in presets:  # the preset of the same shape counts the same
+        assert (preset_model(p).num_params(), preset_model(p).num_active_params()) == (total, active)
 
 
 # -------------------------------------------- transformers: a real model from the same config

@@ -286,3 +286,28 @@ def test_with_dense_first_layers_the_fullest_gpus_state_is_what_the_emus_hold(tp
     w, _, opt = cost.state(md, "train", Candidates.of_layout(m.clusters["c"], train))
     assert float(w[0]) == max(v for (g, k), v in held.items() if k == "weight")
     assert float(opt[0]) == max(v for (g, k), v in held.items() if k == "optimizer")
+
+
+def test_an_engines_ep_over_its_own_tp_ranks_is_charged_no_all_to_all():
+    """vLLM's expert parallelism inside one engine (EP = TP, no data-parallel attention): every
+    rank holds the batch's tokens after attention, runs its own experts and the TP all-reduce
+    sums their outputs. So the engine pays the TP all-reduces it pays without EP, and no
+    all-to-all (the model once charged one per decode step and layer: 114 of 205 s of the
+    Qwen3-235B job's generation)."""
+    from nereus.ir import Layout
+
+    from ..support.jobs import moe_job
+
+    m = moe_job(experts=8, expert_ffn=16, layers=4)
+    c, md, w = m.clusters["c"], m.models["actor"], m.workloads["w"]
+    cost = CostModel(c)
+
+    def breakdown(ep, etp):
+        lay = Layout(
+            model_stage="actor.generate", tp=2, pp=1, dp=4, layers=[(0, 3)], mesh=list(range(8)), ep=ep, etp=etp
+        )
+        return cost.stage(md, w, "generate", Candidates.of_layout(c, lay)).breakdown(cost.coeffs)
+
+    tp_only, expert_parallel = breakdown(1, None), breakdown(2, 1)
+    assert expert_parallel.get("ep", 0.0) == 0.0
+    assert expert_parallel["tp"] == tp_only["tp"] > 0

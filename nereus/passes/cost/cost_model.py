@@ -42,7 +42,8 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   Megatron requires for MoE with TP). Uneven routing stretches the experts' GEMMs and the
   all-to-all by ``efficiency.expert_imbalance`` (the busiest EP rank's tokens per mean; 1 until
   calibrated). TP's all-reduces are charged as for a dense layer.
-  A decode step reads the experts its batch touches among the GPU's own.
+  A decode step reads the experts its batch touches among the GPU's own. A vLLM engine's EP over
+  its own TP ranks adds no all-to-all: the TP all-reduce combines the experts' outputs.
 - Memory: bf16 weights and grads plus fp32 master and Adam moments (16 bytes per parameter,
   ZeRO's count), divided over DP by the ZeRO stage; activations per micro-batch with flash
   attention and no sequence parallelism (Korthikanti et al. 2022, adapted to SwiGLU/GQA),
@@ -809,15 +810,20 @@ class CostModel:
             wait("tp", np.where(c.tp > 1, (steps + waves) * 2 * stage_layers * 2 * (tp - 1) * tp_lat, 0.0))
             add("pp", pp_col, np.where(c.pp > 1, samples * (p + r) * (pp - 1) * h * ACT_BYTES / pp_bw, 0.0))
             wait("pp", np.where(c.pp > 1, (steps + waves) * (pp - 1) * pp_lat, 0.0))
-            # EP: each decode step dispatches and combines its batch's tokens per MoE layer
-            gen_a2a = np.where(c.ep > 1, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
+            # EP: each decode step dispatches and combines its batch's tokens per MoE layer, where
+            # the EP group spans engines (vLLM's data-parallel attention: ep > tp). EP over one
+            # engine's TP ranks (ep <= tp) moves nothing more: every rank holds the batch's tokens
+            # after attention, runs its own experts on them, and the TP all-reduce charged above sums
+            # the experts' outputs (vLLM's FusedMoE reduces its results so)
+            spans = c.ep > c.tp
+            gen_a2a = np.where(spans, 2 * samples * (p + r) * moe_layers * a2a_tok * tp, 0.0)
             gen_nv, gen_nic = a2a_seconds(gen_a2a)
             if carved:
                 add("ep", C_NVLINK, gen_nv)
                 add("ep", C_NIC, gen_nic)
             if model.moe:
                 uneven["ep"] = gen_nv[:, None] * onehot(C_NVLINK) + gen_nic[:, None] * onehot(C_NIC)
-            wait("ep", np.where(c.ep > 1, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))
+            wait("ep", np.where(spans, (steps + waves) * moe_layers * 2 * (ep - 1) * ep_lat, 0.0))
             add("overhead", C_OVERHEAD, (steps + waves) * stage_layers)
             kv = np.minimum(conc, samples) * (p + r) * kv_tok
             activations = np.minimum(conc, samples) * V * 4 / tp

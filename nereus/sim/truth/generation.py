@@ -9,7 +9,8 @@ One engine replica (vLLM's scheduler, simplified) serves its share of the step's
   ``max_num_batched_tokens``).
 - **Decode**: every iteration adds one token to every running request. Its time is the slower
   of its GEMMs at the batch's tokens (``kernels.gemm_seconds``: small batches are memory-bound)
-  and its reads from HBM (the GPU's weights once, and the KV cache of every running request),
+  and its reads from HBM (the GPU's weights once, of a mixture of experts only the experts the
+  batch touches, and the KV cache of every running request),
   plus the per-layer launches and TP all-reduces.
 - **Preemption**: when a running request needs a new KV block and none is free, the request that
   started last is preempted (vLLM's recompute mode): its blocks are freed and it waits again at
@@ -56,6 +57,7 @@ class Engine:
     prefill_s: object  # (tokens, mean prompt) -> seconds to prefill that many prompt tokens
     max_num_seqs: int = MAX_NUM_SEQS
     context_factor: object = None  # mean context -> decode slowdown (a misspecified truth's); None: 1
+    experts_s: object = None  # tokens -> seconds to read the experts a batch touches (a mixture of experts)
 
 
 @dataclass
@@ -135,7 +137,8 @@ def serve(prompts: np.ndarray, responses: np.ndarray, engine: Engine) -> Served:
                     hi = mid - 1
             k = lo
         kv = float(np.sum(ctx))
-        decode = _sum_max(engine.weights_s + engine.kv_s * kv, engine.kv_s * n, engine.gemm_s(n), k)  # type: ignore[operator]
+        weights = engine.weights_s + (engine.experts_s(n) if engine.experts_s is not None else 0.0)  # type: ignore[operator]
+        decode = _sum_max(weights + engine.kv_s * kv, engine.kv_s * n, engine.gemm_s(n), k)  # type: ignore[operator]
         if engine.context_factor is not None:  # at the segment's mean context, midway
             decode *= engine.context_factor((kv + n * (k - 1) / 2) / n)  # type: ignore[operator]
         t += decode

@@ -62,6 +62,20 @@ def gemm_seconds(m: float, n: float, k: float, peak: float, hbm: float, dtype_by
     return max(flops / (peak * gemm_efficiency(m, n, k)), data / (hbm * HBM_EFFICIENCY)) + LAUNCH_S
 
 
+def gemms_seconds(m: np.ndarray, n: float, k: float, peak: float, hbm: float, dtype_bytes: int = 2) -> np.ndarray:
+    """``gemm_seconds`` of many GEMMs that differ in ``m`` (experts at their own token counts);
+    0 where ``m`` is 0."""
+    m = np.asarray(m, dtype=float)
+    size = (np.maximum(m, 1.0) * max(n, 1.0) * max(k, 1.0)) ** (1 / 3)
+    xs = np.log2([s for s, _ in GEMM_SHAPE])
+    ys = np.array([r for _, r in GEMM_SHAPE])
+    rel = np.where(size < GEMM_SHAPE[0][0], ys[0] * size / GEMM_SHAPE[0][0], np.interp(np.log2(size), xs, ys))
+    flops = 2.0 * m * n * k
+    data = (m * k + k * n + m * n) * dtype_bytes
+    t = np.maximum(flops / (peak * GEMM_LEVEL * rel), data / (hbm * HBM_EFFICIENCY)) + LAUNCH_S
+    return np.where((m > 0) & (n > 0) & (k > 0), t, 0.0)
+
+
 def attention_efficiency(seq: float) -> float:
     """Share of the dense peak flash attention's forward reaches at sequence length ``seq``."""
     xs = [math.log2(s) for s, _ in FA3_H100]

@@ -7,6 +7,10 @@ reduce-scatter are rings; an all-to-all sends ``n - 1`` messages from every GPU;
 is one message. A link carries its bytes at ``LINK_EFFICIENCY`` of its bandwidth and pays its
 latency per step (``Link.latency`` of the cluster).
 
+An all-to-all over a group spread across nodes (``all_to_all_seconds``: expert parallelism's
+dispatch and combine) sends to the peers on its node over NVLink and to the others over its NIC
+at the same time; it lasts as long as the slower of the two.
+
 **Contention**: flows that cross the same NIC at the same time share it; ``share`` is how many
 do (1: alone). The stages do not pass one yet: each GPU is taken to have a NIC of its own (a DGX
 H100's), and a data-parallel all-reduce is not yet made to share it with pipeline sends.
@@ -50,3 +54,19 @@ def collective_seconds(
     if kind == "send":
         return data / bw + latency
     raise ValueError(f"unknown collective {kind}")
+
+
+def all_to_all_seconds(cluster: Cluster, gpus: list[int], data: float, *, share: float = 1.0) -> float:
+    """An all-to-all over ``gpus`` in which each sends ``data`` bytes in all, an equal part to every
+    member (itself included): its node's peers over NVLink and the rest over its NIC, side by
+    side (seen from the first member; the groups here are alike on every node they touch)."""
+    n = len(gpus)
+    if n <= 1 or data <= 0:
+        return 0.0
+    per = cluster.gpus_per_node
+    local = sum(1 for g in gpus if g // per == gpus[0] // per)
+    intra, inter = cluster.intra_node, cluster.inter_node
+    nvlink = (local - 1) / n * data / (intra.bandwidth * LINK_EFFICIENCY["nvlink"]) + (local - 1) * intra.latency
+    remote = n - local
+    nic = remote / n * data / (inter.bandwidth * LINK_EFFICIENCY["nic"] / max(share, 1.0)) + remote * inter.latency
+    return max(nvlink, nic)

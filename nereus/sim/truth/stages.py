@@ -33,6 +33,7 @@ import numpy as np
 
 from ...ir import Cluster, Layout, Model, Workload
 from . import generation as gen
+from .experts import Experts, even
 from .kernels import attention_seconds, gemm_seconds, memory_seconds
 from .misspecified import NONE, Misspecification
 from .network import collective_seconds, link_of
@@ -47,66 +48,91 @@ PASSES = 2  # DP replicas played per train or infer stage (sampled, as REPLICAS)
 REPLICAS = 4  # engine replicas played per generate stage (sampled: the slowest of these ends it)
 
 
-def local_params(model: Model, tp: int) -> tuple[int, int, int]:
-    """Parameters on TP rank 0: of one layer, of the first stage's extras, of the last's."""
-    layer = first = last = 0
-    for spec in model.tensors.values():
-        n = math.prod(hi - lo for lo, hi in model.tp_box(spec, tp, 0))
-        if spec.per_layer:
-            layer += n
-        else:
-            first += n if spec.placement in ("first", "first_and_last") else 0
-            last += n if spec.placement in ("last", "first_and_last") else 0
-    return layer, first, last
-
-
-def stage_params(model: Model, lay: Layout, s: int) -> int:
-    """Parameters of pipeline stage ``s`` on one of its GPUs."""
-    layer, first, last = local_params(model, lay.tp)
+def stage_params(model: Model, lay: Layout, s: int) -> tuple[int, int]:
+    """(dense, expert) parameters of pipeline stage ``s`` on one of its GPUs: every GPU of a stage
+    holds as many (EP rank 0's experts, ``E / ep`` of them, each split over ``etp``)."""
     lo, hi = lay.layers[s]
-    return (hi - lo + 1) * layer + (first if s == 0 else 0) + (last if s == lay.pp - 1 else 0)
+    expert_of = model.expert_of
+    own = (model.experts or 0) // lay.ep
+    dense = experts = 0
+    for name, spec in model.tensors.items():
+        if spec.per_layer:
+            a, b = spec.span(model.layers)
+            count = max(0, min(hi, b) - max(lo, a) + 1)
+        else:
+            count = int(s in model.stages_holding(spec, lay.pp))
+        e = expert_of.get(name)
+        if count == 0 or (e is not None and e >= own):
+            continue
+        tp = lay.tp if e is None else lay.expert_tp
+        n = count * math.prod(hi_ - lo_ for lo_, hi_ in model.tp_box(spec, tp, 0))
+        if e is None:
+            dense += n
+        else:
+            experts += n
+    return dense, experts
 
 
 def state_bytes(model: Model, lay: Layout, train: bool) -> dict[str, float]:
     """Bytes of weights, gradients and fp32 master plus Adam moments on the fullest GPU of
-    ``lay``, divided over its copies where its ZeRO stage shards them."""
-    params = max(stage_params(model, lay, s) for s in range(lay.pp))
-    copies = lay.dp * lay.cp
+    ``lay``, divided over its copies where its ZeRO stage shards them (the dense parameters over
+    ``dp x cp``, the experts over their expert-DP copies)."""
+    copies, expert_copies = lay.dp * lay.cp, lay.expert_dp
     grad = 4 if lay.grad_dtype == "fp32" else 2
-    return {
-        "weights": params * model.dtype_bytes / (copies if train and lay.zero >= 3 else 1),
-        "grads": params * grad / (copies if lay.zero >= 2 else 1) if train else 0.0,
-        "optimizer": params * 12 / (copies if lay.zero >= 1 else 1) if train else 0.0,
-    }
+
+    def of(stage: int) -> dict[str, float]:
+        dense, experts = stage_params(model, lay, stage)
+
+        def sharded(per: float, from_zero: int) -> float:
+            if not train or lay.zero < from_zero:
+                return (dense + experts) * per
+            return (dense / copies + experts / expert_copies) * per
+
+        return {
+            "weights": sharded(model.dtype_bytes, 3) if train else (dense + experts) * model.dtype_bytes,
+            "grads": sharded(grad, 2) if train else 0.0,
+            "optimizer": sharded(12, 1) if train else 0.0,
+        }
+
+    return max((of(st) for st in range(lay.pp)), key=lambda parts: sum(parts.values()))
 
 
 class Pass:
     """Seconds of one layer (and of the head) on one GPU of ``lay`` for a micro-batch."""
 
-    def __init__(self, model: Model, lay: Layout, cluster: Cluster):
+    def __init__(
+        self, model: Model, lay: Layout, cluster: Cluster, shares: np.ndarray | None = None, engine: bool = False
+    ):
         self.m, self.lay, self.c = model, lay, cluster
         tp_gpus = lay.mesh[: lay.tp]
         _, self.tp_bw, self.tp_lat = link_of(cluster, tp_gpus)
         self.peak = cluster.peak_flops
         self.hbm = cluster.hbm_bandwidth
+        self.experts = None
+        if model.moe:  # routing as drawn for the step (even where none is given)
+            self.experts = Experts(model, lay, cluster, shares if shares is not None else even(model), engine)
 
-    def layer(self, tokens: float, ctx: float, backward: bool = False, attention: bool = True) -> float:
+    def layer(
+        self, tokens: float, ctx: float, backward: bool = False, attention: bool = True, decode: bool = False
+    ) -> float:
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
         g = gemm_seconds
         shapes = [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t)]
-        if m.moe:  # the router, then each expert's GEMMs on its share of the routed tokens (even routing)
-            e, f = cast(int, m.experts), cast(int, m.expert_ffn)
-            routed = tokens * cast(int, m.experts_per_token) / e
-            shapes.append((tokens, e, h))
-            expert = g(routed, 2 * f / t, h, self.peak, self.hbm) + g(routed, h, f / t, self.peak, self.hbm)
+        expert = dispatch = 0.0
+        reduces = 2  # TP all-reduces per layer: attention's and the MLP's
+        if self.experts is not None:  # the router, the busiest EP rank's experts, the dispatcher
+            shapes.append((tokens, cast(int, m.experts), h))
+            expert = self.experts.gemm_seconds(tokens, decode)
+            dispatch = 2 * self.experts.dispatch_seconds(tokens)
+            if dispatch:
+                reduces = 1  # the dispatcher, not an all-reduce, brings the experts' outputs back
             if m.shared_expert_ffn:
                 shapes += [(tokens, 2 * m.shared_expert_ffn / t, h), (tokens, h, m.shared_expert_ffn / t)]
         else:
             up = (2 if m.mlp == "gated" else 1) * m.ffn
             shapes += [(tokens, up / t, h), (tokens, h, m.ffn / t)]
-            e, expert = 0, 0.0
-        gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes) + e * expert
+        gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes) + expert
         attn = (
             attention_seconds(tokens, ctx, m.heads / t, m.hd, self.peak, causal=True, backward=backward)
             if attention
@@ -115,7 +141,7 @@ class Pass:
         # norms, rotary, the MLP's activation, residual adds: about 12 reads or writes of the hidden state
         sp = t if self.lay.sp else 1
         elementwise = memory_seconds(12 * tokens * h * ACT / sp, self.hbm, kernels=6)
-        comm = 2 * collective_seconds("all_reduce", tokens * h * ACT, t, self.tp_bw, self.tp_lat)
+        comm = reduces * collective_seconds("all_reduce", tokens * h * ACT, t, self.tp_bw, self.tp_lat) + dispatch
         if backward:  # data and weight gradients: two GEMMs of each forward one
             return 2 * gemms + attn + 2 * elementwise + comm
         return gemms + attn + elementwise + comm
@@ -132,11 +158,18 @@ def micro_batches(lengths: np.ndarray, per: int) -> list[np.ndarray]:
 
 
 def pipeline_time(
-    model: Model, lay: Layout, cluster: Cluster, batches: list[np.ndarray], train: bool, recompute: bool
+    model: Model,
+    lay: Layout,
+    cluster: Cluster,
+    batches: list[np.ndarray],
+    train: bool,
+    recompute: bool,
+    shares: np.ndarray | None = None,
 ) -> tuple[float, float, list[int]]:
     """(makespan, the last micro-batch's backward on stage 0, in-flight micro-batches per stage)
-    of one pass over ``batches`` on one DP replica of ``lay``."""
-    ps = Pass(model, lay, cluster)
+    of one pass over ``batches`` on one DP replica of ``lay``; ``shares``: a mixture of experts'
+    routing (``experts.routing``)."""
+    ps = Pass(model, lay, cluster, shares)
     tokens = np.array([float(b.sum()) for b in batches])
     ref = float(tokens.max()) / lay.cp  # the reference micro-batch: the longest
     ctx = float(tokens.sum() / sum(len(b) for b in batches))  # attention's sequence: the mean length
@@ -173,22 +206,32 @@ def train_or_infer(
     lengths: np.ndarray,
     kind: str,
     misspec: Misspecification = NONE,
+    routes: np.ndarray | None = None,
 ) -> tuple[float, float]:
     """(seconds, bytes on the fullest GPU) of a train or infer model-stage; ``lengths``: every
     sequence of the step (prompt plus response); ``misspec``: its ``inter_node`` slows the
-    data-parallel collectives that cross nodes."""
+    data-parallel collectives that cross nodes; ``routes``: a mixture of experts' routing."""
     train = kind == "train"
     shares = np.array_split(lengths, lay.dp)[:PASSES]  # sampled: the slowest of these ends the stage
     per = max(1, work.micro_batch)
     epochs = work.ppo_epochs if train else 1
     mini = (work.mini_batch or work.samples) if train else work.samples
     opt_steps = max(1, math.ceil(work.samples / mini)) if train else 1
-    params_full = max(stage_params(model, lay, s) for s in range(lay.pp))
-    copies = lay.dp * lay.cp
+    dense, experts = max((stage_params(model, lay, s) for s in range(lay.pp)), key=sum)
+    copies, expert_copies = lay.dp * lay.cp, lay.expert_dp
     dp_gpus = lay.mesh[:: lay.tp * lay.pp][: lay.dp]
     dp_link, dp_bw, dp_lat = link_of(cluster, dp_gpus)
+    # an expert's copies: stage ranks etp x ep apart (``Layout.expert_rank``), on the mesh
+    step = lay.expert_tp * lay.ep
+    edp_gpus = [lay.mesh[(r // lay.tp * lay.pp) * lay.tp + r % lay.tp] for r in range(0, step * expert_copies, step)]
+    edp_link, edp_bw, edp_lat = link_of(cluster, edp_gpus)
     if dp_link == "nic":
         dp_bw /= misspec.inter_node
+    if edp_link == "nic":
+        edp_bw /= misspec.inter_node
+    grad = 4 if lay.grad_dtype == "fp32" else 2
+    # each group's collective: the dense parameters over dp x cp, the experts over their copies
+    groups = [(dense, copies, dp_bw, dp_lat), (experts, expert_copies, edp_bw, edp_lat)]
     worst, in_flight_peak, longest = 0.0, 0, 0.0
     for share in shares:
         t = 0.0
@@ -197,26 +240,26 @@ def train_or_infer(
                 if len(part) == 0:
                     continue
                 batches = micro_batches(part, per)
-                span, last_bwd, flight = pipeline_time(model, lay, cluster, batches, train, lay.recompute)
+                span, last_bwd, flight = pipeline_time(model, lay, cluster, batches, train, lay.recompute, routes)
                 in_flight_peak = max(in_flight_peak, max(flight))
                 longest = max(longest, max(float(b.sum()) for b in batches))
                 t += span
                 if not train:
                     continue
-                grad_bytes = params_full * (4 if lay.grad_dtype == "fp32" else 2)
-                if lay.zero >= 3 and copies > 1:  # per layer and micro-batch: gather weights twice, scatter grads
-                    gathers = (
-                        2
-                        * len(batches)
-                        * collective_seconds("all_gather", params_full * model.dtype_bytes, copies, dp_bw, dp_lat)
+                if lay.zero >= 3:  # per layer and micro-batch: gather weights twice, scatter grads
+                    gathers = sum(
+                        2 * len(batches) * collective_seconds("all_gather", n * model.dtype_bytes, g, bw, lat)
+                        for n, g, bw, lat in groups
                     )
-                    scatter = collective_seconds("reduce_scatter", grad_bytes, copies, dp_bw, dp_lat)
+                    scatter = sum(
+                        collective_seconds("reduce_scatter", n * grad, g, bw, lat) for n, g, bw, lat in groups
+                    )
                     t += max(0.0, gathers + scatter - 0.8 * span)  # prefetched beside the layers' compute
-                elif copies > 1:
-                    sync = collective_seconds("all_reduce", grad_bytes, copies, dp_bw, dp_lat)
+                else:
+                    sync = sum(collective_seconds("all_reduce", n * grad, g, bw, lat) for n, g, bw, lat in groups)
                     t += max(0.0, sync - last_bwd)  # buckets reduce behind the last backward
-                shard = copies if lay.zero >= 1 else 1
-                t += memory_seconds(params_full * 32 / shard, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
+                sharded = sum(n / (g if lay.zero >= 1 else 1) for n, g, _, _ in groups)
+                t += memory_seconds(sharded * 32, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
         worst = max(worst, t)
     # memory as allocated on the fullest GPU
     h, t = model.hidden, lay.tp
@@ -244,20 +287,31 @@ def generate(
     responses: np.ndarray,
     resident: float,
     misspec: Misspecification = NONE,
+    shares: np.ndarray | None = None,
 ) -> tuple[float, float, int]:
     """(seconds, bytes on the fullest GPU, preemptions) of a generate model-stage; ``resident``:
-    bytes other model-stages keep on its GPUs; ``misspec``: its ``context_factor`` slows decode."""
-    params = max(stage_params(model, lay, s) for s in range(lay.pp))
-    weights = params * model.dtype_bytes
+    bytes other model-stages keep on its GPUs; ``misspec``: its ``context_factor`` slows decode;
+    ``shares``: a mixture of experts' routing. A decode iteration reads the dense weights and,
+    of a mixture of experts, the experts its batch touches on the busiest EP rank."""
+    dense, experts = max((stage_params(model, lay, s) for s in range(lay.pp)), key=sum)
+    weights = (dense + experts) * model.dtype_bytes
     hbm = cluster.hbm_bandwidth
     kv_tok = 2 * max(model.layers / lay.pp, 1) * max(model.kv_heads / lay.tp, 1.0) * model.hd * model.dtype_bytes
     free = VLLM_MEMORY * cluster.gpu_memory - weights - resident - WORKSPACE
     capacity = int(max(free, 0) / kv_tok)
-    ps = Pass(model, lay, cluster)
+    ps = Pass(model, lay, cluster, shares, engine=True)
     layers = model.layers / lay.pp
 
     def gemm_s(n: int) -> float:  # one decode iteration's GEMMs and TP all-reduces, every stage in turn
-        return lay.pp * (layers * ps.layer(n, 0.0, attention=False) + ps.head(n))
+        return lay.pp * (layers * ps.layer(n, 0.0, attention=False, decode=True) + ps.head(n))
+
+    read_experts = None
+    if ps.experts is not None:
+        moe = ps.experts
+        moe_layers = model.moe_layers / lay.pp
+
+        def read_experts(n: int) -> float:  # the experts a batch of n touches, every stage in turn
+            return lay.pp * moe_layers * moe.touched_bytes(n) / (hbm * 0.85)
 
     def prefill_s(tokens: float, mean: float) -> float:
         chunks = max(1, math.ceil(tokens / gen.MAX_BATCHED_TOKENS))
@@ -266,7 +320,8 @@ def generate(
 
     engine = gen.Engine(
         kv_capacity=capacity,
-        weights_s=lay.pp * weights / (hbm * 0.85),
+        weights_s=lay.pp * (weights if read_experts is None else dense * model.dtype_bytes) / (hbm * 0.85),
+        experts_s=read_experts,
         kv_s=lay.pp * kv_tok / (hbm * 0.85),
         fixed_s=SCHEDULER_S,
         gemm_s=gemm_s,
@@ -274,8 +329,8 @@ def generate(
         context_factor=misspec.context_factor,
     )
     worst, preempted = 0.0, 0
-    shares = list(zip(np.array_split(prompts, lay.dp), np.array_split(responses, lay.dp)))
-    for p, r in shares[:REPLICAS]:
+    split = list(zip(np.array_split(prompts, lay.dp), np.array_split(responses, lay.dp)))
+    for p, r in split[:REPLICAS]:
         served = gen.serve(p, r, engine)
         worst, preempted = max(worst, served.seconds), preempted + served.preemptions
     memory = VLLM_MEMORY * cluster.gpu_memory

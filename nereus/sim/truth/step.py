@@ -2,7 +2,8 @@
 
 It shares no formula with the cost model (``passes/cost``): kernels by shape (``kernels``),
 collectives by algorithm (``network``), the pipeline schedule as it runs (``pipeline``), and
-generation as continuous batching (``generation``), composed per model-stage in ``stages``.
+generation as continuous batching (``generation``), a mixture of experts' routing and
+dispatch (``experts``), composed per model-stage in ``stages``.
 
 The step's model-stages run in the workload's stage order (each stage's data comes from the one
 before); inside a stage, model-stages run on their GPUs as soon as those are free, so those that
@@ -24,7 +25,7 @@ import math
 import numpy as np
 
 from ...ir import Module, Plan
-from . import stages
+from . import experts, stages
 from .generation import draw
 from .misspecified import NONE, Misspecification
 
@@ -75,6 +76,12 @@ class EventTruth:
         responses = draw(dist, work.samples, rng)
         prompts = np.full(work.samples, work.prompt_len_mean, dtype=np.int64)
         lengths = prompts + responses
+        # a mixture of experts' routing, drawn per model and step (its own stream: dense jobs draw as before)
+        shares = {
+            name: experts.routing(md, np.random.default_rng(seed_of(conditions, name)))
+            for name, md in m.models.items()
+            if md.moe
+        }
         kinds = {ms: st.kind for st in work.stages for ms in st.model_stages()}
         kept, offloaded = {}, {}
         for ms in plan.layouts:
@@ -97,16 +104,23 @@ class EventTruth:
                     continue
                 model = m.models[lay.model]
                 others = max(on_gpu[g] - kept[ms] for g in lay.mesh)
-                key = (st.kind, shape_of(model), layout_of(lay), others if st.kind == "generate" else None)
+                routed = shares.get(lay.model)
+                key = (
+                    st.kind,
+                    shape_of(model),
+                    layout_of(lay),
+                    others if st.kind == "generate" else None,
+                    lay.model if routed is not None else None,  # each model routes its own way
+                )
                 if key not in played:
                     try:
                         if st.kind == "generate":
                             played[key] = stages.generate(
-                                model, lay, work, cluster, prompts, responses, others, self.misspec
+                                model, lay, work, cluster, prompts, responses, others, self.misspec, routed
                             )[:2]
                         else:
                             played[key] = stages.train_or_infer(
-                                model, lay, work, cluster, lengths, st.kind, self.misspec
+                                model, lay, work, cluster, lengths, st.kind, self.misspec, routed
                             )
                     except MemoryError:
                         played[key] = (math.inf, math.inf)
