@@ -211,6 +211,11 @@ def grpo_moe(gpus: int = 1024) -> str:
     nodes = gpus // 8
     # 94 layers over 8 stages: 12 on the first six, 11 on the last two (the head's stage)
     eight = "0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..82, 83..93"
+    train = "micro_batches = 16, zero = 1, recompute = true"
+
+    def layout(ms: str, attrs: str) -> str:
+        return f"  layout {ms} {{ {attrs}, mesh = [0..{gpus - 1}] }}"
+
     text = f"""\
 // GRPO on Qwen3-235B-A22B (a mixture of 128 experts, 8 per token) on {nodes} nodes x 8
 // H100-80GB = {gpus} GPUs: a frozen reference model beside the trained actor.
@@ -244,10 +249,10 @@ plan @grpo_moe_p0 {{
   workload = @grpo_moe
   cluster = @h100x{gpus}
   colocate = [[actor.infer, ref.infer]]
-  layout actor.generate {{ tp = 8, pp = 2, dp = {gpus // 16}, ep = 8, etp = 1, layers = [0..46, 47..93], mesh = [0..{gpus - 1}] }}
-  layout actor.infer {{ tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}], mesh = [0..{gpus - 1}] }}
-  layout ref.infer {{ tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}], mesh = [0..{gpus - 1}], offload = [weights] }}
-  layout actor.train {{ tp = 4, pp = 8, dp = {gpus // 32}, ep = 16, layers = [{eight}], mesh = [0..{gpus - 1}], micro_batches = 16, zero = 1, recompute = true }}
+{layout("actor.generate", f"tp = 8, pp = 2, dp = {gpus // 16}, ep = 8, etp = 1, layers = [0..46, 47..93]")}
+{layout("actor.infer", f"tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}]")}
+{layout("ref.infer", f"tp = 4, pp = 8, dp = {gpus // 32}, layers = [{eight}], offload = [weights]")}
+{layout("actor.train", f"tp = 4, pp = 8, dp = {gpus // 32}, ep = 16, layers = [{eight}], {train}")}
 }}
 """
     return print_ir(parse(text, f"grpo_moe_{gpus}gpu.nir"))
