@@ -22,6 +22,8 @@ seed). What each is built from, and what is assumed where no source gives a figu
   step's notice about every 150 steps and returns them 50-150 steps later (no source gives a
   preemption rate for RL jobs: this is an assumption, and it is what makes the layout move).
 - **combined**: both together.
+- **moe_combined**: combined's lengths and GPUs, run by GRPO on Qwen3-235B-A22B
+  (``nereus.testing.jobs.grpo_moe``) instead of PPO on four 70B models.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ SHIPPED = {
     "length_growth": dict(lengths=True, churn=False),
     "availability": dict(lengths=False, churn=True),
     "combined": dict(lengths=True, churn=True),
+    "moe_combined": dict(lengths=True, churn=True, job="grpo_moe_1024gpu"),
 }
 
 
