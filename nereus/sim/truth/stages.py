@@ -113,15 +113,23 @@ class Pass:
             self.experts = Experts(model, lay, cluster, shares if shares is not None else even(model), engine)
 
     def layer(
-        self, tokens: float, ctx: float, backward: bool = False, attention: bool = True, decode: bool = False
+        self,
+        tokens: float,
+        ctx: float,
+        backward: bool = False,
+        attention: bool = True,
+        decode: bool = False,
+        moe: bool = True,
     ) -> float:
+        """One layer; ``moe``: False for a mixture of experts' dense first layers (a dense MLP of
+        ``ffn``)."""
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
         g = gemm_seconds
         shapes = [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t)]
         expert = dispatch = 0.0
         reduces = 2  # TP all-reduces per layer: attention's and the MLP's
-        if self.experts is not None:  # the router, the busiest EP rank's experts, the dispatcher
+        if self.experts is not None and moe:  # the router, the busiest EP rank's experts, the dispatcher
             shapes.append((tokens, cast(int, m.experts), h))
             expert = self.experts.gemm_seconds(tokens, decode)
             dispatch = 2 * self.experts.dispatch_seconds(tokens)
@@ -178,8 +186,11 @@ def pipeline_time(
     for s in range(lay.pp):
         lo, hi = lay.layers[s]
         n = hi - lo + 1
-        f = n * ps.layer(ref, ctx) + (ps.head(ref) if s == lay.pp - 1 else 0.0)
-        b = n * ps.layer(ref, ctx, backward=True) + (ps.head(ref, backward=True) if s == lay.pp - 1 else 0.0)
+        dense = max(0, min(hi, (model.dense_layers or 0) - 1) - lo + 1) if model.moe else 0  # dense first layers
+        f = (n - dense) * ps.layer(ref, ctx) + dense * ps.layer(ref, ctx, moe=False)
+        f += ps.head(ref) if s == lay.pp - 1 else 0.0
+        b = (n - dense) * ps.layer(ref, ctx, backward=True) + dense * ps.layer(ref, ctx, backward=True, moe=False)
+        b += ps.head(ref, backward=True) if s == lay.pp - 1 else 0.0
         if recompute:
             b += f
         fwd.append([f / v] * v)
@@ -300,23 +311,26 @@ def generate(
     free = VLLM_MEMORY * cluster.gpu_memory - weights - resident - WORKSPACE
     capacity = int(max(free, 0) / kv_tok)
     ps = Pass(model, lay, cluster, shares, engine=True)
-    layers = model.layers / lay.pp
+    moe = model.moe_layers / lay.pp  # a stage's layers, on average: mixture-of-experts and dense
+    dense = model.layers / lay.pp - moe
 
     def gemm_s(n: int) -> float:  # one decode iteration's GEMMs and TP all-reduces, every stage in turn
-        return lay.pp * (layers * ps.layer(n, 0.0, attention=False, decode=True) + ps.head(n))
+        step = moe * ps.layer(n, 0.0, attention=False, decode=True) + dense * ps.layer(
+            n, 0.0, attention=False, moe=False
+        )
+        return lay.pp * (step + ps.head(n))
 
     read_experts = None
     if ps.experts is not None:
-        moe = ps.experts
-        moe_layers = model.moe_layers / lay.pp
+        routed = ps.experts
 
         def read_experts(n: int) -> float:  # the experts a batch of n touches, every stage in turn
-            return lay.pp * moe_layers * moe.touched_bytes(n) / (hbm * 0.85)
+            return lay.pp * moe * routed.touched_bytes(n) / (hbm * 0.85)
 
     def prefill_s(tokens: float, mean: float) -> float:
         chunks = max(1, math.ceil(tokens / gen.MAX_BATCHED_TOKENS))
         per = tokens / chunks
-        return chunks * lay.pp * (layers * ps.layer(per, mean) + ps.head(per))
+        return chunks * lay.pp * (moe * ps.layer(per, mean) + dense * ps.layer(per, mean, moe=False) + ps.head(per))
 
     engine = gen.Engine(
         kv_capacity=capacity,
