@@ -104,3 +104,22 @@ def test_a_decode_batch_reads_the_experts_it_touches():
     one, few, many = (ex.touched_bytes(n) for n in (1, 3, 1000))
     assert one == pytest.approx(2 * expert)  # one token: its top-2
     assert one < few < many == pytest.approx(8 * expert)  # a large batch reads all 8
+
+
+def test_dense_first_layers_play_as_the_dense_model_plays_them():
+    """A stage of nothing but dense first layers (``dense_layers``) takes what the same stage of a
+    dense model of that ``ffn`` takes; a stage of MoE layers does not."""
+    from nereus.sim.truth.stages import pipeline_time
+
+    from ..support.jobs import job
+
+    moe = moe_job(experts=8, expert_ffn=16, layers=4, dense_layers=2)
+    dense = job(layers=4)
+    c = moe.clusters["c"]
+    lay = Layout(model_stage="actor.train", tp=2, pp=1, dp=1, layers=[(0, 1)], mesh=[0, 1])
+    batches = [np.full(2, 256)] * 4
+    first = lambda m: pipeline_time(m.models["actor"], lay, c, batches, train=True, recompute=False)[0]
+    assert first(moe) == pytest.approx(first(dense), rel=1e-12)
+    later = Layout(model_stage="actor.train", tp=2, pp=1, dp=1, layers=[(2, 3)], mesh=[0, 1])
+    moe_stage = pipeline_time(moe.models["actor"], later, c, batches, train=True, recompute=False)[0]
+    assert moe_stage != pytest.approx(first(dense), rel=1e-6)
