@@ -50,15 +50,16 @@ def even(model: Model) -> np.ndarray:
     return np.full((1, e), 1.0 / e)
 
 
+def stage_gpu(lay: Layout, r: int, stage: int = 0) -> int:
+    """The GPU of rank ``r`` of pipeline stage ``stage`` (``tp`` fastest, then replica)."""
+    replica, t = divmod(r, lay.tp)
+    return lay.mesh[(replica * lay.pp + stage) * lay.tp + t]
+
+
 def ep_group(lay: Layout, stage: int = 0) -> list[int]:
     """The GPUs of the EP group of stage ``stage``'s first rank (ETP rank 0, expert-DP rank 0):
-    stage ranks ``etp x j`` (``tp`` fastest, then replica), placed on the mesh."""
-    out = []
-    for j in range(lay.ep):
-        r = lay.expert_tp * j
-        replica, t = divmod(r, lay.tp)
-        out.append(lay.mesh[(replica * lay.pp + stage) * lay.tp + t])
-    return out
+    stage ranks ``etp x j``."""
+    return [stage_gpu(lay, lay.expert_tp * j, stage) for j in range(lay.ep)]
 
 
 class Experts:
@@ -73,7 +74,6 @@ class Experts:
         self.q = np.minimum(self.k * shares, 1.0)  # a token's chance to go to each expert
         # tokens of a replica per expert copy, per token of the replica: replicas x k p_e / expert_dp
         self.per_copy = lay.replicas * self.q / lay.expert_dp
-        self.ranks = lay.ep
         self.by_rank = self.q.reshape(len(shares), lay.ep, e // lay.ep)
         # the busiest rank's tokens over the mean rank's, per drawn layer
         self.load = float((self.by_rank.sum(axis=2).max(axis=1) * lay.ep / self.k).mean())
@@ -99,7 +99,7 @@ class Experts:
         e = cast(int, m.experts)
         # one grouped GEMM per projection runs every local expert (vLLM's fused MoE kernel,
         # Megatron's grouped GEMM): two launches, each expert at its own shape's efficiency
-        return float(t.reshape(len(t), self.ranks, e // self.ranks).sum(axis=2).max(axis=1).mean()) + 2 * LAUNCH_S
+        return float(t.reshape(len(t), self.lay.ep, e // self.lay.ep).sum(axis=2).max(axis=1).mean()) + 2 * LAUNCH_S
 
     def touched_bytes(self, tokens: float) -> float:
         """Bytes of expert weights a decode batch of ``tokens`` reads on the busiest EP rank (one MoE layer)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...ir import Cluster, Layout, Model, Workload
 from . import generation as gen
-from .experts import Experts, even
+from .experts import Experts, even, stage_gpu
 from .kernels import attention_seconds, gemm_seconds, memory_seconds
 from .misspecified import NONE, Misspecification
 from .network import collective_seconds, link_of
@@ -234,7 +234,7 @@ def train_or_infer(
     dp_link, dp_bw, dp_lat = link_of(cluster, dp_gpus)
     # an expert's copies: stage ranks etp x ep apart (``Layout.expert_rank``), on the mesh
     step = lay.expert_tp * lay.ep
-    edp_gpus = [lay.mesh[(r // lay.tp * lay.pp) * lay.tp + r % lay.tp] for r in range(0, step * expert_copies, step)]
+    edp_gpus = [stage_gpu(lay, r) for r in range(0, step * expert_copies, step)]
     edp_link, edp_bw, edp_lat = link_of(cluster, edp_gpus)
     if dp_link == "nic":
         dp_bw /= misspec.inter_node
