@@ -595,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the step played out event by event (event: nereus/sim/truth); "
         "the event truth with errors no cost model knows of: per-configuration hidden factors (hidden), "
         "decode 20%% slower at long contexts (long-gen), cross-node DP collectives 30%% slower "
-        "(slow-inter); or the cost model at hidden coefficients (formula: fast, but the planner's own form)",
+        "(slow-inter), a spine oversubscribed 1:7 above 32-node pods (oversubscribed); "
+        "or the cost model at hidden coefficients (formula: fast, but the planner's own form)",
     )
     sm.add_argument("--json", action="store_true", help="print the results as one JSON object")
     sm.add_argument("--plot", metavar="DIR", help="write step latency and a transition's Gantt chart as PNGs")

@@ -106,7 +106,7 @@ def simulate(
 ) -> dict:
     """Run the policies over the trace (its first ``steps`` steps); a dict of per-policy runs.
     ``truth``: ``event`` (the step played out), a misspecified event truth (``hidden``,
-    ``long-gen``, ``slow-inter``) or ``formula`` (``SimCluster``'s truths).
+    ``long-gen``, ``slow-inter``, ``oversubscribed``) or ``formula`` (``SimCluster``'s truths).
 
     The policies are independent given the step noise (drawn here, once, for all of them), so
     with ``jobs > 1`` they run in that many worker processes, the slowest first; the runs are

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...ir import Cluster, Layout, Model
 from .kernels import LAUNCH_S, gemms_seconds
-from .network import all_to_all_seconds, collective_seconds, link_of
+from .network import SUPERPOD, Fabric, all_to_all_seconds, collective_seconds, link_of, slowdowns
 
 EXPERT_SKEW = 0.5  # sigma of an expert's log-popularity (an assumption, see the docstring)
 ROUTED_LAYERS = 4  # MoE layers whose routing is drawn per step (sampled)
@@ -56,18 +56,63 @@ def stage_gpu(lay: Layout, r: int, stage: int = 0) -> int:
     return lay.mesh[(replica * lay.pp + stage) * lay.tp + t]
 
 
+def ep_groups(lay: Layout) -> list[list[int]]:
+    """Every EP group of every pipeline stage: stage ranks ``etp x j + etp x ep x d + t`` for an
+    ETP rank ``t`` and an expert-DP rank ``d``."""
+    etp, ep = lay.expert_tp, lay.ep
+    return [
+        [stage_gpu(lay, t + etp * j + etp * ep * d, s) for j in range(ep)]
+        for s in range(lay.pp)
+        for d in range(lay.expert_dp)
+        for t in range(etp)
+    ]
+
+
+def expert_dp_groups(lay: Layout) -> list[list[int]]:
+    """Every expert-DP group (an expert slice's copies) of every pipeline stage."""
+    etp, ep = lay.expert_tp, lay.ep
+    return [
+        [stage_gpu(lay, r + etp * ep * d, s) for d in range(lay.expert_dp)]
+        for s in range(lay.pp)
+        for r in range(etp * ep)
+    ]
+
+
 def ep_group(lay: Layout, stage: int = 0) -> list[int]:
     """The GPUs of the EP group of stage ``stage``'s first rank (ETP rank 0, expert-DP rank 0):
     stage ranks ``etp x j``."""
     return [stage_gpu(lay, lay.expert_tp * j, stage) for j in range(lay.ep)]
 
 
+_SLOWDOWNS: dict[tuple, float] = {}
+
+
+def dispatch_slowdown(lay: Layout, cluster: Cluster, fabric: Fabric) -> float:
+    """The dispatcher's slowdown when every EP group of every stage sends at once (1F1B's steady
+    state keeps every stage in its layers; an assumption that bounds it from above)."""
+    key = (tuple(lay.mesh), lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.expert_tp, cluster.gpus_per_node, fabric)
+    if key not in _SLOWDOWNS:
+        if len(_SLOWDOWNS) > 4096:
+            _SLOWDOWNS.clear()
+        phase = [("all_to_all", g) for g in ep_groups(lay)]
+        _SLOWDOWNS[key] = max(slowdowns(cluster, fabric, phase))
+    return _SLOWDOWNS[key]
+
+
 class Experts:
     """One GPU's share of a MoE layer under ``lay`` with the drawn ``shares`` (layers x experts);
     ``engine``: a generation engine's layout."""
 
-    def __init__(self, model: Model, lay: Layout, cluster: Cluster, shares: np.ndarray, engine: bool = False):
-        self.m, self.lay, self.c, self.engine = model, lay, cluster, engine
+    def __init__(
+        self,
+        model: Model,
+        lay: Layout,
+        cluster: Cluster,
+        shares: np.ndarray,
+        engine: bool = False,
+        fabric: Fabric = SUPERPOD,
+    ):
+        self.m, self.lay, self.c, self.engine, self.fabric = model, lay, cluster, engine, fabric
         self.k = cast(int, model.experts_per_token)
         self.f = cast(int, model.expert_ffn)
         e = cast(int, model.experts)
@@ -80,6 +125,10 @@ class Experts:
         self.group = ep_group(lay)
         etp_gpus = lay.mesh[: lay.expert_tp]
         _, self.etp_bw, self.etp_lat = link_of(cluster, etp_gpus)
+
+    @property
+    def contention(self) -> float:
+        return dispatch_slowdown(self.lay, self.c, self.fabric)
 
     def gemm_seconds(self, tokens: float, decode: bool = False) -> float:
         """Forward GEMMs of the busiest EP rank's experts for ``tokens`` of a replica (a decode
@@ -115,7 +164,7 @@ class Experts:
         if not lay.carves_experts or (self.engine and lay.ep <= lay.tp):
             return 0.0
         own = tokens / lay.tp * self.k * self.m.hidden * ACT  # this GPU's tokens, k copies each
-        t = all_to_all_seconds(self.c, self.group, own * self.load)
+        t = all_to_all_seconds(self.c, self.group, own * self.load, share=self.contention)
         etp = lay.expert_tp
         if etp > 1:
             t += collective_seconds("all_gather", own * etp * self.load, etp, self.etp_bw, self.etp_lat)

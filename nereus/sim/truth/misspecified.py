@@ -11,12 +11,18 @@ policies plan with. Each ``Misspecification`` adds one kind of error to the even
   reads that fall off at long sequences; the cost model prices tokens alike at every length).
 - ``slow-inter``: data-parallel collectives that cross nodes (all-reduce, all-gather,
   reduce-scatter) 30% slower (congestion on the fabric; the cost model knows one NIC efficiency).
+- ``oversubscribed``: the fabric above every 32 nodes oversubscribed 1:7, as the aggregation
+  layer above Meta's Llama 3 pods is (Dubey et al. 2024, section 3.3.1; their pods hold 3,072
+  GPUs, here 256): collectives that run at once and cross pods share the uplinks
+  (``network.slowdowns``). The event truth's own fabric is non-blocking (``network.SUPERPOD``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .network import SUPERPOD, Fabric
 
 RAMP_FROM, RAMP_TO = 4096, 16384  # mean context, tokens
 
@@ -27,6 +33,7 @@ class Misspecification:
     hidden_sigma: float = 0.0  # per configuration, log-normal
     long_context: float = 1.0  # decode slowdown at a mean context of RAMP_TO and beyond
     inter_node: float = 1.0  # data-parallel collectives across nodes
+    fabric: Fabric = SUPERPOD  # the switches: where concurrent flows share uplinks
 
     def context_factor(self, mean_context: float) -> float:
         """A decode iteration's slowdown at this mean context per running request."""
@@ -51,4 +58,5 @@ MISSPECIFIED = {
     "hidden": Misspecification("hidden", hidden_sigma=0.1),
     "long-gen": Misspecification("long-gen", long_context=1.2),
     "slow-inter": Misspecification("slow-inter", inter_node=1.3),
+    "oversubscribed": Misspecification("oversubscribed", fabric=Fabric(leaf_nodes=32, oversubscription=7.0)),
 }

@@ -11,18 +11,103 @@ An all-to-all over a group spread across nodes (``all_to_all_seconds``: expert p
 dispatch and combine) sends to the peers on its node over NVLink and to the others over its NIC
 at the same time; it lasts as long as the slower of the two.
 
-**Contention**: flows that cross the same NIC at the same time share it; ``share`` is how many
-do (1: alone). The stages do not pass one yet: each GPU is taken to have a NIC of its own (a DGX
-H100's), and a data-parallel all-reduce is not yet made to share it with pipeline sends.
+**Contention** (``Fabric``, ``slowdowns``): flows that run at the same time and cross the same NIC
+or the same leaf group's uplinks share them. A ``phase`` lists the collectives that run at once
+(every data-parallel ring of a model-stage, and those of the model-stages training beside it);
+each collective runs at its slowest link's share: a NIC that sends ``u`` flows gives each
+``1 / u``, and a leaf group whose GPUs send ``u`` NIC-rates to other leaf groups over uplinks of
+``c`` gives each ``c / u`` when ``u > c``. Rates are offered loads (each flow at its NIC's rate),
+the bottleneck's ratio is the share: an approximation of max-min fairness. An all-to-all's flows
+to its own leaf group are not slowed by the uplinks; it lasts as long as its slowest part.
+The default fabric (a DGX SuperPOD's) is non-blocking with a NIC per GPU: there, flows of one
+phase that each use their own NIC never wait. Pipeline sends are left out of the phases (a
+micro-batch's activations, small and spread over the step) except where one shares a NIC with
+the gradient sync it overlaps (``stages``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from dataclasses import dataclass
 
 from ...ir import Cluster
 
 LINK_EFFICIENCY = {"nvlink": 0.8, "nic": 0.85}  # bus bandwidth of large messages (an assumption, nccl-tests-like)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """The switches above the NICs: a rail-optimized two-tier fat tree. ``leaf_nodes`` nodes form a
+    leaf group (their rails' leaf switches), whose uplinks to the spine carry ``1 /
+    oversubscription`` of what its NICs can send. The default is NVIDIA's DGX SuperPOD (H100)
+    reference architecture: scalable units of 32 nodes, each GPU's NIC on its rail's leaf, a
+    non-blocking spine. NCCL's PXN moves a flow to another rail over NVLink first, so a flow
+    between nodes stays on its rail inside a leaf group (an assumption)."""
+
+    leaf_nodes: int = 32
+    oversubscription: float = 1.0
+
+    def uplink(self, cluster: Cluster) -> float:
+        """A leaf group's uplink capacity, in NIC rates."""
+        return self.leaf_nodes * cluster.gpus_per_node / self.oversubscription
+
+
+SUPERPOD = Fabric()
+
+
+def slowdowns(cluster: Cluster, fabric: Fabric, phase: list[tuple[str, list[int]]]) -> list[float]:
+    """Each collective's slowdown (1: alone at its links' rate) when the collectives of ``phase``
+    run at once. A collective is ``("ring", gpus)`` (an all-reduce, all-gather or reduce-scatter:
+    NCCL's ring visits its nodes in order) or ``("all_to_all", gpus)``. For an all-to-all the
+    share is that of its part that crosses leaf groups, weighted by that part's fraction of its
+    inter-node bytes (see ``all_to_all_seconds``'s ``share``)."""
+    per, leaf_nodes = cluster.gpus_per_node, fabric.leaf_nodes
+    nic: dict[int, float] = defaultdict(float)
+    up: dict[int, float] = defaultdict(float)
+    down: dict[int, float] = defaultdict(float)
+    flows = []  # per collective: (senders, leaves it sends from or to, its crossing fraction)
+    for kind, gpus in phase:
+        node = [g // per for g in gpus]
+        leaf = [n // leaf_nodes for n in node]
+        senders, crossed, cross = [], set(), 0.0
+        if kind == "ring":
+            order = sorted(range(len(gpus)), key=lambda i: gpus[i])
+            for a, b in zip(order, order[1:] + order[:1]):
+                if node[a] == node[b]:
+                    continue  # NVLink
+                nic[gpus[a]] += 1
+                senders.append(gpus[a])
+                if leaf[a] != leaf[b]:
+                    up[leaf[a]] += 1
+                    down[leaf[b]] += 1
+                    crossed |= {leaf[a], leaf[b]}
+                    cross = 1.0
+        elif kind == "all_to_all":
+            for i, g in enumerate(gpus):
+                remote = [j for j in range(len(gpus)) if node[j] != node[i]]
+                if not remote:
+                    continue
+                nic[g] += 1
+                senders.append(g)
+                off = [j for j in remote if leaf[j] != leaf[i]]
+                if off:
+                    f = len(off) / len(remote)
+                    up[leaf[i]] += f
+                    for j in off:
+                        down[leaf[j]] += 1 / len(remote)
+                    crossed |= {leaf[i]} | {leaf[j] for j in off}
+                    cross = max(cross, f)
+        else:
+            raise ValueError(f"unknown flow {kind}")
+        flows.append((senders, crossed, cross))
+    cap = fabric.uplink(cluster)
+    out = []
+    for senders, crossed, cross in flows:
+        at_nic = max((nic[g] for g in senders), default=1.0)
+        at_spine = max((max(up[lf], down[lf]) / cap for lf in crossed), default=1.0)
+        out.append(max(1.0, at_nic, cross * at_spine))
+    return out
 
 
 def link_of(cluster: Cluster, gpus: list[int]) -> tuple[str, float, float]:

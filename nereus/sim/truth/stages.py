@@ -33,10 +33,10 @@ import numpy as np
 
 from ...ir import Cluster, Layout, Model, Workload
 from . import generation as gen
-from .experts import Experts, even, stage_gpu
+from .experts import Experts, even, expert_dp_groups, stage_gpu
 from .kernels import attention_seconds, gemm_seconds, memory_seconds
 from .misspecified import NONE, Misspecification
-from .network import collective_seconds, link_of
+from .network import SUPERPOD, Fabric, collective_seconds, link_of, slowdowns
 from .pipeline import play
 
 ACT = 2  # bytes of an activation (bf16)
@@ -101,7 +101,13 @@ class Pass:
     """Seconds of one layer (and of the head) on one GPU of ``lay`` for a micro-batch."""
 
     def __init__(
-        self, model: Model, lay: Layout, cluster: Cluster, shares: np.ndarray | None = None, engine: bool = False
+        self,
+        model: Model,
+        lay: Layout,
+        cluster: Cluster,
+        shares: np.ndarray | None = None,
+        engine: bool = False,
+        fabric: Fabric = SUPERPOD,
     ):
         self.m, self.lay, self.c = model, lay, cluster
         tp_gpus = lay.mesh[: lay.tp]
@@ -110,7 +116,8 @@ class Pass:
         self.hbm = cluster.hbm_bandwidth
         self.experts = None
         if model.moe:  # routing as drawn for the step (even where none is given)
-            self.experts = Experts(model, lay, cluster, shares if shares is not None else even(model), engine)
+            routed = shares if shares is not None else even(model)
+            self.experts = Experts(model, lay, cluster, routed, engine, fabric)
 
     def layer(
         self,
@@ -173,11 +180,13 @@ def pipeline_time(
     train: bool,
     recompute: bool,
     shares: np.ndarray | None = None,
-) -> tuple[float, float, list[int]]:
-    """(makespan, the last micro-batch's backward on stage 0, in-flight micro-batches per stage)
-    of one pass over ``batches`` on one DP replica of ``lay``; ``shares``: a mixture of experts'
-    routing (``experts.routing``)."""
-    ps = Pass(model, lay, cluster, shares)
+    fabric: Fabric = SUPERPOD,
+) -> tuple[float, float, list[int], float]:
+    """(makespan, the last micro-batch's backward on stage 0, in-flight micro-batches per stage,
+    the seconds of one pipeline send over a NIC: 0 where the stages share a node) of one pass
+    over ``batches`` on one DP replica of ``lay``; ``shares``: a mixture of experts' routing
+    (``experts.routing``)."""
+    ps = Pass(model, lay, cluster, shares, fabric=fabric)
     tokens = np.array([float(b.sum()) for b in batches])
     ref = float(tokens.max()) / lay.cp  # the reference micro-batch: the longest
     ctx = float(tokens.sum() / sum(len(b) for b in batches))  # attention's sequence: the mean length
@@ -197,7 +206,7 @@ def pipeline_time(
         bwd.append([b / v] * v)
     scale = (tokens / lay.cp / ref).tolist()
     pp_gpus = [lay.mesh[i * lay.tp] for i in range(lay.pp)]
-    _, bw, lat = link_of(cluster, pp_gpus)
+    pp_link, bw, lat = link_of(cluster, pp_gpus)
     send = collective_seconds("send", ref * model.hidden * ACT / lay.tp, 2, bw, lat) if lay.pp > 1 else 0.0
     m = len(batches)
     if v > 1 and m % lay.pp:
@@ -206,7 +215,13 @@ def pipeline_time(
         bwd = [[sum(x)] for x in bwd]
     played = play(fwd, bwd if train else None, m, send, scale=scale)
     last_bwd = bwd[0][0] * v * scale[-1] if train else 0.0
-    return played.makespan, last_bwd, played.in_flight
+    return played.makespan, last_bwd, played.in_flight, send if pp_link == "nic" else 0.0
+
+
+def dp_rings(lay: Layout) -> list[list[int]]:
+    """Every data-parallel group of ``lay`` (a stage's TP rank's copies over dp x cp), in mesh order."""
+    step = lay.tp * lay.pp
+    return [lay.mesh[o::step] for o in range(step)]
 
 
 def train_or_infer(
@@ -218,10 +233,14 @@ def train_or_infer(
     kind: str,
     misspec: Misspecification = NONE,
     routes: np.ndarray | None = None,
+    beside: tuple[Layout, ...] = (),
 ) -> tuple[float, float]:
     """(seconds, bytes on the fullest GPU) of a train or infer model-stage; ``lengths``: every
     sequence of the step (prompt plus response); ``misspec``: its ``inter_node`` slows the
-    data-parallel collectives that cross nodes; ``routes``: a mixture of experts' routing."""
+    data-parallel collectives that cross nodes, its ``fabric`` is the switches; ``routes``: a
+    mixture of experts' routing; ``beside``: the layouts of model-stages that train at the same
+    time on other GPUs, whose gradient syncs run at the same moments as this one's (an
+    assumption: PPO's actor and critic step alike) and share the fabric with it."""
     train = kind == "train"
     shares = np.array_split(lengths, lay.dp)[:PASSES]  # sampled: the slowest of these ends the stage
     per = max(1, work.micro_batch)
@@ -238,8 +257,14 @@ def train_or_infer(
     edp_link, edp_bw, edp_lat = link_of(cluster, edp_gpus)
     if dp_link == "nic":
         dp_bw /= misspec.inter_node
+        if train:  # every DP ring of this model-stage and of those beside it at once
+            phase = [("ring", g) for x in (lay, *beside) for g in dp_rings(x)]
+            own = len(dp_rings(lay))
+            dp_bw /= max(slowdowns(cluster, misspec.fabric, phase)[:own])
     if edp_link == "nic":
         edp_bw /= misspec.inter_node
+        if train and experts:
+            edp_bw /= max(slowdowns(cluster, misspec.fabric, [("ring", g) for g in expert_dp_groups(lay)]))
     grad = 4 if lay.grad_dtype == "fp32" else 2
     # each group's collective: the dense parameters over dp x cp, the experts over their copies
     groups = [(dense, copies, dp_bw, dp_lat), (experts, expert_copies, edp_bw, edp_lat)]
@@ -251,7 +276,9 @@ def train_or_infer(
                 if len(part) == 0:
                     continue
                 batches = micro_batches(part, per)
-                span, last_bwd, flight = pipeline_time(model, lay, cluster, batches, train, lay.recompute, routes)
+                span, last_bwd, flight, nic_send = pipeline_time(
+                    model, lay, cluster, batches, train, lay.recompute, routes, misspec.fabric
+                )
                 in_flight_peak = max(in_flight_peak, max(flight))
                 longest = max(longest, max(float(b.sum()) for b in batches))
                 t += span
@@ -268,6 +295,8 @@ def train_or_infer(
                     t += max(0.0, gathers + scatter - 0.8 * span)  # prefetched beside the layers' compute
                 else:
                     sync = sum(collective_seconds("all_reduce", n * grad, g, bw, lat) for n, g, bw, lat in groups)
+                    if dp_link == "nic":
+                        sync += nic_send  # the last backward's send shares the NIC with the buckets
                     t += max(0.0, sync - last_bwd)  # buckets reduce behind the last backward
                 sharded = sum(n / (g if lay.zero >= 1 else 1) for n, g, _, _ in groups)
                 t += memory_seconds(sharded * 32, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
@@ -310,7 +339,7 @@ def generate(
     kv_tok = 2 * max(model.layers / lay.pp, 1) * max(model.kv_heads / lay.tp, 1.0) * model.hd * model.dtype_bytes
     free = VLLM_MEMORY * cluster.gpu_memory - weights - resident - WORKSPACE
     capacity = int(max(free, 0) / kv_tok)
-    ps = Pass(model, lay, cluster, shares, engine=True)
+    ps = Pass(model, lay, cluster, shares, engine=True, fabric=misspec.fabric)
     moe = model.moe_layers / lay.pp  # a stage's layers, on average: mixture-of-experts and dense
     dense = model.layers / lay.pp - moe
 

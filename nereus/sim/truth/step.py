@@ -98,11 +98,14 @@ class EventTruth:
         played: dict[tuple, tuple] = {}
         for st in work.stages:
             end = start
-            for ms in st.model_stages():
-                lay = plan.layouts.get(ms)
-                if lay is None:
-                    continue
+            here = {ms: plan.layouts[ms] for ms in st.model_stages() if ms in plan.layouts}
+            for ms, lay in here.items():
                 model = m.models[lay.model]
+                # training beside it on other GPUs: its gradient syncs share the fabric with this one's
+                mesh = set(lay.mesh)
+                beside = tuple(
+                    x for o, x in here.items() if st.kind == "train" and o != ms and not mesh.intersection(x.mesh)
+                )
                 others = max(on_gpu[g] - kept[ms] for g in lay.mesh)
                 routed = shares.get(lay.model)
                 key = (
@@ -111,6 +114,7 @@ class EventTruth:
                     layout_of(lay),
                     others if st.kind == "generate" else None,
                     lay.model if routed is not None else None,  # each model routes its own way
+                    tuple(layout_of(x) for x in beside),
                 )
                 if key not in played:
                     try:
@@ -120,7 +124,7 @@ class EventTruth:
                             )[:2]
                         else:
                             played[key] = stages.train_or_infer(
-                                model, lay, work, cluster, lengths, st.kind, self.misspec, routed
+                                model, lay, work, cluster, lengths, st.kind, self.misspec, routed, beside
                             )
                     except MemoryError:
                         played[key] = (math.inf, math.inf)
