@@ -251,13 +251,15 @@ def run(quick: bool = False, json_output: bool = False) -> dict:
         ray_init(4)
         try:
             for backend in BACKENDS:
-                rounds = sync_run(path, backend, reps + 1)[1:]  # the first: warm-up (plans, imports)
+                updates = sync_run(path, backend, reps + 1)
+                rounds = updates[1:]  # the first: warm-up (plans, imports, the group)
                 result["ways"][backend] = {
                     "exact": all(r["names"] and r["exact"] for u in rounds for r in u["rollout"]),
                     "seconds": statistics.median(u["seconds"] for u in rounds),
                     "cpu_s": statistics.median(u["cpu_s"] for u in rounds),
                     "received": max(r["received"] for u in rounds for r in u["rollout"]),
                     "busiest_sender": max(t["sent"] for u in rounds for t in u["trainer"]),
+                    "updates": updates,  # every update's record, the warm-up's first
                 }
         finally:
             ray.shutdown()

@@ -31,18 +31,3 @@ def test_bench_validate_and_calibrate_print_one_json_document():
     validate = bench_json("validate")
     assert validate["holdout"]["leave_one_source_out"]["n"] == validate["cases"]
     assert bench_json("calibrate")["benchmark"] == "calibrate"
-
-
-@pytest.mark.slow
-def test_bench_verl_json_smoke():
-    """verl's manager on a local Ray cluster, 2 trainer + 2 rollout workers, both backends: the
-    document alone on stdout, every update bit-exact for both, each rollout worker the model's
-    bytes, Nereus's busiest sender half the broadcast root's (two trainers share the sending)."""
-    out = bench_json("verl")
-    assert set(out["ways"]) == {"nereus", "verl-broadcast"}
-    for way in out["ways"].values():
-        assert way["exact"], way
-    assert out["ways"]["nereus"]["received"] == out["model_bytes"]
-    # the broadcast also sends its buckets' metadata (names, shapes, offsets: verl's over zmq)
-    assert out["model_bytes"] < out["ways"]["verl-broadcast"]["received"] < 1.01 * out["model_bytes"]
-    assert out["broadcast_over_nereus"]["busiest_sender"] > 1.9
