@@ -62,7 +62,10 @@ class Outcome:
 
 
 def conditions(step: TraceStep) -> tuple:
-    return step.response_len_dist, step.unavailable
+    """What a step's outcome depends on, in a canonical form: the event truth seeds its draws with
+    its ``repr``, so the GPUs that are down go sorted (a frozenset's order is its table's, which
+    a pickle round trip, as a worker process receives the trace, can change)."""
+    return tuple(step.response_len_dist), tuple(sorted(step.unavailable))
 
 
 class SimCluster:

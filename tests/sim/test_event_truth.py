@@ -134,3 +134,24 @@ def test_verls_push_is_megatrons_gather_over_tp_then_broadcast_over_pp(sim, plan
     want += (train.pp - 1) * stage / rate(train.mesh[: train.tp * train.pp : train.tp])
     assert sim.sync_seconds(plan, "megatron") == pytest.approx(want)
     assert sim.sync_seconds(plan, "megatron") < sim.sync_seconds(plan, "allgather")
+
+
+def test_a_step_draws_the_same_after_its_trace_is_pickled(sim, plan):
+    """A worker process receives the trace pickled, and a frozenset rebuilt from a pickle may
+    iterate in another order. The truth seeds its draws with the step's conditions, so they must
+    not depend on that order: here GPUs 728-735 and 224-231 down, the set built two ways."""
+    import pickle
+
+    from nereus.sim.simulated_cluster import conditions
+    from nereus.sim.trace import TraceStep
+
+    base = sim.trace.steps[0]
+    down = [728 + k for k in range(8)] + [224 + k for k in range(8)]
+    grown = set(range(0, 1024))  # a large table, then shrunk: its order is not a fresh set's
+    grown -= set(range(0, 1024)) - set(down)
+    steps = [
+        TraceStep(0, base.response_len_dist, frozenset(grown)),
+        TraceStep(0, base.response_len_dist, frozenset(down)),
+        pickle.loads(pickle.dumps(TraceStep(0, base.response_len_dist, frozenset(grown)))),
+    ]
+    assert len({repr(conditions(s)) for s in steps}) == 1
