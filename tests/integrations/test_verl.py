@@ -21,7 +21,7 @@ UPDATES, TRAINERS, ROLLOUTS = 3, 2, 2
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_json("verl")
+    return bench_json("verl", timeout=1200)  # two backends on Ray: minutes on a loaded 2-core machine
 
 
 @pytest.mark.slow
