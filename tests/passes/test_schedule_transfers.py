@@ -14,6 +14,7 @@ import nereus.passes.schedule.cpsat as cpsat
 from nereus.passes.schedule.buckets import Bucket, bucket_ports
 from nereus.passes.schedule.cpsat import solve_schedule
 from nereus.passes.schedule.list_schedules import (
+    backwards,
     bottom_levels,
     dense,
     greedy,
@@ -64,7 +65,7 @@ def instances(draw):
 @given(instances())
 def test_list_schedules_respect_ports_and_precedences(inst):
     buckets, prec = inst
-    for schedule in (greedy, insertion, serial, dense):
+    for schedule in (greedy, insertion, serial, dense, backwards):
         assert_valid(buckets, prec, schedule(buckets, prec))
     sched = solve_schedule(buckets, prec, time_limit=1.0)
     assert_valid(buckets, prec, sched.starts)
@@ -116,6 +117,33 @@ def test_above_large_the_dense_schedule_is_kept_where_it_is_shorter():
     sched = solve_schedule(buckets, set(), time_limit=1.0)
     assert_valid(buckets, set(), sched.starts)
     assert (sched.makespan, sched.status, sched.searched) == (12, "optimal", False)
+
+
+def test_backwards_places_the_chain_that_ends_a_move_where_forward_list_schedules_do_not():
+    """GPU 2 receives from GPU 1 (4 ticks) and from GPU 3 (1 tick), and GPU 3's send must end
+    before GPU 0 sends to GPU 1 (2 ticks). Forward, every list schedule starts GPU 1's send first
+    (the longer bottom level: 4 against 1 + 2) and the chain waits behind it: 7. Backwards, the
+    chain's last bucket is placed first and GPU 3's send just before it: 5, the port bound with
+    the chain. Above ``LARGE`` buckets (1,400 disjoint copies) ``solve_schedule`` keeps it."""
+    from nereus.passes.schedule.cpsat import LARGE
+
+    one = [((1, 2), 4), ((3, 2), 1), ((0, 1), 2)]
+    buckets = [Bucket(src, (dst,), "nic", [], duration=d) for (src, dst), d in one]
+    prec = {(1, 2)}
+    spans = {
+        f.__name__: max(s + b.duration for s, b in zip(f(buckets, prec), buckets))
+        for f in (serial, insertion, greedy, dense, backwards)
+    }
+    assert spans == {"serial": 7, "insertion": 7, "greedy": 7, "dense": 7, "backwards": 5}
+    assert list_port_bound(buckets, prec) == 5
+    assert_valid(buckets, prec, backwards(buckets, prec))
+    copies = 1400
+    many = [Bucket(4 * k + src, (4 * k + dst,), "nic", [], duration=d) for k in range(copies) for (src, dst), d in one]
+    many_prec = {(3 * k + 1, 3 * k + 2) for k in range(copies)}
+    assert len(many) > LARGE
+    sched = solve_schedule(many, many_prec, time_limit=1.0)
+    assert_valid(many, many_prec, sched.starts)
+    assert (sched.makespan, sched.status, sched.searched) == (5, "optimal", False)
 
 
 def test_no_search_above_search_max_buckets(monkeypatch):

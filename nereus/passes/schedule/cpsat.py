@@ -1,6 +1,7 @@
 """The CP-SAT model of a bucket schedule: no-overlap per port, precedences, the makespan minimised from
 the better list schedule, under a time limit; above ``SEARCH_MAX`` buckets the list schedules alone
-(above ``LARGE``: ``serial``, ``dense`` and ``insertion``, the best of them).
+(above ``LARGE``: ``serial``, ``dense`` and ``insertion``, and ``backwards`` where they stay above the
+bound by more than 5%, the best of them).
 
 Part of ``schedule-transfers`` (``schedule_transfers.py``)."""
 
@@ -16,6 +17,7 @@ from ..infra.solver_budget import Budget
 from .buckets import Bucket, Precedences, bucket_ports, precedence_pairs
 from .list_schedules import (
     Schedule,
+    backwards,
     bottom_levels,
     bucket_durations,
     dense,
@@ -33,8 +35,12 @@ to 3,984 buckets where the search ran (the simulator's three traces and the tran
 its time; on the test suite's (up to 279 buckets) it shortened 26 of 329 (docs/PERFORMANCE.md)."""
 INSERTION_MAX = 100_000  # buckets: up to this, a large schedule also tries ``insertion`` (it is not O(n log n))
 LARGE = 4000  # buckets: above this, list schedules of one pass (``serial``, ``insertion``) instead of ``greedy``
+BACKWARDS_ABOVE = 1.05
+"""Above ``LARGE``, with precedences: where the best list schedule is above this times the port
+bound, ``backwards`` (the dense schedule of the reversed problem, about as costly as ``dense``)
+is tried too; a schedule within 5% of the bound is not worth another pass."""
 DENSE_MAX = 30_000_000
-"""Above ``LARGE``, ``dense`` runs where the sum over ports of their buckets squared (what its
+"""Above ``LARGE``, ``dense`` (and ``backwards``) runs where the sum over ports of their buckets squared (what its
 scans of ready buckets can read, at most) is at most this: 5.6 million on the transition bench's
 case 3 (0.8-1.1 s), 27.8 million on its case 5 (1.0 s, most buckets waiting on others)."""
 
@@ -59,7 +65,8 @@ def solve_schedule(
         ).tolist()  # both list schedules order by them
         warm = serial(buckets, prec, graph, tails)
         horizon = max(s + b.duration for s, b in zip(warm, buckets))
-        if horizon > bound and _dense_work(graph) <= DENSE_MAX:  # 2.08x -> 1.10x on the bench's widest move
+        dense_ok = _dense_work(graph) <= DENSE_MAX
+        if horizon > bound and dense_ok:  # 2.08x -> 1.10x on the bench's widest move
             other = dense(buckets, prec, graph, tails)
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
@@ -68,6 +75,11 @@ def solve_schedule(
         # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
         if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:
             other = insertion(buckets, prec, len(prec) > 0, graph, tails)
+            span = max(s + b.duration for s, b in zip(other, buckets))
+            if span < horizon:
+                warm, horizon = other, span
+        if horizon > BACKWARDS_ABOVE * bound and len(pairs) and dense_ok:
+            other = backwards(buckets, prec, graph)  # 1.30x -> 1.07x the bound on the bench's case 5
             span = max(s + b.duration for s, b in zip(other, buckets))
             if span < horizon:
                 warm, horizon = other, span

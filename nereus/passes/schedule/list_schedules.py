@@ -310,7 +310,26 @@ def serial(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int
     return start
 
 
-def dense(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int] | None = None) -> list[int]:
+def backwards(buckets: list[Bucket], prec: Precedences, graph=None) -> list[int]:
+    """``dense`` on the reversed problem (every precedence turned around), read backwards: a bucket
+    that ends there at e starts here at span - e. Ports and precedences hold mirrored, so it is a
+    schedule of the same length. Forward, ``dense`` starts whatever is ready on an idle port and
+    leaves for later the chains that end a move (sends that must finish before a GPU's frees let
+    its staged slices in: the ``unstage`` buckets); backwards, those chains' last buckets are
+    placed first and what feeds them just before, where they are needed. On ``bench
+    transition``'s case 5 (TP 4 ZeRO-3 -> TP 8 PP 4 ZeRO-1 at 1,024 GPUs, 21,449 buckets, 119,470
+    precedences): 1.30x the port bound forward, 1.07x backwards. ``graph``: ``port_graph``'s of the
+    forward problem, if made (read only)."""
+    preds, succs, ports, busy = graph or port_graph(buckets, prec)
+    pairs = precedence_pairs(prec)
+    duration = bucket_durations(buckets)
+    heads = bottom_levels(duration, pairs[:, 1], pairs[:, 0]).tolist()  # the reversed problem's bottom levels
+    mirrored = dense(buckets, None, (succs, preds, ports, busy), heads)
+    span = max((s + b.duration for s, b in zip(mirrored, buckets)), default=0)
+    return [span - (s + b.duration) for s, b in zip(mirrored, buckets)]
+
+
+def dense(buckets: list[Bucket], prec: Precedences | None, graph=None, tails: list[int] | None = None) -> list[int]:
     """Dense list schedule, event by event: whenever a port falls idle, it starts at once one of
     its ready buckets whose every port is idle too, if there is one; no port waits while a
     bucket could run on it. Of those, the bucket with the longest chain of work from its start
@@ -322,7 +341,8 @@ def dense(buckets: list[Bucket], prec: Precedences, graph=None, tails: list[int]
     ZeRO-3 at 1,024 GPUs: 4,096 ports, 49,686 buckets, hundreds of ports within 1% of the bound)
     a port's next bucket in that order waits for its partner while the port could serve another
     (2.08x the port bound; this: 1.10x). Event-driven, each freed port reads its ready buckets:
-    O(events x buckets per port). ``graph``: ``port_graph``'s, if made (read only)."""
+    O(events x buckets per port). ``graph``: ``port_graph``'s, if made (read only; then ``prec`` is
+    not read)."""
     preds, succs, ports, busy = graph or port_graph(buckets, prec)
     n = len(buckets)
     duration = [b.duration for b in buckets]
