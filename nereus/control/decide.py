@@ -306,7 +306,11 @@ class DecisionCore:
         self._estimate(self.m, self.plan)
         return {"recalibrated": True, "fit_error_before": fit.error_before, "fit_error_after": fit.error_after}
 
-    def _replan(self, step: int, window: list[StepRecord], triggers: list[Trigger], numbers: dict) -> Decision:
+    def _replan(
+        self, step: int, window: list[StepRecord], triggers: list[Trigger], numbers: dict, offload: bool | None = None
+    ) -> Decision:
+        """``offload``: plan-search's (None: the options'); see ``_host_bound`` for when it is
+        turned off."""
         opts = self.options
         forced = any(t.forced for t in triggers)
         m = self._copy_job()
@@ -329,7 +333,7 @@ class DecisionCore:
         target = f"p{step}"
         while target in m.plans:  # a plan of that name exists (the starting plan may be @p0)
             target += "_next"
-        failed = self._search(m, w, cluster, target)
+        failed = self._search(m, w, cluster, target, offload=offload)
         if failed is not None:
             action = "infeasible" if forced else "stay"
             return Decision(
@@ -356,7 +360,7 @@ class DecisionCore:
                 # restarting the engines is what does not pay: the best plan that keeps their
                 # layout may (it saves no more than plan B, so it is tried only when plan B
                 # without the restart would have paid)
-                kept = self._search(m, w, cluster, target, keep=generation_kept(m, a))
+                kept = self._search(m, w, cluster, target, keep=generation_kept(m, a), offload=offload)
                 if kept is None:
                     b = m.plans[target]
                     numbers.update(step_time_restarting=numbers["step_time_new"], step_time_new=b.step_time)
@@ -399,6 +403,12 @@ class DecisionCore:
             )
         except DiagnosticError as e:
             why = e.diagnostics[0].message
+            if offload is None and _host_bound(why, b):
+                # plan B fits only with some of its state in host memory between stages, but the
+                # transition delivers all of it onto its GPUs before offloading any (offloads
+                # follow the commit): the best plan that keeps its state on the GPUs, once
+                numbers["offload_retry"] = why
+                return self._replan(step, window, triggers, numbers, offload=False)
             if lost:
                 why = f"state lost with GPUs {sorted(lost)} (restore it from a checkpoint): {why}"
             return Decision(
@@ -457,6 +467,10 @@ class DecisionCore:
         where = placement(b, usable, w)
         numbers.update(where)
         lines = [where_text(where)]
+        if "offload_retry" in numbers:
+            lines.append(
+                "searched again without offload: the first plan B keeps state in host memory, which no order delivers"
+            )
         if numbers.get("engines") == "kept":
             lines.append(
                 f"engines kept: the plan that restarts them ({numbers['step_time_restarting']:.4g} s per step) "
@@ -491,9 +505,10 @@ class DecisionCore:
             searched=searched if action == "transition" else None,
         )
 
-    def _search(self, m: Module, w, cluster, target: str, keep=None) -> str | None:
+    def _search(self, m: Module, w, cluster, target: str, keep=None, offload: bool | None = None) -> str | None:
         """plan-search for the job on ``cluster`` into ``target`` (replaced if there), started
-        from the running plan; ``keep``: plan-search's option filter. None, or why no plan."""
+        from the running plan; ``keep``: plan-search's option filter; ``offload``: whether plan B
+        may keep state in host memory (None: as the options say). None, or why no plan."""
         opts = self.options
         m.plans.pop(target, None)
         incumbent = self.plan
@@ -515,7 +530,7 @@ class DecisionCore:
                         into=f"@{target}",
                         max_pp=opts.max_pp,
                         max_zero=opts.max_zero,
-                        offload=opts.offload,
+                        offload=opts.offload if offload is None else offload,
                         incumbent=f"@{incumbent}",
                         keep=both(self.keep, keep),
                         # the default headroom stands for what the count leaves out; once measured
@@ -672,6 +687,14 @@ def measured_lengths(w, window: list[StepRecord]) -> None:
         w.response_len_dist = sorted(dist)
         w.response_len_mean = max(1, round(sum(dist) / len(dist)))
         w.response_len_max = max(w.response_len_max, max(dist))
+
+
+def _host_bound(why: str, b) -> bool:
+    """Whether plan-transition failed because plan B's state, offloaded parts included, does not
+    fit on a GPU (``transition.memory``: it lands on the GPUs and is offloaded at commit) where
+    plan B offloads some of it: a plan without offload may be movable to."""
+    offloads = any(lay.offload for lay in b.layouts.values())
+    return offloads and why.startswith("no order fits") and "plan B's state" in why
 
 
 def both(first: Callable | None, second: Callable | None) -> Callable | None:
