@@ -82,7 +82,7 @@ test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP) $(TRL_STAMP) $(MEGATRON_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest benchmarks -q --benchmark-only
