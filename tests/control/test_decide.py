@@ -482,3 +482,34 @@ def test_a_peak_over_the_gpu_sets_the_slack_and_plan_b_fits_at_it():
         if kinds[ms] != "generate":
             assert lay_b.memory_breakdown.slack > 0, ms
             assert lay_b.memory <= cap * 0.95 + 2**21, ms
+
+
+def test_a_plan_b_that_offloads_past_a_gpu_is_recognised_for_a_search_without_offload():
+    """plan-transition delivers all of plan B's state onto its GPUs and offloads it at commit,
+    so a plan B that fits only with its state in host memory can have no order: at 28 GiB per
+    GPU, the 8B job's actor trained at TP 2 x PP 2 x DP 2 with weights and optimizer offloaded
+    takes 2 GB more than GPU 0 holds. That diagnostic is what makes the core search again
+    without offload (``_host_bound``; the 1,024-GPU combined trace hit it at step 823 under
+    ``slow-inter``); a plan B that offloads nothing, or plan A's own state, does not."""
+    from nereus.control.decide import _host_bound
+
+    text = PPO.read_text().replace("gpu_memory = 80GiB", "gpu_memory = 28GiB")
+    start = text.index("plan @ppo_p0 {")
+    block = text[start : text.index("\n}\n", start) + 3].replace("plan @ppo_p0 {", "plan @b {")
+    i = block.index("layout actor.train {")
+    offloading = "\n    tp = 2\n    pp = 2\n    dp = 2\n    layers = [0..15, 16..31]\n    mesh = [0..7]\n"
+    offloading += "    micro_batches = 16\n    zero = 1\n    recompute = true\n    offload = [weights, optimizer]\n  "
+    block = block[: i + len("layout actor.train {")] + offloading + block[block.index("}", i) :]
+    m = nereus.parse(text + "\n" + block)
+    m.emus.clear()  # the example's hand-written EMU of actor.train holds weights only
+    with pytest.raises(nereus.DiagnosticError) as e:
+        nereus.run_pipeline(m, "plan-transition{source=@ppo_p0,to=@b,into=@t}")
+    why = e.value.diagnostics[0].message
+    assert why.startswith("no order fits on GPU 0: plan B's state alone")
+    b = m.plans["b"]
+    assert _host_bound(why, b)
+    assert not _host_bound(why.replace("plan B's state", "plan A's state"), b)  # plan A does not fit: no plan B helps
+    offload = b.layouts["actor.train"].offload
+    b.layouts["actor.train"].offload = ()
+    assert not _host_bound(why, b)  # nothing to stop offloading
+    b.layouts["actor.train"].offload = offload
