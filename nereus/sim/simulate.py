@@ -46,6 +46,7 @@ class PolicyRun:
     failures: int = 0
     decide_s: float = 0.0
     samples_per_step: int = 0
+    cpu_s: float | None = None  # this machine's CPU seconds for the whole run, truth included (in a pool's worker)
 
     def summary(self) -> dict:
         """Per completed step: a step the policy could not run produced no samples, and its time
@@ -69,6 +70,7 @@ class PolicyRun:
             "checkpoint_s": self.save_s,
             "failures": self.failures,
             "decide_s": self.decide_s,
+            "cpu_s": self.cpu_s,
             "run_s": total,
         }
 
@@ -244,6 +246,7 @@ def _init_worker(done) -> None:
 def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, factors: list[float], truth: str):
     """One policy over the whole trace, in a worker process: (its run, the policy, less what a
     decision kept of the job at each move)."""
+    cpu = time.process_time()
     sim = SimCluster(module, trace, seed=seed, model=truth)
     with collecting_rarely():
         p = _start(sim, name)
@@ -251,6 +254,7 @@ def _run_one(module: Module, trace: Trace, name: str, slot: int, seed: int, fact
         for i in range(len(trace.steps)):
             _step(sim, p, run, i, factors[i])
             _done[slot] = i + 1
+    run.cpu_s = time.process_time() - cpu
     for d in getattr(getattr(p, "core", None), "decisions", ()):
         d.module = None  # each move's whole job at 1,024 GPUs: not needed back, and large to send
     return run, p

@@ -66,31 +66,33 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
     receivers: dict[tuple[int, str], tuple[int, ...]] = {}  # (id of a destination list, plan) -> GPUs
     where: list = [None] * len(t.ops)  # each operation's bucket, by position
     dsts: tuple[int, ...] | None
+    facts: dict[str, tuple] = {}  # kind name -> what bucketing reads of it (``_kind_facts``)
     for k, op in enumerate(t.ops):
-        kind = op.spec
-        staged_copy = kind.local and isinstance(op.dst[0], HostRef)  # device to host, over PCIe
-        if not (kind.transfer and not kind.local) and not kind.pcie and not staged_copy:
+        f = facts.get(op.kind)
+        if f is None:
+            f = facts[op.kind] = _kind_facts(op.spec, on_a, on_b)
+        local, ported, unstage, src_gpu, dst_gpu, dplan, direction = f
+        if local and isinstance(op.dst[0], HostRef):  # a staged copy: device to host, over PCIe
+            if direction == "net":
+                direction = "d2h"
+        elif not ported:
             continue  # local copies and frees use no port
-        if kind.reads_host and kind.delivers:  # an unstage: host[g] onto GPU g (the verifier checks it)
-            src = cast(HostRef, op.src[0]).gpu
+        if unstage:  # host[g] onto GPU g (the verifier checks it)
+            src = op.src[0].gpu
             dsts = (src,)
         else:
-            src = (on_b if kind.source_plan == "target" else on_a)(op.src[0])
-            dst_gpu = on_a if kind.destination_plan == "source" else on_b
+            src = src_gpu(op.src[0])
             if len(op.dst) == 1:
                 dsts = (dst_gpu(op.dst[0]),)
             else:  # a broadcast: plan-transition gives the operations of one group one list (alive all along)
-                dsts = receivers.get((id(op.dst), kind.destination_plan))
+                dsts = receivers.get((id(op.dst), dplan))
                 if dsts is None:
-                    dsts = receivers[(id(op.dst), kind.destination_plan)] = tuple(sorted({dst_gpu(d) for d in op.dst}))
-        direction = "h2d" if kind.reads_host else "d2h" if kind.writes_host or staged_copy else "net"
+                    dsts = receivers[(id(op.dst), dplan)] = tuple(sorted({dst_gpu(d) for d in op.dst}))
         # PCIe moves of different kinds go in different buckets: a staged copy, its unstage and
         # an offload after the unstage share a direction, and one bucket would order them in a
         # cycle. Unstages wait for a growing prefix of their GPU's frees: one bucket per prefix
         # (the number of dependencies tells them apart), so that the first need not wait for all
-        phase = (
-            "" if direction == "net" else (op.kind, len(op.deps)) if kind.reads_host and kind.delivers else (op.kind, 0)
-        )
+        phase = "" if direction == "net" else (op.kind, len(op.deps)) if unstage else (op.kind, 0)
         key = (src, dsts, op.link, direction, phase)
         b = groups.get(key)
         if b is None:
@@ -111,6 +113,23 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         b.duration = max(1, round((lat + b.bytes / (bw * e)) / TICK))
     bucket_of = np.fromiter((-1 if b is None else b.index for b in where), dtype=np.int64, count=len(where))
     return out, bucket_of
+
+
+def _kind_facts(kind, on_a, on_b) -> tuple:
+    """What ``buckets_of`` reads of an operation kind: (local, whether it uses a port whatever its
+    endpoints, an unstage, the GPU of its source endpoint, of a destination endpoint, the plan its
+    destinations name, its direction unless it is a local copy that stages)."""
+    ported = (kind.transfer and not kind.local) or kind.pcie
+    direction = "h2d" if kind.reads_host else "d2h" if kind.writes_host else "net"
+    return (
+        kind.local,
+        ported,
+        kind.reads_host and kind.delivers,
+        on_b if kind.source_plan == "target" else on_a,
+        on_a if kind.destination_plan == "source" else on_b,
+        kind.destination_plan,
+        direction,
+    )
 
 
 PORT_KINDS = ("send nic", "send nvlink", "recv nic", "recv nvlink", "h2d pcie", "d2h pcie")

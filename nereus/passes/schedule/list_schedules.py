@@ -348,10 +348,14 @@ def dense(buckets: list[Bucket], prec: Precedences | None, graph=None, tails: li
     duration = [b.duration for b in buckets]
     tail = tails or duration
     left = list(busy)  # work not started yet, per port
-    idle = [True] * len(left)
+    idle = [True] * (len(left) + 1)  # and a spare, never busy: the watch of a bucket with no port
     ready: list[list[int]] = [[] for _ in left]  # per port, ready buckets not started (started ones dropped lazily)
     waiting = [len(ps) for ps in preds]
     started = [False] * n
+    # per bucket, the port last found busy, read first: a broadcast's bucket waits on hundreds of
+    # ports' lists, and a bucket is read at every event on each (13.9 million reads of ports for
+    # 2.6 million of buckets on the bench's case 5)
+    watch = [ps[0] if ps else len(left) for ps in ports]
     start = [0] * n
     ends: list[tuple[int, int]] = []  # (end, bucket) of the running buckets
     placed = 0
@@ -369,14 +373,13 @@ def dense(buckets: list[Bucket], prec: Precedences | None, graph=None, tails: li
 
     def choose(p: int, t: int) -> None:
         """Start on idle port ``p`` the best of its ready buckets whose ports are all idle."""
-        best, best_key, keep = -1, None, []
-        for i in ready[p]:
-            if started[i]:
-                continue
-            keep.append(i)
+        best, best_key = -1, None
+        ready[p] = waiting_here = [i for i in ready[p] if not started[i]]
+        for i in [i for i in waiting_here if idle[watch[i]]]:
             other = 0  # the most work left on another of its ports; -1: one of them is busy
             for q in ports[i]:
                 if not idle[q]:
+                    watch[i] = q
                     other = -1
                     break
                 if q != p and left[q] > other:
@@ -385,7 +388,6 @@ def dense(buckets: list[Bucket], prec: Precedences | None, graph=None, tails: li
                 k = (tail[i], other)
                 if best_key is None or k > best_key:
                     best, best_key = i, k
-        ready[p] = keep
         if best >= 0:
             run(best, t)
 

@@ -26,6 +26,7 @@ free; both are timed but hold no link port.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -55,11 +56,16 @@ def _schedule_transition(m: Module, t: Transition, time_limit: float, seed: int,
     sched = solve_schedule(buckets, prec, time_limit, seed, deterministic)
     end = _times_in_buckets(buckets, sched.starts)
     hbm = cluster.hbm_bandwidth * model.efficiency.hbm
+    printed: dict[float, float] = {}  # ``_printed`` by value: a GPU's frees share the end of their last bucket
+    zero = repeat(0.0)
     for op in t.ops:  # copies and frees: after their dependencies, on no link port
         if op.id in end:
             continue
-        ready = max((end.get(d, 0.0) for d in op.deps), default=0.0)
-        op.start = _printed(ready)
+        ready = max(map(end.get, op.deps, zero), default=0.0)
+        start = printed.get(ready)
+        if start is None:
+            start = printed[ready] = _printed(ready)
+        op.start = start
         op.duration = _printed(2 * op.bytes / hbm) if op.spec.local else 0.0
         end[op.id] = ready + (op.duration or 0.0)
     t.makespan = _printed(max(end.values(), default=0.0))

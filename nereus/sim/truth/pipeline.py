@@ -69,6 +69,46 @@ def _order(schedule: str, p: int, v: int, m: int, s: int) -> list[tuple[str, int
     raise ValueError(f"unknown schedule {schedule!r} (v = {v})")
 
 
+@functools.lru_cache(maxsize=1024)
+def sweep(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, bool, int, int, int], ...]:
+    """Every rank's operations in one order in which each comes after its inputs: (rank, forward,
+    chunk, virtual stage, micro-batch), as sweeps over the ranks meet them, each rank running
+    its operations in order until one's input is missing. Which inputs exist does not depend on
+    the times, so ``play`` times the operations in this order in one pass (the same for every
+    step of a trace). Raises RuntimeError where the schedule deadlocks."""
+    ops = [order(schedule, p, v, m, s) for s in range(p)]
+    last = p * v - 1
+    f_done = [[False] * m for _ in range(p * v)]
+    b_done = [[False] * m for _ in range(p * v)]
+    at = [0] * p
+    out: list[tuple[int, bool, int, int, int]] = []
+    remaining = sum(len(o) for o in ops)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            mine, i = ops[s], at[s]
+            while i < len(mine):
+                kind, c, mb = mine[i]
+                j = c * p + s  # the virtual stage
+                if kind == "F":
+                    if j and not f_done[j - 1][mb]:
+                        break
+                    f_done[j][mb] = True
+                else:
+                    if not f_done[j][mb] or (j != last and not b_done[j + 1][mb]):
+                        break
+                    b_done[j][mb] = True
+                out.append((s, kind == "F", c, j, mb))
+                i += 1
+            if i != at[s]:
+                remaining -= i - at[s]
+                at[s] = i
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule {schedule} deadlocked (p={p}, v={v}, m={m})")
+    return tuple(out)
+
+
 def play(
     forward: list[list[float]],
     backward: list[list[float]] | None,
@@ -86,64 +126,38 @@ def play(
     if schedule is None:
         schedule = "forward" if backward is None else ("1f1b" if v == 1 else "interleaved")
     size = [1.0] * m if scale is None else list(scale)
-    ops = [order(schedule, p, v, m, s) for s in range(p)]
     last = p * v - 1
-    nan = -1.0
-    f_done = [[nan] * m for _ in range(p * v)]  # when virtual stage j's forward of micro-batch mb ended
-    b_done = [[nan] * m for _ in range(p * v)]
+    f_done = [[0.0] * m for _ in range(p * v)]  # when virtual stage j's forward of micro-batch mb ended
+    b_done = [[0.0] * m for _ in range(p * v)]
     free = [0.0] * p
     busy = [0.0] * p
     held, peak = [0] * p, [0] * p
-    at = [0] * p
-    remaining = sum(len(o) for o in ops)
     hop = send if p > 1 else 0.0
-    while remaining:
-        progressed = False
-        for s in range(p):
-            mine, i, t = ops[s], at[s], free[s]
-            while i < len(mine):
-                kind, c, mb = mine[i]
-                j = c * p + s  # the virtual stage
-                if kind == "F":
-                    if j == 0:
-                        ready = 0.0
-                    else:
-                        prev = f_done[j - 1][mb]
-                        if prev < 0:
-                            break
-                        ready = prev + hop * size[mb]
-                    seconds = forward[s][c] * size[mb]
-                    t = (t if t > ready else ready) + seconds
-                    f_done[j][mb] = t
-                    if backward is not None:
-                        held[s] += 1
-                        if held[s] > peak[s]:
-                            peak[s] = held[s]
-                else:
-                    own = f_done[j][mb]
-                    if own < 0:
-                        break
-                    if j == last:
-                        ready = own
-                    else:
-                        nxt = b_done[j + 1][mb]
-                        if nxt < 0:
-                            break
-                        ready = nxt + hop * size[mb]
-                        ready = own if own > ready else ready
-                    assert backward is not None
-                    seconds = backward[s][c] * size[mb]
-                    t = (t if t > ready else ready) + seconds
-                    b_done[j][mb] = t
-                    held[s] -= 1
-                busy[s] += seconds
-                i += 1
-            if i != at[s]:
-                remaining -= i - at[s]
-                at[s], free[s] = i, t
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"pipeline schedule {schedule} deadlocked (p={p}, v={v}, m={m})")
+    for s, fwd, c, j, mb in sweep(schedule, p, v, m):
+        t = free[s]
+        if fwd:
+            ready = f_done[j - 1][mb] + hop * size[mb] if j else 0.0
+            seconds = forward[s][c] * size[mb]
+            t = (t if t > ready else ready) + seconds
+            f_done[j][mb] = t
+            if backward is not None:
+                held[s] += 1
+                if held[s] > peak[s]:
+                    peak[s] = held[s]
+        else:
+            own = f_done[j][mb]
+            if j == last:
+                ready = own
+            else:
+                ready = b_done[j + 1][mb] + hop * size[mb]
+                ready = own if own > ready else ready
+            assert backward is not None
+            seconds = backward[s][c] * size[mb]
+            t = (t if t > ready else ready) + seconds
+            b_done[j][mb] = t
+            held[s] -= 1
+        busy[s] += seconds
+        free[s] = t
     if backward is None:
         peak = [1] * p
     return Played(max(free), busy, peak)

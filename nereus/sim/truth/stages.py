@@ -118,6 +118,7 @@ class Pass:
         if model.moe:  # routing as drawn for the step (even where none is given)
             routed = shares if shares is not None else even(model)
             self.experts = Experts(model, lay, cluster, routed, engine, fabric)
+        self._layers: dict[tuple, float] = {}  # ``layer`` by its arguments: every stage of a pipeline asks alike
 
     def layer(
         self,
@@ -130,6 +131,13 @@ class Pass:
     ) -> float:
         """One layer; ``moe``: False for a mixture of experts' dense first layers (a dense MLP of
         ``ffn``)."""
+        key = (tokens, ctx, backward, attention, decode, moe)
+        out = self._layers.get(key)
+        if out is None:
+            out = self._layers[key] = self._layer(tokens, ctx, backward, attention, decode, moe)
+        return out
+
+    def _layer(self, tokens: float, ctx: float, backward: bool, attention: bool, decode: bool, moe: bool) -> float:
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
         g = gemm_seconds
@@ -172,6 +180,13 @@ def micro_batches(lengths: np.ndarray, per: int) -> list[np.ndarray]:
     return [lengths[i : i + per] for i in range(0, len(lengths), per)]
 
 
+def batch_tokens(batches: list[np.ndarray]) -> np.ndarray:
+    """Each micro-batch's tokens (sums of integer lengths: exact), in one call: a micro-batch of
+    one sequence each is hundreds of arrays a step, and a sum each cost more than the pipeline."""
+    sizes = [len(b) for b in batches]
+    return np.add.reduceat(np.concatenate(batches), np.cumsum([0] + sizes[:-1]))
+
+
 def pipeline_time(
     model: Model,
     lay: Layout,
@@ -187,7 +202,7 @@ def pipeline_time(
     over ``batches`` on one DP replica of ``lay``; ``shares``: a mixture of experts' routing
     (``experts.routing``)."""
     ps = Pass(model, lay, cluster, shares, fabric=fabric)
-    tokens = np.array([float(b.sum()) for b in batches])
+    tokens = batch_tokens(batches).astype(float)
     ref = float(tokens.max()) / lay.cp  # the reference micro-batch: the longest
     ctx = float(tokens.sum() / sum(len(b) for b in batches))  # attention's sequence: the mean length
     v = lay.vpp
@@ -280,7 +295,7 @@ def train_or_infer(
                     model, lay, cluster, batches, train, lay.recompute, routes, misspec.fabric
                 )
                 in_flight_peak = max(in_flight_peak, max(flight))
-                longest = max(longest, max(float(b.sum()) for b in batches))
+                longest = max(longest, float(batch_tokens(batches).max()))
                 t += span
                 if not train:
                     continue
