@@ -1,7 +1,7 @@
 """The CP-SAT model of a bucket schedule: no-overlap per port, precedences, the makespan minimised from
 the better list schedule, under a time limit; above ``SEARCH_MAX`` buckets the list schedules alone
-(above ``LARGE``: ``serial``, ``dense`` and ``insertion``, and ``backwards`` where they stay above the
-bound by more than 5%, the best of them).
+(above ``LARGE``: ``dense``, or ``serial`` where dense would cost too much, then ``insertion``, and
+``backwards`` where they stay above the bound by more than 5%, the best of them).
 
 Part of ``schedule-transfers`` (``schedule_transfers.py``)."""
 
@@ -63,14 +63,12 @@ def solve_schedule(
         tails = bottom_levels(
             bucket_durations(buckets), pairs[:, 0], pairs[:, 1]
         ).tolist()  # both list schedules order by them
-        warm = serial(buckets, prec, graph, tails)
-        horizon = max(s + b.duration for s, b in zip(warm, buckets))
         dense_ok = _dense_work(graph) <= DENSE_MAX
-        if horizon > bound and dense_ok:  # 2.08x -> 1.10x on the bench's widest move
-            other = dense(buckets, prec, graph, tails)
-            span = max(s + b.duration for s, b in zip(other, buckets))
-            if span < horizon:
-                warm, horizon = other, span
+        # dense where it can run (2.08x -> 1.10x the bound on the bench's widest move; serial was
+        # 2-4x longer than it on every move above LARGE of the bench and of availability's Nereus
+        # run, and never shorter than the best of the others); serial, one pass, where it cannot
+        warm = dense(buckets, prec, graph, tails) if dense_ok else serial(buckets, prec, graph, tails)
+        horizon = max(s + b.duration for s, b in zip(warm, buckets))
         # with insertion: 8.83 s -> 0.757 s on a 94,535-bucket move whose bound is 0.755 s (2.6 s
         # more to schedule); it ran over 10 minutes on 200,504 buckets with 4.59 million precedences
         if horizon > bound and len(buckets) <= INSERTION_MAX and len(prec) <= 10 * INSERTION_MAX:

@@ -162,18 +162,21 @@ def insertion(
     prio = [
         (-tail[i], -max(busy[p] for p in ps), -len(ps), -b.duration, i) for i, (b, ps) in enumerate(zip(buckets, ports))
     ]
-    waiting = {i: len(preds[i]) for i in range(len(buckets))}
+    duration = [b.duration for b in buckets]
+    waiting = [len(ps) for ps in preds]
     heap = [prio[i] for i in range(len(buckets)) if waiting[i] == 0]
     heapq.heapify(heap)
     # port -> the starts and ends of its busy spans: buckets placed back to back are one span,
     # so the search for a gap jumps over a packed stretch at once (a port thousands of buckets
     # use is one span or a few, and the search stays short)
     placed: dict[tuple, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-    start: dict[int, int] = {}
+    start = [0] * len(buckets)
+    end = [0] * len(buckets)  # of the placed buckets
+    count = 0
     while heap:
         i = heapq.heappop(heap)[-1]
-        d = buckets[i].duration
-        t = max((start[j] + buckets[j].duration for j in preds[i]), default=0)
+        d = duration[i]
+        t = max(map(end.__getitem__, preds[i]), default=0)
         lines = [placed[p] for p in ports[i]]
         # the earliest gap of length d from t on, on every port at once: round the ports until
         # every one of them in a row is free from t on (a port that moves t is free from there)
@@ -191,6 +194,8 @@ def insertion(
                 free += 1
             at = at + 1 if at + 1 < nl else 0
         start[i] = t
+        end[i] = t + d
+        count += 1
         for starts, ends in lines:
             k = bisect.bisect_left(starts, t)  # spans before k end by t, spans from k start at t + d or later
             joins_left = k > 0 and ends[k - 1] == t
@@ -209,9 +214,9 @@ def insertion(
             waiting[j] -= 1
             if waiting[j] == 0:
                 heapq.heappush(heap, prio[j])
-    if len(start) != len(buckets):
+    if count != len(buckets):
         raise ValueError("cyclic dependencies between transfer buckets")
-    return [start[i] for i in range(len(buckets))]
+    return start
 
 
 @dataclass

@@ -313,6 +313,7 @@ class Planner:
         last = [-1] * len(pieces_of)  # by part number: the piece that sent it its last cell (-1: none yet)
         transfers: dict[tuple[int, int], list[int]] = {}  # (sender, part number) -> cells
         sizes = grid.sizes(missing_cells).tolist()
+        src_gpu = [p.gpu for p in srcs]
         for c, size, parts in zip(missing_cells, sizes, parts_of):
             gs = holders.get(c)
             if not gs and self.restore:
@@ -348,7 +349,8 @@ class Planner:
                     at = list(chain.from_iterable(map(gpus_in.__getitem__, gs)))
                     r = ranked[gs] = [itemgetter(*at) if len(at) > 1 else itemgetter(at[0], at[0]), 0]
             for pid in parts:
-                if not gpus_of[pid]:
+                gpus = gpus_of[pid]
+                if not gpus:
                     part = pieces_of[pid]
                     largest = 0
                     for j in part:
@@ -364,7 +366,7 @@ class Planner:
                 else:
                     best = last[pid]
                     # the last sender's bytes, where it holds this cell (None: it does not, or none yet)
-                    mine = load[srcs[best].gpu] // span if best >= 0 and group_of[best] in gs else None
+                    mine = load[src_gpu[best]] // span if best >= 0 and group_of[best] in gs else None
                     # within its share of the least's lower bound: within its share of the least
                     if mine is None or mine > r[1] // span + share_of[pid]:
                         least = r[1] = min(r[0](load))  # bytes x span + GPU: the least loaded GPU of lowest number
@@ -375,7 +377,7 @@ class Planner:
                                 key=lambda i: (srcs[i].ref.model_stage, i),
                             )
                 last[pid] = best
-                load[srcs[best].gpu] += nbytes * gpus_of[pid] * span
+                load[src_gpu[best]] += nbytes * gpus * span
                 t = transfers.get((best, pid))
                 if t is None:
                     transfers[(best, pid)] = [c]
