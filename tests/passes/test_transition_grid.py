@@ -101,8 +101,9 @@ def test_cell_arrays_are_the_cells_of_every_region(case, data):
 @settings(max_examples=200, deadline=None)
 @given(_gpu(), st.data())
 def test_boxes_merge_cells_as_the_greedy_merge_does_and_cover_them_exactly(case, data):
-    """``Grid.boxes`` (interval indices decoded at once) against ``merge`` on the cells one by
-    one, and the boxes hold exactly the cells they were made of."""
+    """``Grid.boxes`` (interval indices decoded one by one below ``BOXES_ARRAYS`` cells, at once
+    from there) against ``merge`` on the cells one by one, and the boxes hold exactly the cells
+    they were made of."""
     srcs, dsts = case
     grid = Grid({r for _, r in srcs} | {r for _, r in dsts})
     every = sorted({c for _, r in srcs + dsts for c in grid.cells(r)})
