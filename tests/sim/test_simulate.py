@@ -116,6 +116,12 @@ def test_policies_run_in_worker_processes_give_the_same_runs(result):
     assert [d.action for d in par["policies"]["nereus"].core.decisions] == [
         d.action for d in result["policies"]["nereus"].core.decisions
     ]
+    # a worker's run reports its CPU seconds (the JSON's ``cpu_s``), at least its decisions'
+    # share where it decided on one CPU; the in-process run has none to report
+    for name, run in par["runs"].items():
+        assert run.cpu_s is not None and run.cpu_s > 0, name
+        assert run.summary()["cpu_s"] == run.cpu_s
+    assert all(run.cpu_s is None for run in result["runs"].values())
 
 
 def test_calibrating_online_brings_the_estimate_near_the_event_truth(result):

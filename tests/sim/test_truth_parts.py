@@ -14,7 +14,7 @@ import pytest
 from nereus.sim.truth import generation as gen
 from nereus.sim.truth.kernels import FA3_H100, GEMM_LEVEL, H100_PEAK, attention_efficiency, gemm_efficiency
 from nereus.sim.truth.network import collective_seconds
-from nereus.sim.truth.pipeline import order, play
+from nereus.sim.truth.pipeline import order, play, sweep
 
 
 def ticks(forward, backward, m, send, schedule, scale):
@@ -61,6 +61,29 @@ def test_the_schedule_played_equals_a_tick_by_tick_simulation_on_uneven_stages(p
         schedule = "1f1b" if v == 1 else "interleaved"
         assert play(fwd, bwd, m, send, scale=scale).makespan == ticks(fwd, bwd, m, send, schedule, scale)
         assert play(fwd, None, m, send, scale=scale).makespan == ticks(fwd, None, m, send, "forward", scale)
+
+
+@pytest.mark.parametrize(
+    "schedule, p, v, m",
+    [("1f1b", 1, 1, 3), ("1f1b", 4, 1, 8), ("1f1b", 5, 1, 2), ("interleaved", 2, 2, 4), ("interleaved", 4, 3, 8)]
+    + [("forward", 3, 1, 5), ("forward", 2, 2, 4)],
+)
+def test_the_sweep_runs_each_rank_in_its_order_and_every_operation_after_its_inputs(schedule, p, v, m):
+    """``sweep``: the one order ``play`` times the operations in. Each rank's operations appear
+    once, in the schedule's order; a forward after the previous virtual stage's forward of its
+    micro-batch, a backward after its own forward and the next virtual stage's backward."""
+    ops = sweep(schedule, p, v, m)
+    for s in range(p):
+        mine = [(("F" if fwd else "B"), c, mb) for r, fwd, c, _, mb in ops if r == s]
+        assert tuple(mine) == order(schedule, p, v, m, s)
+    seen: set = set()
+    for s, fwd, c, j, mb in ops:
+        assert j == c * p + s
+        if fwd:
+            assert j == 0 or ("F", j - 1, mb) in seen
+        else:
+            assert ("F", j, mb) in seen and (j == p * v - 1 or ("B", j + 1, mb) in seen)
+        seen.add(("F" if fwd else "B", j, mb))
 
 
 def test_even_stages_give_the_known_bubbles_and_activations():
