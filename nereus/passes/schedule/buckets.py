@@ -78,7 +78,7 @@ def buckets_of(m: Module, t: Transition, model: CostModel) -> tuple[list[Bucket]
         elif not ported:
             continue  # local copies and frees use no port
         if unstage:  # host[g] onto GPU g (the verifier checks it)
-            src = op.src[0].gpu
+            src = cast(HostRef, op.src[0]).gpu
             dsts = (src,)
         else:
             src = src_gpu(op.src[0])
