@@ -134,12 +134,7 @@ class Grid:
             return [self.info(c)[0] for c in cells]
         cuts = self.cuts
         if len(cells) < BOXES_ARRAYS:  # a few cells: numpy's cost per call is more than their work
-            rows = [self.index(c) for c in cells]
-            lo, hi = [min(x) for x in zip(*rows)], [max(x) for x in zip(*rows)]
-            n = 1
-            for a, b in zip(lo, hi):
-                n *= b - a + 1
-            boxes = [tuple((a, b + 1) for a, b in zip(lo, hi))] if n == len(cells) else merge(rows)
+            boxes = merge([self.index(c) for c in cells])  # (its bounding-box case first)
             return [tuple((c[a], c[b]) for c, (a, b) in zip(cuts, box)) for box in boxes]
         idx = np.empty((len(cells), len(self.radix)), dtype=np.int64)  # every cell's interval indices, at once
         rest = np.asarray(cells, dtype=np.int64)
