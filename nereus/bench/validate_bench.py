@@ -368,11 +368,13 @@ def _holdout_report(console: Console | None) -> dict:
             "loso": float(np.median(np.abs(h["loso"][idx]))),
             "transfer": float(np.median(np.abs(moved))) if moved else None,
             "fit_without": {k: round(v, 4) for k, v in vars(h["loso_fits"][s]).items()},
+            "model_error_without": h["model_errors"][s],
         }
     out = {
         "prior": vars(NEUTRAL),
         "in_sample": summary(h["in_sample"]),
         "in_sample_fit": {k: round(v, 4) for k, v in vars(h["in_sample_fit"]).items()},
+        "in_sample_model_error": h["model_error"],
         "leave_one_source_out": summary(h["loso"]),
         "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
         "by_source": by_source,
@@ -398,7 +400,9 @@ def _holdout_report(console: Console | None) -> dict:
             "in sample",
             "leave one source out",
             "calibration transfer",
+            "model error chosen without it",
             "compute fitted without it",
+            "NIC fitted without it",
         ):
             t.add_column(col, justify="left" if col == "source" else "right")
         for s, r in by_source.items():
@@ -409,7 +413,9 @@ def _holdout_report(console: Console | None) -> dict:
                 f"{r['in_sample']:.1%}",
                 f"{r['loso']:.1%}",
                 "" if tr is None else f"{tr:.1%}",
+                f"{r['model_error_without']:g}",
                 f"{r['fit_without']['compute']:.3f}",
+                f"{r['fit_without']['nic']:.3f}",
             )
         console.print(t)
         for k, label in (

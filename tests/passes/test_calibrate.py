@@ -10,6 +10,7 @@ from nereus.passes.cost.calibrate import fit, observations, read_profile, synthe
 from nereus.testing.jobs import _layout_line as _layout
 from nereus.testing.jobs import ppo_8b_16gpu
 
+COEFFS_FITTED = ("compute", "hbm", "nvlink", "nic", "pcie", "overhead")
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6, overlap=0.7)
 
 # Layout variants of the 8B PPO job on 2 x 8 GPUs, chosen so that every coefficient is exercised:
@@ -137,3 +138,53 @@ def test_bad_profiles_are_diagnostics(module, tmp_path):
     m = nereus.parse(nereus.print_ir(module))
     with pytest.raises(nereus.DiagnosticError, match="calibrate needs profile=FILE"):
         nereus.run_pipeline(m, "calibrate")
+
+
+@pytest.mark.parametrize("model_error", [0.0005, 0.2])
+def test_the_pull_toward_the_prior_is_the_least_squares_of_a_gaussian_prior(model_error):
+    """Where no bound binds, the bounded solve is the closed-form least squares of the
+    measurements' relative errors plus each coefficient's relative deviation from its prior
+    weighed by ``model_error`` over the prior's stated relative uncertainty."""
+    import numpy as np
+    from scipy.optimize import lsq_linear
+
+    from nereus.ir.cluster import PRIOR_UNCERTAINTY
+    from nereus.passes.cost.calibrate import _bounded_fit, prior_weights
+    from nereus.passes.cost.cost_model import COEFFS, coefficient_vector
+
+    prior = Efficiency()
+    p = coefficient_vector(prior)
+    w = prior_weights(prior, model_error)
+    assert w == pytest.approx([model_error * getattr(prior, c) / PRIOR_UNCERTAINTY[c] for c in COEFFS])
+    rng = np.random.default_rng(3)
+    A = rng.uniform(0.1, 1.0, (12, 6)) / p  # each coefficient's share of a time near 1
+    truth = p * rng.uniform(1.05, 1.4, 6)
+    b = A @ truth * (1 + rng.normal(0, 0.05, 12))
+    closed = np.linalg.lstsq(np.vstack([A, np.diag(w / p)]), np.concatenate([b, w]), rcond=None)[0]
+    assert np.all(closed[:5] > 1) and closed[5] > 0  # inside the bounds
+    scale = np.linalg.norm(A, axis=0)
+    got = _bounded_fit(A / scale, b, np.arange(6), scale, p, w, lsq_linear)
+    assert got == pytest.approx(closed, rel=1e-6)
+
+
+def test_a_larger_model_error_keeps_the_fit_nearer_its_prior(module, tmp_path):
+    """The same measurements fitted with ``model_error`` 0.0005 (a job's own steps, the default)
+    and 0.2 (figures from another stack): the second stays nearer the prior, its coefficients'
+    deviations counted in stated uncertainties (a ridge's shrinkage: one coefficient may move
+    further while the others hold it less), and the calibrate pass takes the option."""
+    from nereus.ir.cluster import PRIOR_UNCERTAINTY
+
+    records = synthetic_profile(module, HIDDEN, noise=0.01, seed=1, steps=3)
+    obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])
+    prior = Efficiency()
+
+    def away(eff):
+        return sum(((getattr(eff, c) - getattr(prior, c)) / PRIOR_UNCERTAINTY[c]) ** 2 for c in COEFFS_FITTED)
+
+    near, loose = fit(obs, prior, model_error=0.2).efficiency, fit(obs, prior).efficiency
+    assert away(near) < 0.5 * away(loose)
+    profile = tmp_path / "profile.jsonl"
+    profile.write_text("\n".join(json.dumps(r) for r in records))
+    m = nereus.parse(nereus.print_ir(module))
+    nereus.run_pipeline(m, f"calibrate{{profile={profile},model_error=0.2}}")
+    assert m.clusters["h100x16"].efficiency.compute == pytest.approx(near.compute, rel=1e-3)

@@ -79,8 +79,8 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
     import json
     from dataclasses import asdict
 
-    from nereus.bench.holdout import NEUTRAL, summary
-    from nereus.ir.cluster import Efficiency
+    from nereus.bench.holdout import MODEL_ERRORS, NEUTRAL, summary
+    from nereus.ir.cluster import PRIOR_UNCERTAINTY, Efficiency
 
     record = json.loads((VALIDATION / "holdout.json").read_text())
     for name, value in asdict(Efficiency()).items():
@@ -88,6 +88,8 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
         assert abs(value - stated["value"]) <= stated["uncertainty"], (
             f"prior {name} moved from {stated['value']} to {value}: restate validation/holdout.json"
         )
+        # the fits weigh each prior by the uncertainty stated here
+        assert PRIOR_UNCERTAINTY[name] == stated["uncertainty"], name
     assert record["fits_start_from"] == asdict(NEUTRAL)
     rows, err = validation
     _, h = held
@@ -100,6 +102,39 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
     for k, got in measured.items():
         for stat in ("median", "worst"):
             assert got[stat] == pytest.approx(record[k][stat], abs=1e-3), (k, stat)
+    chosen = record["model_error"]
+    assert chosen["candidates"] == list(MODEL_ERRORS)
+    assert (chosen["in_sample"], chosen["without"]) == (h["model_error"], h["model_errors"])
+
+
+def test_leaving_a_source_out_chooses_and_fits_without_looking_at_it(held):
+    """The held-out source's published seconds can be anything: its fold's ``model_error`` and
+    fit are the same, to the bit, and only its own predictions' errors change. Run on torchtitan
+    with its figures tripled, as far from the model as the worst fold once was."""
+    from dataclasses import replace
+
+    from nereus.bench.holdout import holdout
+
+    figs, h = held
+    moved = [replace(f, published_s=3 * f.published_s) if f.source == "torchtitan_2024" else f for f in figs]
+    h2 = holdout(moved)
+    assert h2["model_errors"]["torchtitan_2024"] == h["model_errors"]["torchtitan_2024"]
+    assert h2["loso_fits"]["torchtitan_2024"] == h["loso_fits"]["torchtitan_2024"]
+    for i, f in enumerate(figs):
+        if f.source == "torchtitan_2024":
+            assert 1 + h2["loso"][i] == pytest.approx((1 + h["loso"][i]) / 3, rel=1e-9)
+    # the folds that fit torchtitan do see it: tripling its figures moves at least one of them
+    assert any(h2["loso_fits"][s] != h["loso_fits"][s] for s in h["loso_fits"] if s != "torchtitan_2024")
+
+
+def test_holdout_meets_the_leave_one_source_out_targets(held):
+    """Issue 46's targets on figures no fit saw: leaving each source out, median |error| at most
+    10% and worst at most 25%. (Calibration transfer's median target, 5%, is not met: 5.4%.)"""
+    from nereus.bench.holdout import summary
+
+    _, h = held
+    s = summary(h["loso"])
+    assert s["median"] <= 0.10 and s["worst"] <= 0.25, s
 
 
 @pytest.mark.parametrize("sp,tp", [(False, 1), (False, 8), (True, 8)])

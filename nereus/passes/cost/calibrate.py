@@ -11,8 +11,13 @@ must be in the module (the layouts the job ran with).
 Each predicted time is linear in the coefficients (``cost_model``), so the fit is a
 least-squares problem on relative errors (every measurement counts the same, whatever its
 size), bounded (no achieved fraction above 1: nothing runs faster than its peak; overhead
-non-negative) and pulled lightly toward the prior (``RIDGE``), so that a coefficient the
-measurements cannot separate from the others stays near its prior. Generation's decode is compute- or HBM-bound
+non-negative) and pulled toward the prior, so that a coefficient the measurements cannot
+separate from the others stays near its prior. The pull is a Gaussian prior's: each coefficient's
+deviation from its prior, relative, over its stated uncertainty (``PRIOR_UNCERTAINTY``), weighs as
+a measurement's relative error over ``model_error``, the error one measurement is expected to
+have against the model. A job's own steps (the pass's default, ``MODEL_ERROR``) are trusted
+nearly to the bit; published figures from other stacks are not (``bench.holdout`` chooses their
+``model_error`` by leaving sources out). Generation's decode is compute- or HBM-bound
 depending on the
 coefficients, and data-parallel communication is hidden up to a share or up to the compute
 beside it, so the fit re-assigns both and solves again until the assignment is stable; the
@@ -35,7 +40,7 @@ from typing import Any, cast
 import numpy as np
 
 from ...ir import Diagnostic, DiagnosticError, Loc, Module
-from ...ir.cluster import Calibration, Efficiency
+from ...ir.cluster import PRIOR_UNCERTAINTY, Calibration, Efficiency
 from ...ir.printer import printed_precision
 from ..infra.pass_manager import ModulePass, api_option, register
 from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
@@ -80,13 +85,18 @@ OVERLAP_GRID = np.linspace(0.0, 1.0, 21)
 IMBALANCE_GRID = np.linspace(1.0, 2.0, 21)
 
 
-def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
+MODEL_ERROR = 0.0005  # a job's own step times against the model fitted to them: the prior only breaks ties
+
+
+def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10, model_error: float = MODEL_ERROR) -> FitResult:
     """``_fit_overlap``, and where some measurement ran experts over EP ranks, the busiest rank's
     load (``expert_imbalance``) chosen from a grid of 0.05 between 1 and 2 by the error after
-    the fit, as the overlap is."""
+    the fit, as the overlap is. ``model_error``: the relative error expected of one measurement
+    against the model, which sets how far the measurements may pull a coefficient from its prior
+    (module docstring)."""
     uneven = [o for o in obs if o.cost.cost.imbalance is not None]
     if not uneven:
-        return _fit_overlap(obs, prior, max_iter)
+        return _fit_overlap(obs, prior, max_iter, model_error)
     return _best_on_grid(
         obs,
         uneven,
@@ -97,10 +107,11 @@ def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitRes
         "expert_imbalance",
         _fit_overlap,
         max_iter,
+        model_error,
     )
 
 
-def _best_on_grid(obs, chosen, attr, grid, rebuild, prior, field, inner, max_iter) -> FitResult:
+def _best_on_grid(obs, chosen, attr, grid, rebuild, prior, field, inner, max_iter, model_error) -> FitResult:
     """``inner``'s fit at every value of ``grid`` of the cost attribute ``attr`` of the ``chosen``
     observations (``rebuild(saved tuple, value)``) and of the prior's ``field``; the one with the
     least error after the fit. The costs get their own attribute back afterwards."""
@@ -110,7 +121,7 @@ def _best_on_grid(obs, chosen, attr, grid, rebuild, prior, field, inner, max_ite
         for value in grid:
             for o, t in zip(chosen, saved):
                 setattr(o.cost.cost, attr, rebuild(t, float(value)))
-            r = inner(obs, replace(prior, **{field: float(value)}), max_iter)
+            r = inner(obs, replace(prior, **{field: float(value)}), max_iter, model_error)
             if best is None or r.error_after < best.error_after - 1e-12:
                 best = r
     finally:
@@ -122,7 +133,7 @@ def _best_on_grid(obs, chosen, attr, grid, rebuild, prior, field, inner, max_ite
     )
 
 
-def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
+def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int, model_error: float) -> FitResult:
     """Bounded least squares on relative error, pulled toward the prior (``_bounded_fit``); see the
     module docstring. The share of
     data-parallel communication that compute hides (``overlap``) enters the time through a
@@ -132,7 +143,7 @@ def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int = 10) 
         raise ValueError("no observations to fit")
     with_overlap = [o for o in obs if o.cost.cost.overlap is not None and np.any(o.cost.cost.overlap[0])]
     if not with_overlap:
-        return _fit_linear(obs, prior, max_iter)
+        return _fit_linear(obs, prior, max_iter, model_error)
     return _best_on_grid(
         obs,
         with_overlap,
@@ -143,39 +154,54 @@ def _fit_overlap(obs: list[Observation], prior: Efficiency, max_iter: int = 10) 
         "overlap",
         _fit_linear,
         max_iter,
+        model_error,
     )
 
 
-RIDGE = 0.003  # weight of the prior: a coefficient 10% off its prior costs as much as a 0.03% error on one measurement
+def prior_weights(prior: Efficiency, model_error: float) -> np.ndarray:
+    """Per coefficient (``COEFFS``), the weight of its relative deviation from ``prior`` against a
+    measurement's relative error: ``model_error`` over the prior's relative uncertainty. With the
+    pass's default, a coefficient 10% off a prior of 0.6 (uncertainty 0.1) costs as much as a
+    0.03% error on one measurement."""
+    values = [getattr(prior, c) for c in COEFFS]
+    return np.array([model_error * v / PRIOR_UNCERTAINTY[c] if v > 0 else 0.0 for c, v in zip(COEFFS, values)])
 
 
 def _bounded_fit(
-    A: np.ndarray, b: np.ndarray, cols: np.ndarray, scale: np.ndarray, prior: np.ndarray, lsq_linear
+    A: np.ndarray,
+    b: np.ndarray,
+    cols: np.ndarray,
+    scale: np.ndarray,
+    prior: np.ndarray,
+    weights: np.ndarray,
+    lsq_linear,
 ) -> np.ndarray:
     """Least squares on the scaled columns with every achieved fraction at most 1 (a coefficient
     1 / efficiency of at least 1: nothing beats its peak) and the overhead non-negative, pulled
-    toward the prior by ``RIDGE`` so that what the measurements cannot tell apart (one plan's
-    steps repeat the same mix of compute, HBM and links) stays at the prior instead of drifting
-    to any value that fits (an HBM 138x its peak, seen when a job measured one plan)."""
+    toward the prior with ``weights`` (``prior_weights``) so that what the measurements cannot
+    tell apart (one plan's steps repeat the same mix of compute, HBM and links) stays at the
+    prior instead of drifting to any value that fits (an HBM 138x its peak, seen when a job
+    measured one plan)."""
     lo = np.where(cols < C_OVERHEAD, 1.0, 0.0) * scale
     rows, rhs = [A], [b]
-    for k, p in enumerate(prior):
-        if p > 0:
+    for k, (p, w) in enumerate(zip(prior, weights)):
+        if p > 0 and w > 0:
             r = np.zeros(len(cols))
-            r[k] = RIDGE / (scale[k] * p)
+            r[k] = w / (scale[k] * p)
             rows.append(r[None, :])
-            rhs.append(np.array([RIDGE]))
+            rhs.append(np.array([w]))
     # BVLS: exact active-set least squares, 3-8x faster than the default trust-region solver at
     # these sizes (a few columns, tens to thousands of rows), the same solution (the ridge makes it unique)
     y = lsq_linear(np.vstack(rows), np.concatenate(rhs), bounds=(lo, np.full(len(cols), np.inf)), method="bvls").x
     return y / scale
 
 
-def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -> FitResult:
+def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int, model_error: float) -> FitResult:
     """The fit with ``prior.overlap`` fixed (the observations' costs carry it)."""
     from scipy.optimize import lsq_linear  # imported here: scipy costs 0.3 s at start-up, and only calibrate needs it
 
     x = coefficient_vector(prior)
+    weights = prior_weights(prior, model_error)
     before = _mape(obs, x)
     used = np.zeros(len(COEFFS), dtype=bool)
     assignment = None
@@ -194,7 +220,13 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int = 10) -
         scale = np.linalg.norm(A[:, used], axis=0)
         x = x.copy()
         x[used] = _bounded_fit(
-            A[:, used] / scale, b_free, np.flatnonzero(used), scale, coefficient_vector(prior)[used], lsq_linear
+            A[:, used] / scale,
+            b_free,
+            np.flatnonzero(used),
+            scale,
+            coefficient_vector(prior)[used],
+            weights[used],
+            lsq_linear,
         )
         assigned = _per_cost(
             obs,
@@ -268,20 +300,23 @@ def observations(m: Module, records, model_for=None) -> list[Observation]:
 class Calibrate(ModulePass):
     """Options: ``profile`` (path of the JSON-lines profile); from Python, ``records`` instead:
     measured stage times as ``read_profile`` gives them (plan, model-stage, seconds, memory,
-    line), as the decision core passes the steps it observed. The fit of each cluster is
-    recorded on it (``efficiency``, ``calibration``)."""
+    line), as the decision core passes the steps it observed; ``model_error``, the relative
+    error expected of one measurement against the model (``MODEL_ERROR``: the job's own steps;
+    larger where the records come from another stack, which lets the priors hold more). The fit
+    of each cluster is recorded on it (``efficiency``, ``calibration``)."""
 
     name = "calibrate"
     profile: str = ""
+    model_error: float = MODEL_ERROR
     records: list | None = api_option()
 
     def apply(self, module: Module) -> None:
         if self.records is not None:
-            calibrate_records(module, self.records)
+            calibrate_records(module, self.records, self.model_error)
             return
         if not self.profile:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "calibrate needs profile=FILE")])
-        calibrate_records(module, read_profile(self.profile))
+        calibrate_records(module, read_profile(self.profile), self.model_error)
 
 
 def memory_slack(obs: list[Observation]) -> float | None:
@@ -299,7 +334,7 @@ def memory_slack(obs: list[Observation]) -> float | None:
     return printed_precision(max(1.0, max(ratios)), 4) if ratios else None
 
 
-def calibrate_records(module: Module, records) -> dict[str, FitResult]:
+def calibrate_records(module: Module, records, model_error: float = MODEL_ERROR) -> dict[str, FitResult]:
     """Fit every cluster named by ``records`` (``read_profile``'s tuples: plan, model-stage,
     seconds, memory, line) and record the result on it; the fit per cluster name."""
     by_cluster: dict[str, list] = {}
@@ -310,7 +345,7 @@ def calibrate_records(module: Module, records) -> dict[str, FitResult]:
     for cluster_name, recs in by_cluster.items():
         obs = observations(module, recs)
         cluster = module.clusters[cluster_name]
-        result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency())
+        result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency(), model_error=model_error)
         slack = memory_slack(obs)
         if slack is not None:
             result.efficiency = replace(result.efficiency, memory_slack=slack)
