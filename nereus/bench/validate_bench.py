@@ -352,11 +352,15 @@ def _moe_report(console: Console | None) -> dict:
 
 
 def _holdout_report(console: Console | None) -> dict:
-    """In-sample, leave-one-source-out and calibration-transfer errors (``holdout``)."""
-    from .holdout import NEUTRAL, figures, holdout, summary
+    """In-sample, leave-one-source-out and calibration-transfer errors (``holdout``), and the best
+    constant's leave-one-source-out errors beside them (``constant_holdout``)."""
+    from .holdout import NEUTRAL, constant_holdout, figures, holdout, summary
 
     figs = figures(VALIDATION)
     h = holdout(figs)
+    rows = {(c.source, c.plan): c for c in cases()}
+    ideal = np.array([rows[f.source, f.plan].ideal_s for f in figs])
+    constant = constant_holdout([f.source for f in figs], ideal, np.array([f.published_s for f in figs]))
     sources = sorted({f.source for f in figs})
     by_source = {}
     for s in sources:
@@ -377,6 +381,7 @@ def _holdout_report(console: Console | None) -> dict:
         "in_sample_model_error": h["model_error"],
         "leave_one_source_out": summary(h["loso"]),
         "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
+        "constant_leave_one_source_out": summary(constant),
         "by_source": by_source,
         "rows": [
             {
@@ -422,6 +427,7 @@ def _holdout_report(console: Console | None) -> dict:
             ("in_sample", "in sample"),
             ("leave_one_source_out", "leave one source out"),
             ("calibration_transfer", "calibration transfer"),
+            ("constant_leave_one_source_out", "best constant, leave one source out"),
         ):
             v = out[k]
             console.print(

@@ -11,6 +11,8 @@ distributed optimizer, ZeRO-2/3 Megatron-FSDP (``--use-megatron-fsdp`` with
 
 from __future__ import annotations
 
+import shlex
+
 from ..ir import Module, Plan
 from .common import desc, flushes, header, kinds
 
@@ -18,6 +20,45 @@ from .common import desc, flushes, header, kinds
 DEFAULT_ROTARY_BASE = 10000
 DEFAULT_NORM_EPSILON = 1e-5
 FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+
+
+def pipeline_layout(sizes: list[int], vpp: int) -> str:
+    """Megatron-LM's ``--pipeline-model-parallel-layout`` for PP ranks holding ``sizes`` layers,
+    each rank's split into ``vpp`` equal virtual stages: the pp x vpp stages in model order
+    (virtual stage j of rank i is stage j * pp + i), ``|`` between them, the embedding (``E``)
+    before the first layer and the loss (``L``) after the last."""
+    stages = [f"t*{sizes[i] // vpp}" for j in range(vpp) for i in range(len(sizes))]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
+
+
+def pipeline_split(lay, src: str) -> list[tuple[str, object, str]]:
+    """The arguments that give each PP rank the layers ``lay`` gives it, and each of its
+    ``vpp`` virtual stages an equal share (the IR's rule):
+
+    - even stages: ``--num-layers-per-virtual-pipeline-stage`` where ``vpp`` > 1;
+    - the first and last stages apart, the middle ones even (Llama 3's 405B takes a layer
+      from each end): ``--decoder-first-pipeline-num-layers`` and ``--decoder-last-...``, with
+      ``--num-virtual-stages-per-pipeline-rank`` where ``vpp`` > 1 (Megatron-LM's uneven
+      pipelines take the virtual stages by count, not by size);
+    - any other split: ``--pipeline-model-parallel-layout`` (``pipeline_layout``)."""
+    sizes = [b - a + 1 for a, b in lay.layers]
+    out: list[tuple[str, object, str]] = []
+    if len(set(sizes)) == 1:
+        if lay.vpp > 1:
+            out.append(("--num-layers-per-virtual-pipeline-stage", sizes[0] // lay.vpp, f"{src} vpp = {lay.vpp}"))
+    elif len(set(sizes[1:-1])) <= 1:  # the middle stages split the rest evenly
+        out += [
+            ("--decoder-first-pipeline-num-layers", sizes[0], f"{src} layers"),
+            ("--decoder-last-pipeline-num-layers", sizes[-1], f"{src} layers"),
+        ]
+        if lay.vpp > 1:
+            out.append(("--num-virtual-stages-per-pipeline-rank", lay.vpp, f"{src} vpp = {lay.vpp}"))
+    else:
+        out.append(
+            ("--pipeline-model-parallel-layout", pipeline_layout(sizes, lay.vpp), f"{src} layers, vpp = {lay.vpp}")
+        )
+    return out
 
 
 def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
@@ -39,21 +80,8 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
             ("--pipeline-model-parallel-size", lay.pp, src),
             ("--context-parallel-size", lay.cp, src),
         ]
-        notes = []
-        sizes = [b - a + 1 for a, b in lay.layers]
-        if lay.vpp > 1:
-            if len(set(sizes)) == 1 and sizes[0] % lay.vpp == 0:
-                args.append(("--num-layers-per-virtual-pipeline-stage", sizes[0] // lay.vpp, f"{src} vpp = {lay.vpp}"))
-            else:
-                notes.append(f"vpp = {lay.vpp} over uneven stages {sizes} layers")
-        elif len(set(sizes)) > 1:
-            if len(set(sizes[1:-1])) <= 1:  # the middle stages split the rest evenly
-                args += [
-                    ("--decoder-first-pipeline-num-layers", sizes[0], f"{src} layers"),
-                    ("--decoder-last-pipeline-num-layers", sizes[-1], f"{src} layers"),
-                ]
-            else:
-                notes.append(f"uneven pipeline stages {sizes} layers (Megatron-LM sets only the first and last)")
+        notes: list[str] = []
+        args += pipeline_split(lay, src)
         if lay.sp:
             args.append(("--sequence-parallel", None, f"{src} sp"))
         if lay.zero >= 1:
@@ -156,7 +184,7 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
         lines += [f"# {n}" for n in notes]
         lines.append(f"{var}_ENV=({' '.join(env)})  # {src}: {why}")
         lines.append(f"{var}_ARGS=(")
-        lines += [f"  {flag}{'' if v is None else f' {v}'}  # {s}" for flag, v, s in args]
+        lines += [f"  {flag}{'' if v is None else f' {shlex.quote(str(v))}'}  # {s}" for flag, v, s in args]
         lines.append(")")
     return lines
 

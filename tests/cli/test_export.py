@@ -135,6 +135,8 @@ MEGATRON_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage": int,
     "--decoder-first-pipeline-num-layers": int,
     "--decoder-last-pipeline-num-layers": int,
+    "--num-virtual-stages-per-pipeline-rank": int,
+    "--pipeline-model-parallel-layout": str,
     "--recompute-granularity": str,
     "--recompute-method": str,
     "--recompute-num-layers": int,

@@ -94,6 +94,19 @@ def _expert_parallel(m):
     return plan
 
 
+def _uneven(layers, vpp):
+    """The 70B PPO job's actor trained over uneven pipeline stages, interleaved ``vpp`` ways."""
+
+    def make(m):
+        p = m.plans["ppo70b_p0"]
+        p.layouts["actor.train"] = replace(p.layouts["actor.train"], layers=layers, vpp=vpp)
+        m.emus.clear()
+        nereus.verify(m)
+        return "ppo70b_p0"
+
+    return make
+
+
 def _searched(name):
     def make(m):
         nereus.run_pipeline(m, "plan-search")
@@ -115,6 +128,10 @@ CASES = {
     "grpo_zero3": ("grpo", _zero3),
     "grpo_moe": ("grpo", _moe),
     "grpo_ep": ("grpo", _expert_parallel),
+    # a layer fewer at each end, as Llama 3's 405B: Megatron-LM's first and last stage sizes
+    "ppo70b_ends": ("ppo70b", _uneven([(0, 17), (18, 39), (40, 61), (62, 79)], 2)),
+    # uneven middle stages: only Megatron-LM's layout string says it
+    "ppo70b_layout": ("ppo70b", _uneven([(0, 21), (22, 39), (40, 61), (62, 79)], 2)),
 }
 _CACHE: dict = {}
 
@@ -306,6 +323,8 @@ def transformer_config(a):
         kw["virtual_pipeline_model_parallel_size"] = (
             a.num_layers // a.pipeline_model_parallel_size // a.num_layers_per_virtual_pipeline_stage
         )
+    elif a.num_virtual_stages_per_pipeline_rank:  # validate_args: taken as it is
+        kw["virtual_pipeline_model_parallel_size"] = a.num_virtual_stages_per_pipeline_rank
     if a.swiglu:
         kw |= {"gated_linear_unit": True, "activation_func": F.silu}
     if a.num_experts:  # Megatron-LM: args.num_experts -> num_moe_experts
@@ -387,6 +406,11 @@ def test_megatron_core_accepts_the_arguments(name):
         )
         if md.moe:
             assert (cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size) == (lay.ep, lay.expert_tp)
+        # every PP rank's virtual stages build the layers the layout gives the rank, split evenly
+        v = cfg.virtual_pipeline_model_parallel_size or 1
+        assert v == lay.vpp
+        built = [[_layers_built(cfg, i, j) for j in range(v)] for i in range(lay.pp)]
+        assert built == [[(hi - lo + 1) // v] * v for lo, hi in lay.layers], built
         ddp = ddp_config(a)
         assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
         assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)
@@ -399,6 +423,34 @@ def test_megatron_core_accepts_the_arguments(name):
             rotary_base=a.rotary_base,
             share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
         )
+
+
+def _layers_built(cfg, pp_rank, vp_stage):
+    """The decoder layers megatron-core builds on ``pp_rank``'s virtual stage ``vp_stage``."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if cfg.pipeline_model_parallel_layout is not None:  # its own table, read without a process group
+        return cfg.pipeline_model_parallel_layout.layout[pp_rank][vp_stage].count(LayerType.decoder)
+    return get_num_layers_to_build(
+        cfg, vp_stage=vp_stage if cfg.virtual_pipeline_model_parallel_size else None, pp_rank=pp_rank
+    )
+
+
+def test_uneven_interleaved_pipelines_export_as_megatron_takes_them():
+    """Uneven stages with virtual stages: the first and last apart by Megatron-LM's first/last
+    sizes and the virtual stages by count; any other split by a layout string."""
+    for name, expect in (
+        ("ppo70b_ends", ["--decoder-first-pipeline-num-layers", "--num-virtual-stages-per-pipeline-rank"]),
+        ("ppo70b_layout", ["--pipeline-model-parallel-layout"]),
+    ):
+        m, plan = case(name)
+        argv = megatron_arrays(export_plan(m, plan, "megatron"))["ACTOR_TRAIN_ARGS"]
+        assert all(flag in argv for flag in expect), (name, argv)
+        assert "--num-layers-per-virtual-pipeline-stage" not in argv
+    argv = megatron_arrays(export_plan(*case("ppo70b_layout"), "megatron"))["ACTOR_TRAIN_ARGS"]
+    layout = argv[argv.index("--pipeline-model-parallel-layout") + 1]
+    assert layout == "Et*11|t*9|t*11|t*9|t*11|t*9|t*11|t*9L"
 
 
 def test_cases_cover_what_the_checks_are_for():
