@@ -52,8 +52,7 @@ TIME_COMPONENTS = {
     "decode is (decode steps while draining) / (all decode steps), by continuous batching over "
     "response_len_dist; without response_len_dist every wave is taken to run to response_len_max, so the "
     "share is (response_len_max - response_len_mean) / response_len_max by construction",
-    "bubble": "pipeline bubble: (pp - 1) / (micro_batches x vpp) of compute with equal stages; with unequal "
-    "ones, the fullest stage's excess over the mean plus the others' fill and drain (cost_model)",
+    "bubble": "pipeline bubble: (pp - 1) / (micro_batches x vpp) of compute",
     "tp": "tensor-parallel all-reduces (or reduce-scatter + all-gather with SP), bytes over the TP link plus "
     "their latency",
     "pp": "pipeline sends of activations (and their gradients) between stages",

@@ -18,12 +18,7 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   convention); LM head ``2hV``. Training is 3x forward (4x for layers with activation
   recomputation); with GPT shapes this is exactly Narayanan et al. (SC'21), eq. (3).
 - Pipeline bubble of 1F1B: ``(p - 1) / m`` of the ideal time extra, i.e. a fraction
-  ``(p - 1) / (m + p - 1)`` of the total; interleaved over v virtual stages, a v-th of it. Stages
-  of unequal layers: the slowest sets the pace. With S_i the compute of stage i over the m
-  micro-batches, the step is ``max S + (sum S - max S) / (m v)`` (1F1B's fill and drain run
-  every other stage once per micro-batch: ``(m - 1) max + sum`` over a micro-batch's times);
-  with equal stages, the ideal plus ``(p - 1) / (m v)`` of it. The LM head is spread over the
-  stages (an approximation: it runs on the last).
+  ``(p - 1) / (m + p - 1)`` of the total.
 - TP: ring all-reduce of ``h`` activations per token, 2 per layer forward and 2 backward
   (2 more with recomputation), ``2 (t - 1) / t`` of the bytes per GPU, on NVLink when the TP
   group is inside a node. PP: activations and their gradients point to point per micro-batch.
@@ -691,17 +686,10 @@ class CostModel:
             epochs = workload.ppo_epochs if kind == "train" else 1
             tokens = epochs * samples * s
             passes = np.where(c.recompute, 4.0, 3.0) if kind == "train" else np.ones(n)
-            head_flops = (3.0 if kind == "train" else 1.0) * self.head_flops(model)
-            flops_tok = passes * L * layer_flops(s) + head_flops
+            flops_tok = passes * L * layer_flops(s) + (3.0 if kind == "train" else 1.0) * self.head_flops(model)
             ideal = tokens * flops_tok / (tp * pp * cp * peak)
             add("compute", C_COMPUTE, ideal)
-            # the fullest stage's compute over the mean's (its layers, the head spread evenly): 1
-            # with equal stages, and then the bubble is exactly ``ideal * bubble``
-            fullest = (passes * stage_layers * pp * layer_flops(s) + head_flops) / (
-                passes * L * layer_flops(s) + head_flops
-            )
-            excess = ideal * np.where(c.pp > 1, fullest - 1.0, 0.0)
-            add("bubble", C_COMPUTE, ideal * bubble + excess * (1.0 - 1.0 / (m * v)))
+            add("bubble", C_COMPUTE, ideal * bubble)
             n_mb_total = epochs * n_mb
             # TP all-reduces: 2 per layer forward, 2 backward, 2 more when recomputing
             n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
