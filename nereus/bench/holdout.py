@@ -35,13 +35,14 @@ import numpy as np
 
 from ..ir import Module, Plan
 from ..ir.cluster import Efficiency
-from ..passes.cost.calibrate import MODEL_ERROR, Observation, fit
+from ..passes.cost.calibrate import Observation, fit
 from ..passes.cost.cost_model import CostModel, coefficient_vector
 from ..passes.cost.layout_costs import LayoutCost, layout_costs
 
 NEUTRAL = Efficiency(compute=0.5, overlap=0.5)
-# the candidates for ``model_error``: from the calibrate pass's default (a job's own steps) to 50%
-MODEL_ERRORS = (MODEL_ERROR, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+# the candidates for ``model_error``: from about the calibrate pass's default pull (0.0005: 0.003 at
+# a prior of 0.6) to 50%
+MODEL_ERRORS = (0.0005, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 @dataclass

@@ -168,8 +168,8 @@ def test_the_pull_toward_the_prior_is_the_least_squares_of_a_gaussian_prior(mode
 
 
 def test_a_larger_model_error_keeps_the_fit_nearer_its_prior(module, tmp_path):
-    """The same measurements fitted with ``model_error`` 0.0005 (a job's own steps, the default)
-    and 0.2 (figures from another stack): the second stays nearer the prior, its coefficients'
+    """The same measurements fitted with the default pull (a job's own steps) and with
+    ``model_error`` 0.2 (figures from another stack): the second stays nearer the prior, its coefficients'
     deviations counted in stated uncertainties (a ridge's shrinkage: one coefficient may move
     further while the others hold it less), and the calibrate pass takes the option."""
     from nereus.ir.cluster import PRIOR_UNCERTAINTY
