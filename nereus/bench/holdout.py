@@ -92,7 +92,18 @@ def _error(f: Figure, eff: Efficiency) -> float:
     return f.predict(eff) / f.published_s - 1
 
 
-def chosen_model_error(figs: list[Figure], prior: Efficiency) -> float:
+def fitted_without(figs: list[Figure], held: str, prior: Efficiency, model_error: float, memo: dict) -> Efficiency:
+    """``fitted`` to the figures of ``figs`` not from source ``held``, kept in ``memo`` by the
+    sources fitted (one ``holdout`` call's figures): the inner rotations of two folds fit the
+    same four sources, and each fold's own fit is one of the rotations over all six."""
+    rest = [f for f in figs if f.source != held]
+    key = (frozenset(f.source for f in rest), prior, model_error)
+    if key not in memo:
+        memo[key] = fitted(rest, prior, model_error)
+    return memo[key]
+
+
+def chosen_model_error(figs: list[Figure], prior: Efficiency, memo: dict | None = None) -> float:
     """The value of ``MODEL_ERRORS`` whose fits to all of ``figs``'s sources but one predict the
     one left out with the least worst |error|, rotated over the sources (the smallest on a tie).
 
@@ -102,11 +113,12 @@ def chosen_model_error(figs: list[Figure], prior: Efficiency) -> float:
     0.28 of its peak, which none of them much depends on, and torchtitan's FSDP then came out
     at 2.4-2.9x its published time.)"""
     sources = sorted({f.source for f in figs})
+    memo = {} if memo is None else memo
 
     def loss(model_error: float) -> float:
         errs = []
         for s in sources:
-            eff = fitted([f for f in figs if f.source != s], prior, model_error)
+            eff = fitted_without(figs, s, prior, model_error, memo)
             errs += [abs(_error(f, eff)) for f in figs if f.source == s]
         return float(np.max(errs))
 
@@ -119,7 +131,8 @@ def holdout(figs: list[Figure], prior: Efficiency = NEUTRAL) -> dict:
     after calibrating on one figure of the held-out source; the fits and the model errors chosen
     for them (``chosen_model_error``), by source."""
     sources = sorted({f.source for f in figs})
-    model_error = chosen_model_error(figs, prior)
+    memo: dict = {}
+    model_error = chosen_model_error(figs, prior, memo)
     everything = fitted(figs, prior, model_error)
     in_sample = [_error(f, everything) for f in figs]
     loso: dict[int, float] = {}
@@ -128,9 +141,8 @@ def holdout(figs: list[Figure], prior: Efficiency = NEUTRAL) -> dict:
     model_errors: dict[str, float] = {}
     for s in sources:
         held = [i for i, f in enumerate(figs) if f.source == s]
-        others = [f for f in figs if f.source != s]
-        me = model_errors[s] = chosen_model_error(others, prior)
-        eff = fits[s] = fitted(others, prior, me)
+        me = model_errors[s] = chosen_model_error([f for f in figs if f.source != s], prior, memo)
+        eff = fits[s] = fitted_without(figs, s, prior, me, memo)
         for i in held:
             loso[i] = _error(figs[i], eff)
         for a in held if len(held) > 1 else ():
@@ -156,12 +168,13 @@ def constant_holdout(sources: list[str], ideal_s: np.ndarray, published_s: np.nd
     compute fraction (FLOPs at peak over it: ``validate_bench.Case.ideal_s``) with the least
     median |error| on the other sources' figures, then the held-out figures predicted by it.
     Signed errors, in the figures' order."""
-    grid = np.linspace(0.2, 0.9, 701)
+    from .validate_bench import best_constant
+
     src = np.array(sources)
     out = np.empty(len(src))
     for s in sorted(set(sources)):
         rest = src != s
-        best = grid[np.argmin([np.median(np.abs(ideal_s[rest] / e / published_s[rest] - 1)) for e in grid])]
+        best = best_constant(ideal_s[rest], published_s[rest])
         out[~rest] = ideal_s[~rest] / best / published_s[~rest] - 1
     return out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import shlex
 
-from ..ir import Module, Plan
+from ..ir import Layout, Module, Plan
 from .common import desc, flushes, header, kinds
 
 # what Megatron-LM (and Hugging Face's Llama) assume when a model gives no value
@@ -32,7 +32,7 @@ def pipeline_layout(sizes: list[int], vpp: int) -> str:
     return "|".join(stages)
 
 
-def pipeline_split(lay, src: str) -> list[tuple[str, object, str]]:
+def pipeline_split(lay: Layout, src: str) -> list[tuple[str, object, str]]:
     """The arguments that give each PP rank the layers ``lay`` gives it, and each of its
     ``vpp`` virtual stages an equal share (the IR's rule):
 
