@@ -157,6 +157,11 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
             notes.append(f"{mdl} dtype = fp8 weights (Megatron-LM keeps bf16 weights; --fp8-format is for GEMMs)")
         if md.head == "value":
             notes.append(f"{mdl} head = value (Megatron-LM's GPT model has an LM head only)")
+        if lay.pipeline_schedule not in ("one_f_one_b", "interleaved"):
+            notes.append(
+                f"schedule = {lay.schedule} (megatron-core runs 1F1B, or interleaved 1F1B with virtual stages; "
+                "torchtitan runs the others through torch.distributed.pipelining)"
+            )
         if lay.offload:
             notes.append(
                 f"offload = [{', '.join(lay.offload)}] (moving state to host memory between RL stages "

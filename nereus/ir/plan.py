@@ -8,6 +8,8 @@ from .attributes import AttrSpec, RecordSpec, record
 from .diagnostics import NOWHERE, Loc
 
 OFFLOADABLE = ("weights", "grads", "optimizer")
+# a training pipeline's schedules (``Layout.schedule``): Megatron's two, GPipe, and torch's zero-bubble two
+PIPELINE_SCHEDULES = ("one_f_one_b", "interleaved", "gpipe", "zero_bubble", "zbv")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ TIME_COMPONENTS = {
     "decode is (decode steps while draining) / (all decode steps), by continuous batching over "
     "response_len_dist; without response_len_dist every wave is taken to run to response_len_max, so the "
     "share is (response_len_max - response_len_mean) / response_len_max by construction",
-    "bubble": "pipeline bubble: (pp - 1) / (micro_batches x vpp) of compute",
+    "bubble": "pipeline bubble: (pp - 1) / (micro_batches x vpp) of compute (1F1B, interleaved, GPipe); the "
+    "zero-bubble schedules, a third of that (half with recompute): their weight gradients fill the rest",
     "tp": "tensor-parallel all-reduces (or reduce-scatter + all-gather with SP), bytes over the TP link plus "
     "their latency",
     "pp": "pipeline sends of activations (and their gradients) between stages",
@@ -226,6 +229,16 @@ LAYOUT_ATTRS = [
         doc="virtual pipeline stages per PP rank (interleaved 1F1B); divides each rank's layers",
     ),
     AttrSpec(
+        "schedule",
+        "choice",
+        default=None,
+        choices=PIPELINE_SCHEDULES,
+        doc="a training pipeline's schedule (default: one_f_one_b, or interleaved where vpp > 1, as Megatron "
+        "runs them): gpipe (every forward, then every backward); one_f_one_b (1F1B, PipeDream-Flush); "
+        "interleaved (interleaved 1F1B over vpp chunks); zero_bubble (torch's InterleavedZeroBubble, ZB1P: the "
+        "weight gradients fill the bubble; ZB-H1 where vpp = 1); zbv (torch's ZBVZeroBubble: vpp = 2 in a V)",
+    ),
+    AttrSpec(
         "ep",
         "posint",
         default=1,
@@ -286,6 +299,7 @@ class Layout:
     cp: int = 1  # context-parallel size
     sp: bool = False  # sequence parallelism
     vpp: int = 1  # virtual pipeline stages per PP rank
+    schedule: str | None = None  # pipeline schedule (PIPELINE_SCHEDULES); None: Megatron's by vpp
     ep: int = 1  # expert parallelism: routed experts split over ep ranks
     etp: int | None = None  # each routed expert's TP size (None: tp)
     fp8: bool = False  # FP8 GEMMs
@@ -311,6 +325,11 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """``schedule``, or Megatron's where unset: ``interleaved`` where ``vpp`` > 1, else ``one_f_one_b``."""
+        return self.schedule or ("interleaved" if self.vpp > 1 else "one_f_one_b")
 
     @property
     def replicas(self) -> int:

@@ -420,13 +420,15 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
                 f"{ms}: vpp = {lay.vpp} virtual stages do not divide the layers of every pipeline stage ({sizes})",
                 "choose vpp dividing every stage's layer count",
             )
-        elif lay.micro_batches % lay.pp:
+        elif lay.pipeline_schedule == "interleaved" and lay.micro_batches % lay.pp:
             sink.error(
                 at(lay, "vpp"),
                 f"{ms}: the interleaved schedule needs micro_batches = {lay.micro_batches} to be a "
                 f"multiple of pp = {lay.pp}",
                 f"use micro_batches = {lay.micro_batches // lay.pp * lay.pp or lay.pp}",
             )
+    if lay.schedule is not None:
+        _verify_schedule(lay, stage, sink)
     _verify_experts(lay, model, sink)
     for what in lay.offload:
         if what in ("grads", "optimizer") and not train:
@@ -438,6 +440,43 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             f"{ms}: offload moves state to host memory, but cluster @{cluster.name} declares no {absent}",
             "give the cluster host_link = link(bandwidth = 55GB/s, latency = 10us) and host_memory = 2TiB "
             "(an H100 node's PCIe 5 and DRAM), or drop offload",
+        )
+
+
+def _verify_schedule(lay: Layout, stage, sink: DiagnosticSink) -> None:
+    """A named pipeline schedule (``schedule``): a training pipeline's, with the chunks and
+    micro-batches it runs (torch.distributed.pipelining's rules for its zero-bubble schedules)."""
+    ms, sched, p, v, m = lay.model_stage, lay.schedule, lay.pp, lay.vpp, lay.micro_batches
+    if stage is not None and stage.kind != "train":
+        sink.error(
+            at(lay, "schedule"), f"{ms}: a pipeline schedule orders backward passes; a {stage.kind} stage has none"
+        )
+    elif p < 2:
+        sink.error(at(lay, "schedule"), f"{ms}: schedule = {sched} orders pipeline stages, but pp = {p}")
+    elif sched in ("one_f_one_b", "gpipe") and v != 1:
+        sink.error(
+            at(lay, "schedule"),
+            f"{ms}: schedule = {sched} runs one stage per rank, but vpp = {v}",
+            "use schedule = interleaved or zero_bubble, or drop vpp",
+        )
+    elif sched == "interleaved" and v < 2:
+        sink.error(at(lay, "schedule"), f"{ms}: the interleaved schedule needs vpp > 1", "set vpp = 2")
+    elif sched == "zbv" and v != 2:
+        sink.error(
+            at(lay, "schedule"), f"{ms}: zbv runs exactly two stages per rank (a V), but vpp = {v}", "set vpp = 2"
+        )
+    elif sched == "zbv" and m < 2 * p - 1:
+        sink.error(
+            at(lay, "schedule"),
+            f"{ms}: zbv fills its V with at least 2 pp - 1 = {2 * p - 1} micro-batches, not {m}",
+            f"use micro_batches = {2 * p - 1} or more",
+        )
+    elif sched == "zero_bubble" and m % max(1, m // p):
+        rounds = max(1, m // p)
+        sink.error(
+            at(lay, "schedule"),
+            f"{ms}: zero_bubble runs micro_batches in {rounds} rounds of pp = {p}; {m} is not a multiple of {rounds}",
+            f"use micro_batches = {rounds * p}",
         )
 
 

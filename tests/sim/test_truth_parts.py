@@ -17,11 +17,20 @@ from nereus.sim.truth.network import collective_seconds
 from nereus.sim.truth.pipeline import order, play, sweep
 
 
-def ticks(forward, backward, m, send, schedule, scale):
+def placed(schedule: str, p: int, s: int, c: int) -> int:
+    """The virtual stage of rank ``s``'s chunk ``c``: a V for ZBV (rank 0 holds the first and
+    the last), else looped over the ranks."""
+    if schedule == "zbv":
+        return s if c == 0 else 2 * p - 1 - s
+    return c * p + s
+
+
+def ticks(forward, backward, m, send, schedule, scale, weight=None):
     """Integer times, one tick at a time: each idle rank starts its next operation when its
     inputs have arrived (an independent reading of the schedule's rules)."""
     p, v = len(forward), len(forward[0])
     ops = [order(schedule, p, v, m, s) for s in range(p)]
+    rank = {placed(schedule, p, s, c): s for s in range(p) for c in range(v)}
     done: dict = {}
     at, busy_until = [0] * p, [0] * p
     running: list = [None] * p
@@ -35,15 +44,22 @@ def ticks(forward, backward, m, send, schedule, scale):
             if running[s] is not None or at[s] >= len(ops[s]):
                 continue
             kind, c, mb = ops[s][at[s]]
-            j = c * p + s
+            j = placed(schedule, p, s, c)
+
+            def hop(k):
+                return send * scale[mb] if rank[k] != s else 0
+
             if kind == "F":
-                need = [] if j == 0 else [("F", j - 1, mb, send * scale[mb])]
+                need = [] if j == 0 else [("F", j - 1, mb, hop(j - 1))]
                 length = forward[s][c] * scale[mb]
-            else:
-                need = [("F", j, mb, 0)] + ([] if j == p * v - 1 else [("B", j + 1, mb, send * scale[mb])])
-                length = backward[s][c] * scale[mb]
+            elif kind == "W":  # the weight gradient: after its own input gradient
+                need = [("B", j, mb, 0)]
+                length = weight[s][c] * scale[mb]
+            else:  # B, or I (the input gradient, without the weight's)
+                need = [("F", j, mb, 0)] + ([] if j == p * v - 1 else [("B", j + 1, mb, hop(j + 1))])
+                length = (backward[s][c] - (weight[s][c] if kind == "I" else 0)) * scale[mb]
             if all((k, jj, b) in done and done[(k, jj, b)] + d <= t for k, jj, b, d in need):
-                running[s] = (kind, j, mb)
+                running[s] = ("F" if kind == "F" else "W" if kind == "W" else "B", j, mb)
                 busy_until[s] = t + length
                 at[s] += 1
         t += 1
@@ -65,25 +81,56 @@ def test_the_schedule_played_equals_a_tick_by_tick_simulation_on_uneven_stages(p
 
 @pytest.mark.parametrize(
     "schedule, p, v, m",
+    [("gpipe", 3, 1, 4), ("zero_bubble", 2, 1, 4), ("zero_bubble", 4, 1, 3), ("zero_bubble", 4, 2, 8)]
+    + [("zero_bubble", 3, 3, 5), ("zbv", 2, 2, 4), ("zbv", 3, 2, 7), ("zbv", 4, 2, 9)],
+)
+def test_gpipe_and_torchs_zero_bubble_schedules_played_equal_a_tick_by_tick_simulation(schedule, p, v, m):
+    """torch's own action lists (``torch_schedules``), timed by ``play`` as by the ticks: the
+    weight gradient apart from the input gradient, ZBV's V without a send between a rank's two
+    stages."""
+    rng = random.Random(hash((schedule, p, v, m)) % 1000)
+    for _ in range(5):
+        fwd = [[rng.randint(1, 4) for _ in range(v)] for _ in range(p)]
+        bwd = [[rng.randint(2, 6) for _ in range(v)] for _ in range(p)]
+        wgt = [[rng.randint(1, b - 1) for b in row] for row in bwd]  # I and W each at least a tick
+        scale = [rng.choice([1, 2]) for _ in range(m)]
+        send = rng.randint(0, 2)
+        split = wgt if schedule != "gpipe" else None
+        played = play(fwd, bwd, m, send, schedule=schedule, scale=scale, weight=split)
+        assert played.makespan == ticks(fwd, bwd, m, send, schedule, scale, split)
+
+
+@pytest.mark.parametrize(
+    "schedule, p, v, m",
     [("1f1b", 1, 1, 3), ("1f1b", 4, 1, 8), ("1f1b", 5, 1, 2), ("interleaved", 2, 2, 4), ("interleaved", 4, 3, 8)]
-    + [("forward", 3, 1, 5), ("forward", 2, 2, 4)],
+    + [("forward", 3, 1, 5), ("forward", 2, 2, 4), ("gpipe", 3, 1, 4)]
+    + [("zero_bubble", 4, 1, 6), ("zero_bubble", 4, 2, 8), ("zbv", 4, 2, 7)],
 )
 def test_the_sweep_runs_each_rank_in_its_order_and_every_operation_after_its_inputs(schedule, p, v, m):
     """``sweep``: the one order ``play`` times the operations in. Each rank's operations appear
     once, in the schedule's order; a forward after the previous virtual stage's forward of its
-    micro-batch, a backward after its own forward and the next virtual stage's backward."""
+    micro-batch, a backward (or input gradient) after its own forward and the next virtual
+    stage's backward, a weight gradient after its own input gradient. Every micro-batch passes
+    every virtual stage forward and back once."""
     ops = sweep(schedule, p, v, m)
     for s in range(p):
-        mine = [(("F" if fwd else "B"), c, mb) for r, fwd, c, _, mb in ops if r == s]
+        mine = [(kind, c, mb) for r, kind, c, _, mb in ops if r == s]
         assert tuple(mine) == order(schedule, p, v, m, s)
     seen: set = set()
-    for s, fwd, c, j, mb in ops:
-        assert j == c * p + s
-        if fwd:
+    for s, kind, c, j, mb in ops:
+        assert j == placed(schedule, p, s, c)
+        if kind == "F":
             assert j == 0 or ("F", j - 1, mb) in seen
+        elif kind == "W":
+            assert ("I", j, mb) in seen
         else:
-            assert ("F", j, mb) in seen and (j == p * v - 1 or ("B", j + 1, mb) in seen)
-        seen.add(("F" if fwd else "B", j, mb))
+            assert ("F", j, mb) in seen and (j == p * v - 1 or {("B", j + 1, mb), ("I", j + 1, mb)} & seen)
+        seen.add((kind, j, mb))
+    forwards = {(j, mb) for k, j, mb in seen if k == "F"}
+    assert forwards == {(j, mb) for j in range(p * v) for mb in range(m)}
+    if schedule != "forward":
+        assert {(j, mb) for k, j, mb in seen if k in "BI"} == forwards
+        assert {(j, mb) for k, j, mb in seen if k == "W"} == ({(j, mb) for k, j, mb in seen if k == "I"})
 
 
 def test_even_stages_give_the_known_bubbles_and_activations():

@@ -271,7 +271,8 @@ HANDLED = {
         "cp",
         "ep",
         "etp",
-    },  # vpp, fp8, cp: tests/ir/test_layout_features.py
+        "schedule",
+    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule: tests/passes/test_pipeline_schedules.py
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -464,6 +465,8 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         lay.ep = draw(
             st.sampled_from([k for k in range(1, tp // lay.etp + 1) if (tp // lay.etp) % k == 0 and e % k == 0])
         )
+    if trains and pp > 1:  # one stage per rank (vpp stays 1): the schedules that run it
+        lay.schedule = draw(st.sampled_from([None, "one_f_one_b", "gpipe", "zero_bubble"]))
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
     return lay
 
@@ -481,6 +484,9 @@ def fit_flush(lay: Layout, w: Workload, kind: str) -> Layout:
         lay.dp = min(lay.dp, flush // w.micro_batch)
         lay.micro_batches = min(lay.micro_batches, flush // (w.micro_batch * lay.dp))
     lay.mesh = lay.mesh[: lay.tp * lay.pp * lay.dp]
+    m = lay.micro_batches
+    if lay.pp == 1 or (lay.schedule == "zero_bubble" and m % max(1, m // lay.pp)):
+        lay.schedule = None  # no pipeline left, or micro-batches torch's rounds do not divide
     return lay
 
 

@@ -17,8 +17,17 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   n = 3 gated or 2 plain) ``+ 4 q s`` (scores and weighted sum over s positions, Megatron's
   convention); LM head ``2hV``. Training is 3x forward (4x for layers with activation
   recomputation); with GPT shapes this is exactly Narayanan et al. (SC'21), eq. (3).
-- Pipeline bubble of 1F1B: ``(p - 1) / m`` of the ideal time extra, i.e. a fraction
-  ``(p - 1) / (m + p - 1)`` of the total.
+- Pipeline bubble of 1F1B (and GPipe): ``(p - 1) / m`` of the ideal time extra, i.e. a fraction
+  ``(p - 1) / (m + p - 1)`` of the total; interleaved over ``v`` chunks, a ``v``-th of it. The
+  zero-bubble schedules (torch's ``zero_bubble`` and ``zbv``) split the backward into the input
+  gradient ``I`` and the weight gradient ``W`` (each as long as the forward ``F``; ``I`` holds
+  the recomputed forward too) and fill the bubble with ``W``: ``(p - 1) (F + I - W) / (m v (F +
+  I + W))``, a third of the interleaved bubble without recomputation and half with it (Qi et al.
+  2024, ZB-H1's ``(p - 1)(F + B - W)``). With fewer micro-batches than stages there is little to
+  fill: 1F1B's bubble is charged (an upper bound of torch's). Activations in flight: ``min(p,
+  m)`` micro-batches (1F1B; interleaved ``1 + (p - 1) / (p v)`` times as many), ``m`` (GPipe), or
+  ``((v - 1) r + min(p, r)) / v`` of ``r`` micro-batches per round (zero bubble, on every rank),
+  ``min(p, m)`` on every rank (ZBV).
 - TP: ring all-reduce of ``h`` activations per token, 2 per layer forward and 2 backward
   (2 more with recomputation), ``2 (t - 1) / t`` of the bytes per GPU, on NVLink when the TP
   group is inside a node. PP: activations and their gradients point to point per micro-batch.
@@ -60,10 +69,14 @@ import numpy as np
 
 from ...ir import Cluster, Layout, Model, Workload
 from ...ir.cluster import Efficiency
+from ...ir.plan import PIPELINE_SCHEDULES
 
 COEFFS = ("compute", "hbm", "nvlink", "nic", "pcie", "overhead")
 C_COMPUTE, C_HBM, C_NVLINK, C_NIC, C_PCIE, C_OVERHEAD = range(6)
 NVLINK, NIC = 0, 1
+ONE_F_ONE_B, INTERLEAVED = PIPELINE_SCHEDULES.index("one_f_one_b"), PIPELINE_SCHEDULES.index("interleaved")
+GPIPE, ZERO_BUBBLE, ZBV = (PIPELINE_SCHEDULES.index(x) for x in ("gpipe", "zero_bubble", "zbv"))
+assert max(ONE_F_ONE_B, INTERLEAVED) < GPIPE < ZERO_BUBBLE < ZBV  # ``_stage`` compares the codes
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of GPU memory it may use
 ACT_BYTES = 2  # activations in bf16
 
@@ -113,6 +126,7 @@ class Candidates:
     etp: np.ndarray = field(default=cast(np.ndarray, None))  # each expert's TP size (default: tp)
     ep_link: np.ndarray = field(default=cast(np.ndarray, None))  # the EP group's all-to-all link
     ep_local: np.ndarray = field(default=cast(np.ndarray, None))  # EP group members on a GPU's node (itself included)
+    schedule: np.ndarray = field(default=cast(np.ndarray, None))  # index into PIPELINE_SCHEDULES (default: by vpp)
 
     def __post_init__(self):
         n = len(self.tp)
@@ -141,6 +155,10 @@ class Candidates:
                 name,
                 np.full(n, value, dtype=dtype) if v is None else np.broadcast_to(np.asarray(v, dtype=dtype), (n,)),
             )
+
+        if self.schedule is None:  # Megatron's: interleaved where vpp > 1, else 1F1B
+            self.schedule = np.where(self.vpp > 1, INTERLEAVED, ONE_F_ONE_B)
+        self.schedule = np.broadcast_to(np.asarray(self.schedule, dtype=np.int64), (n,))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -271,6 +289,7 @@ class Candidates:
             etp=a(lay.expert_tp),
             ep_link=a(ep_link),
             ep_local=a(ep_local),
+            schedule=a(PIPELINE_SCHEDULES.index(lay.pipeline_schedule)),
         )
 
 
@@ -641,7 +660,16 @@ class CostModel:
         n_mb = np.maximum(samples / mbs, 1.0)
         m = c.micro_batches.astype(float)
         v = c.vpp.astype(float)
-        bubble = np.where(c.pp > 1, (pp - 1) / (m * v), 0.0)  # interleaving: v chunks per rank, a v-th of the bubble
+        # interleaving: v chunks per rank, a v-th of the bubble; zero bubble: W fills all but F + I - W of it
+        named = bool(np.any(c.schedule >= GPIPE))  # some candidate runs a schedule other than Megatron's
+        if named and kind == "train":
+            zb = c.schedule >= ZERO_BUBBLE  # zero_bubble or zbv
+            filled = np.where(zb & (m >= pp), np.where(c.recompute, 2.0 / 4.0, 1.0 / 3.0), 1.0)
+            v = np.where(zb & (m < pp), 1.0, v)  # too few micro-batches to fill: 1F1B's bubble bounds it
+            bubble = np.where(c.pp > 1, (pp - 1) / (m * v) * filled, 0.0)
+            v = c.vpp.astype(float)
+        else:
+            bubble = np.where(c.pp > 1, (pp - 1) / (m * v), 0.0)
         sp_div = np.where(c.sp, tp, 1.0)  # sequence parallelism shards the activations outside the TP GEMMs
         stage_layers = c.max_layers.astype(float)
         dense_params, expert_params = self.split_params(model, c)
@@ -767,7 +795,16 @@ class CostModel:
                 add("optimizer", C_HBM, n_opt * 32 * opt_params / self.cluster.hbm_bandwidth)
                 # 1F1B keeps min(p, m) micro-batches in flight on the first stage; interleaved,
                 # (1 + (p - 1) / (p v)) times as many (Korthikanti et al. 2022, section 4.2.3)
+                # GPipe, every micro-batch; torch's zero bubble, of r per round (rounds of p), on
+                # every rank; ZBV, min(p, m) on every rank
                 in_flight = np.minimum(pp, m) * np.where(v > 1, 1 + (pp - 1) / (pp * v), 1.0)
+                if named:
+                    per_round = m / np.maximum(1.0, np.floor(m / pp))
+                    in_flight = np.where(c.schedule == GPIPE, m, in_flight)
+                    in_flight = np.where(
+                        c.schedule == ZERO_BUBBLE, ((v - 1) * per_round + np.minimum(pp, per_round)) / v, in_flight
+                    )
+                    in_flight = np.where(c.schedule == ZBV, np.minimum(pp, m), in_flight)
                 tok_mb = act_tokens / cp
                 # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
                 stored = np.where(

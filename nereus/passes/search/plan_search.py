@@ -145,6 +145,11 @@ def solve(
             cap = cast(int, best.objective)
 
 
+def _default(lay: Layout) -> str:
+    """The schedule a layout runs with none named (Megatron's, by ``vpp``)."""
+    return "interleaved" if lay.vpp > 1 else "one_f_one_b"
+
+
 def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
     """``plan`` as a solution of ``problem`` (its options, starts and groups, with its step time
     in the problem's units), or None where the problem has no such plan: a layout that is not
@@ -156,8 +161,8 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
     choices, start = {}, {}
     for ms, sp in problem.spaces.items():
         lay = plan.layouts.get(ms)
-        if lay is None or not lay.mesh or lay.mesh[0] not in index:
-            return None
+        if lay is None or not lay.mesh or lay.mesh[0] not in index or lay.schedule not in (None, _default(lay)):
+            return None  # the search's candidates run Megatron's schedules
         s = start[ms] = index[lay.mesh[0]]
         if list(pos.gpus[s : s + len(lay.mesh)]) != list(lay.mesh):
             return None

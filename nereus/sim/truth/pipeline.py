@@ -14,6 +14,14 @@ send) and its own forward. Stages may be uneven: every rank and chunk has its ow
   of ``p``, as Megatron asks.
 - ``forward`` (inference): every forward in order, no backward; interleaved as above, ``p``
   micro-batches through a chunk before the next chunk.
+- ``gpipe`` (v = 1): every forward, then every backward (GPipe; torch's ``ScheduleGPipe``).
+- ``zero_bubble`` and ``zbv``: torch's zero-bubble schedules (``torch_schedules``), whose
+  backward is two operations: ``I``, the input gradient the previous stage waits for, and
+  ``W``, the weight gradient no one waits for. ``zbv`` places chunk 1 of rank ``s`` at virtual
+  stage ``2 p - 1 - s`` (a V): a hop between chunks of one rank sends nothing.
+
+A micro-batch's activations are held from its forward until its backward (``B``) or its weight
+gradient (``W``) ends.
 
 ``play`` returns the makespan, each rank's busy seconds, and the most micro-batches each rank
 held at once (forwards done whose backward has not finished): its activations as they peak.
@@ -23,6 +31,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
+from .torch_schedules import TORCH_CLASSES, actions, stage_of
 
 
 @dataclass
@@ -39,7 +49,11 @@ def order(schedule: str, p: int, v: int, m: int, s: int) -> tuple[tuple[str, int
 
 
 def _order(schedule: str, p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
-    """Rank ``s``'s operations in order: ("F" | "B", chunk, micro-batch)."""
+    """Rank ``s``'s operations in order: ("F" | "B" | "I" | "W", chunk, micro-batch)."""
+    if schedule in TORCH_CLASSES:
+        return list(actions(schedule, p, v, m)[s])
+    if schedule == "gpipe" and v == 1:
+        return [("F", 0, mb) for mb in range(m)] + [("B", 0, mb) for mb in range(m)]
     if schedule == "forward" and v == 1:
         return [("F", 0, mb) for mb in range(m)]
     if schedule == "forward":  # interleaved: p micro-batches through a chunk, then the next chunk
@@ -70,18 +84,20 @@ def _order(schedule: str, p: int, v: int, m: int, s: int) -> list[tuple[str, int
 
 
 @functools.lru_cache(maxsize=1024)
-def sweep(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, bool, int, int, int], ...]:
-    """Every rank's operations in one order in which each comes after its inputs: (rank, forward,
+def sweep(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, str, int, int, int], ...]:
+    """Every rank's operations in one order in which each comes after its inputs: (rank, kind,
     chunk, virtual stage, micro-batch), as sweeps over the ranks meet them, each rank running
     its operations in order until one's input is missing. Which inputs exist does not depend on
     the times, so ``play`` times the operations in this order in one pass (the same for every
-    step of a trace). Raises RuntimeError where the schedule deadlocks."""
+    step of a trace). A forward needs the previous virtual stage's forward; a backward (``B`` or
+    ``I``) its own forward and the next virtual stage's backward; ``W`` its own ``I``. Raises
+    RuntimeError where the schedule deadlocks."""
     ops = [order(schedule, p, v, m, s) for s in range(p)]
     last = p * v - 1
     f_done = [[False] * m for _ in range(p * v)]
-    b_done = [[False] * m for _ in range(p * v)]
+    b_done = [[False] * m for _ in range(p * v)]  # B or I: the input gradient sent back
     at = [0] * p
-    out: list[tuple[int, bool, int, int, int]] = []
+    out: list[tuple[int, str, int, int, int]] = []
     remaining = sum(len(o) for o in ops)
     while remaining:
         progressed = False
@@ -89,16 +105,19 @@ def sweep(schedule: str, p: int, v: int, m: int) -> tuple[tuple[int, bool, int, 
             mine, i = ops[s], at[s]
             while i < len(mine):
                 kind, c, mb = mine[i]
-                j = c * p + s  # the virtual stage
+                j = stage_of(schedule, p, s, c)
                 if kind == "F":
                     if j and not f_done[j - 1][mb]:
                         break
                     f_done[j][mb] = True
+                elif kind == "W":
+                    if not b_done[j][mb]:
+                        break
                 else:
                     if not f_done[j][mb] or (j != last and not b_done[j + 1][mb]):
                         break
                     b_done[j][mb] = True
-                out.append((s, kind == "F", c, j, mb))
+                out.append((s, kind, c, j, mb))
                 i += 1
             if i != at[s]:
                 remaining -= i - at[s]
@@ -116,27 +135,35 @@ def play(
     send: float = 0.0,
     schedule: str | None = None,
     scale: list[float] | None = None,
+    weight: list[list[float]] | None = None,
 ) -> Played:
     """``forward[s][c]`` (and ``backward[s][c]``): seconds of chunk ``c`` of rank ``s`` on one
     micro-batch; ``m`` micro-batches; ``send``: seconds of a transfer between ranks.
-    ``schedule``: ``1f1b`` or ``interleaved`` (by ``v``) with a backward, ``forward`` without.
-    ``scale[mb]``: micro-batch ``mb``'s size against the one the times are for (its tokens: the
-    computation and the send scale with them)."""
+    ``schedule``: ``1f1b`` or ``interleaved`` (by ``v``) with a backward, ``forward`` without,
+    or one named (``gpipe``, ``zero_bubble``, ``zbv``). ``weight[s][c]``: the part of
+    ``backward[s][c]`` that is the weight gradient (``W``; the rest is ``I``), for the
+    zero-bubble schedules. ``scale[mb]``: micro-batch ``mb``'s size against the one the times
+    are for (its tokens: the computation and the send scale with them)."""
     p, v = len(forward), len(forward[0])
     if schedule is None:
         schedule = "forward" if backward is None else ("1f1b" if v == 1 else "interleaved")
+    if schedule in TORCH_CLASSES and weight is None:
+        raise ValueError(f"{schedule} splits the backward: give the weight gradient's seconds")
     size = [1.0] * m if scale is None else list(scale)
     last = p * v - 1
     f_done = [[0.0] * m for _ in range(p * v)]  # when virtual stage j's forward of micro-batch mb ended
-    b_done = [[0.0] * m for _ in range(p * v)]
+    b_done = [[0.0] * m for _ in range(p * v)]  # ... its backward (B or I)
     free = [0.0] * p
     busy = [0.0] * p
     held, peak = [0] * p, [0] * p
-    hop = send if p > 1 else 0.0
-    for s, fwd, c, j, mb in sweep(schedule, p, v, m):
+    home = [0] * (p * v)  # the rank of each virtual stage: a hop between two stages of one rank is free
+    for s in range(p):
+        for c in range(v):
+            home[stage_of(schedule, p, s, c)] = s
+    for s, kind, c, j, mb in sweep(schedule, p, v, m):
         t = free[s]
-        if fwd:
-            ready = f_done[j - 1][mb] + hop * size[mb] if j else 0.0
+        if kind == "F":
+            ready = f_done[j - 1][mb] + (send * size[mb] if home[j - 1] != s else 0.0) if j else 0.0
             seconds = forward[s][c] * size[mb]
             t = (t if t > ready else ready) + seconds
             f_done[j][mb] = t
@@ -144,18 +171,24 @@ def play(
                 held[s] += 1
                 if held[s] > peak[s]:
                     peak[s] = held[s]
+        elif kind == "W":
+            assert weight is not None
+            seconds = weight[s][c] * size[mb]
+            t = (t if t > b_done[j][mb] else b_done[j][mb]) + seconds
+            held[s] -= 1
         else:
             own = f_done[j][mb]
             if j == last:
                 ready = own
             else:
-                ready = b_done[j + 1][mb] + hop * size[mb]
+                ready = b_done[j + 1][mb] + (send * size[mb] if home[j + 1] != s else 0.0)
                 ready = own if own > ready else ready
             assert backward is not None
-            seconds = backward[s][c] * size[mb]
+            seconds = (backward[s][c] - (weight[s][c] if kind == "I" and weight is not None else 0.0)) * size[mb]
             t = (t if t > ready else ready) + seconds
             b_done[j][mb] = t
-            held[s] -= 1
+            if kind == "B":
+                held[s] -= 1
         busy[s] += seconds
         free[s] = t
     if backward is None:

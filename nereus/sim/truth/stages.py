@@ -38,6 +38,7 @@ from .kernels import attention_seconds, gemm_seconds, memory_seconds
 from .misspecified import NONE, Misspecification
 from .network import SUPERPOD, Fabric, collective_seconds, link_of, slowdowns
 from .pipeline import play
+from .torch_schedules import TORCH_CLASSES
 
 ACT = 2  # bytes of an activation (bf16)
 WORKSPACE = 2 * 2**30  # CUDA context, cuBLAS workspace, NCCL buffers (an assumption)
@@ -128,16 +129,20 @@ class Pass:
         attention: bool = True,
         decode: bool = False,
         moe: bool = True,
+        weight: bool = False,
     ) -> float:
         """One layer; ``moe``: False for a mixture of experts' dense first layers (a dense MLP of
-        ``ffn``)."""
-        key = (tokens, ctx, backward, attention, decode, moe)
+        ``ffn``); ``weight``: only its weight gradients, the part of the backward a zero-bubble
+        schedule runs apart (one GEMM per forward GEMM)."""
+        key = (tokens, ctx, backward, attention, decode, moe, weight)
         out = self._layers.get(key)
         if out is None:
-            out = self._layers[key] = self._layer(tokens, ctx, backward, attention, decode, moe)
+            out = self._layers[key] = self._layer(tokens, ctx, backward, attention, decode, moe, weight)
         return out
 
-    def _layer(self, tokens: float, ctx: float, backward: bool, attention: bool, decode: bool, moe: bool) -> float:
+    def _layer(
+        self, tokens: float, ctx: float, backward: bool, attention: bool, decode: bool, moe: bool, weight: bool = False
+    ) -> float:
         m, t = self.m, self.lay.tp
         h, q, k = m.hidden, m.heads * m.hd, m.kv_heads * m.hd
         g = gemm_seconds
@@ -156,6 +161,8 @@ class Pass:
             up = (2 if m.mlp == "gated" else 1) * m.ffn
             shapes += [(tokens, up / t, h), (tokens, h, m.ffn / t)]
         gemms = sum(g(a, b, c, self.peak, self.hbm) for a, b, c in shapes) + expert
+        if weight:
+            return gemms
         attn = (
             attention_seconds(tokens, ctx, m.heads / t, m.hd, self.peak, causal=True, backward=backward)
             if attention
@@ -187,6 +194,27 @@ def batch_tokens(batches: list[np.ndarray]) -> np.ndarray:
     return np.add.reduceat(np.concatenate(batches), np.cumsum([0] + sizes[:-1]))
 
 
+# the IR's schedule names (``Layout.pipeline_schedule``) as ``pipeline.play`` names them
+TRUTH_SCHEDULES = {
+    "one_f_one_b": "1f1b",
+    "interleaved": "interleaved",
+    "gpipe": "gpipe",
+    "zero_bubble": "zero_bubble",
+    "zbv": "zbv",
+}
+
+
+def playable(schedule: str | None, p: int, v: int, m: int) -> bool:
+    """Whether ``schedule`` (None: inference's forwards) runs ``m`` micro-batches over ``p`` ranks
+    of ``v`` chunks: Megatron's interleaving needs ``m`` a multiple of ``p``; torch's zero-bubble
+    schedules, ``m`` a multiple of its rounds (``zero_bubble``) or at least ``2 p - 1`` (``zbv``)."""
+    if schedule == "zero_bubble":
+        return m % max(1, m // p) == 0
+    if schedule == "zbv":
+        return m >= 2 * p - 1
+    return v == 1 or m % p == 0
+
+
 def pipeline_time(
     model: Model,
     lay: Layout,
@@ -206,15 +234,22 @@ def pipeline_time(
     ref = float(tokens.max()) / lay.cp  # the reference micro-batch: the longest
     ctx = float(tokens.sum() / sum(len(b) for b in batches))  # attention's sequence: the mean length
     v = lay.vpp
-    fwd, bwd = [], []
+    schedule = TRUTH_SCHEDULES[lay.pipeline_schedule] if train else None
+    split = schedule in TORCH_CLASSES  # the weight gradients run apart
+    head_rank = 0 if schedule == "zbv" else lay.pp - 1  # the last virtual stage's rank (ZBV's V ends on rank 0)
+    fwd, bwd, wgt = [], [], []
     for s in range(lay.pp):
         lo, hi = lay.layers[s]
         n = hi - lo + 1
         dense = max(0, min(hi, (model.dense_layers or 0) - 1) - lo + 1) if model.moe else 0  # dense first layers
         f = (n - dense) * ps.layer(ref, ctx) + dense * ps.layer(ref, ctx, moe=False)
-        f += ps.head(ref) if s == lay.pp - 1 else 0.0
+        f += ps.head(ref) if s == head_rank else 0.0
         b = (n - dense) * ps.layer(ref, ctx, backward=True) + dense * ps.layer(ref, ctx, backward=True, moe=False)
-        b += ps.head(ref, backward=True) if s == lay.pp - 1 else 0.0
+        b += ps.head(ref, backward=True) if s == head_rank else 0.0
+        if split:
+            w = (n - dense) * ps.layer(ref, ctx, weight=True) + dense * ps.layer(ref, ctx, weight=True, moe=False)
+            w += ps.head(ref) if s == head_rank else 0.0
+            wgt.append([w / v] * v)
         if recompute:
             b += f
         fwd.append([f / v] * v)
@@ -224,11 +259,12 @@ def pipeline_time(
     pp_link, bw, lat = link_of(cluster, pp_gpus)
     send = collective_seconds("send", ref * model.hidden * ACT / lay.tp, 2, bw, lat) if lay.pp > 1 else 0.0
     m = len(batches)
-    if v > 1 and m % lay.pp:
-        v = 1  # Megatron would refuse; the truth plays 1F1B over the chunks' sum
+    if not playable(schedule, lay.pp, v, m):
+        # Megatron or torch would refuse these micro-batches; the truth plays 1F1B over the chunks' sum
+        schedule, split, v = ("1f1b" if train else None), False, 1
         fwd = [[sum(x)] for x in fwd]
         bwd = [[sum(x)] for x in bwd]
-    played = play(fwd, bwd if train else None, m, send, scale=scale)
+    played = play(fwd, bwd if train else None, m, send, schedule=schedule, scale=scale, weight=wgt if split else None)
     last_bwd = bwd[0][0] * v * scale[-1] if train else 0.0
     return played.makespan, last_bwd, played.in_flight, send if pp_link == "nic" else 0.0
 

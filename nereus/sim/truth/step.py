@@ -55,7 +55,7 @@ def shape_of(model) -> tuple:
 def layout_of(lay) -> tuple:
     return (
         lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp, lay.zero, lay.recompute, lay.sp, lay.grad_dtype,
-        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp,
+        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp, lay.schedule,
     )  # fmt: skip
 
 
