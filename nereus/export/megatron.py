@@ -84,6 +84,8 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
         args += pipeline_split(lay, src)
         if lay.sp:
             args.append(("--sequence-parallel", None, f"{src} sp"))
+        if lay.tp_overlap:
+            args.append(("--tp-comm-overlap", None, f"{src} tp_overlap"))
         if lay.zero >= 1:
             args.append(("--use-distributed-optimizer", None, f"{src} zero = {lay.zero}"))
         if lay.zero >= 2:

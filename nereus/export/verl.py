@@ -17,7 +17,9 @@ from .common import desc, flushes, generate_memory, header, kinds
 from .vllm import vllm_expert_parallel
 
 # model-stage keys verl's config leaves open: Hydra overrides add them with a leading +
-OPEN_KEYS = ("override_ddp_config.",)
+# keys verl's config does not declare: a Hydra override must add them (``+key=value``); the
+# transformer-config keys it declares (recompute_*) must not be added again
+OPEN_KEYS = ("override_ddp_config.", "override_transformer_config.tp_comm_overlap", "override_transformer_config.fp8")
 FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
 
 
@@ -140,6 +142,13 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     put(f"{t}.recompute_num_layers", 1, f"{src} recompute")
                 if lay.fp8:
                     put(f"{t}.fp8", "hybrid", f"{src} fp8")
+                if lay.tp_overlap:
+                    put(f"{t}.tp_comm_overlap", True, f"{src} tp_overlap")
+                if lay.pipeline_schedule not in ("one_f_one_b", "interleaved"):
+                    notes.append(
+                        f"not expressible in verl: {ms} schedule = {lay.schedule} (verl's Megatron workers run "
+                        "megatron-core's 1F1B and interleaved 1F1B)"
+                    )
                 notes.extend(flushes(m, plan, lay, len(gpus) // (lay.tp * lay.pp * lay.cp), "verl"))
             sizes = [b - a + 1 for a, b in lay.layers]
             if len(set(sizes)) > 1:

@@ -223,6 +223,14 @@ LAYOUT_ATTRS = [
         "sp", "bool", default=False, doc="sequence parallelism: activations outside the TP-split GEMMs sharded over TP"
     ),
     AttrSpec(
+        "tp_overlap",
+        "bool",
+        default=False,
+        doc="TP communication overlapped with the GEMMs it feeds (Megatron's --tp-comm-overlap, torchtitan's "
+        "async TP): each GEMM runs in tp chunks beside the ring steps of the others, so all but one chunk's "
+        "traffic hides as far as the GEMMs last; needs sp",
+    ),
+    AttrSpec(
         "vpp",
         "posint",
         default=1,
@@ -298,6 +306,7 @@ class Layout:
     recompute: bool = False  # full activation recomputation
     cp: int = 1  # context-parallel size
     sp: bool = False  # sequence parallelism
+    tp_overlap: bool = False  # TP communication overlapped with the GEMMs (Megatron's --tp-comm-overlap)
     vpp: int = 1  # virtual pipeline stages per PP rank
     schedule: str | None = None  # pipeline schedule (PIPELINE_SCHEDULES); None: Megatron's by vpp
     ep: int = 1  # expert parallelism: routed experts split over ep ranks

@@ -398,6 +398,14 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
         sink.error(
             at(lay, "sp"), f"{ms}: sequence parallelism shards activations over TP, but tp = 1", "set tp > 1 or drop sp"
         )
+    if lay.tp_overlap and not lay.sp:
+        sink.error(
+            at(lay, "tp_overlap"),
+            f"{ms}: TP communication overlaps the GEMMs only under sequence parallelism (Megatron-LM's rule)",
+            "set sp = true",
+        )
+    elif lay.tp_overlap and stage is not None and stage.kind == "generate":
+        sink.error(at(lay, "tp_overlap"), f"{ms}: tp_overlap is a training and inference setting, not generation's")
     if lay.fp8 and cluster is not None and not cluster.peak_flops_fp8:
         sink.error(
             at(lay, "fp8"),

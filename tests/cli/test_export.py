@@ -165,6 +165,7 @@ MEGATRON_FLAGS = {
 }
 MEGATRON_SWITCHES = (
     "--sequence-parallel",
+    "--tp-comm-overlap",
     "--use-distributed-optimizer",
     "--accumulate-allreduce-grads-in-fp32",
     "--grad-reduce-in-bf16",

@@ -69,6 +69,14 @@ def _zero3(m):
     return "grpo_p0"
 
 
+def _tp_overlap(m):
+    """The GRPO job's actor (TP 4 with sequence parallelism) with TP communication overlapped."""
+    p = m.plans["grpo_p0"]
+    p.layouts["actor.train"] = replace(p.layouts["actor.train"], tp_overlap=True)
+    nereus.verify(m)
+    return "grpo_p0"
+
+
 def _moe(m):
     """The GRPO job's actor and reference as mixtures of experts (Qwen2-MoE-like: 8 experts, top 2,
     a shared expert), on the same plan: the experts split by TP as a dense MLP (EP 1)."""
@@ -126,6 +134,7 @@ CASES = {
     "ppo_fsdp": ("ppo8b", _fsdp),
     "grpo_dynamic": ("grpo", _dynamic),
     "grpo_zero3": ("grpo", _zero3),
+    "grpo_tp_overlap": ("grpo", _tp_overlap),
     "grpo_moe": ("grpo", _moe),
     "grpo_ep": ("grpo", _expert_parallel),
     # a layer fewer at each end, as Llama 3's 405B: Megatron-LM's first and last stage sizes
@@ -394,6 +403,7 @@ def test_megatron_core_accepts_the_arguments(name):
             lay.cp,
         )
         assert cfg.add_qkv_bias == md.qkv_bias and cfg.qk_layernorm == md.qk_norm and cfg.kv_channels == md.hd
+        assert (cfg.sequence_parallel, cfg.tp_comm_overlap) == (lay.sp, lay.tp_overlap)
         assert cfg.num_query_groups in (md.kv_heads, None) and cfg.ffn_hidden_size == md.ffn
         moe = (
             cfg.num_moe_experts,

@@ -272,7 +272,8 @@ HANDLED = {
         "ep",
         "etp",
         "schedule",
-    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule: tests/passes/test_pipeline_schedules.py
+        "tp_overlap",
+    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule, tp_overlap: tests/passes/
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -465,6 +466,8 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         lay.ep = draw(
             st.sampled_from([k for k in range(1, tp // lay.etp + 1) if (tp // lay.etp) % k == 0 and e % k == 0])
         )
+    if trains and lay.sp:  # Megatron-LM overlaps TP communication only under sequence parallelism
+        lay.tp_overlap = draw(st.booleans())
     if trains and pp > 1:  # one stage per rank (vpp stays 1): the schedules that run it
         lay.schedule = draw(st.sampled_from([None, "one_f_one_b", "gpipe", "zero_bubble"]))
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])

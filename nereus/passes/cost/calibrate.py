@@ -240,6 +240,7 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int, model_
             lambda cost: (
                 bool(cost.cost.decode is not None and cost.cost.decode[0][0] * x[0] >= cost.cost.decode[1][0] * x[1]),
                 tuple(np.round(cost.cost.hidden_features(x)[0], 12)) if cost.cost.overlap else (),
+                tuple(np.round(cost.cost.tp_hidden_features(x)[0], 12)) if cost.cost.tp_overlap else (),
             ),
         )
         new_assignment = tuple(assigned[id(o.cost)] for o in obs)

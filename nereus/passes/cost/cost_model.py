@@ -30,7 +30,9 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   ``min(p, m)`` on every rank (ZBV).
 - TP: ring all-reduce of ``h`` activations per token, 2 per layer forward and 2 backward
   (2 more with recomputation), ``2 (t - 1) / t`` of the bytes per GPU, on NVLink when the TP
-  group is inside a node. PP: activations and their gradients point to point per micro-batch.
+  group is inside a node. With ``tp_overlap`` (Megatron's ``--tp-comm-overlap``) each GEMM runs
+  in ``t`` chunks beside the ring steps of the others: at most ``(t - 1) / t`` of the traffic
+  hides, and no more than the layers' GEMMs last. PP: activations and their gradients point to point per micro-batch.
   DP: gradient all-reduce (ZeRO 0-2; reduce-scatter plus all-gather moves the same bytes) per
   optimizer step, and ZeRO-3's parameter all-gathers per micro-batch.
 - Generation (vLLM-like): prefill is compute-bound; each decode step reads the weights and the
@@ -127,6 +129,7 @@ class Candidates:
     ep_link: np.ndarray = field(default=cast(np.ndarray, None))  # the EP group's all-to-all link
     ep_local: np.ndarray = field(default=cast(np.ndarray, None))  # EP group members on a GPU's node (itself included)
     schedule: np.ndarray = field(default=cast(np.ndarray, None))  # index into PIPELINE_SCHEDULES (default: by vpp)
+    tp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # TP communication overlapped with the GEMMs
 
     def __post_init__(self):
         n = len(self.tp)
@@ -143,6 +146,7 @@ class Candidates:
             ("ep_local", 1, np.int64),
             ("resident", 0.0, float),
             ("sp", False, bool),
+            ("tp_overlap", False, bool),
             ("vpp", 1, np.int64),
             ("grad_bytes", 2, float),
             ("fp8", False, bool),
@@ -290,6 +294,7 @@ class Candidates:
             ep_link=a(ep_link),
             ep_local=a(ep_local),
             schedule=a(PIPELINE_SCHEDULES.index(lay.pipeline_schedule)),
+            tp_overlap=a(lay.tp_overlap),
         )
 
 
@@ -321,6 +326,16 @@ def _ep_local(tp: int, pp: int, ep: int, etp: int, per_node: int) -> int:
     return sum(1 for j in range(ep) if gpu(j * etp) // per_node == 0)
 
 
+def hidden(comm: np.ndarray, window: np.ndarray, share, coeffs: np.ndarray) -> np.ndarray:
+    """The features of ``comm`` that a ``window`` of compute beside it hides, at most ``share`` of
+    it (a number, or one per candidate): ``min(share x comm, window)`` in seconds under ``coeffs``,
+    so that ``max((1 - share) x comm, comm - window)`` stays exposed."""
+    c, w = comm @ coeffs, window @ coeffs
+    share = np.broadcast_to(np.asarray(share, dtype=float), c.shape)
+    share_bound = (1 - share) * c >= c - w
+    return np.where(share_bound[:, None], share[:, None] * comm, window)
+
+
 @dataclass
 class StageCost:
     """Per-candidate results: features (n x 6), fixed latency (n), memory components (n each)."""
@@ -337,6 +352,8 @@ class StageCost:
     waits: dict[str, np.ndarray]  # breakdown name -> fixed latency (part of ``latency``)
     decode: tuple | None = None  # (compute feature, hbm feature, draining share) of generation's decode
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
+    # the same for TP communication beside its GEMMs, the share per candidate
+    tp_overlap: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # (features n x 6 of the experts' GEMMs and all-to-all under EP, by breakdown entry; the busiest
     # EP rank's load per mean): the time adds (factor - 1) x those features
     imbalance: tuple | None = None
@@ -350,7 +367,7 @@ class StageCost:
         and data-parallel communication less what the compute beside it hides: of ``comm``
         seconds beside a ``window`` of compute, ``max((1 - overlap) x comm, comm - window)``
         stay exposed (both linear in the coefficients once the case is chosen)."""
-        if self.decode is None and self.overlap is None and self.imbalance is None:
+        if self.decode is None and self.overlap is None and self.imbalance is None and self.tp_overlap is None:
             return self.features
         f = self.features.copy()
         if self.imbalance is not None:
@@ -362,15 +379,21 @@ class StageCost:
             f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
         if self.overlap is not None:
             f -= self.hidden_features(coeffs)
+        if self.tp_overlap is not None:
+            f -= self.tp_hidden_features(coeffs)
         return f
 
     def hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
-        """The features of the communication that compute hides (subtracted from ``features``)."""
+        """The features of the data-parallel communication that compute hides (subtracted from ``features``)."""
         assert self.overlap is not None  # callers check it
         comm, window, share = self.overlap
-        c, w = comm @ coeffs, window @ coeffs
-        share_bound = (1 - share) * c >= c - w
-        return np.where(share_bound[:, None], share * comm, window)
+        return hidden(comm, window, share, coeffs)
+
+    def tp_hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
+        """The features of the TP communication that its GEMMs hide (``tp_overlap``)."""
+        assert self.tp_overlap is not None  # callers check it
+        comm, window, share = self.tp_overlap
+        return hidden(comm, window, share, coeffs)
 
     def counted(self) -> np.ndarray:
         """The bytes the model counts: state, activations and logits (and generation's KV cache)."""
@@ -392,6 +415,8 @@ class StageCost:
             out[name] = out.get(name, 0.0) + float(waited[i])
         if self.overlap is not None:
             out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
+        if self.tp_overlap is not None:
+            out["tp"] = out.get("tp", 0.0) - float(self.tp_hidden_features(coeffs)[i] @ coeffs)
         if self.imbalance is not None:
             for name, feat in self.imbalance[0].items():
                 out[name] = out.get(name, 0.0) + (self.imbalance[1] - 1.0) * float(feat[i] @ coeffs)
@@ -696,7 +721,7 @@ class CostModel:
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
         ring_tp = 2 * (tp - 1) / tp
-        decode = overlap = None
+        decode = overlap = tp_overlap = None
         zeros = np.zeros(n)
         weights, grads, optimizer = self._state(kind, c, dense_params, expert_params, b)
         activations = kv = zeros
@@ -724,6 +749,14 @@ class CostModel:
             tp_bytes = tokens / cp * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
             add("tp", tp_col, np.where(c.tp > 1, tp_bytes / tp_bw, 0.0))
             wait("tp", np.where(c.tp > 1, n_mb_total * (1 + bubble) * stage_layers * n_ar * 2 * (tp - 1) * tp_lat, 0.0))
+            if np.any(c.tp_overlap):
+                # --tp-comm-overlap: each GEMM in tp chunks beside the others' ring steps; all but one
+                # chunk's traffic hides behind the layers' GEMMs (their share of the compute)
+                gemm = passes * L * self.gemm_flops(model) / flops_tok
+                comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
+                comm_f[np.arange(n), tp_col] = np.where(c.tp_overlap & (c.tp > 1), tp_bytes / tp_bw, 0.0)
+                win_f[:, C_COMPUTE] = np.where(c.tp_overlap, ideal * gemm * (1 + bubble), 0.0)
+                tp_overlap = (comm_f, win_f, np.where(c.tp_overlap, (tp - 1) / tp, 0.0))
             # PP: activations forward (and their gradients backward) per micro-batch and virtual
             # stage; each TP rank sends its 1/TP of them (Megatron's scatter-gather)
             sends = (2.0 if kind == "train" else 1.0) * (n_mb_total * v + pp - 1)
@@ -880,6 +913,7 @@ class CostModel:
             waits=waits,
             decode=decode,
             overlap=overlap,
+            tp_overlap=tp_overlap,
             imbalance=(uneven, self.efficiency.expert_imbalance) if uneven and np.any(c.ep > 1) else None,
             slack=1.0 if kind == "generate" else self.efficiency.memory_slack,
         )

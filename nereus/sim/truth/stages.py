@@ -171,7 +171,12 @@ class Pass:
         # norms, rotary, the MLP's activation, residual adds: about 12 reads or writes of the hidden state
         sp = t if self.lay.sp else 1
         elementwise = memory_seconds(12 * tokens * h * ACT / sp, self.hbm, kernels=6)
-        comm = reduces * collective_seconds("all_reduce", tokens * h * ACT, t, self.tp_bw, self.tp_lat) + dispatch
+        comm = reduces * collective_seconds("all_reduce", tokens * h * ACT, t, self.tp_bw, self.tp_lat)
+        if self.lay.tp_overlap and t > 1:
+            # Megatron's userbuffers: each GEMM in t chunks, a ring step beside each chunk's GEMM; the
+            # first chunk's step waits, the rest hide while the GEMMs (twice as many backward) last
+            comm -= min(comm * (t - 1) / t, gemms * (2 if backward else 1))
+        comm += dispatch
         if backward:  # data and weight gradients: two GEMMs of each forward one
             return 2 * gemms + attn + 2 * elementwise + comm
         return gemms + attn + elementwise + comm

@@ -1,0 +1,83 @@
+"""TP communication overlapped with the GEMMs (``tp_overlap``, Megatron's ``--tp-comm-overlap``):
+it round-trips, needs sequence parallelism as Megatron-LM asks, hides at most all but one of
+``tp`` chunks of the TP traffic and no more than the GEMMs last, agrees with the event truth's
+own reading of the mechanism, and exports as the flag megatron-core's config takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nereus
+from nereus.ir import DiagnosticError, print_ir
+from nereus.passes.cost.cost_model import Candidates, CostModel
+from nereus.sim.truth.stages import train_or_infer
+
+from ..support import ROOT
+
+BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
+STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
+GOOD = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64"
+
+
+def _text(layout: str) -> str:
+    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
+    return BASE + "\n" + plan
+
+
+def _module(layout: str):
+    return nereus.parse(_text(layout))
+
+
+def _cost(layout: str):
+    m = _module(layout)
+    nereus.verify(m)
+    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
+    model = CostModel(cluster)
+    cost = model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay))
+    return cost, model.coeffs, m, lay
+
+
+def test_tp_overlap_round_trips_and_needs_sequence_parallelism_at_its_line():
+    m = _module(GOOD + ", sp = true, tp_overlap = true")
+    nereus.verify(m)
+    assert "tp_overlap = true" in print_ir(m)
+    assert nereus.parse(print_ir(m)).plans["probe"].layouts["gpt175b.train"].tp_overlap
+    text = _text(GOOD + ", tp_overlap = true")
+    with pytest.raises(DiagnosticError) as e:
+        nereus.verify(nereus.parse(text))
+    (d,) = e.value.diagnostics
+    assert "overlaps the GEMMs only under sequence parallelism" in d.message and d.hint == "set sp = true"
+    assert "tp_overlap = true" in text.splitlines()[d.loc.line - 1]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_what_hides_is_at_most_all_but_one_chunk_and_at_most_the_gemms(recompute):
+    rc = ", recompute = true" if recompute else ""
+    plain, x, _, _ = _cost(GOOD + ", sp = true" + rc)
+    over, _, _, _ = _cost(GOOD + ", sp = true, tp_overlap = true" + rc)
+    a, b = plain.breakdown(x), over.breakdown(x)
+    traffic = a["tp"] - float(plain.waits["tp"][0])  # the bytes' seconds, latency aside
+    hid = a["tp"] - b["tp"]
+    assert 0 < hid <= traffic * 7 / 8 + 1e-12
+    assert hid <= a["compute"] + a["bubble"]  # behind GEMMs, which are part of the compute
+    assert {k: v for k, v in a.items() if k != "tp"} == {k: v for k, v in b.items() if k != "tp"}
+    assert float(over.time(x)[0]) == pytest.approx(float(plain.time(x)[0]) - hid, rel=1e-12)
+    # TP 8 on NVLink beside 12 layers' GEMMs: the GEMMs outlast the traffic, so the chunk bound binds
+    assert hid == pytest.approx(traffic * 7 / 8, rel=1e-9)
+
+
+def test_the_event_truth_hides_tp_traffic_as_the_cost_model_does():
+    """Each reads the mechanism its own way (the truth per layer and pass, from its kernel times
+    and collective algorithms); both find the step faster, by a similar share."""
+    out = {}
+    for extra in ("", ", tp_overlap = true"):
+        cost, x, m, lay = _cost(GOOD + ", sp = true" + extra)
+        w = m.workloads["w175b"]
+        lengths = np.full(w.samples, w.prompt_len_mean + w.response_len_mean)
+        truth, _ = train_or_infer(m.models["gpt175b"], lay, w, m.clusters["selene"], lengths, "train")
+        out[extra] = (float(cost.time(x)[0]), truth)
+    (model_a, truth_a), (model_b, truth_b) = out[""], out[", tp_overlap = true"]
+    gain_model, gain_truth = 1 - model_b / model_a, 1 - truth_b / truth_a
+    assert gain_model > 0.01 and gain_truth > 0.01
+    assert gain_model == pytest.approx(gain_truth, rel=0.5), (gain_model, gain_truth)
