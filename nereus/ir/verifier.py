@@ -473,12 +473,6 @@ def _verify_schedule(lay: Layout, stage, sink: DiagnosticSink) -> None:
         sink.error(
             at(lay, "schedule"), f"{ms}: zbv runs exactly two stages per rank (a V), but vpp = {v}", "set vpp = 2"
         )
-    elif sched == "zbv" and m < 2 * p - 1:
-        sink.error(
-            at(lay, "schedule"),
-            f"{ms}: zbv fills its V with at least 2 pp - 1 = {2 * p - 1} micro-batches, not {m}",
-            f"use micro_batches = {2 * p - 1} or more",
-        )
     elif sched == "zero_bubble" and m % max(1, m // p):
         rounds = max(1, m // p)
         sink.error(

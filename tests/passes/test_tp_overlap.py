@@ -81,3 +81,17 @@ def test_the_event_truth_hides_tp_traffic_as_the_cost_model_does():
     gain_model, gain_truth = 1 - model_b / model_a, 1 - truth_b / truth_a
     assert gain_model > 0.01 and gain_truth > 0.01
     assert gain_model == pytest.approx(gain_truth, rel=0.5), (gain_model, gain_truth)
+
+
+def test_over_the_nic_the_gemms_bound_what_hides():
+    """TP 16 spans two nodes of 8: its traffic crosses the NIC and outlasts the GEMMs beside it,
+    so what hides is the GEMMs' time, less than 15/16 of the traffic."""
+    wide = "tp = 16, pp = 4, dp = 1, layers = [0..23, 24..47, 48..71, 72..95], mesh = [0..63], micro_batches = 64"
+    plain, x, _, _ = _cost(wide + ", sp = true")
+    over, _, _, _ = _cost(wide + ", sp = true, tp_overlap = true")
+    a, b = plain.breakdown(x), over.breakdown(x)
+    traffic = a["tp"] - float(plain.waits["tp"][0])
+    hid = a["tp"] - b["tp"]
+    assert traffic > a["compute"]  # the NIC binds
+    assert 0 < hid < traffic * 15 / 16
+    assert hid < a["compute"] + a["bubble"]

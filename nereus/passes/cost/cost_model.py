@@ -23,8 +23,8 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   gradient ``I`` and the weight gradient ``W`` (each as long as the forward ``F``; ``I`` holds
   the recomputed forward too) and fill the bubble with ``W``: ``(p - 1) (F + I - W) / (m v (F +
   I + W))``, a third of the interleaved bubble without recomputation and half with it (Qi et al.
-  2024, ZB-H1's ``(p - 1)(F + B - W)``). With fewer micro-batches than stages there is little to
-  fill: 1F1B's bubble is charged (an upper bound of torch's). Activations in flight: ``min(p,
+  2024, ZB-H1's ``(p - 1)(F + B - W)``). With fewer micro-batches than stages (``2 p - 1`` for
+  ZBV) there is little to fill: 1F1B's bubble is charged (an upper bound of torch's). Activations in flight: ``min(p,
   m)`` micro-batches (1F1B; interleaved ``1 + (p - 1) / (p v)`` times as many), ``m`` (GPipe), or
   ``((v - 1) r + min(p, r)) / v`` of ``r`` micro-batches per round (zero bubble, on every rank),
   ``min(p, m)`` on every rank (ZBV).
@@ -689,8 +689,9 @@ class CostModel:
         named = bool(np.any(c.schedule >= GPIPE))  # some candidate runs a schedule other than Megatron's
         if named and kind == "train":
             zb = c.schedule >= ZERO_BUBBLE  # zero_bubble or zbv
-            filled = np.where(zb & (m >= pp), np.where(c.recompute, 2.0 / 4.0, 1.0 / 3.0), 1.0)
-            v = np.where(zb & (m < pp), 1.0, v)  # too few micro-batches to fill: 1F1B's bubble bounds it
+            enough = m >= np.where(c.schedule == ZBV, 2 * pp - 1, pp)  # to fill the bubble with W
+            filled = np.where(zb & enough, np.where(c.recompute, 2.0 / 4.0, 1.0 / 3.0), 1.0)
+            v = np.where(zb & ~enough, 1.0, v)  # too few micro-batches to fill: 1F1B's bubble bounds it
             bubble = np.where(c.pp > 1, (pp - 1) / (m * v) * filled, 0.0)
             v = c.vpp.astype(float)
         else:
@@ -752,7 +753,7 @@ class CostModel:
             if np.any(c.tp_overlap):
                 # --tp-comm-overlap: each GEMM in tp chunks beside the others' ring steps; all but one
                 # chunk's traffic hides behind the layers' GEMMs (their share of the compute)
-                gemm = passes * L * self.gemm_flops(model) / flops_tok
+                gemm = passes * L * (self.gemm_flops(model) - fp8_saving) / flops_tok  # FP8: as flops_tok counts them
                 comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
                 comm_f[np.arange(n), tp_col] = np.where(c.tp_overlap & (c.tp > 1), tp_bytes / tp_bw, 0.0)
                 win_f[:, C_COMPUTE] = np.where(c.tp_overlap, ideal * gemm * (1 + bubble), 0.0)

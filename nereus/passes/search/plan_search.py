@@ -161,8 +161,10 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
     choices, start = {}, {}
     for ms, sp in problem.spaces.items():
         lay = plan.layouts.get(ms)
-        if lay is None or not lay.mesh or lay.mesh[0] not in index or lay.schedule not in (None, _default(lay)):
-            return None  # the search's candidates run Megatron's schedules
+        if lay is None or not lay.mesh or lay.mesh[0] not in index:
+            return None
+        if lay.schedule not in (None, _default(lay)) or lay.tp_overlap:
+            return None  # the search's candidates run Megatron's schedules, without TP overlap
         s = start[ms] = index[lay.mesh[0]]
         if list(pos.gpus[s : s + len(lay.mesh)]) != list(lay.mesh):
             return None

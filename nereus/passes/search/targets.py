@@ -549,6 +549,12 @@ def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
             )
     else:
         raise ValueError(f"unknown target '{target}'; targets: {', '.join(TARGETS)}")
+    # every target runs Megatron's schedules (or none); TP overlap only Megatron's workers, under SP
+    overlaps = target in ("megatron", "verl")
+    out = {
+        ms: replace(lay, schedule=None, tp_overlap=overlaps and lay.tp_overlap and lay.sp and lay.tp > 1)
+        for ms, lay in out.items()
+    }
     return replace(
         plan,
         name=f"{plan.name}_as_run_by_{target}",

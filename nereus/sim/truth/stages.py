@@ -212,12 +212,10 @@ TRUTH_SCHEDULES = {
 def playable(schedule: str | None, p: int, v: int, m: int) -> bool:
     """Whether ``schedule`` (None: inference's forwards) runs ``m`` micro-batches over ``p`` ranks
     of ``v`` chunks: Megatron's interleaving needs ``m`` a multiple of ``p``; torch's zero-bubble
-    schedules, ``m`` a multiple of its rounds (``zero_bubble``) or at least ``2 p - 1`` (``zbv``)."""
+    schedules, ``m`` a multiple of its rounds (``zero_bubble``; ``zbv`` runs any)."""
     if schedule == "zero_bubble":
         return m % max(1, m // p) == 0
-    if schedule == "zbv":
-        return m >= 2 * p - 1
-    return v == 1 or m % p == 0
+    return schedule == "zbv" or v == 1 or m % p == 0
 
 
 def pipeline_time(
@@ -259,6 +257,11 @@ def pipeline_time(
             b += f
         fwd.append([f / v] * v)
         bwd.append([b / v] * v)
+        if schedule == "zbv" and s == head_rank:  # the head only on the V's last stage: rank 0's chunk 1
+            hf, hb = ps.head(ref), ps.head(ref, backward=True) + (ps.head(ref) if recompute else 0.0)
+            fwd[-1] = [(f - hf) / 2, (f - hf) / 2 + hf]
+            bwd[-1] = [(b - hb) / 2, (b - hb) / 2 + hb]
+            wgt[-1] = [(w - hf) / 2, (w - hf) / 2 + hf]
     scale = (tokens / lay.cp / ref).tolist()
     pp_gpus = [lay.mesh[i * lay.tp] for i in range(lay.pp)]
     pp_link, bw, lat = link_of(cluster, pp_gpus)

@@ -53,10 +53,16 @@ def shape_of(model) -> tuple:
 
 
 def layout_of(lay) -> tuple:
-    return (
+    """What the truth reads of a layout (its caches' and the hidden truth's seeds' key): a named
+    schedule other than the default, and TP overlap, only where set, so that layouts that ran
+    before these existed keep their keys (and seeds)."""
+    key = (
         lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp, lay.zero, lay.recompute, lay.sp, lay.grad_dtype,
-        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp, lay.schedule,
+        lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp,
     )  # fmt: skip
+    if lay.pipeline_schedule != ("interleaved" if lay.vpp > 1 else "one_f_one_b"):
+        key += (lay.pipeline_schedule,)
+    return key + (("tp_overlap",) if lay.tp_overlap else ())
 
 
 class EventTruth:
