@@ -468,7 +468,11 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         )
     if trains and lay.sp:  # Megatron-LM overlaps TP communication only under sequence parallelism
         lay.tp_overlap = draw(st.booleans())
-    if trains and pp > 1:  # one stage per rank (vpp stays 1): the schedules that run it
+    if trains and pp > 1 and all((hi - lo + 1) % 2 == 0 for lo, hi in layer_ranges) and draw(st.booleans()):
+        # two chunks per rank: the schedules that run them (interleaved's micro-batches: fit_flush)
+        lay.vpp = 2
+        lay.schedule = draw(st.sampled_from([None, "interleaved", "zero_bubble", "zbv"]))
+    elif trains and pp > 1:  # one stage per rank: the schedules that run it
         lay.schedule = draw(st.sampled_from([None, "one_f_one_b", "gpipe", "zero_bubble"]))
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
     return lay
@@ -490,6 +494,8 @@ def fit_flush(lay: Layout, w: Workload, kind: str) -> Layout:
     m = lay.micro_batches
     if lay.pp == 1 or (lay.schedule == "zero_bubble" and m % max(1, m // lay.pp)):
         lay.schedule = None  # no pipeline left, or micro-batches torch's rounds do not divide
+    if lay.vpp > 1 and (lay.pp == 1 or (lay.pipeline_schedule == "interleaved" and m % lay.pp)):
+        lay.vpp, lay.schedule = 1, None  # Megatron's interleaving needs a multiple of pp micro-batches
     return lay
 
 
