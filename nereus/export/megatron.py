@@ -6,7 +6,9 @@ settings (``ACTOR_TRAIN_ENV``: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which Megatron
 The model's shape, RoPE base, norm epsilon and q/k/v biases are written out; ZeRO-1 is the
 distributed optimizer, ZeRO-2/3 Megatron-FSDP (``--use-megatron-fsdp`` with
 ``--data-parallel-sharding-strategy optim_grads`` or ``optim_grads_params``); bf16 gradients are
-``--grad-reduce-in-bf16`` (Megatron-LM otherwise reduces bf16 models' gradients in fp32).
+``--grad-reduce-in-bf16`` (Megatron-LM otherwise reduces bf16 models' gradients in fp32). The
+data-parallel communication the estimate hides behind compute is asked for: ``--overlap-grad-reduce``
+and, with a sharded optimizer, ``--overlap-param-gather`` (both off in Megatron-LM by default).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
             args.append(("--tp-comm-overlap", None, f"{src} tp_overlap"))
         if lay.zero >= 1:
             args.append(("--use-distributed-optimizer", None, f"{src} zero = {lay.zero}"))
+        if lay.replicas > 1:  # the estimate hides DP communication behind compute (efficiency.overlap)
+            args.append(("--overlap-grad-reduce", None, f"{src} dp x cp = {lay.replicas} (overlapped, as estimated)"))
+            if lay.zero >= 1:
+                args.append(("--overlap-param-gather", None, f"{src} zero = {lay.zero} (gathers ahead, as estimated)"))
         if lay.zero >= 2:
             args += [
                 ("--use-megatron-fsdp", None, f"{src} zero = {lay.zero}"),

@@ -130,6 +130,10 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     lay.grad_dtype == "fp32",
                     f"{src} grad_dtype = {lay.grad_dtype}",
                 )
+                if lay.replicas > 1:  # as estimated (verl's workers leave it off but under Megatron-FSDP)
+                    put(f"{e}.override_ddp_config.overlap_grad_reduce", True, f"{src} dp x cp (overlapped)")
+                    if lay.zero >= 1:
+                        put(f"{e}.override_ddp_config.overlap_param_gather", True, f"{src} zero (gathers ahead)")
                 if "grads" in off:
                     notes.append(
                         f"not expressible in verl: {ms} offload of grads (verl's Megatron workers offload "

@@ -167,6 +167,8 @@ MEGATRON_SWITCHES = (
     "--sequence-parallel",
     "--tp-comm-overlap",
     "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
     "--accumulate-allreduce-grads-in-fp32",
     "--grad-reduce-in-bf16",
     "--use-megatron-fsdp",

@@ -257,6 +257,22 @@ def test_verl_overrides_pass_verls_validation(name, tmp_path, verl_config_dir):
     if gen.pp > 1:
         assert f"actor.generate pp = {gen.pp}; verl's vLLM rollout has no pipeline parallelism" in text
     a = cfg.actor_rollout_ref.actor
+    train = p.layouts["actor.train"]
+    if a.get("megatron") is not None and "override_ddp_config" in text:
+        # verl's Megatron workers build megatron-core's DDP config from its defaults and these
+        # overrides: the DP overlap the estimate assumed is what they run
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        ddp = DistributedDataParallelConfig(
+            **{
+                "use_distributed_optimizer": a.megatron.use_distributed_optimizer,
+                "grad_reduce_in_fp32": True,
+                "overlap_grad_reduce": False,
+                **a.megatron.override_ddp_config,
+            }
+        )
+        assert ddp.overlap_grad_reduce == (train.replicas > 1)
+        assert ddp.overlap_param_gather == (train.replicas > 1 and train.zero >= 1)
     assert a.use_dynamic_bsz == (w.micro_batch_tokens is not None)
     if w.micro_batch_tokens is not None:
         assert a.ppo_max_token_len_per_gpu == w.micro_batch_tokens // p.layouts["actor.train"].cp
@@ -347,6 +363,7 @@ def ddp_config(a):
 
     fp32 = a.accumulate_allreduce_grads_in_fp32 or (a.bf16 and not a.grad_reduce_in_bf16)
     kw = dict(grad_reduce_in_fp32=fp32, use_distributed_optimizer=a.use_distributed_optimizer)
+    kw |= dict(overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather)
     if a.use_megatron_fsdp:
         kw |= dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=a.data_parallel_sharding_strategy)
     return DistributedDataParallelConfig(**kw)
@@ -424,6 +441,9 @@ def test_megatron_core_accepts_the_arguments(name):
         ddp = ddp_config(a)
         assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
         assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)
+        # the DP communication the estimate hides behind compute, asked of Megatron as estimated
+        assert ddp.overlap_grad_reduce == (lay.replicas > 1)
+        assert ddp.overlap_param_gather == (lay.replicas > 1 and lay.zero >= 1)
         inspect.signature(GPTModel).bind_partial(
             config=cfg,
             transformer_layer_spec=None,
