@@ -336,9 +336,14 @@ class Layout:
         return self.dp * self.cp * self.pp * self.tp
 
     @property
+    def megatron_schedule(self) -> str:
+        """The schedule Megatron runs this layout with: ``interleaved`` where ``vpp`` > 1, else ``one_f_one_b``."""
+        return "interleaved" if self.vpp > 1 else "one_f_one_b"
+
+    @property
     def pipeline_schedule(self) -> str:
-        """``schedule``, or Megatron's where unset: ``interleaved`` where ``vpp`` > 1, else ``one_f_one_b``."""
-        return self.schedule or ("interleaved" if self.vpp > 1 else "one_f_one_b")
+        """``schedule``, or Megatron's where unset."""
+        return self.schedule or self.megatron_schedule
 
     @property
     def replicas(self) -> int:

@@ -145,11 +145,6 @@ def solve(
             cap = cast(int, best.objective)
 
 
-def _default(lay: Layout) -> str:
-    """The schedule a layout runs with none named (Megatron's, by ``vpp``)."""
-    return "interleaved" if lay.vpp > 1 else "one_f_one_b"
-
-
 def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
     """``plan`` as a solution of ``problem`` (its options, starts and groups, with its step time
     in the problem's units), or None where the problem has no such plan: a layout that is not
@@ -163,7 +158,7 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
         lay = plan.layouts.get(ms)
         if lay is None or not lay.mesh or lay.mesh[0] not in index:
             return None
-        if lay.schedule not in (None, _default(lay)) or lay.tp_overlap:
+        if lay.pipeline_schedule != lay.megatron_schedule or lay.tp_overlap:
             return None  # the search's candidates run Megatron's schedules, without TP overlap
         s = start[ms] = index[lay.mesh[0]]
         if list(pos.gpus[s : s + len(lay.mesh)]) != list(lay.mesh):

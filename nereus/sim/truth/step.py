@@ -60,7 +60,7 @@ def layout_of(lay) -> tuple:
         lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp, lay.zero, lay.recompute, lay.sp, lay.grad_dtype,
         lay.micro_batches, tuple(lay.layers), tuple(lay.mesh), lay.ep, lay.etp,
     )  # fmt: skip
-    if lay.pipeline_schedule != ("interleaved" if lay.vpp > 1 else "one_f_one_b"):
+    if lay.pipeline_schedule != lay.megatron_schedule:
         key += (lay.pipeline_schedule,)
     return key + (("tp_overlap",) if lay.tp_overlap else ())
 
