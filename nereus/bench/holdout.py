@@ -28,18 +28,22 @@ HBM at their vendor-derived 0.7 (unchanged), overlap 0.5 (no information: the mi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from ..ir import Module, Plan
-from ..ir.cluster import Efficiency
+from ..ir.cluster import GEMM_KNEE_H100, Efficiency
 from ..passes.cost.calibrate import Observation, fit
 from ..passes.cost.cost_model import CostModel, coefficient_vector
 from ..passes.cost.layout_costs import LayoutCost, layout_costs
 
 NEUTRAL = Efficiency(compute=0.5, overlap=0.5)
+# NEUTRAL with kernel efficiency by shape: the GEMM knee of H100's published cuBLAS curve
+# (``Efficiency.gemm_knee``), scaled to each cluster by its balance; held, not fitted (fitted on
+# ``calibrate``'s grid, the folds chose 3-8, and the worst error left out rose to 32%)
+SHAPED = replace(NEUTRAL, gemm_knee=GEMM_KNEE_H100)
 # the candidates for ``model_error``: from about the calibrate pass's default pull (0.0005: 0.003 at
 # a prior of 0.6) to 50%
 MODEL_ERRORS = (0.0005, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -83,7 +87,8 @@ def figures(directory: Path) -> list[Figure]:
 
 
 def fitted(figs: list[Figure], prior: Efficiency, model_error: float) -> Efficiency:
-    """``calibrate``'s fit of the coefficients to the figures' published seconds."""
+    """``calibrate``'s fit of the coefficients to the figures' published seconds (the GEMM knee
+    held at the prior's, see ``SHAPED``)."""
     obs = [Observation(f.plan, f.model_stage, f.published_s, f.cost(prior)) for f in figs]
     return fit(obs, prior, model_error=model_error).efficiency
 

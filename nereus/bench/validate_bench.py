@@ -359,10 +359,11 @@ def _moe_report(console: Console | None) -> dict:
 def _holdout_report(rows: list[Case], console: Console | None) -> dict:
     """In-sample, leave-one-source-out and calibration-transfer errors (``holdout``), and the best
     constant's leave-one-source-out errors beside them (``constant_holdout``)."""
-    from .holdout import NEUTRAL, constant_holdout, figures, holdout, summary
+    from .holdout import NEUTRAL, SHAPED, constant_holdout, figures, holdout, summary
 
     figs = figures(VALIDATION)
     h = holdout(figs)
+    shaped = holdout(figs, SHAPED)
     by_plan = {(c.source, c.plan): c for c in rows}
     ideal = np.array([by_plan[f.source, f.plan].ideal_s for f in figs])
     constant = constant_holdout([f.source for f in figs], ideal, np.array([f.published_s for f in figs]))
@@ -371,6 +372,7 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
     for s in sources:
         idx = [i for i, f in enumerate(figs) if f.source == s]
         moved = [t["error"] for t in h["transfer"] if t["source"] == s]
+        moved_shaped = [t["error"] for t in shaped["transfer"] if t["source"] == s]
         by_source[s] = {
             "figures": len(idx),
             "in_sample": float(np.median(np.abs(h["in_sample"][idx]))),
@@ -378,6 +380,10 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
             "transfer": float(np.median(np.abs(moved))) if moved else None,
             "fit_without": {k: round(v, 4) for k, v in vars(h["loso_fits"][s]).items()},
             "model_error_without": h["model_errors"][s],
+            "gemm_shape": {
+                "loso": float(np.median(np.abs(shaped["loso"][idx]))),
+                "transfer": float(np.median(np.abs(moved_shaped))) if moved_shaped else None,
+            },
         }
     out = {
         "prior": vars(NEUTRAL),
@@ -387,6 +393,12 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
         "leave_one_source_out": summary(h["loso"]),
         "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
         "constant_leave_one_source_out": summary(constant),
+        "gemm_shape": {
+            "prior": vars(SHAPED),
+            "in_sample": summary(shaped["in_sample"]),
+            "leave_one_source_out": summary(shaped["loso"]),
+            "calibration_transfer": summary([t["error"] for t in shaped["transfer"]]),
+        },
         "by_source": by_source,
         "rows": [
             {
@@ -413,6 +425,8 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
             "model error chosen without it",
             "compute fitted without it",
             "NIC fitted without it",
+            "by shape: left out",
+            "by shape: transfer",
         ):
             t.add_column(col, justify="left" if col == "source" else "right")
         for s, r in by_source.items():
@@ -426,6 +440,8 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
                 f"{r['model_error_without']:g}",
                 f"{r['fit_without']['compute']:.3f}",
                 f"{r['fit_without']['nic']:.3f}",
+                f"{r['gemm_shape']['loso']:.1%}",
+                "" if tr is None else f"{r['gemm_shape']['transfer']:.1%}",
             )
         console.print(t)
         for k, label in (
@@ -433,8 +449,11 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
             ("leave_one_source_out", "leave one source out"),
             ("calibration_transfer", "calibration transfer"),
             ("constant_leave_one_source_out", "best constant, leave one source out"),
+            ("gemm_shape.in_sample", f"GEMMs by shape (knee {SHAPED.gemm_knee:g}): in sample"),
+            ("gemm_shape.leave_one_source_out", "by shape: leave one source out"),
+            ("gemm_shape.calibration_transfer", "by shape: calibration transfer"),
         ):
-            v = out[k]
+            v = out["gemm_shape"][k.split(".")[1]] if k.startswith("gemm_shape.") else out[k]
             console.print(
                 f"{label:>40}: median {v['median']:.1%}, worst {v['worst']:.1%}, "
                 f"mean signed {v['mean_signed']:+.1%} ({v['n']} predictions)"

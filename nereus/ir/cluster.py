@@ -33,6 +33,19 @@ class Efficiency:
     the busiest rank). It scales the experts' GEMMs and the all-to-all of layouts with ``ep > 1``.
     The prior, 1, is even routing (what a router's load-balancing loss aims at); no published
     figure was fitted. ``calibrate`` fits it when its records hold such layouts.
+
+    ``gemm_knee``: kernel efficiency by shape. A GEMM of ``m x k`` by ``k x n`` on one GPU runs at
+    ``compute / (1 + knee / size)`` of the peak, ``size`` the cube root of ``m n k`` and ``knee``
+    this number times the GPU's machine balance (peak FLOPs per HBM byte), so a small GEMM (a
+    small model's, a high TP degree's, an expert's few tokens) costs more per FLOP than a large
+    one; ``compute`` is then the level the largest GEMMs approach. The form is the roofline's sum
+    of a GEMM's FLOPs and its operands' bytes; one number per GPU kind scales by its balance. On
+    H100 SXM, cuBLAS bf16 reaches 716, 741 and 798 TFLOPs at M = N = K = 4096, 6144 and 8192
+    (github.com/pranjalssh/fast.cu, README, "Kernel 0: cuBLAS"), which this form fits with a
+    knee of 1,008 at 295 FLOPs per byte: 3.4 (``GEMM_KNEE_H100``). The prior, 0, keeps one
+    efficiency for every GEMM: with 3.4 the published set's hold-out errors move both ways
+    (docs/PERFORMANCE.md), so it is not the default. ``calibrate{fit_knee=true}`` fits it on a
+    grid from records that span GEMM shapes.
     """
 
     compute: float = 0.6
@@ -44,6 +57,7 @@ class Efficiency:
     overlap: float = 0.9  # share of data-parallel communication hidden behind the compute it can overlap
     memory_slack: float = 1.0  # peak bytes held per byte counted, training and inference (see above)
     expert_imbalance: float = 1.0  # busiest EP rank's routed tokens per mean (see above)
+    gemm_knee: float = 0.0  # GEMM size at half the largest GEMMs' efficiency, per FLOP/byte of balance (above)
 
 
 # How far each prior of ``Efficiency`` may be off, as stated with it (``validation/holdout.json``
@@ -61,7 +75,10 @@ PRIOR_UNCERTAINTY = {
     "overlap": 0.1,
     "memory_slack": 0.0,
     "expert_imbalance": 0.0,
+    "gemm_knee": 0.0,
 }
+# the GEMM knee of H100 SXM's cuBLAS bf16 curve (``Efficiency.gemm_knee``), published, not fitted here
+GEMM_KNEE_H100 = 3.4
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,7 @@ EFFICIENCY = RecordSpec(
         AttrSpec("overlap", "float", 0.9),
         AttrSpec("memory_slack", "float", 1.0),
         AttrSpec("expert_imbalance", "float", 1.0),
+        AttrSpec("gemm_knee", "float", 0.0),
     ),
     Efficiency,
 )

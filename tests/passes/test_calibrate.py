@@ -188,3 +188,31 @@ def test_a_larger_model_error_keeps_the_fit_nearer_its_prior(module, tmp_path):
     m = nereus.parse(nereus.print_ir(module))
     nereus.run_pipeline(m, f"calibrate{{profile={profile},model_error=0.2}}")
     assert m.clusters["h100x16"].efficiency.compute == pytest.approx(near.compute, rel=1e-3)
+
+
+def test_fit_knee_recovers_a_hidden_gemm_knee_from_layouts_of_several_shapes(module, tmp_path):
+    """The four variants train and infer at TP 1 to 8: their GEMMs differ in shape, so
+    ``calibrate{fit_knee=true}`` finds the knee the records were made with (on its grid) and
+    the compute level beside it; without ``fit_knee`` the knee stays the prior's and the fit
+    is worse."""
+    from dataclasses import replace
+
+    from nereus.passes.cost.calibrate import KNEE_GRID
+
+    hidden = replace(HIDDEN, gemm_knee=2.5)
+    assert hidden.gemm_knee in KNEE_GRID
+    records = synthetic_profile(module, hidden, noise=0.0)
+    obs = observations(module, [(r["plan"], r["model_stage"], r["seconds"], None, 0) for r in records])
+    kneed = fit(obs, Efficiency(), knees=KNEE_GRID)
+    assert "gemm_knee" in kneed.used and kneed.efficiency.gemm_knee == 2.5
+    assert kneed.efficiency.compute == pytest.approx(HIDDEN.compute, rel=1e-3)
+    assert kneed.error_after < 1e-4
+    flat = fit(obs, Efficiency())
+    assert flat.efficiency.gemm_knee == 0.0 and flat.error_after > 10 * kneed.error_after
+    # the pass, from a profile file
+    profile = tmp_path / "profile.jsonl"
+    profile.write_text("\n".join(json.dumps(r) for r in records))
+    m = nereus.parse(nereus.print_ir(module))
+    nereus.run_pipeline(m, f"calibrate{{profile={profile}, fit_knee=true}}")
+    assert m.clusters["h100x16"].efficiency.gemm_knee == 2.5
+    assert "gemm_knee = 2.5" in nereus.print_ir(m)

@@ -14,6 +14,8 @@ mixture of experts), predicted by the cost model and by the simulator's event tr
 ``test_cost_model_self_consistency.py``.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,29 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
     chosen = record["model_error"]
     assert chosen["candidates"] == list(MODEL_ERRORS)
     assert (chosen["in_sample"], chosen["without"]) == (h["model_error"], h["model_errors"])
+
+
+def test_the_hold_out_with_gemms_by_shape_is_restated_as_measured(held):
+    """``validation/holdout.json``'s ``gemm_shape``: the same hold-out with every fit starting
+    from the GEMM knee of H100's published cuBLAS curve (``SHAPED``), held. It moves the errors
+    both ways (leaving a source out: median down, worst up), which is why the prior stays 0."""
+    import json
+
+    from nereus.bench.holdout import NEUTRAL, SHAPED, holdout, summary
+    from nereus.ir.cluster import GEMM_KNEE_H100
+
+    record = json.loads((VALIDATION / "holdout.json").read_text())["gemm_shape"]
+    assert SHAPED == replace(NEUTRAL, gemm_knee=GEMM_KNEE_H100) and record["gemm_knee"] == GEMM_KNEE_H100
+    figs, _ = held
+    h = holdout(figs, SHAPED)
+    measured = {
+        "in_sample": summary(h["in_sample"]),
+        "leave_one_source_out": summary(h["loso"]),
+        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
+    }
+    for k, got in measured.items():
+        for stat in ("median", "worst"):
+            assert got[stat] == pytest.approx(record[k][stat], abs=1e-3), (k, stat)
 
 
 def test_leaving_a_source_out_chooses_and_fits_without_looking_at_it(held):

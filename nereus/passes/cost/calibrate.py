@@ -84,6 +84,9 @@ def _per_cost(obs: list[Observation], f) -> dict[int, Any]:
 
 OVERLAP_GRID = np.linspace(0.0, 1.0, 21)
 IMBALANCE_GRID = np.linspace(1.0, 2.0, 21)
+# GEMM knees (``Efficiency.gemm_knee``, in units of the GPU's FLOPs per HBM byte): a GEMM whose size
+# (cube root of m n k) is the knee times that balance runs at half the largest GEMMs' efficiency
+KNEE_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 # A job's own steps (``model_error = 0``): every coefficient 10% off its prior costs as much as a
@@ -94,7 +97,32 @@ IMBALANCE_GRID = np.linspace(1.0, 2.0, 21)
 RIDGE = 0.003
 
 
-def fit(obs: list[Observation], prior: Efficiency, max_iter: int = 10, model_error: float = 0.0) -> FitResult:
+def fit(
+    obs: list[Observation], prior: Efficiency, max_iter: int = 10, model_error: float = 0.0, knees=None
+) -> FitResult:
+    """``_fit_imbalance`` at every GEMM knee of ``knees`` (``Efficiency.gemm_knee``), the one
+    with the least error after the fit; with ``knees`` None, at the prior's knee. The knee moves
+    the time of small GEMMs against large ones, so the records must span GEMM shapes to fix it:
+    published figures of models from 1.7B to 1T do (``bench.holdout``); one job's few layouts
+    do not, and the calibrate pass fits it only when asked (``fit_knee``)."""
+    shaped = [o for o in obs if o.cost.cost.shape is not None]
+    if knees is None or not shaped:
+        return _fit_imbalance(obs, prior, max_iter, model_error)
+    return _best_on_grid(
+        obs,
+        shaped,
+        "shape",
+        knees,
+        lambda t, v: (t[0], v, t[2]),
+        prior,
+        "gemm_knee",
+        _fit_imbalance,
+        max_iter,
+        model_error,
+    )
+
+
+def _fit_imbalance(obs: list[Observation], prior: Efficiency, max_iter: int, model_error: float) -> FitResult:
     """``_fit_overlap``, and where some measurement ran experts over EP ranks, the busiest rank's
     load (``expert_imbalance``) chosen from a grid of 0.05 between 1 and 2 by the error after
     the fit, as the overlap is. ``model_error``: the relative error expected of one measurement
@@ -311,21 +339,24 @@ class Calibrate(ModulePass):
     line), as the decision core passes the steps it observed; ``model_error``, the relative
     error expected of one measurement against the model (0, the default: the job's own steps,
     ``RIDGE``; larger where the records come from another stack, which lets the priors hold
-    more). The fit
+    more); ``fit_knee``, whether the GEMM knee (``Efficiency.gemm_knee``) is fitted too, on
+    ``KNEE_GRID`` (records of several model sizes and layouts; off: the prior's). The fit
     of each cluster is recorded on it (``efficiency``, ``calibration``)."""
 
     name = "calibrate"
     profile: str = ""
     model_error: float = 0.0
+    fit_knee: bool = False
     records: list | None = api_option()
 
     def apply(self, module: Module) -> None:
+        knees = KNEE_GRID if self.fit_knee else None
         if self.records is not None:
-            calibrate_records(module, self.records, self.model_error)
+            calibrate_records(module, self.records, self.model_error, knees)
             return
         if not self.profile:
             raise DiagnosticError([Diagnostic(Loc(0, 0, module.filename), "calibrate needs profile=FILE")])
-        calibrate_records(module, read_profile(self.profile), self.model_error)
+        calibrate_records(module, read_profile(self.profile), self.model_error, knees)
 
 
 def memory_slack(obs: list[Observation]) -> float | None:
@@ -343,7 +374,7 @@ def memory_slack(obs: list[Observation]) -> float | None:
     return printed_precision(max(1.0, max(ratios)), 4) if ratios else None
 
 
-def calibrate_records(module: Module, records, model_error: float = 0.0) -> dict[str, FitResult]:
+def calibrate_records(module: Module, records, model_error: float = 0.0, knees=None) -> dict[str, FitResult]:
     """Fit every cluster named by ``records`` (``read_profile``'s tuples: plan, model-stage,
     seconds, memory, line) and record the result on it; the fit per cluster name."""
     by_cluster: dict[str, list] = {}
@@ -354,7 +385,9 @@ def calibrate_records(module: Module, records, model_error: float = 0.0) -> dict
     for cluster_name, recs in by_cluster.items():
         obs = observations(module, recs)
         cluster = module.clusters[cluster_name]
-        result = results[cluster_name] = fit(obs, cluster.efficiency or Efficiency(), model_error=model_error)
+        result = results[cluster_name] = fit(
+            obs, cluster.efficiency or Efficiency(), model_error=model_error, knees=knees
+        )
         slack = memory_slack(obs)
         if slack is not None:
             result.efficiency = replace(result.efficiency, memory_slack=slack)

@@ -64,7 +64,7 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -91,14 +91,12 @@ def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
     inv = [
         1 / v if v > 0 else p for v, p in zip(x[:5], (prior.compute, prior.hbm, prior.nvlink, prior.nic, prior.pcie))
     ]
-    # the five positional efficiencies: mypy cannot count a starred generator
-    return Efficiency(
-        *(float(v) for v in inv),
+    # the fitted coefficients; the prior's other fields (overlap, gemm_knee, ...) kept
+    return replace(
+        prior,
+        **dict(zip(("compute", "hbm", "nvlink", "nic", "pcie"), (float(v) for v in inv))),
         overhead=float(x[5]),
-        overlap=prior.overlap,
-        memory_slack=prior.memory_slack,
-        expert_imbalance=prior.expert_imbalance,
-    )  # type: ignore[misc]
+    )
 
 
 @dataclass
@@ -357,6 +355,9 @@ class StageCost:
     # (features n x 6 of the experts' GEMMs and all-to-all under EP, by breakdown entry; the busiest
     # EP rank's load per mean): the time adds (factor - 1) x those features
     imbalance: tuple | None = None
+    # (features n x 6 of the GEMMs' shapes per unit of ``Efficiency.gemm_knee``, the knee, the knee
+    # ``features`` hold): calibrate's grid sets the knee, and the time adds the difference's features
+    shape: tuple[np.ndarray, float, float] | None = None
     slack: float = 1.0  # peak bytes held per byte counted (``Efficiency.memory_slack``; 1 for generation)
 
     def time(self, coeffs: np.ndarray) -> np.ndarray:
@@ -367,9 +368,19 @@ class StageCost:
         and data-parallel communication less what the compute beside it hides: of ``comm``
         seconds beside a ``window`` of compute, ``max((1 - overlap) x comm, comm - window)``
         stay exposed (both linear in the coefficients once the case is chosen)."""
-        if self.decode is None and self.overlap is None and self.imbalance is None and self.tp_overlap is None:
+        reshaped = self.shape is not None and self.shape[1] != self.shape[2]
+        if (
+            self.decode is None
+            and self.overlap is None
+            and self.imbalance is None
+            and self.tp_overlap is None
+            and not reshaped
+        ):
             return self.features
         f = self.features.copy()
+        if reshaped:
+            per_knee, knee, built = cast(tuple, self.shape)
+            f += (knee - built) * per_knee
         if self.imbalance is not None:
             f += (self.imbalance[1] - 1.0) * sum(self.imbalance[0].values())
         if self.decode is not None:
@@ -501,6 +512,39 @@ class CostModel:
         moe, dense = model.moe_layers, model.dense_layers
         mlp = (moe * (2 * n_mlp * h * model.active_ffn + router) + dense * 2 * n_mlp * h * model.ffn) / model.layers
         return attention + mlp  # type: ignore[return-value]
+
+    @staticmethod
+    def gemm_shape_flops(model: Model, tokens, tp, ep, etp, knee: float) -> np.ndarray:
+        """Forward FLOPs per token of one layer's GEMMs that their shapes add (``gemm_flops`` is
+        the rest): a GEMM of ``m x k`` by ``k x n`` on one GPU runs at ``1 / (1 + knee / size)``
+        of the largest GEMMs' efficiency, ``size`` the cube root of ``m n k``, so it costs
+        ``flops x knee / size`` more (``Efficiency.gemm_knee``). ``tokens``: a micro-batch's
+        tokens on one GPU, the rows of its dense GEMMs; a routed expert's rows are its share of
+        the tokens of the ``ep`` ranks that dispatch to it. Per candidate."""
+        h, q, kv = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
+        n_mlp = 3 if model.mlp == "gated" else 2
+        m = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+        tp = np.asarray(tp, dtype=float)
+
+        def extra(flops, n, k, rows):  # flops per token of the whole GEMM; n, k on this GPU
+            return flops * knee / np.cbrt(np.maximum(rows, 1.0) * np.maximum(n, 1.0) * np.maximum(k, 1.0))
+
+        out = extra(2 * h * (q + 2 * kv), (q + 2 * kv) / tp, h, m) + extra(2 * q * h, h, q / tp, m)
+
+        def mlp(ffn, rows, t):
+            return extra(2 * (n_mlp - 1) * h * ffn, (n_mlp - 1) * ffn / t, h, rows) + extra(
+                2 * h * ffn, h, ffn / t, rows
+            )
+
+        if not model.moe:
+            return out + mlp(model.ffn, m, tp)
+        e, k_e, f_e = cast(int, model.experts), cast(int, model.experts_per_token), cast(int, model.expert_ffn)
+        rows = m * k_e * np.asarray(ep, dtype=float) / e  # tokens routed to one expert, from its EP group
+        moe = k_e * mlp(f_e, rows, np.asarray(etp, dtype=float))
+        if model.shared_expert_ffn:
+            moe = moe + mlp(model.shared_expert_ffn, m, tp)
+        dense = mlp(model.ffn, m, tp) if model.dense_layers else 0.0
+        return out + (model.moe_layers * moe + (model.dense_layers or 0) * dense) / model.layers
 
     @staticmethod
     def head_flops(model: Model) -> int:
@@ -722,7 +766,7 @@ class CostModel:
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
         ring_tp = 2 * (tp - 1) / tp
-        decode = overlap = tp_overlap = None
+        decode = overlap = tp_overlap = shape = None
         zeros = np.zeros(n)
         weights, grads, optimizer = self._state(kind, c, dense_params, expert_params, b)
         activations = kv = zeros
@@ -744,6 +788,17 @@ class CostModel:
             ideal = tokens * flops_tok / (tp * pp * cp * peak)
             add("compute", C_COMPUTE, ideal)
             add("bubble", C_COMPUTE, ideal * bubble)
+            # the GEMMs' shapes: each micro-batch's GEMMs below the largest GEMMs' efficiency (FP8
+            # ones at the FP8 peak), with the bubble they stretch; per unit of ``gemm_knee``
+            fp8_rate = np.where(c.fp8, peak / (self.cluster.peak_flops_fp8 or peak), 1.0)
+            balance = peak / self.cluster.hbm_bandwidth  # the knee in GEMM size: gemm_knee x the machine balance
+            per_knee = self.gemm_shape_flops(model, mbs * s / cp, tp, ep, c.etp, balance) * fp8_rate
+            per_knee = tokens * passes * L * per_knee / (tp * pp * cp * peak)
+            knee = self.efficiency.gemm_knee
+            if knee > 0:
+                add("compute", C_COMPUTE, knee * per_knee)
+                add("bubble", C_COMPUTE, knee * per_knee * bubble)
+            shape = ((per_knee * (1 + bubble))[:, None] * onehot(C_COMPUTE), knee, knee)
             n_mb_total = epochs * n_mb
             # TP all-reduces: 2 per layer forward, 2 backward, 2 more when recomputing
             n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
@@ -915,6 +970,7 @@ class CostModel:
             decode=decode,
             overlap=overlap,
             tp_overlap=tp_overlap,
+            shape=shape,
             imbalance=(uneven, self.efficiency.expert_imbalance) if uneven and np.any(c.ep > 1) else None,
             slack=1.0 if kind == "generate" else self.efficiency.memory_slack,
         )

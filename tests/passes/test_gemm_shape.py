@@ -1,0 +1,104 @@
+"""Kernel efficiency by shape (``Efficiency.gemm_knee``): each GEMM of a layer costs its FLOPs at
+``compute / (1 + knee / size)``, ``size`` the cube root of its ``m n k`` on one GPU and ``knee``
+the number times the GPU's FLOPs per HBM byte. Checked against the four GEMMs of the 175B GPT of
+Korthikanti et al. written out by hand, by its effect on small against large GEMMs, and through
+the IR."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import nereus
+from nereus.ir import print_ir
+from nereus.ir.cluster import GEMM_KNEE_H100, Efficiency
+from nereus.passes.cost.cost_model import Candidates, CostModel, coefficient_vector, efficiency_from_vector
+
+from ..support import ROOT
+
+BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
+
+
+def _stage(layout: str, eff: Efficiency):
+    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
+    m = nereus.verify(nereus.parse(BASE + "\n" + plan))
+    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
+    model = CostModel(cluster, eff)
+    return model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay)), m
+
+
+STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
+TP8_PP8 = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64, sp = true"
+
+
+def test_the_knee_charges_each_gemm_of_the_layer_as_written_out_by_hand():
+    """GPT-175B (hidden 12,288, a plain MLP of 49,152) on TP 8, one sample of 2,048 tokens per
+    micro-batch. Its four GEMMs on one GPU (rows m, columns n, inner k): QKV 2048 x 4608 x 12288,
+    the projection 2048 x 12288 x 1536, the MLP's first 2048 x 6144 x 12288, its second
+    2048 x 12288 x 6144. Each costs ``2 m n k x knee / cbrt(m n k)`` FLOPs more, forward and
+    backward (3 passes), in every layer, and the bubble stretches it as it does the rest."""
+    base, m = _stage(TP8_PP8, Efficiency())
+    kneed, _ = _stage(TP8_PP8, Efficiency(gemm_knee=2.0))
+    cluster = m.clusters["selene"]
+    knee = 2.0 * cluster.peak_flops / cluster.hbm_bandwidth  # 2 x 153 FLOPs per byte: GEMMs of 306 at half speed
+    gemms = [(2048, 4608, 12288), (2048, 12288, 1536), (2048, 6144, 12288), (2048, 12288, 6144)]
+    extra_per_microbatch = sum(2 * a * b * c * knee / (a * b * c) ** (1 / 3) for a, b, c in gemms)
+    layers, passes, micro_batches, bubble = 12, 3, 64, 7 / 64  # a stage's 12 layers; 1F1B's (p - 1) / m
+    want = micro_batches * passes * layers * extra_per_microbatch / cluster.peak_flops * (1 + bubble)
+    x = coefficient_vector(Efficiency())
+    a, b = base.breakdown(x), kneed.breakdown(x)
+    got = (b["compute"] + b["bubble"]) - (a["compute"] + a["bubble"])
+    assert got == pytest.approx(want / Efficiency().compute, rel=1e-9)
+    assert float(kneed.time(x)[0]) - float(base.time(x)[0]) == pytest.approx(got, rel=1e-9)
+    # nothing else moves
+    assert {k: v for k, v in a.items() if k not in ("compute", "bubble")} == {
+        k: v for k, v in b.items() if k not in ("compute", "bubble")
+    }
+
+
+def test_smaller_gemms_cost_more_per_flop():
+    """The same model and work: TP 8 cuts each GEMM to an eighth of its columns, so its share of
+    the shape's cost is larger than TP 1's; ``knee = 0`` charges every FLOP alike."""
+    x = coefficient_vector(Efficiency())
+
+    def extra_share(layout):
+        plain, _ = _stage(layout, Efficiency())
+        kneed, _ = _stage(layout, Efficiency(gemm_knee=GEMM_KNEE_H100))
+        a, b = plain.breakdown(x), kneed.breakdown(x)
+        return b["compute"] / a["compute"] - 1
+
+    tp1 = "tp = 1, pp = 8, dp = 8, layers = [" + STAGES + "], mesh = [0..63], micro_batches = 8, recompute = true"
+    assert extra_share(TP8_PP8) > 1.5 * extra_share(tp1) > 0
+
+
+def test_calibrate_grid_moves_the_knee_as_a_rebuilt_cost_would():
+    """``calibrate``'s grid sets a cost's knee without rebuilding it: the time it then gives is
+    the time of the cost built at that knee."""
+    built, _ = _stage(TP8_PP8, Efficiency())
+    x = coefficient_vector(Efficiency())
+    for knee in (0.5, GEMM_KNEE_H100, 8.0):
+        per_knee, _, at = built.shape
+        built.shape = (per_knee, knee, at)
+        rebuilt, _ = _stage(TP8_PP8, Efficiency(gemm_knee=knee))
+        assert float(built.time(x)[0]) == pytest.approx(float(rebuilt.time(x)[0]), rel=1e-12)
+
+
+def test_a_fit_keeps_the_priors_fields_it_does_not_fit():
+    """The fitted vector carries compute, the links and the overhead; the knee, the overlap and
+    the rest come from the prior (the knee was once dropped here, so every fit forgot it)."""
+    prior = Efficiency(gemm_knee=3.0, overlap=0.35, memory_slack=1.2, expert_imbalance=1.4)
+    x = coefficient_vector(replace(prior, compute=0.55, nic=0.6))
+    got = efficiency_from_vector(x, prior)
+    assert got == replace(prior, compute=pytest.approx(0.55), nic=pytest.approx(0.6))
+    assert np.allclose(coefficient_vector(got), x)
+
+
+def test_the_knee_round_trips_through_the_ir():
+    text = BASE.replace("cluster @selene {", "cluster @selene {\n  efficiency = efficiency(gemm_knee = 3.4)", 1)
+    m = nereus.verify(nereus.parse(text))
+    assert m.clusters["selene"].efficiency.gemm_knee == 3.4
+    printed = print_ir(m)
+    assert "gemm_knee = 3.4" in printed
+    assert nereus.parse(printed) == m
