@@ -42,7 +42,7 @@ from ..passes.cost.layout_costs import LayoutCost, layout_costs
 NEUTRAL = Efficiency(compute=0.5, overlap=0.5)
 # NEUTRAL with kernel efficiency by shape: the GEMM knee of H100's published cuBLAS curve
 # (``Efficiency.gemm_knee``), scaled to each cluster by its balance; held, not fitted (fitted on
-# ``calibrate``'s grid, the folds chose 3-8, and the worst error left out rose to 32%)
+# ``calibrate``'s grid, the folds chose 2-8, and the worst error left out rose to 28%)
 SHAPED = replace(NEUTRAL, gemm_knee=GEMM_KNEE_H100)
 # the candidates for ``model_error``: from about the calibrate pass's default pull (0.0005: 0.003 at
 # a prior of 0.6) to 50%

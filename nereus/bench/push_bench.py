@@ -291,7 +291,9 @@ def run(quick: bool = False, json_output: bool = False, engines: bool | None = N
             # the engines' load in CPU seconds over the ranks; with the push's, what any overlap of
             # the two must still run on this machine's cores: the fastest end to end it allows
             row["load_cpu_s"] = statistics.median(map(sum, zip(*(r[name]["cpu"]["load"] for r in per_rank))))
-            row["end_to_end_cpu_floor"] = (row["nereus_cpu_s"] + row["load_cpu_s"]) / len(os.sched_getaffinity(0))
+            # the ranks run one thread each (``run_local(threads=1)``): at most WORLD cores serve them
+            cores = min(len(os.sched_getaffinity(0)), WORLD)
+            row["end_to_end_cpu_floor"] = (row["nereus_cpu_s"] + row["load_cpu_s"]) / cores
             row["end_to_end_ratio_bound"] = (best + row["load"]) / max(
                 row["end_to_end_cpu_floor"], row["nereus"], row["load"]
             )

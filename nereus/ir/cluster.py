@@ -35,11 +35,13 @@ class Efficiency:
     figure was fitted. ``calibrate`` fits it when its records hold such layouts.
 
     ``gemm_knee``: kernel efficiency by shape. A GEMM of ``m x k`` by ``k x n`` on one GPU runs at
-    ``compute / (1 + knee / size)`` of the peak, ``size`` the cube root of ``m n k`` and ``knee``
-    this number times the GPU's machine balance (peak FLOPs per HBM byte), so a small GEMM (a
-    small model's, a high TP degree's, an expert's few tokens) costs more per FLOP than a large
-    one; ``compute`` is then the level the largest GEMMs approach. The form is the roofline's sum
-    of a GEMM's FLOPs and its operands' bytes; one number per GPU kind scales by its balance. On
+    ``compute / (1 + knee / size)`` of the peak, ``size`` = ``3 / (1/m + 1/n + 1/k)`` (the cube
+    root of ``m n k`` for a square GEMM, about three times the thinnest dimension of a thin one)
+    and ``knee`` this number times the GPU's machine balance (peak FLOPs per HBM byte), so a
+    small GEMM (a small model's, a high TP degree's, an expert's few tokens) costs more per FLOP
+    than a large one; ``compute`` is then the level the largest GEMMs approach. The form is the
+    roofline's sum of a GEMM's FLOPs and its operands' bytes, ``(m k + k n + m n)``, at an
+    effective traffic the knee sets; one number per GPU kind scales by its balance. On
     H100 SXM, cuBLAS bf16 reaches 716, 741 and 798 TFLOPs at M = N = K = 4096, 6144 and 8192
     (github.com/pranjalssh/fast.cu, README, "Kernel 0: cuBLAS"), which this form fits with a
     knee of 1,008 at 295 FLOPs per byte: 3.4 (``GEMM_KNEE_H100``). The prior, 0, keeps one

@@ -1,8 +1,8 @@
 """Kernel efficiency by shape (``Efficiency.gemm_knee``): each GEMM of a layer costs its FLOPs at
-``compute / (1 + knee / size)``, ``size`` the cube root of its ``m n k`` on one GPU and ``knee``
-the number times the GPU's FLOPs per HBM byte. Checked against the four GEMMs of the 175B GPT of
-Korthikanti et al. written out by hand, by its effect on small against large GEMMs, and through
-the IR."""
+``compute / (1 + knee / size)``, ``size = 3 / (1/m + 1/n + 1/k)`` on one GPU (the roofline's
+FLOPs per operand element) and ``knee`` the number times the GPU's FLOPs per HBM byte. Checked
+against the GEMMs of the 175B GPT of Korthikanti et al. and of Qwen3-235B-A22B's experts written
+out by hand, by its effect on small against large GEMMs, and through the IR."""
 
 from __future__ import annotations
 
@@ -37,14 +37,15 @@ def test_the_knee_charges_each_gemm_of_the_layer_as_written_out_by_hand():
     """GPT-175B (hidden 12,288, a plain MLP of 49,152) on TP 8, one sample of 2,048 tokens per
     micro-batch. Its four GEMMs on one GPU (rows m, columns n, inner k): QKV 2048 x 4608 x 12288,
     the projection 2048 x 12288 x 1536, the MLP's first 2048 x 6144 x 12288, its second
-    2048 x 12288 x 6144. Each costs ``2 m n k x knee / cbrt(m n k)`` FLOPs more, forward and
-    backward (3 passes), in every layer, and the bubble stretches it as it does the rest."""
+    2048 x 12288 x 6144. Each costs ``2 m n k x knee x (1/m + 1/n + 1/k) / 3`` FLOPs more,
+    forward and backward (3 passes), in every layer, and the bubble stretches it as it does the
+    rest."""
     base, m = _stage(TP8_PP8, Efficiency())
     kneed, _ = _stage(TP8_PP8, Efficiency(gemm_knee=2.0))
     cluster = m.clusters["selene"]
     knee = 2.0 * cluster.peak_flops / cluster.hbm_bandwidth  # 2 x 153 FLOPs per byte: GEMMs of 306 at half speed
     gemms = [(2048, 4608, 12288), (2048, 12288, 1536), (2048, 6144, 12288), (2048, 12288, 6144)]
-    extra_per_microbatch = sum(2 * a * b * c * knee / (a * b * c) ** (1 / 3) for a, b, c in gemms)
+    extra_per_microbatch = sum(2 * a * b * c * knee * (1 / a + 1 / b + 1 / c) / 3 for a, b, c in gemms)
     layers, passes, micro_batches, bubble = 12, 3, 64, 7 / 64  # a stage's 12 layers; 1F1B's (p - 1) / m
     want = micro_batches * passes * layers * extra_per_microbatch / cluster.peak_flops * (1 + bubble)
     x = coefficient_vector(Efficiency())
@@ -70,7 +71,9 @@ def test_smaller_gemms_cost_more_per_flop():
         return b["compute"] / a["compute"] - 1
 
     tp1 = "tp = 1, pp = 8, dp = 8, layers = [" + STAGES + "], mesh = [0..63], micro_batches = 8, recompute = true"
-    assert extra_share(TP8_PP8) > 1.5 * extra_share(tp1) > 0
+    # sizes: TP 1's GEMMs 2048 x 12288 x 12288 to 2048 x 49152 x 12288 (4,608-5,085); TP 8's
+    # output projection 2048 x 12288 x 1536 (2,458), its others 3,813-4,096
+    assert extra_share(TP8_PP8) > 1.25 * extra_share(tp1) > 0
 
 
 def test_calibrate_grid_moves_the_knee_as_a_rebuilt_cost_would():
@@ -102,3 +105,24 @@ def test_the_knee_round_trips_through_the_ir():
     printed = print_ir(m)
     assert "gemm_knee = 3.4" in printed
     assert nereus.parse(printed) == m
+
+
+def test_an_experts_rows_are_its_share_of_the_ep_groups_tokens():
+    """Qwen3-235B-A22B (hidden 4,096, 64 query and 4 KV heads of 128, 128 experts of 1,536, top 8)
+    as Megatron-Bridge's H100 recipe runs it: TP 2, EP 32, each expert whole on one rank (ETP 1),
+    4,096 tokens a micro-batch. Each of the 32 EP ranks dispatches the half of its tokens it holds
+    (TP 2), so an expert receives 32 x 2,048 x 8 / 128 = 4,096 rows, and its gated MLP is two
+    GEMMs: 4096 x 3072 x 4096 (gate and up) and 4096 x 4096 x 1536 (down). The attention's four
+    projections are split over TP 2: QKV 4096 x 4608 x 4096, the output 4096 x 4096 x 4096."""
+    m = nereus.verify(nereus.parse((ROOT / "validation" / "moe" / "megatron_bridge_h100_b200.nir").read_text()))
+    model = m.models["qwen3_235b_a22b"]
+    knee = 300.0
+
+    def extra(flops, a, b, c):
+        return flops * knee * (1 / a + 1 / b + 1 / c) / 3
+
+    attention = extra(2 * 4096 * (8192 + 1024), 4096, 4608, 4096) + extra(2 * 8192 * 4096, 4096, 4096, 4096)
+    expert = extra(2 * 2 * 4096 * 1536, 4096, 3072, 4096) + extra(2 * 4096 * 1536, 4096, 4096, 1536)
+    want = attention + 8 * expert  # every layer a mixture of experts; each token through 8 of them
+    got = CostModel.gemm_shape_flops(model, np.array([4096.0]), np.array([2]), np.array([32]), np.array([1]), knee)
+    assert float(got[0]) == pytest.approx(want, rel=1e-12)

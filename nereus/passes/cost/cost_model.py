@@ -424,6 +424,9 @@ class StageCost:
         }
         for name, waited in self.waits.items():
             out[name] = out.get(name, 0.0) + float(waited[i])
+        if self.shape is not None and self.shape[1] != self.shape[2]:  # calibrate's grid moved the knee
+            per_knee, knee, built = self.shape
+            out["compute"] = out.get("compute", 0.0) + (knee - built) * float(per_knee[i] @ coeffs)
         if self.overlap is not None:
             out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
         if self.tp_overlap is not None:
@@ -515,19 +518,24 @@ class CostModel:
 
     @staticmethod
     def gemm_shape_flops(model: Model, tokens, tp, ep, etp, knee: float) -> np.ndarray:
-        """Forward FLOPs per token of one layer's GEMMs that their shapes add (``gemm_flops`` is
-        the rest): a GEMM of ``m x k`` by ``k x n`` on one GPU runs at ``1 / (1 + knee / size)``
-        of the largest GEMMs' efficiency, ``size`` the cube root of ``m n k``, so it costs
-        ``flops x knee / size`` more (``Efficiency.gemm_knee``). ``tokens``: a micro-batch's
+        """Forward FLOPs per token that one layer's GEMMs add for their shapes (``Efficiency.gemm_knee``):
+        a GEMM of ``m x k`` by ``k x n`` on one GPU runs at ``1 / (1 + knee / size)`` of the
+        largest GEMMs' efficiency, so it costs ``flops x knee / size`` more. ``size`` is
+        ``3 / (1/m + 1/n + 1/k)``: its FLOPs per operand element, as the roofline counts them
+        (``(m k + k n + m n) / (m n k)``), the cube root of ``m n k`` for a square GEMM and
+        about three times its thinnest dimension for a thin one. ``tokens``: a micro-batch's
         tokens on one GPU, the rows of its dense GEMMs; a routed expert's rows are its share of
-        the tokens of the ``ep`` ranks that dispatch to it. Per candidate."""
+        the tokens its EP group dispatches to it (each of ``ep`` ranks sends the ``1 / tp`` of its
+        tokens it holds, gathered over ``etp`` ranks). The router (``h x experts``) is left at
+        the large GEMMs' efficiency. Per candidate."""
         h, q, kv = model.hidden, model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
         m = np.maximum(np.asarray(tokens, dtype=float), 1.0)
         tp = np.asarray(tp, dtype=float)
 
         def extra(flops, n, k, rows):  # flops per token of the whole GEMM; n, k on this GPU
-            return flops * knee / np.cbrt(np.maximum(rows, 1.0) * np.maximum(n, 1.0) * np.maximum(k, 1.0))
+            inverse = 1 / np.maximum(rows, 1.0) + 1 / np.maximum(n, 1.0) + 1 / np.maximum(k, 1.0)
+            return flops * knee * inverse / 3
 
         out = extra(2 * h * (q + 2 * kv), (q + 2 * kv) / tp, h, m) + extra(2 * q * h, h, q / tp, m)
 
@@ -539,8 +547,9 @@ class CostModel:
         if not model.moe:
             return out + mlp(model.ffn, m, tp)
         e, k_e, f_e = cast(int, model.experts), cast(int, model.experts_per_token), cast(int, model.expert_ffn)
-        rows = m * k_e * np.asarray(ep, dtype=float) / e  # tokens routed to one expert, from its EP group
-        moe = k_e * mlp(f_e, rows, np.asarray(etp, dtype=float))
+        etp = np.asarray(etp, dtype=float)
+        rows = m * k_e * np.asarray(ep, dtype=float) * etp / (e * tp)  # tokens routed to one expert
+        moe = k_e * mlp(f_e, rows, etp)
         if model.shared_expert_ffn:
             moe = moe + mlp(model.shared_expert_ffn, m, tp)
         dense = mlp(model.ffn, m, tp) if model.dense_layers else 0.0
@@ -789,7 +798,9 @@ class CostModel:
             add("compute", C_COMPUTE, ideal)
             add("bubble", C_COMPUTE, ideal * bubble)
             # the GEMMs' shapes: each micro-batch's GEMMs below the largest GEMMs' efficiency (FP8
-            # ones at the FP8 peak), with the bubble they stretch; per unit of ``gemm_knee``
+            # ones at the FP8 peak), with the bubble they stretch; per unit of ``gemm_knee``. The
+            # windows that hide TP and DP traffic, and the busiest EP rank's stretch, count the
+            # GEMMs at the large GEMMs' efficiency (without this term): they hide a little less
             fp8_rate = np.where(c.fp8, peak / (self.cluster.peak_flops_fp8 or peak), 1.0)
             balance = peak / self.cluster.hbm_bandwidth  # the knee in GEMM size: gemm_knee x the machine balance
             per_knee = self.gemm_shape_flops(model, mbs * s / cp, tp, ep, c.etp, balance) * fp8_rate
