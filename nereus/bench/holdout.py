@@ -193,3 +193,13 @@ def summary(errors) -> dict:
         "mean_signed": float(np.mean(e)),
         "n": len(e),
     }
+
+
+def summaries(h: dict) -> dict:
+    """``summary`` of a ``holdout`` result's in-sample, leave-one-source-out and
+    calibration-transfer errors, by the names ``validation/holdout.json`` records them under."""
+    return {
+        "in_sample": summary(h["in_sample"]),
+        "leave_one_source_out": summary(h["loso"]),
+        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
+    }

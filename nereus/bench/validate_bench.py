@@ -359,7 +359,7 @@ def _moe_report(console: Console | None) -> dict:
 def _holdout_report(rows: list[Case], console: Console | None) -> dict:
     """In-sample, leave-one-source-out and calibration-transfer errors (``holdout``), and the best
     constant's leave-one-source-out errors beside them (``constant_holdout``)."""
-    from .holdout import NEUTRAL, SHAPED, constant_holdout, figures, holdout, summary
+    from .holdout import NEUTRAL, SHAPED, constant_holdout, figures, holdout, summaries, summary
 
     figs = figures(VALIDATION)
     h = holdout(figs)
@@ -387,18 +387,11 @@ def _holdout_report(rows: list[Case], console: Console | None) -> dict:
         }
     out = {
         "prior": vars(NEUTRAL),
-        "in_sample": summary(h["in_sample"]),
+        **summaries(h),
         "in_sample_fit": {k: round(v, 4) for k, v in vars(h["in_sample_fit"]).items()},
         "in_sample_model_error": h["model_error"],
-        "leave_one_source_out": summary(h["loso"]),
-        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
         "constant_leave_one_source_out": summary(constant),
-        "gemm_shape": {
-            "prior": vars(SHAPED),
-            "in_sample": summary(shaped["in_sample"]),
-            "leave_one_source_out": summary(shaped["loso"]),
-            "calibration_transfer": summary([t["error"] for t in shaped["transfer"]]),
-        },
+        "gemm_shape": {"prior": vars(SHAPED), **summaries(shaped)},
         "by_source": by_source,
         "rows": [
             {

@@ -81,7 +81,7 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
     import json
     from dataclasses import asdict
 
-    from nereus.bench.holdout import MODEL_ERRORS, NEUTRAL, summary
+    from nereus.bench.holdout import MODEL_ERRORS, NEUTRAL, summaries
     from nereus.ir.cluster import PRIOR_UNCERTAINTY, Efficiency
 
     record = json.loads((VALIDATION / "holdout.json").read_text())
@@ -97,9 +97,7 @@ def test_holdout_errors_are_restated_whenever_a_prior_moves_past_its_uncertainty
     _, h = held
     measured = {
         "with_priors": {"median": float(np.median(err["model"])), "worst": float(np.max(err["model"]))},
-        "in_sample": summary(h["in_sample"]),
-        "leave_one_source_out": summary(h["loso"]),
-        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
+        **summaries(h),
     }
     for k, got in measured.items():
         for stat in ("median", "worst"):
@@ -115,19 +113,14 @@ def test_the_hold_out_with_gemms_by_shape_is_restated_as_measured(held):
     both ways (leaving a source out: median down, worst up), which is why the prior stays 0."""
     import json
 
-    from nereus.bench.holdout import NEUTRAL, SHAPED, holdout, summary
+    from nereus.bench.holdout import NEUTRAL, SHAPED, holdout, summaries
     from nereus.ir.cluster import GEMM_KNEE_H100
 
     record = json.loads((VALIDATION / "holdout.json").read_text())["gemm_shape"]
     assert SHAPED == replace(NEUTRAL, gemm_knee=GEMM_KNEE_H100) and record["gemm_knee"] == GEMM_KNEE_H100
     figs, _ = held
     h = holdout(figs, SHAPED)
-    measured = {
-        "in_sample": summary(h["in_sample"]),
-        "leave_one_source_out": summary(h["loso"]),
-        "calibration_transfer": summary([t["error"] for t in h["transfer"]]),
-    }
-    for k, got in measured.items():
+    for k, got in summaries(h).items():
         for stat in ("median", "worst"):
             assert got[stat] == pytest.approx(record[k][stat], abs=1e-3), (k, stat)
 
