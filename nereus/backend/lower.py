@@ -14,6 +14,10 @@ layer range; the runtime moves tensors as a training loop names them, one per la
    the receiver's destination shard travels alone (``direct``: the contiguous side sends from or
    receives into the shard itself, only a strided side copies); the rest is packed into
    buckets of at most ``bucket_bytes`` (one message each), as verl and NeMo-RL pack weights;
+   with ``waves`` > 1 a level's messages go in that many successive rounds, the model's tensors
+   in the order an engine loads them (the first stage's, layer 0 to the last, the last
+   stage's) cut into runs of equal length: a consumer takes each run's tensors as its round
+   lands while the next is on the wire (``execute``'s ``ready``, the weight push's stream);
 4. a ``broadcast`` operation is sent from its root to each receiver inside the same round
    (``broadcast="p2p"``); or as a pipelined chain (``"chain"``): the payload in chunks of
    ``chunk_bytes`` passes from the root through the receivers in ring order, chunk c crossing
@@ -71,6 +75,7 @@ def lower(
     broadcast: str = "auto",
     gpus: list[int] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK,
+    waves: int = 1,
 ) -> Program:
     """The collective program of ``transition``; see the module docstring.
 
@@ -80,11 +85,14 @@ def lower(
     """
     if broadcast not in BROADCASTS:
         raise ValueError(f"broadcast is one of {', '.join(BROADCASTS)}")
+    if waves < 1:
+        raise ValueError(f"waves = {waves}: a level's messages need at least one round")
     t = m.transitions[transition]
     for p in (t.source, t.target):
         m.require_emus(p, "lower-collectives")
     with gc_paused():  # 40% of a 32-GPU lowering went to the collector (ir/gc_pause.py)
-        low = _Lowering(m, transition, gpus, bucket_bytes, direct_bytes, broadcast, chunk_bytes)  # 1. ranks and shards
+        # 1. ranks and shards
+        low = _Lowering(m, transition, gpus, bucket_bytes, direct_bytes, broadcast, chunk_bytes, waves)
         for op in t.ops:  # 2.-6. levels; every operation cut into per-layer pieces and steps
             low.cut(op)
         check_coverage(low.dst, low.kept, low.written, t.restored is not None)  # 7. every destination byte written once
@@ -92,6 +100,17 @@ def lower(
         prog = low.assemble()  # 3. pieces packed into messages and rounds; the program, rank by rank
         check_slices(prog)  # 7. every piece inside its rank's shards
     return prog
+
+
+def load_wave(model, name: str, waves: int) -> int:
+    """Which of ``waves`` runs a tensor of ``model`` falls in when the model's tensors are taken
+    in the order an engine loads them (the first pipeline stage's, layer 0 to the last, the last
+    stage's) and cut into ``waves`` runs of equal length."""
+    if name.startswith("layers."):
+        place = 1 + int(name.split(".")[1])
+    else:
+        place = model.layers + 1 if model.tensors[name].placement == "last" else 0
+    return min(waves - 1, place * waves // (model.layers + 2))
 
 
 def _levels(ops: list[Op]) -> dict[str, int]:
@@ -147,8 +166,11 @@ class _Lowering:
         direct_bytes: int,
         broadcast: str,
         chunk_bytes: int,
+        waves: int = 1,
     ):
         t = self.t = m.transitions[transition]
+        self.m, self.waves = m, waves
+        self._wave: dict[tuple[str, str], int] = {}
         self.name, self.bucket_bytes, self.direct_bytes = transition, bucket_bytes, direct_bytes
         self.broadcast, self.chunk_bytes = broadcast, chunk_bytes
         # 1. every rank's shards under both plans, and the destination shards that stay in place
@@ -184,12 +206,12 @@ class _Lowering:
         self.n_levels = 1 + max(self.level.values(), default=-1)
         self.before: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> loads, copies, unstages
         self.after: dict[tuple[int, int], list[Step]] = defaultdict(list)  # (rank, level) -> copies from what arrived
-        self.pending: dict[tuple[int, int, int, int], list[Piece]] = defaultdict(
+        self.pending: dict[tuple[int, int, int, int, int], list[Piece]] = defaultdict(
             list
-        )  # (level, sub-round, sender, receiver)
-        self.chains: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(
+        )  # (level, wave, sub-round, sender, receiver)
+        self.chains: dict[tuple[int, int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(
             list
-        )  # (level, root, ring)
+        )  # (level, wave, root, ring)
         self.bcasts: dict[tuple[int, int, tuple[int, ...]], list[dict[int, Piece]]] = defaultdict(
             list
         )  # receiver -> piece
@@ -235,6 +257,13 @@ class _Lowering:
                 fed = self.fed_by[op.id] = unstage_feeders(op, by_id)
                 for f in fed:
                     self.staged_for[(f.id, g)] = list(op.dst)
+
+    def wave(self, model_stage: str, name: str) -> int:
+        """3. The wave a tensor's pieces travel in (``load_wave``)."""
+        w = self._wave.get((model_stage, name))
+        if w is None:
+            w = self._wave[(model_stage, name)] = load_wave(self.m.models[model_stage.split(".")[0]], name, self.waves)
+        return w
 
     def chained(self, root_gpu: int, remote: int) -> bool:
         """4. Whether a broadcast from ``root_gpu`` to ``remote`` receivers is chained (or a collective)."""
@@ -318,6 +347,7 @@ class _Lowering:
             for state, name in names:
                 sk = self.key(sref, state, name)
                 nb = _nbytes(box, self.src_spec[(s, sk)].itemsize)
+                wave = self.wave(sref.model_stage, name) if self.waves > 1 else 0
                 group_pieces: dict[int, Piece] = {}
                 for g, refs in by_gpu.items():
                     r = rank_of[g]
@@ -328,7 +358,7 @@ class _Lowering:
                     elif grouped:
                         group_pieces[r] = piece
                     else:
-                        self.pending[(lv, 0, s, r)].append(piece)
+                        self.pending[(lv, wave, 0, s, r)].append(piece)
                     if g in staged:
                         continue  # written into the shards by the unstage
                     self.written[(r, first)] += nb
@@ -342,33 +372,33 @@ class _Lowering:
                     self.bcasts[(lv, s, tuple(remote))].append(group_pieces)
                 elif group_pieces:  # a ring from the root through the receivers, in rank order after it
                     ring = tuple(sorted(remote, key=lambda x: (x - s) % len(self.gpus)))
-                    self.chains[(lv, s, ring)].append(group_pieces)
+                    self.chains[(lv, wave, s, ring)].append(group_pieces)
 
     # -- 4. chains -----------------------------------------------------------------------------
     def chain(self) -> None:
         """Pipelined chains: the payload of each (root, ring) in chunks; chunk c crosses hop h in
         sub-round c + h, so every link of the ring is busy at once and each rank sends to one
         neighbour (a chunked ring broadcast made of point-to-point messages)."""
-        for (lv, s, ring), entries in self.chains.items():
+        for (lv, wave, s, ring), entries in self.chains.items():
             done = 0
             for e in entries:
                 c = done // self.chunk_bytes
                 done += next(iter(e.values())).nbytes
                 for h, r in enumerate(ring):
                     if h == 0:
-                        self.pending[(lv, c, s, r)].append(e[r])
+                        self.pending[(lv, wave, c, s, r)].append(e[r])
                     else:
                         prev = e[ring[h - 1]]
-                        self.pending[(lv, c + h, ring[h - 1], r)].append(
+                        self.pending[(lv, wave, c + h, ring[h - 1], r)].append(
                             Piece(prev.dst, e[r].dst, prev.box, prev.nbytes, arrived=True)
                         )
 
     # -- 3. messages, rounds and the program -----------------------------------------------------
-    def _messages(self, ids) -> dict[tuple[int, int, int], tuple[list[Message], list[Message]]]:
-        """(rank, level, sub-round) -> (sends, receives): a piece of at least ``direct_bytes``
+    def _messages(self, ids) -> dict[tuple[int, int, int, int], tuple[list[Message], list[Message]]]:
+        """(rank, level, wave, sub-round) -> (sends, receives): a piece of at least ``direct_bytes``
         contiguous on one side travels alone, the rest is packed into buckets."""
-        rounds: dict[tuple[int, int, int], tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
-        for (lv, sub, s, r), pieces in sorted(self.pending.items()):
+        rounds: dict[tuple[int, int, int, int], tuple[list[Message], list[Message]]] = defaultdict(lambda: ([], []))
+        for (lv, wave, sub, s, r), pieces in sorted(self.pending.items()):
             direct, packed = [], []
             for p in pieces:
                 held = (self.dst_spec if p.arrived else self.src_spec)[(s, p.src)].box
@@ -387,8 +417,8 @@ class _Lowering:
                 bucket.append(p)
             if bucket:
                 msgs.append(Message(next(ids), s, r, tuple(bucket), False))
-            rounds[(s, lv, sub)][0].extend(msgs)
-            rounds[(r, lv, sub)][1].extend(msgs)
+            rounds[(s, lv, wave, sub)][0].extend(msgs)
+            rounds[(r, lv, wave, sub)][1].extend(msgs)
         return rounds
 
     def _broadcast_steps(self, ids, groups: list[tuple[int, ...]]) -> dict[tuple[int, int], list[Step]]:
@@ -414,7 +444,7 @@ class _Lowering:
     def assemble(self) -> Program:
         ids = iter(range(1 << 62))
         rounds = self._messages(ids)
-        round_no = {k: i for i, k in enumerate(sorted({(lv, sub) for (_, lv, sub) in rounds}))}
+        round_no = {k: i for i, k in enumerate(sorted({(lv, wave, sub) for (_, lv, wave, sub) in rounds}))}
         groups: list[tuple[int, ...]] = []
         bsteps = self._broadcast_steps(ids, groups)
         t = self.t
@@ -427,7 +457,7 @@ class _Lowering:
             dst=self.dst,
             groups=groups,
             bucket_bytes=self.bucket_bytes,
-            round_levels=[lv for lv, _ in sorted(round_no)],
+            round_levels=[lv for lv, _, _ in sorted(round_no)],
         )
         for r in range(len(self.gpus)):
             steps: list[Step] = []
@@ -439,8 +469,8 @@ class _Lowering:
                 steps.append(Step("alloc", keys=alloc))
             for lv in range(self.n_levels):
                 steps += self.before.get((r, lv), [])
-                for (level, sub), no in round_no.items():
-                    sends, recvs = rounds.get((r, level, sub), ([], []))
+                for (level, wave, sub), no in round_no.items():
+                    sends, recvs = rounds.get((r, level, wave, sub), ([], []))
                     if level == lv and (sends or recvs):
                         steps.append(
                             Step(

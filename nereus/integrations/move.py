@@ -31,19 +31,21 @@ def plan_move(
     world: int | None = None,
     gpus: list[int] | None = None,
     broadcast: str = "auto",
+    waves: int = 1,
 ) -> Program:
     """The lowered program of the move from plan ``source`` to ``target`` (named ``transition``,
     default ``source_to_target``), planned first where the module does not hold it. Rank ``r``
     is GPU ``gpus[r]`` (default: GPU ``r`` of ``world``, the default group's size): a process
     group of the ranks that remain after a shrink passes its members. ``broadcast``: ``lower``'s
     (``"chain"`` or ``"p2p"`` for a program that runs in a process group of some ranks, which
-    makes no subgroups)."""
+    makes no subgroups). ``waves``: ``lower``'s (the messages in that many rounds, in the order
+    an engine loads the model)."""
     name = transition or f"{source}_to_{target}"
     if name not in module.transitions:
         run_pipeline(module, f"plan-transition{{source=@{source},to=@{target},into=@{name},drain=true}}")
     if gpus is None:
         gpus = list(range(dist.get_world_size() if world is None else world))
-    return lower(module, name, gpus=list(gpus), broadcast=broadcast)
+    return lower(module, name, gpus=list(gpus), broadcast=broadcast, waves=waves)
 
 
 def move(

@@ -12,7 +12,10 @@ with placeholder weights (``load_format="dummy"``) and every weight it serves ar
 
 ``load(named)`` hands whole Hugging Face-named tensors to the worker's ``reload_weights`` (vLLM's
 CPU build re-packs linear weights for oneDNN at load, so its buffers cannot be filled in place)
-and resets the prefix cache, without which cached prompts keep the old weights' KV.
+and resets the prefix cache, without which cached prompts keep the old weights' KV. ``named``
+may be a stream (``WeightStream``, a push's waves as they land), which vLLM's loader takes as it
+comes, processing each layer once its weights are in. Until a load completes the engine is
+``torn``: ``generate`` and ``score`` refuse to run on a mix of old and new weights.
 
 ``generate(prompts, ...)`` samples with per-prompt seeds and returns the tokens and vLLM's own
 log-probability of each sampled token (the checks compare them with the trainer's).
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +159,7 @@ class VllmEngine:
         self.tp = tp
         self.start_s = time.perf_counter() - t0
         self.loads = 0
+        self.torn = False  # a load began and did not complete: part old weights, part new
 
     def close(self, keep_world: bool = False) -> None:
         """Shut the engine down. An engine started inside an initialised job adopts the job's
@@ -189,18 +194,30 @@ class VllmEngine:
             parallel_state.destroy_distributed_environment = whole
         self.llm = None
 
-    def load(self, named: dict[str, torch.Tensor]) -> float:
-        """Replace the engine's weights by ``named`` (every tensor whole, Hugging Face names);
-        the seconds it took."""
+    def load(self, named: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Replace the engine's weights by ``named`` (every tensor whole, Hugging Face names: a
+        dict, or a ``WeightStream`` taken as it lands); the seconds it took. The engine is
+        ``torn`` after a load that raised or a stream that did not complete."""
         t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named.items()))})
+        self.torn = True
+        pairs = iter(list(named.items())) if isinstance(named, dict) else iter(named)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
         self.llm.reset_prefix_cache()
-        self.loads += 1
+        self.torn = not getattr(named, "complete", True)
+        self.loads += not self.torn
         return time.perf_counter() - t0
+
+    def _serving(self) -> None:
+        if self.torn:
+            raise RuntimeError(
+                "the engine is torn: a weight load did not complete and it holds part old, part new "
+                "weights; push the weights again before generating"
+            )
 
     def score(self, seqs: list[list[int]]) -> list[list[float]]:
         """vLLM's log-probability of every token of each sequence after the first (prompt
         log-probabilities of a one-token request): what the served weights say of given tokens."""
+        self._serving()
         vllm = require_vllm()
         params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         outs = self.llm.generate([{"prompt_token_ids": list(q)} for q in seqs], params, use_tqdm=False)
@@ -211,6 +228,7 @@ class VllmEngine:
     ) -> list[Sampled]:
         """``n`` samples of up to ``max_tokens`` tokens per prompt (token ids), request ``i``
         seeded with ``seeds[i]``; generation stops at the config's ``eos_token_id``."""
+        self._serving()
         vllm = require_vllm()
         params = [
             vllm.SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=s, logprobs=0) for s in seeds

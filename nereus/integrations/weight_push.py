@@ -23,10 +23,22 @@ its weights back to their TP shards (``DTensor.redistribute`` of the DP placemen
 ``Replicate``: torch's all-gather, ``_StridedShard`` included), which is ``@held`` with
 ``zero = 0``; the push program then runs from there. The gather moves ``(dp - 1) / dp`` of the
 weights into every trainer rank, engine or not (verl's FSDP -> vLLM sync gathers the same way).
+
+``push_into(engine, live)`` hides the engine's own load behind the transfer: the same transition
+lowered in ``waves`` rounds (the model's tensors in the order the engine loads them, cut into
+runs), run on a thread of its own, each round's tensors handed to the engine's loader
+(``VllmEngine.load`` of a ``WeightStream``: vLLM's ``reload_weights`` processes a layer as soon as
+its weights are in) while the next round is on the wire, as verl's checkpoint engine receives a
+bucket while the engine loads the last. The engine takes tensors before the commit agreement, so
+a push that fails after the first wave leaves it ``torn``: it refuses to generate or score until
+a push completes, and the trainer's weights, untouched, are pushed again. No rollout comes from
+mixed weights.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +55,8 @@ from .hf_llama import PREFIX, LiveLlama
 from .job import training_job
 from .llama_state import live_tensor
 from .move import plan_move
+
+MAX_WAVES = 16  # more rounds add per-round latency and checksum messages for little more overlap
 
 
 def hf_name(name: str) -> str:
@@ -80,6 +94,77 @@ def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
     return p.detach().redistribute(p.device_mesh, placements).to_local()
 
 
+class WeightStream:
+    """A push's weights as its waves land, for an engine's loader: ``put`` (on the pushing
+    thread) queues each wave's (Hugging Face name, tensor) pairs; iterating takes them until the
+    push ends. ``complete``: the push committed and every tensor was taken.
+    ``abandon``: the loader failed, and the next ``put`` fails the push on this rank (so every
+    rank rolls back)."""
+
+    _END = object()
+
+    def __init__(self, timeout: float):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.timeout, self.complete, self.abandoned = timeout, False, None
+
+    def put(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if self.abandoned is not None:
+            raise RuntimeError(f"the engine stopped loading ({self.abandoned})")
+        self._queue.put(pairs)
+
+    def close(self, error: BaseException | None = None) -> None:
+        self._queue.put(self._END if error is None else error)
+
+    def abandon(self, error: BaseException) -> None:
+        self.abandoned = error
+
+    def __iter__(self):
+        while True:
+            try:
+                item = self._queue.get(timeout=self.timeout)
+            except queue.Empty:  # the push is stuck past its own bounds: stop loading (the engine is torn)
+                return
+            if item is self._END:
+                self.complete = True
+                return
+            if isinstance(item, BaseException):
+                return
+            yield from item
+
+
+def load_behind(engine, push, timeout: float):
+    """Run ``push(put)`` on a thread of its own while ``engine`` loads what it ``put``s, as it
+    comes (a ``WeightStream``); ``push``'s result. ``push``'s error is raised here once the
+    engine has stopped loading; an engine error abandons the stream, which fails ``push`` at its
+    next ``put``. Raises ``RuntimeError`` if ``push`` succeeded but the engine did not take the
+    whole stream (it is then torn)."""
+    stream = WeightStream(timeout=2 * timeout + 60)
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = push(stream.put)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = e
+        finally:
+            stream.close(result.get("error"))
+
+    pushing = threading.Thread(target=run, name="nereus-push", daemon=True)
+    pushing.start()
+    try:
+        engine.load(stream)
+    except BaseException as e:
+        stream.abandon(e)
+        raise
+    finally:
+        pushing.join()
+    if "error" in result:
+        raise result["error"]
+    if not stream.complete:
+        raise RuntimeError("the push completed but the engine stopped loading before its end: it is torn")
+    return result["value"]
+
+
 @dataclass
 class PushStats:
     pushes: int = 0
@@ -92,7 +177,9 @@ class WeightPush:
     """The push of ``model``'s weights from the trainer's ``held`` layout to engines on ``engines``
     (GPU ids = ranks of the default group, which has ``world`` ranks). Every rank constructs it
     (planning and lowering are pure: every rank gets the same program) and calls ``push``;
-    after a shrink, every rank of ``group`` (its ranks ``members`` of the default group)."""
+    after a shrink, every rank of ``group`` (its ranks ``members`` of the default group).
+    ``waves``: the rounds ``push_into`` streams in (default: one per layer, plus the first and
+    last stages' tensors, at most ``MAX_WAVES``)."""
 
     def __init__(
         self,
@@ -104,6 +191,7 @@ class WeightPush:
         timeout: float = 60.0,
         group=None,
         members: list[int] | None = None,
+        waves: int | None = None,
     ):
         if not engines or len(set(engines)) != len(engines) or not all(0 <= g < world for g in engines):
             raise ValueError(
@@ -136,6 +224,8 @@ class WeightPush:
         m = training_job(model, {"held": held, "engine": engine}, world)
         self.module: Module = m
         self.program = plan_move(m, "held", "engine", "push", world, gpus=members)
+        self.waves = waves if waves is not None else min(MAX_WAVES, model.layers + 2)
+        self._streamed = None  # the program ``push_into`` runs, lowered at its first call
         self.held_specs = plan_layout(self.module, "held")
         self.stats = PushStats()
 
@@ -207,15 +297,55 @@ class WeightPush:
         self, state: dict[StateKey, torch.Tensor], faults: tuple = (), timeout: float | None = None
     ) -> dict[str, torch.Tensor]:
         """``push`` from this rank's ``@held`` state as given (``state_of`` or ``state_of_params``)."""
+        return self._run(self.program, state, faults, timeout)
+
+    @property
+    def streamed(self):
+        """The push lowered in ``waves`` rounds, in the order an engine loads the model."""
+        if self._streamed is None:
+            self._streamed = plan_move(
+                self.module, "held", "engine", "push", self.world, gpus=self.members, waves=self.waves
+            )
+        return self._streamed
+
+    def push_into(
+        self,
+        engine,
+        live: LiveLlama | None = None,
+        *,
+        state: dict[StateKey, torch.Tensor] | None = None,
+        faults: tuple = (),
+        timeout: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``push`` with this rank's ``engine`` (None on a rank without one) loading each wave as
+        it lands while the next is on the wire; returns what ``push`` returns. Every rank calls
+        it, with ``live`` or its ``@held`` ``state``. On failure it raises ``TransitionError``
+        (the trainer's weights untouched); an engine that took part of the new weights is then
+        ``torn`` (it refuses to generate until a push completes). A loader that fails fails the
+        push on every rank, if the push has not committed yet."""
+        state = self.state_of(live) if state is None else state
+        if engine is None:
+            return self._run(self.streamed, state, faults, timeout)
+
+        def push(put):
+            def ready(shards):
+                put([(hf_name(k.tensor), t) for k, t in shards.items() if k.state == "weight"])
+
+            return self._run(self.streamed, state, faults, timeout, ready=ready)
+
+        return load_behind(engine, push, self.timeout if timeout is None else timeout)
+
+    def _run(self, program, state, faults, timeout, ready=None) -> dict[str, torch.Tensor]:
         stats = Stats()
         t0 = time.perf_counter()
         new = execute(
-            self.program,
+            program,
             state,
             timeout=self.timeout if timeout is None else timeout,
             faults=faults,
             stats=stats,
             group=self.group,
+            ready=ready,
         )
         self.stats.seconds.append(time.perf_counter() - t0)
         self.stats.pushes += 1

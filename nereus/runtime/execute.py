@@ -131,8 +131,10 @@ class _Rank:
         stats: Stats,
         memory_limit: int | None = None,
         out: LocalState | None = None,
+        ready=None,
     ):
         self.prog, self.rank, self.device, self.stats = prog, rank, device, stats
+        self.ready = ready  # called with each destination shard as its last write lands (``execute``)
         self.memory_limit = memory_limit
         self.timeout = datetime.timedelta(seconds=timeout)
         self.faults = [f for f in faults if f.rank == rank]
@@ -157,6 +159,8 @@ class _Rank:
         self.groups: dict[tuple[int, ...], object] = {}
         self.group = None  # the process group the program's ranks are ranks of (None: the default group)
         self.digest: tuple | None = None  # the digest all-gather in flight (``_post_digest``)
+        if ready is not None:  # writes still to come into each destination shard
+            self.left = Counter(k for s in prog.steps.get(rank, []) for k in _writes(s, rank))
 
     # -- slices --------------------------------------------------------------------------------
     def slices(self, p: Piece) -> tuple:
@@ -308,9 +312,25 @@ class _Rank:
                 for c in pending:
                     self.run(c)
                 self.run(step)
+            self.landed([*pending, step])
             pending = []
         for c in pending:
             self.run(c)
+        self.landed(pending)
+
+    def landed(self, steps: list[Step]) -> None:
+        """Hand ``ready`` the destination shards whose last write was among ``steps`` (run):
+        every byte of them in place, each message checksummed."""
+        if self.ready is None:
+            return
+        done = []
+        for s in steps:
+            for k in _writes(s, self.rank):
+                self.left[k] -= 1
+                if not self.left[k]:
+                    done.append(k)
+        if done:
+            self.ready({k: self.new[k] for k in done})
 
     def exchange(self, step: Step, copies: list[Step] = ()) -> None:
         """One round. Receives are posted first; on gloo each send is posted as soon as its
@@ -450,6 +470,20 @@ class _Rank:
         return out
 
 
+def _writes(step: Step, rank: int) -> list[StateKey]:
+    """The destination shards ``step`` writes on ``rank``, once per write (a staged piece is
+    written by its ``unstage``)."""
+    if step.kind == "keep":
+        return list(step.keys)
+    if step.kind in ("copy", "unstage"):
+        return [] if step.piece.staged and step.kind == "copy" else [step.piece.dst]
+    if step.kind == "round":
+        return [p.dst for m in step.recvs for p in m.pieces if not p.staged]
+    if step.kind == "broadcast" and step.group[0] != rank:
+        return [p.dst for p in step.message.pieces if not p.staged]
+    return []
+
+
 def _check_out(
     out: LocalState, dst_spec: dict[StateKey, ShardSpec], src: dict[StateKey, torch.Tensor], rank: int, device
 ) -> LocalState:
@@ -549,6 +583,7 @@ def execute(
     out: LocalState | None = None,
     group=None,
     restore: bool = False,
+    ready=None,
 ) -> LocalState:
     """This rank's plan-B state, from its plan-A ``state`` (left untouched); see the module docstring.
 
@@ -569,6 +604,12 @@ def execute(
     ``out``: buffers that already exist for some of plan B's shards (a generation engine's
     weights, say), filled in place and returned as those shards instead of new tensors. After a
     failure they hold partial data; plan A's ``state`` is intact as always.
+
+    ``ready``: called on this rank with ``{key: shard}`` as destination shards become whole
+    (their last piece landed and checked), round by round, before the commit: a consumer (an
+    engine's loader) may read them while later rounds are on the wire (``lower``'s ``waves``).
+    It reads them, never writes them. They are not committed: if the transition then fails,
+    ``execute`` still raises ``TransitionError``, and what the consumer took must be dropped.
     """
     rank, world = (group.rank, group.size) if is_private(group) else (dist.get_rank(group), dist.get_world_size(group))
     if world != program.world:
@@ -584,7 +625,16 @@ def execute(
         digest = _post_digest(program, rank, world, device, group)
         # a rank whose state or buffers do not match the program fails here, and every rank learns it below
         me = _Rank(
-            program, rank, state, device, timeout, faults, stats if stats is not None else Stats(), memory_limit, out
+            program,
+            rank,
+            state,
+            device,
+            timeout,
+            faults,
+            stats if stats is not None else Stats(),
+            memory_limit,
+            out,
+            ready,
         )
         me.digest, me.group = digest, group
         if program.groups:  # broadcast subgroups: created by every rank of the same program, in the same order

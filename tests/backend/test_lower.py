@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nereus
-from nereus.backend.lower import contiguous, lower
+from nereus.backend.lower import contiguous, load_wave, lower
 from nereus.backend.program import Message, Piece, Program, Step
 from nereus.backend.script import pyrepr, render_script
 from nereus.passes.transition.derive_emus import derive_missing_emus
@@ -42,6 +42,50 @@ def test_program_sends_exactly_the_planned_bytes(case):
         sent = sum(prog.sent_bytes(r) for r in range(prog.world))
         received = sum(prog.received_bytes(r) for r in range(prog.world))
         assert sent == received == t.bytes_moved == t.lower_bound
+
+
+def _pieces(prog) -> list[tuple]:
+    """Every piece a program receives, copies or unstages, as (rank, source, destination, box)."""
+    out = []
+    for r, steps in prog.steps.items():
+        for s in steps:
+            msgs = s.recvs if s.kind == "round" else ((s.message,) if s.kind == "broadcast" else ())
+            out += [(r, p.src, p.dst, p.box, p.arrived) for m in msgs for p in m.pieces]
+            if s.piece is not None:
+                out.append((r, s.piece.src, s.piece.dst, s.piece.box, s.piece.arrived))
+    return sorted(out, key=repr)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_program_in_waves_moves_the_same_pieces_in_the_order_an_engine_loads_them(case):
+    m = planned(case, n=8, layers=6)
+    model = m.models["actor"]
+    for mode in ("p2p", "chain"):
+        whole = lower(m, "t", broadcast=mode, chunk_bytes=4096)
+        waves = lower(m, "t", broadcast=mode, chunk_bytes=4096, waves=4)
+        assert _pieces(waves) == _pieces(whole)
+        assert len(waves.round_levels) >= len(whole.round_levels)
+        for r, steps in waves.steps.items():  # a rank receives wave 0's tensors, then wave 1's, ...
+            seen = [
+                load_wave(model, p.dst.tensor, 4)
+                for s in steps
+                if s.kind == "round"
+                for msg in s.recvs
+                for p in msg.pieces
+            ]
+            assert seen == sorted(seen), (case, mode, r)
+
+
+def test_load_waves_cut_the_engines_load_order_into_equal_runs():
+    m = planned("tp4-tp2x2", layers=6)
+    model = m.models["actor"]
+    first = [n for n, t in model.tensors.items() if t.placement in ("first", "first_and_last")]
+    last = [n for n, t in model.tensors.items() if t.placement == "last"]
+    assert {load_wave(model, n, 4) for n in first} == {0}
+    assert {load_wave(model, n, 4) for n in last} == {3}
+    # 8 places (first stage, 6 layers, last stage) in 4 runs of 2
+    assert [load_wave(model, f"layers.{i}.mlp.up_proj.weight", 4) for i in range(6)] == [0, 1, 1, 2, 2, 3]
+    assert {load_wave(model, n, 1) for n in first + last} == {0}
 
 
 def test_large_contiguous_slices_travel_direct_and_small_ones_in_buckets():

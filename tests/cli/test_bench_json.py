@@ -17,6 +17,10 @@ def test_bench_push_with_engines_prints_one_json_document():
     for row in out["layouts"].values():  # the engines' load in CPU seconds, and what it leaves for overlap
         assert row["load"] > 0 and row["load_cpu_s"] > 0
         assert row["end_to_end_cpu_floor"] > 0 and row["end_to_end_ratio_bound"] > 0
+        # end to end, up to the engines serving: the overlapped ways and the serial one, each measured
+        assert row["waves"] > 1
+        for way in ("nereus", "verl", "openrlhf"):
+            assert row[f"{way}_e2e"] > 0 and row[f"{way}_e2e_cpu_s"] > 0
 
 
 @pytest.mark.slow

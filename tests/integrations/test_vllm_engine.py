@@ -1,7 +1,9 @@
 """vLLM as the generation engine: the actor's weights pushed from the trainer's layout into a live
 vLLM engine on every rank by a Nereus transition (no checkpoint files), vLLM's log-probabilities
 against the trainer's forward pass, an optimizer step followed only after the next push, a
-failed push leaving the engine on the old weights, and GRPO with ``--engine vllm``."""
+failed push leaving the engine on the old weights, the push with the engine's load behind it
+(``push_into``: the same tensors, a failure that leaves the engine torn and refusing to serve, the
+retry), and GRPO with ``--engine vllm``."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from transformers import LlamaConfig  # noqa: E402
 
 from nereus.integrations.vllm_engine import check_engine  # noqa: E402
 from nereus.ir import DiagnosticError  # noqa: E402
-from nereus.runtime.launch import run_local  # noqa: E402
+from nereus.runtime.launch import free_port, run_local  # noqa: E402
 
 from . import grpo_workers as gw  # noqa: E402
 from . import vllm_workers as w  # noqa: E402
@@ -60,6 +62,29 @@ def test_a_failed_push_leaves_the_engine_on_the_old_weights(pushed):
     for r in pushed:
         assert r["failed_push"] and "injected fault on rank 1" in pushed[1]["failed_push"]
         assert r["kept"]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """2 processes: the trainer under TP 2, an engine on each rank, pushes with ``push_into``."""
+    return run_local(w.stream_and_score, 2, 2, str(tmp_path_factory.mktemp("streams")), free_port(), timeout=600)
+
+
+@pytest.mark.slow
+def test_the_push_with_the_load_behind_it_delivers_the_plain_pushs_tensors(streamed):
+    for r in streamed:
+        assert r["rounds"] == r["waves"] == 4  # the embedding, two layers, the head: one round each
+        assert r["same_tensors"] and r["received"] == r["lower_bound"] > 0, r
+        assert r["moved"] > 1e-4 and r["score_diff"] <= LOGP_ATOL, r
+        assert r["same_served"], "the streamed load serves other log-probabilities than a whole load"
+
+
+@pytest.mark.slow
+def test_a_streamed_push_that_fails_leaves_the_engine_torn_until_a_push_completes(streamed):
+    for r in streamed:
+        assert r["failed_push"] and "injected fault on rank 1 in round 2" in streamed[1]["failed_push"]
+        assert r["torn"] and "torn" in r["refused"]  # it took waves 0 and 1: it will not serve the mix
+        assert not r["torn_after_retry"] and r["retry_diff"] <= LOGP_ATOL, r
 
 
 def test_models_vllm_cpu_cannot_serve_are_diagnostics():

@@ -100,3 +100,57 @@ def push_and_score(rank: int, world: int, tp: int, workdir: str) -> dict:
     # no collective after the failure: on gloo the timed-out receive closed the default group's pair
     engine.close()  # last: it destroys the default group
     return out
+
+
+def stream_and_score(rank: int, world: int, tp: int, workdir: str, port: int) -> dict:
+    """The push with the engine's load behind it (``push_into``): the same weights as the plain
+    push, bit for bit, and what the engine serves from them; then a streamed push that fails after
+    the first waves (the engine torn, refusing to score), and the retry on a fresh group."""
+    from nereus.runtime.private_group import PrivateGroup
+
+    init_from_env(timeout=120)
+    cfg = LlamaConfig(**config())
+    model = ir_model(cfg)
+    lay = layout(model, tp=tp, dp=world // tp)
+    live = build(cfg, lay, seed=SEED, timeout=60)
+    engine = VllmEngine(cfg, f"{workdir}/engine-{rank}", max_model_len=64, seed=SEED)
+    pusher = WeightPush(model, lay, list(range(world)), world, timeout=30)
+    seqs = [[126, 5, 6, 7, 8, 9], [126, 9, 9, 3, 4, 127]]
+    out = {"waves": pusher.waves, "rounds": len(pusher.streamed.round_levels)}
+    plain = pusher.push(live)
+    engine.load(plain)
+    served = engine.score(seqs)
+    train_step(live, batch(cfg, 0, seed=SEED, rows=4, seq=16))
+    new_plain = pusher.push(live)  # what the streamed push must deliver, for the comparison only
+    streamed = pusher.push_into(engine, live)
+    out["received"], out["lower_bound"] = pusher.stats.bytes_received, lower_bound(live)
+    out["same_tensors"] = set(streamed) == set(new_plain) and all(
+        torch.equal(streamed[k], new_plain[k]) for k in new_plain
+    )
+    after = torch.tensor(engine.score(seqs))
+    out["moved"] = float((after - torch.tensor(served)).abs().max())
+    out["score_diff"] = float((after - trainer_logp(live, torch.tensor(seqs))).abs().max())
+    engine.load(new_plain)  # the plain push's tensors, loaded whole, serve bit for bit the same
+    out["same_served"] = torch.equal(torch.tensor(engine.score(seqs)), after)
+    # a streamed push that fails in round 2 (after the first waves reached the engine on rank 0)
+    train_step(live, batch(cfg, 1, seed=SEED, rows=4, seq=16))
+    try:
+        pusher.push_into(engine, live, faults=(Fault("raise", rank=1, round=2),), timeout=3)
+        out["failed_push"] = None
+    except TransitionError as e:
+        out["failed_push"] = str(e)
+    out["torn"] = engine.torn
+    try:
+        engine.score(seqs)
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    # the retry, on a group of its own (the default group saw the failure)
+    group = PrivateGroup("127.0.0.1", port, rank, world, timeout=30)
+    retry = WeightPush(model, lay, list(range(world)), world, timeout=30, group=group, members=list(range(world)))
+    retry.push_into(engine, live)
+    out["torn_after_retry"] = engine.torn
+    out["retry_diff"] = float((torch.tensor(engine.score(seqs)) - trainer_logp(live, torch.tensor(seqs))).abs().max())
+    group.close()
+    engine.close()
+    return out

@@ -38,6 +38,16 @@ def test_reshard_cases_are_bit_exact_and_send_the_planned_bytes(world):
             assert sum(sent) == per_rank[0][3], f"{case} ({mode})"
 
 
+def test_a_program_in_waves_hands_each_shard_once_as_it_lands_and_it_is_what_commits():
+    results = run_local(w.run_waves, 4, list(CASES), 64, ["p2p", "chain"], timeout=240)
+    for key in results[0]:
+        for rank, r in enumerate(results):
+            problems, twice_or_never, changed, _ = r[key]
+            assert problems == [] and twice_or_never == [] and changed == [], (key, rank, r[key])
+    # shards reach the consumer in more than one handing (the waves), not all at the commit
+    assert max(r[key][3] for r in results for key in r) >= 3
+
+
 def random_pairs(n: int, seed: int = 0) -> list[str]:
     """Plan pairs of a tiny job with uneven shapes (TP, PP, DP, CP changes; GPUs added and
     removed; ZeRO, over DP x CP; what is offloaded between stages), as IR text."""

@@ -51,6 +51,31 @@ def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[
     return out
 
 
+def run_waves(rank: int, world: int, cases: list[str], hidden: int, modes: list[str]) -> dict:
+    """Every reshard case lowered in 3 waves, run with a ``ready`` consumer: (problems, the
+    destination shards handed more than once or never, those that changed after they were handed,
+    the rounds in which shards were handed)."""
+    init_from_env(timeout=30)
+    out = {}
+    for case in cases:
+        m = case_module(case, world, hidden=hidden, layers=4)
+        m.transitions["t"] = plan_transition(m, "a", "b", "t")
+        for mode in modes:
+            prog = lower(m, "t", broadcast=mode, direct_bytes=4096, bucket_bytes=64 * 1024, chunk_bytes=8192, waves=3)
+            handed: list = []
+
+            def ready(shards, handed=handed):  # a copy as handed: it must be what commits
+                handed.append({k: t.clone() for k, t in shards.items()})
+
+            new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, ready=ready)
+            keys = [k for h in handed for k in h]
+            want = {s.key for s in prog.dst.get(rank, [])}
+            twice_or_never = sorted(map(str, set(k for k in keys if keys.count(k) > 1) | (want - set(keys))))
+            changed = sorted(str(k) for h in handed for k, t in h.items() if not torch.equal(t, new[k]))
+            out[(case, mode)] = (check(prog, rank, new), twice_or_never, changed, len(handed))
+    return out
+
+
 def run_modules(rank: int, world: int, texts: list[str]) -> list[list[str]]:
     """Each module's transition @a_to_b (planned and scheduled), on ranks = GPUs 0..world-1;
     broadcasts as p2p, chains or subgroup broadcasts in turn; every other pair with a 1-byte
