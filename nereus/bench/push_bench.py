@@ -244,6 +244,32 @@ def then_load(engine, pushed: tuple[dict[str, torch.Tensor], int]) -> tuple[dict
     return pushed
 
 
+def timed(ways: dict, reps: int, check=None) -> tuple[dict, dict, dict]:
+    """Each way ``reps`` times after a warm-up round (first collectives, allocations), every
+    rank at once after a barrier: the wall seconds and this rank's CPU seconds of each round, per
+    way, and each way's last result. ``check(way, result)`` runs on every result, untimed."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    cpu: dict[str, list[float]] = {k: [] for k in ways}
+    last = {}
+    for rep in range(reps + 1):
+        for way, fn in ways.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            last[way] = fn()
+            if rep:
+                cpu[way].append(time.process_time() - c0)
+                times[way].append(time.perf_counter() - t0)
+            if check is not None:
+                check(way, last[way])
+    return times, cpu, last
+
+
+def same(ref: dict[str, torch.Tensor], named: dict[str, torch.Tensor], what: str) -> None:
+    """Raise unless ``named`` holds the tensors of ``ref``, bit for bit."""
+    if set(named) != set(ref) or any(not torch.equal(named[k], ref[k]) for k in ref):
+        raise AssertionError(f"{what} pushed other weights than nereus")
+
+
 def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: int, engines: bool, tmp: str) -> dict:
     init_from_env(timeout=600)
     cfg = _config(hidden, layers, vocab)
@@ -274,22 +300,10 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
             "verl": lambda: verl_like(live, meta),
             "openrlhf": lambda: openrlhf_like(live, meta),
         }
-        times: dict[str, list[float]] = {k: [] for k in ways}
-        cpu: dict[str, list[float]] = {k: [] for k in ways}  # this rank's CPU seconds per round
-        results = {}
-        for rep in range(reps + 1):  # the first round warms up (first collectives, allocations)
-            for way, fn in ways.items():
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                named, received = fn()
-                if rep:
-                    cpu[way].append(time.process_time() - c0)
-                    times[way].append(time.perf_counter() - t0)
-                results[way] = (named, received)
+        times, cpu, results = timed(ways, reps)
         ref = results["nereus"][0]
         for way, (named, _) in results.items():
-            if set(named) != set(ref) or any(not torch.equal(named[k], ref[k]) for k in ref):
-                raise AssertionError(f"{name}: {way} pushed other weights than nereus")
+            same(ref, named, f"{name}: {way}")
         out[name] = {way: statistics.median(t) for way, t in times.items()}
         out[name].update({f"{way}_bytes": results[way][1] for way in ways}, bound=bound)
         out[name]["cpu"] = cpu
@@ -309,18 +323,7 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
                 "verl": lambda: verl_like_into(engine, live, meta, pusher.waves, 300),
                 "openrlhf": lambda: then_load(engine, openrlhf_like(live, meta)),
             }
-            e2e_times: dict[str, list[float]] = {k: [] for k in e2e}
-            e2e_cpu: dict[str, list[float]] = {k: [] for k in e2e}
-            for rep in range(reps + 1):
-                for way, fn in e2e.items():
-                    dist.barrier()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    named, _ = fn()
-                    if rep:
-                        e2e_cpu[way].append(time.process_time() - c0)
-                        e2e_times[way].append(time.perf_counter() - t0)
-                    if set(named) != set(ref) or any(not torch.equal(named[k], ref[k]) for k in ref):
-                        raise AssertionError(f"{name}: {way} end to end pushed other weights than nereus")
+            e2e_times, e2e_cpu, _ = timed(e2e, reps, lambda way, got: same(ref, got[0], f"{name}: {way} end to end"))
             for way in e2e:
                 out[name][f"{way}_e2e"] = statistics.median(e2e_times[way])
                 out[name]["cpu"][f"{way}_e2e"] = e2e_cpu[way]
