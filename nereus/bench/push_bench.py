@@ -143,7 +143,7 @@ def verl_like(live, meta: dict, only: set[str] | None = None) -> tuple[dict[str,
     return {hf_name(n): t for n, t in full.items()}, received
 
 
-def verl_like_into(engine, live, meta: dict, waves: int, timeout: float) -> tuple[dict[str, torch.Tensor], int]:
+def verl_like_into(engine, live, meta: dict, waves: int) -> tuple[dict[str, torch.Tensor], int]:
     """``verl_like`` bucket by bucket (the model's tensors in ``waves`` runs, in the engine's
     load order, as Nereus's waves), each bucket loaded by ``engine`` while the next is gathered."""
     model = ir_model(live.config, live.layout.model)
@@ -159,7 +159,7 @@ def verl_like_into(engine, live, meta: dict, waves: int, timeout: float) -> tupl
             received += n
         return named, received
 
-    return load_behind(engine, push, timeout)
+    return load_behind(engine, push)
 
 
 def _stage_shapes(live, stage: int) -> list[tuple[str, tuple]]:
@@ -320,7 +320,7 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
             e2e = {
                 "nereus": lambda: (pusher.push_into(engine, live), pusher.stats.bytes_received),
                 "nereus_serial": lambda: then_load(engine, (pusher.push(live), pusher.stats.bytes_received)),
-                "verl": lambda: verl_like_into(engine, live, meta, pusher.waves, 300),
+                "verl": lambda: verl_like_into(engine, live, meta, pusher.waves),
                 "openrlhf": lambda: then_load(engine, openrlhf_like(live, meta)),
             }
             e2e_times, e2e_cpu, _ = timed(e2e, reps, lambda way, got: same(ref, got[0], f"{name}: {way} end to end"))

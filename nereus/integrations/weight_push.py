@@ -97,15 +97,17 @@ def gathered_over_dp(p: torch.Tensor) -> torch.Tensor:
 class WeightStream:
     """A push's weights as its waves land, for an engine's loader: ``put`` (on the pushing
     thread) queues each wave's (Hugging Face name, tensor) pairs; iterating takes them until the
-    push ends. ``complete``: the push committed and every tensor was taken.
-    ``abandon``: the loader failed, and the next ``put`` fails the push on this rank (so every
-    rank rolls back)."""
+    push ends (it always ends: the pushing thread closes the stream, and each of its waits is
+    bounded). ``complete``: the push committed and every tensor was taken; ``taken``: the pairs
+    taken. ``abandon``: the loader failed, and the next ``put`` fails the push on this rank (so
+    every rank rolls back)."""
 
     _END = object()
 
-    def __init__(self, timeout: float):
+    def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.timeout, self.complete, self.abandoned = timeout, False, None
+        self._head: list | None = None  # the first item, when ``first`` took it
+        self.complete, self.abandoned, self.taken = False, None, 0
 
     def put(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if self.abandoned is not None:
@@ -118,31 +120,49 @@ class WeightStream:
     def abandon(self, error: BaseException) -> None:
         self.abandoned = error
 
+    def first(self) -> bool:
+        """Wait for the first wave: true if the push handed tensors, false if it ended first
+        (then ``complete`` says whether it committed, with nothing for this engine)."""
+        item = self._queue.get()
+        if item is self._END:
+            self.complete = True
+        if item is self._END or isinstance(item, BaseException):
+            return False
+        self._head = item
+        return True
+
     def __iter__(self):
+        item = self._head if self._head is not None else self._queue.get()
+        self._head = None
         while True:
-            try:
-                item = self._queue.get(timeout=self.timeout)
-            except queue.Empty:  # the push is stuck past its own bounds: stop loading (the engine is torn)
-                return
             if item is self._END:
                 self.complete = True
                 return
             if isinstance(item, BaseException):
                 return
-            yield from item
+            for pair in item:
+                self.taken += 1
+                yield pair
+            item = self._queue.get()
 
 
-def load_behind(engine, push, timeout: float):
+def load_behind(engine, push, stream: WeightStream | None = None):
     """Run ``push(put)`` on a thread of its own while ``engine`` loads what it ``put``s, as it
-    comes (a ``WeightStream``); ``push``'s result. ``push``'s error is raised here once the
-    engine has stopped loading; an engine error abandons the stream, which fails ``push`` at its
-    next ``put``. Raises ``RuntimeError`` if ``push`` succeeded but the engine did not take the
-    whole stream (it is then torn)."""
-    stream = WeightStream(timeout=2 * timeout + 60)
+    comes (``stream``, a new ``WeightStream`` by default); returns ``push``'s result. The engine's load
+    starts with the first wave: a push that fails before it leaves the engine as it was.
+    ``push``'s error is raised once the engine has stopped loading (chained to the engine's, if
+    the engine failed too); an engine error alone abandons the stream, which fails ``push`` at
+    its next ``put``, and is raised. Raises ``RuntimeError`` if ``push`` succeeded but the
+    engine did not take the whole stream (it is then torn). The thread runs on the caller's CUDA
+    device, where there is one."""
+    stream = WeightStream() if stream is None else stream
     result: dict = {}
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def run():
         try:
+            if device is not None:  # the current device is per thread
+                torch.cuda.set_device(device)
             result["value"] = push(stream.put)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             result["error"] = e
@@ -151,15 +171,18 @@ def load_behind(engine, push, timeout: float):
 
     pushing = threading.Thread(target=run, name="nereus-push", daemon=True)
     pushing.start()
+    failed: BaseException | None = None
     try:
-        engine.load(stream)
-    except BaseException as e:
+        if stream.first():
+            engine.load(stream)
+    except BaseException as e:  # noqa: BLE001 - raised below, after the push has ended
         stream.abandon(e)
-        raise
-    finally:
-        pushing.join()
+        failed = e
+    pushing.join()
     if "error" in result:
-        raise result["error"]
+        raise result["error"] from failed
+    if failed is not None:
+        raise failed
     if not stream.complete:
         raise RuntimeError("the push completed but the engine stopped loading before its end: it is torn")
     return result["value"]
@@ -171,6 +194,7 @@ class PushStats:
     seconds: list[float] = field(default_factory=list)  # execute, per push
     bytes_received: int = 0  # by this rank, in the last push
     bytes_sent: int = 0  # by this rank, in the last push
+    streamed: int = 0  # tensors this rank's engine took in the last ``push_into`` (failed or not)
 
 
 class WeightPush:
@@ -333,7 +357,11 @@ class WeightPush:
 
             return self._run(self.streamed, state, faults, timeout, ready=ready)
 
-        return load_behind(engine, push, self.timeout if timeout is None else timeout)
+        stream = WeightStream()
+        try:
+            return load_behind(engine, push, stream)
+        finally:
+            self.stats.streamed = stream.taken
 
     def _run(self, program, state, faults, timeout, ready=None) -> dict[str, torch.Tensor]:
         stats = Stats()

@@ -19,7 +19,7 @@ def test_bench_push_with_engines_prints_one_json_document():
         assert row["end_to_end_cpu_floor"] > 0 and row["end_to_end_ratio_bound"] > 0
         # end to end, up to the engines serving: the overlapped ways and the serial one, each measured
         assert row["waves"] > 1
-        for way in ("nereus", "verl", "openrlhf"):
+        for way in ("nereus", "nereus_serial", "verl", "openrlhf"):
             assert row[f"{way}_e2e"] > 0 and row[f"{way}_e2e_cpu_s"] > 0
 
 

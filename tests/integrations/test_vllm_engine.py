@@ -84,7 +84,17 @@ def test_a_streamed_push_that_fails_leaves_the_engine_torn_until_a_push_complete
     for r in streamed:
         assert r["failed_push"] and "injected fault on rank 1 in round 2" in streamed[1]["failed_push"]
         assert r["torn"] and "torn" in r["refused"]  # it took waves 0 and 1: it will not serve the mix
+        assert 0 < r["taken"] < r["tensors"], r
         assert not r["torn_after_retry"] and r["retry_diff"] <= LOGP_ATOL, r
+
+
+@pytest.mark.slow
+def test_a_streamed_push_that_fails_before_the_first_wave_leaves_the_engine_serving(streamed):
+    for r in streamed:
+        assert r["bad_state"], r
+    assert "the state has no" in streamed[1]["bad_state"]
+    assert streamed[1]["bad_state_taken"] == 0 and streamed[1]["bad_state_serves_on"]
+    assert streamed[0]["bad_state_taken"] > 0 and streamed[0]["bad_state_torn"]
 
 
 def test_models_vllm_cpu_cannot_serve_are_diagnostics():

@@ -139,7 +139,7 @@ def stream_and_score(rank: int, world: int, tp: int, workdir: str, port: int) ->
         out["failed_push"] = None
     except TransitionError as e:
         out["failed_push"] = str(e)
-    out["torn"] = engine.torn
+    out["torn"], out["taken"], out["tensors"] = engine.torn, pusher.stats.streamed, len(new_plain)
     try:
         engine.score(seqs)
         out["refused"] = None
@@ -150,7 +150,18 @@ def stream_and_score(rank: int, world: int, tp: int, workdir: str, port: int) ->
     retry = WeightPush(model, lay, list(range(world)), world, timeout=30, group=group, members=list(range(world)))
     retry.push_into(engine, live)
     out["torn_after_retry"] = engine.torn
-    out["retry_diff"] = float((torch.tensor(engine.score(seqs)) - trainer_logp(live, torch.tensor(seqs))).abs().max())
+    served = engine.score(seqs)
+    out["retry_diff"] = float((torch.tensor(served) - trainer_logp(live, torch.tensor(seqs))).abs().max())
+    # a push that fails before rank 1's engine takes anything (its state does not match the
+    # program): that engine is untouched and serves on; rank 0's took its kept norms first
+    train_step(live, batch(cfg, 2, seed=SEED, rows=4, seq=16))
+    try:
+        retry.push_into(engine, live, state={} if rank == 1 else None, timeout=3)
+        out["bad_state"] = None
+    except TransitionError as e:
+        out["bad_state"] = str(e)
+    out["bad_state_torn"], out["bad_state_taken"] = engine.torn, retry.stats.streamed
+    out["bad_state_serves_on"] = not engine.torn and engine.score(seqs) == served
     group.close()
     engine.close()
     return out
