@@ -1,6 +1,7 @@
-"""The pipeline schedules and TP overlap of one plan, costed by the model and played by the event
-truth side by side: Korthikanti et al.'s GPT-3 175B (TP 8 x PP 8 on 64 A100s, SP) with each
-schedule a layout can name, and with TP communication behind its GEMMs.
+"""The pipeline schedules, TP overlap and pipeline-send overlap of one plan, costed by the model
+and played by the event truth side by side: Korthikanti et al.'s GPT-3 175B (TP 8 x PP 8 on 64 A100s, SP) with each
+schedule a layout can name, with TP communication behind its GEMMs, and with its pipeline sends
+posted or waited on (``pp_overlap``; Megatron's default: posted where interleaved).
 
     python benchmarks/pipeline_schedules.py [--micro-batches 64]
 
@@ -38,6 +39,8 @@ VARIANTS = [
     ("ZBV", ", vpp = 2, schedule = zbv"),
     ("1F1B + tp_overlap", ", tp_overlap = true"),
     ("ZBV + tp_overlap", ", vpp = 2, schedule = zbv, tp_overlap = true"),
+    ("1F1B + pp_overlap", ", pp_overlap = true"),
+    ("interleaved, vpp 2, pp_overlap = false", ", vpp = 2, pp_overlap = false"),
 ]
 
 

@@ -7,8 +7,10 @@ The model's shape, RoPE base, norm epsilon and q/k/v biases are written out; ZeR
 distributed optimizer, ZeRO-2/3 Megatron-FSDP (``--use-megatron-fsdp`` with
 ``--data-parallel-sharding-strategy optim_grads`` or ``optim_grads_params``); bf16 gradients are
 ``--grad-reduce-in-bf16`` (Megatron-LM otherwise reduces bf16 models' gradients in fp32). The
-data-parallel communication the estimate hides behind compute is asked for: ``--overlap-grad-reduce``
-and, with a sharded optimizer, ``--overlap-param-gather`` (both off in Megatron-LM by default).
+data-parallel communication the estimate hides behind compute (``dp_overlap``, on by default) is
+asked for: ``--overlap-grad-reduce`` and, with a sharded optimizer, ``--overlap-param-gather``
+(both off in Megatron-LM by default). Pipeline sends overlap in Megatron-LM's interleaved schedule
+unless ``--no-overlap-p2p-communication`` (``pp_overlap = false``), and never under 1F1B.
 """
 
 from __future__ import annotations
@@ -90,7 +92,11 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
             args.append(("--tp-comm-overlap", None, f"{src} tp_overlap"))
         if lay.zero >= 1:
             args.append(("--use-distributed-optimizer", None, f"{src} zero = {lay.zero}"))
-        if lay.replicas > 1:  # the estimate hides DP communication behind compute (efficiency.overlap)
+        if lay.pp > 1 and lay.vpp > 1 and not lay.pp_overlapped:  # Megatron-LM overlaps them by default
+            args.append(("--no-overlap-p2p-communication", None, f"{src} pp_overlap = false"))
+        elif lay.pp > 1 and lay.pipeline_schedule == "one_f_one_b" and lay.pp_overlapped:
+            notes.append("pp_overlap under 1F1B (Megatron-LM overlaps pipeline sends in the interleaved schedule only)")
+        if lay.replicas > 1 and lay.dp_overlap:  # the estimate hides DP communication behind compute
             args.append(("--overlap-grad-reduce", None, f"{src} dp x cp = {lay.replicas} (overlapped, as estimated)"))
             if lay.zero >= 1:
                 args.append(("--overlap-param-gather", None, f"{src} zero = {lay.zero} (gathers ahead, as estimated)"))

@@ -19,7 +19,12 @@ from .vllm import vllm_expert_parallel
 # model-stage keys verl's config leaves open: Hydra overrides add them with a leading +
 # keys verl's config does not declare: a Hydra override must add them (``+key=value``); the
 # transformer-config keys it declares (recompute_*) must not be added again
-OPEN_KEYS = ("override_ddp_config.", "override_transformer_config.tp_comm_overlap", "override_transformer_config.fp8")
+OPEN_KEYS = (
+    "override_ddp_config.",
+    "override_transformer_config.tp_comm_overlap",
+    "override_transformer_config.fp8",
+    "override_transformer_config.overlap_p2p_comm",
+)
 FSDP_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
 
 
@@ -130,7 +135,7 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     lay.grad_dtype == "fp32",
                     f"{src} grad_dtype = {lay.grad_dtype}",
                 )
-                if lay.replicas > 1:  # as estimated (verl's workers leave it off but under Megatron-FSDP)
+                if lay.replicas > 1 and lay.dp_overlap:  # as estimated (verl leaves it off but under Megatron-FSDP)
                     put(f"{e}.override_ddp_config.overlap_grad_reduce", True, f"{src} dp x cp (overlapped)")
                     if lay.zero >= 1:
                         put(f"{e}.override_ddp_config.overlap_param_gather", True, f"{src} zero (gathers ahead)")
@@ -148,6 +153,13 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     put(f"{t}.fp8", "hybrid", f"{src} fp8")
                 if lay.tp_overlap:
                     put(f"{t}.tp_comm_overlap", True, f"{src} tp_overlap")
+                if lay.pp > 1 and lay.vpp > 1 and not lay.pp_overlapped:  # verl's workers: on where vpp > 1
+                    put(f"{t}.overlap_p2p_comm", False, f"{src} pp_overlap = false")
+                elif lay.pp > 1 and lay.pipeline_schedule == "one_f_one_b" and lay.pp_overlapped:
+                    notes.append(
+                        f"not expressible in verl: {ms} pp_overlap under 1F1B (megatron-core overlaps pipeline "
+                        "sends in the interleaved schedule only)"
+                    )
                 if lay.pipeline_schedule not in ("one_f_one_b", "interleaved"):
                     notes.append(
                         f"not expressible in verl: {ms} schedule = {lay.schedule} (verl's Megatron workers run "
@@ -166,6 +178,11 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
                     "shard experts as any other weight; expert parallelism needs its Megatron workers)"
                 )
             put(fsdp["param_offload"], "weights" in off, f"{src} offload")
+            if trained and not lay.dp_overlap:
+                notes.append(
+                    f"not expressible in verl: {ms} dp_overlap = false (FSDP2 prefetches the gathers and "
+                    "reduce-scatters gradients during the backward)"
+                )
             if trained:
                 put(fsdp["optimizer_offload"], "optimizer" in off, f"{src} offload")
                 put(fsdp["recompute"], lay.recompute, f"{src} recompute")

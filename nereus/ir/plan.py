@@ -231,6 +231,24 @@ LAYOUT_ATTRS = [
         "traffic hides as far as the GEMMs last; needs sp",
     ),
     AttrSpec(
+        "pp_overlap",
+        "bool",
+        default=None,
+        doc="pipeline sends beside compute: a rank posts its sends and receives and computes on, waiting only "
+        "for data it needs (Megatron's overlap_p2p_comm, which Megatron-LM and verl turn on for the interleaved "
+        "schedule; torch.distributed.pipelining's schedules, which wait for their sends at the step's end); "
+        "false: a rank waits for each send to complete (Megatron's 1F1B). Default: off for 1F1B, on for the "
+        "other schedules",
+    ),
+    AttrSpec(
+        "dp_overlap",
+        "bool",
+        default=True,
+        doc="data-parallel communication beside compute: gradient buckets reduce during the backward and, under "
+        "ZeRO-3, each layer's weights are gathered ahead of it (FSDP2's prefetch; Megatron's --overlap-grad-reduce "
+        "and --overlap-param-gather); false: the reduction after the backward, each gather before its layer runs",
+    ),
+    AttrSpec(
         "vpp",
         "posint",
         default=1,
@@ -307,6 +325,8 @@ class Layout:
     cp: int = 1  # context-parallel size
     sp: bool = False  # sequence parallelism
     tp_overlap: bool = False  # TP communication overlapped with the GEMMs (Megatron's --tp-comm-overlap)
+    pp_overlap: bool | None = None  # pipeline sends beside compute; None: by schedule (``pp_overlapped``)
+    dp_overlap: bool = True  # gradient reduction and ZeRO-3 gathers beside compute
     vpp: int = 1  # virtual pipeline stages per PP rank
     schedule: str | None = None  # pipeline schedule (PIPELINE_SCHEDULES); None: Megatron's by vpp
     ep: int = 1  # expert parallelism: routed experts split over ep ranks
@@ -339,6 +359,14 @@ class Layout:
     def megatron_schedule(self) -> str:
         """The schedule Megatron runs this layout with: ``interleaved`` where ``vpp`` > 1, else ``one_f_one_b``."""
         return "interleaved" if self.vpp > 1 else "one_f_one_b"
+
+    @property
+    def pp_overlapped(self) -> bool:
+        """``pp_overlap``, or where unset what the schedule's runtime does: off for 1F1B (Megatron's
+        waits for each send), on for the rest (Megatron-LM overlaps the interleaved schedule's
+        sends by default, and verl sets it where vpp > 1; torch's schedules post their sends and
+        wait for them at the step's end)."""
+        return self.pipeline_schedule != "one_f_one_b" if self.pp_overlap is None else self.pp_overlap
 
     @property
     def pipeline_schedule(self) -> str:

@@ -406,6 +406,13 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
         )
     elif lay.tp_overlap and stage is not None and stage.kind == "generate":
         sink.error(at(lay, "tp_overlap"), f"{ms}: tp_overlap is a training and inference setting, not generation's")
+    if lay.pp_overlap is not None and stage is not None and stage.kind == "generate":
+        sink.error(
+            at(lay, "pp_overlap"),
+            f"{ms}: pp_overlap is a training and inference setting; a generation engine's pipeline is its own",
+        )
+    if not lay.dp_overlap and stage is not None and stage.kind != "train":
+        sink.error(at(lay, "dp_overlap"), f"{ms}: dp_overlap is a training setting: {stage.kind} reduces no gradients")
     if lay.fp8 and cluster is not None and not cluster.peak_flops_fp8:
         sink.error(
             at(lay, "fp8"),

@@ -190,6 +190,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=kind)
     for flag in MEGATRON_SWITCHES:
         p.add_argument(flag, action="store_true")
+    p.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     return p
 
 

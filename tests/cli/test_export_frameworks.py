@@ -77,6 +77,15 @@ def _tp_overlap(m):
     return "grpo_p0"
 
 
+def _overlaps_off(m):
+    """The 70B PPO job's actor interleaved 2 ways, with its pipeline sends and its DP communication
+    waited on instead of overlapped (Megatron-LM: --no-overlap-p2p-communication, no --overlap-*)."""
+    p = m.plans["ppo70b_p0"]
+    p.layouts["actor.train"] = replace(p.layouts["actor.train"], vpp=2, pp_overlap=False, dp_overlap=False)
+    nereus.verify(m)
+    return "ppo70b_p0"
+
+
 def _moe(m):
     """The GRPO job's actor and reference as mixtures of experts (Qwen2-MoE-like: 8 experts, top 2,
     a shared expert), on the same plan: the experts split by TP as a dense MLP (EP 1)."""
@@ -135,6 +144,7 @@ CASES = {
     "grpo_dynamic": ("grpo", _dynamic),
     "grpo_zero3": ("grpo", _zero3),
     "grpo_tp_overlap": ("grpo", _tp_overlap),
+    "ppo70b_overlaps_off": ("ppo70b", _overlaps_off),
     "grpo_moe": ("grpo", _moe),
     "grpo_ep": ("grpo", _expert_parallel),
     # a layer fewer at each end, as Llama 3's 405B: Megatron-LM's first and last stage sizes
@@ -271,8 +281,12 @@ def test_verl_overrides_pass_verls_validation(name, tmp_path, verl_config_dir):
                 **a.megatron.override_ddp_config,
             }
         )
-        assert ddp.overlap_grad_reduce == (train.replicas > 1)
-        assert ddp.overlap_param_gather == (train.replicas > 1 and train.zero >= 1)
+        assert ddp.overlap_grad_reduce == (train.replicas > 1 and train.dp_overlap)
+        assert ddp.overlap_param_gather == (train.replicas > 1 and train.zero >= 1 and train.dp_overlap)
+    if a.get("megatron") is not None and train.pp > 1 and train.vpp > 1:
+        # verl's Megatron workers set overlap_p2p_comm where vpp > 1; the overrides have the last word
+        overrides = a.megatron.override_transformer_config
+        assert overrides.get("overlap_p2p_comm", True) == train.pp_overlapped
     assert a.use_dynamic_bsz == (w.micro_batch_tokens is not None)
     if w.micro_batch_tokens is not None:
         assert a.ppo_max_token_len_per_gpu == w.micro_batch_tokens // p.layouts["actor.train"].cp
@@ -315,7 +329,14 @@ def megatron_args(argv):
         p.add_argument(flag, type=kind)
     for flag in MEGATRON_SWITCHES:
         p.add_argument(flag, action="store_true")
+    p.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
     a = p.parse_args(argv)
+    # validate_args: "Overlap P2P communication is disabled if not using the interleaved schedule"
+    # (a layout string's stages beyond one per PP rank are its virtual stages)
+    layout_stages = a.pipeline_model_parallel_layout.count("|") + 1 if a.pipeline_model_parallel_layout else 0
+    interleaved = layout_stages > (a.pipeline_model_parallel_size or 1)
+    if not (a.num_layers_per_virtual_pipeline_stage or a.num_virtual_stages_per_pipeline_rank or interleaved):
+        a.overlap_p2p_comm = False
     a.rotary_base = 10000 if a.rotary_base is None else a.rotary_base
     a.norm_epsilon = 1e-5 if a.norm_epsilon is None else a.norm_epsilon
     a.expert_model_parallel_size = a.expert_model_parallel_size or 1
@@ -343,6 +364,7 @@ def transformer_config(a):
         "num_layers_in_last_pipeline_stage": a.decoder_last_pipeline_num_layers,
         "fp8": a.fp8_format,
         "deallocate_pipeline_outputs": True,
+        "batch_p2p_comm": not a.overlap_p2p_comm,
     }
     if a.num_layers_per_virtual_pipeline_stage:  # validate_args derives the virtual stages
         kw["virtual_pipeline_model_parallel_size"] = (
@@ -442,8 +464,10 @@ def test_megatron_core_accepts_the_arguments(name):
         assert ddp.grad_reduce_in_fp32 == (lay.grad_dtype == "fp32")
         assert ddp.use_megatron_fsdp == (lay.zero >= 2) and ddp.use_distributed_optimizer == (lay.zero >= 1)
         # the DP communication the estimate hides behind compute, asked of Megatron as estimated
-        assert ddp.overlap_grad_reduce == (lay.replicas > 1)
-        assert ddp.overlap_param_gather == (lay.replicas > 1 and lay.zero >= 1)
+        assert ddp.overlap_grad_reduce == (lay.replicas > 1 and lay.dp_overlap)
+        assert ddp.overlap_param_gather == (lay.replicas > 1 and lay.zero >= 1 and lay.dp_overlap)
+        # pipeline sends beside compute where the plan says so; Megatron overlaps them only interleaved
+        assert cfg.overlap_p2p_comm == (lay.pp_overlapped and lay.vpp > 1)
         inspect.signature(GPTModel).bind_partial(
             config=cfg,
             transformer_layer_spec=None,

@@ -273,7 +273,9 @@ HANDLED = {
         "etp",
         "schedule",
         "tp_overlap",
-    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule, tp_overlap: tests/passes/
+        "pp_overlap",
+        "dp_overlap",
+    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule, tp_overlap, pp_overlap, dp_overlap: tests/passes/
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -474,6 +476,10 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         lay.schedule = draw(st.sampled_from([None, "interleaved", "zero_bubble", "zbv"]))
     elif trains and pp > 1:  # one stage per rank: the schedules that run it
         lay.schedule = draw(st.sampled_from([None, "one_f_one_b", "gpipe", "zero_bubble"]))
+    if trains and pp > 1:  # pipeline sends beside compute, or Megatron's default (None)
+        lay.pp_overlap = draw(st.sampled_from([None, True, False]))
+    if trains:
+        lay.dp_overlap = draw(st.booleans())
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
     return lay
 

@@ -44,7 +44,7 @@ from ...ir import Diagnostic, DiagnosticError, Loc, Module
 from ...ir.cluster import PRIOR_UNCERTAINTY, Calibration, Efficiency
 from ...ir.printer import printed_precision
 from ..infra.pass_manager import ModulePass, api_option, register
-from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector
+from .cost_model import C_OVERHEAD, COEFFS, CostModel, coefficient_vector, efficiency_from_vector, hidden
 from .layout_costs import LayoutCost, layout_costs
 
 
@@ -267,8 +267,10 @@ def _fit_linear(obs: list[Observation], prior: Efficiency, max_iter: int, model_
             obs,
             lambda cost: (
                 bool(cost.cost.decode is not None and cost.cost.decode[0][0] * x[0] >= cost.cost.decode[1][0] * x[1]),
-                tuple(np.round(cost.cost.hidden_features(x)[0], 12)) if cost.cost.overlap else (),
-                tuple(np.round(cost.cost.tp_hidden_features(x)[0], 12)) if cost.cost.tp_overlap else (),
+                *(
+                    tuple(np.round(hidden(comm, window, share, x)[0], 12))
+                    for _, (comm, window, share) in cost.cost.hides()
+                ),
             ),
         )
         new_assignment = tuple(assigned[id(o.cost)] for o in obs)

@@ -32,9 +32,12 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   (2 more with recomputation), ``2 (t - 1) / t`` of the bytes per GPU, on NVLink when the TP
   group is inside a node. With ``tp_overlap`` (Megatron's ``--tp-comm-overlap``) each GEMM runs
   in ``t`` chunks beside the ring steps of the others: at most ``(t - 1) / t`` of the traffic
-  hides, and no more than the layers' GEMMs last. PP: activations and their gradients point to point per micro-batch.
+  hides, and no more than the layers' GEMMs last. PP: activations and their gradients point to point per micro-batch;
+  posted beside compute (``pp_overlap``: by default under every schedule but 1F1B), the steady
+  state's sends hide as far as the compute lasts and the fill and drain's ``2 (p - 1)`` wait.
   DP: gradient all-reduce (ZeRO 0-2; reduce-scatter plus all-gather moves the same bytes) per
-  optimizer step, and ZeRO-3's parameter all-gathers per micro-batch.
+  optimizer step, and ZeRO-3's parameter all-gathers per micro-batch, hidden behind the compute
+  beside them (``efficiency.overlap`` of it at most) unless ``dp_overlap`` is false.
 - Generation (vLLM-like): prefill is compute-bound; each decode step reads the weights and the
   live KV cache from HBM (all pipeline stages in turn: PP saves memory, not step time), or is
   compute-bound when the batch is large; sequences run
@@ -128,6 +131,8 @@ class Candidates:
     ep_local: np.ndarray = field(default=cast(np.ndarray, None))  # EP group members on a GPU's node (itself included)
     schedule: np.ndarray = field(default=cast(np.ndarray, None))  # index into PIPELINE_SCHEDULES (default: by vpp)
     tp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # TP communication overlapped with the GEMMs
+    pp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # pipeline sends beside compute (default: not 1F1B)
+    dp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # DP communication beside compute (default: on)
 
     def __post_init__(self):
         n = len(self.tp)
@@ -145,6 +150,7 @@ class Candidates:
             ("resident", 0.0, float),
             ("sp", False, bool),
             ("tp_overlap", False, bool),
+            ("dp_overlap", True, bool),
             ("vpp", 1, np.int64),
             ("grad_bytes", 2, float),
             ("fp8", False, bool),
@@ -161,6 +167,9 @@ class Candidates:
         if self.schedule is None:  # Megatron's: interleaved where vpp > 1, else 1F1B
             self.schedule = np.where(self.vpp > 1, INTERLEAVED, ONE_F_ONE_B)
         self.schedule = np.broadcast_to(np.asarray(self.schedule, dtype=np.int64), (n,))
+        if self.pp_overlap is None:  # as the schedule runs: sends waited on under 1F1B alone
+            self.pp_overlap = self.schedule != ONE_F_ONE_B
+        self.pp_overlap = np.broadcast_to(np.asarray(self.pp_overlap, dtype=bool), (n,))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -293,6 +302,8 @@ class Candidates:
             ep_local=a(ep_local),
             schedule=a(PIPELINE_SCHEDULES.index(lay.pipeline_schedule)),
             tp_overlap=a(lay.tp_overlap),
+            pp_overlap=a(lay.pp_overlapped),
+            dp_overlap=a(lay.dp_overlap),
         )
 
 
@@ -352,6 +363,8 @@ class StageCost:
     overlap: tuple | None = None  # (DP comm features n x 6, compute window features n x 6, hidden share)
     # the same for TP communication beside its GEMMs, the share per candidate
     tp_overlap: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # the same for pipeline sends beside the compute (``pp_overlap``)
+    pp_overlap: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     # (features n x 6 of the experts' GEMMs and all-to-all under EP, by breakdown entry; the busiest
     # EP rank's load per mean): the time adds (factor - 1) x those features
     imbalance: tuple | None = None
@@ -369,13 +382,8 @@ class StageCost:
         seconds beside a ``window`` of compute, ``max((1 - overlap) x comm, comm - window)``
         stay exposed (both linear in the coefficients once the case is chosen)."""
         reshaped = self.shape is not None and self.shape[1] != self.shape[2]
-        if (
-            self.decode is None
-            and self.overlap is None
-            and self.imbalance is None
-            and self.tp_overlap is None
-            and not reshaped
-        ):
+        hides = self.hides()
+        if self.decode is None and self.imbalance is None and not hides and not reshaped:
             return self.features
         f = self.features.copy()
         if reshaped:
@@ -388,22 +396,19 @@ class StageCost:
             compute_bound = comp * coeffs[C_COMPUTE] >= mem * coeffs[C_HBM]
             f[:, C_COMPUTE] += np.where(compute_bound, comp, 0.0)
             f[:, C_HBM] += np.where(compute_bound, 0.0, mem)
-        if self.overlap is not None:
-            f -= self.hidden_features(coeffs)
-        if self.tp_overlap is not None:
-            f -= self.tp_hidden_features(coeffs)
+        for _, (comm, window, share) in hides:
+            f -= hidden(comm, window, share, coeffs)
         return f
+
+    def hides(self) -> list[tuple[str, tuple[np.ndarray, np.ndarray, Any]]]:
+        """(breakdown entry, (comm, window, share)) of each communication that compute beside it
+        hides: data-parallel (``overlap``), TP (``tp_overlap``) and pipeline sends (``pp_overlap``)."""
+        return [(k, o) for k, o in (("dp", self.overlap), ("tp", self.tp_overlap), ("pp", self.pp_overlap)) if o]
 
     def hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
         """The features of the data-parallel communication that compute hides (subtracted from ``features``)."""
         assert self.overlap is not None  # callers check it
         comm, window, share = self.overlap
-        return hidden(comm, window, share, coeffs)
-
-    def tp_hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
-        """The features of the TP communication that its GEMMs hide (``tp_overlap``)."""
-        assert self.tp_overlap is not None  # callers check it
-        comm, window, share = self.tp_overlap
         return hidden(comm, window, share, coeffs)
 
     def counted(self) -> np.ndarray:
@@ -427,10 +432,8 @@ class StageCost:
         if self.shape is not None and self.shape[1] != self.shape[2]:  # calibrate's grid moved the knee
             per_knee, knee, built = self.shape
             out["compute"] = out.get("compute", 0.0) + (knee - built) * float(per_knee[i] @ coeffs)
-        if self.overlap is not None:
-            out["dp"] = out.get("dp", 0.0) - float(self.hidden_features(coeffs)[i] @ coeffs)
-        if self.tp_overlap is not None:
-            out["tp"] = out.get("tp", 0.0) - float(self.tp_hidden_features(coeffs)[i] @ coeffs)
+        for name, (comm, window, share) in self.hides():
+            out[name] = out.get(name, 0.0) - float(hidden(comm, window, share, coeffs)[i] @ coeffs)
         if self.imbalance is not None:
             for name, feat in self.imbalance[0].items():
                 out[name] = out.get(name, 0.0) + (self.imbalance[1] - 1.0) * float(feat[i] @ coeffs)
@@ -775,7 +778,7 @@ class CostModel:
         dp_bw, dp_lat, dp_col = self._bw(c.dp_link)
         cp_bw, cp_lat, cp_col = self._bw(c.cp_link)
         ring_tp = 2 * (tp - 1) / tp
-        decode = overlap = tp_overlap = shape = None
+        decode = overlap = tp_overlap = pp_overlap = shape = None
         zeros = np.zeros(n)
         weights, grads, optimizer = self._state(kind, c, dense_params, expert_params, b)
         activations = kv = zeros
@@ -826,9 +829,20 @@ class CostModel:
                 tp_overlap = (comm_f, win_f, np.where(c.tp_overlap, (tp - 1) / tp, 0.0))
             # PP: activations forward (and their gradients backward) per micro-batch and virtual
             # stage; each TP rank sends its 1/TP of them (Megatron's scatter-gather)
-            sends = (2.0 if kind == "train" else 1.0) * (n_mb_total * v + pp - 1)
-            add("pp", pp_col, np.where(c.pp > 1, sends * mbs * s / cp * h * ACT_BYTES / tp / pp_bw, 0.0))
-            wait("pp", np.where(c.pp > 1, sends * pp_lat, 0.0))
+            directions = 2.0 if kind == "train" else 1.0
+            sends = directions * (n_mb_total * v + pp - 1)
+            per_send = np.where(c.pp > 1, mbs * s / cp * h * ACT_BYTES / tp / pp_bw, 0.0)
+            add("pp", pp_col, sends * per_send)
+            # pp_overlap: a rank posts its sends and computes on; those of the steady state (every
+            # micro-batch's, per virtual stage) hide as far as its compute lasts, and the pipeline's
+            # fill and drain (p - 1 hops each way) stay on the critical path with their latency
+            steady = np.where(c.pp_overlap, directions * n_mb_total * v, 0.0)
+            wait("pp", np.where(c.pp > 1, (sends - steady) * pp_lat, 0.0))
+            if np.any(c.pp_overlap & (c.pp > 1)):
+                comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
+                comm_f[np.arange(n), pp_col] = steady * per_send
+                win_f[:, C_COMPUTE] = np.where(c.pp_overlap, ideal, 0.0)
+                pp_overlap = (comm_f, win_f, np.where(c.pp_overlap, 1.0, 0.0))
             # CP (ring attention): per layer and pass, each rank receives the other cp - 1 chunks' K
             # and V (its TP share of the KV heads); backward passes K/V and their gradients (twice
             # the bytes). Charged in series: an upper bound, as the ring hides part of it behind
@@ -886,7 +900,8 @@ class CostModel:
                 comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
                 for col in (C_NVLINK, C_NIC):
                     comm_f[:, col] = np.where(dp_col == col, dp_feat, 0.0)
-                win_f[:, C_COMPUTE] = np.where(replicas > 1, window, 0.0)
+                # dp_overlap false: no window (the reduction after the backward, each ZeRO-3 gather before its layer)
+                win_f[:, C_COMPUTE] = np.where((replicas > 1) & c.dp_overlap, window, 0.0)
                 overlap = (comm_f, win_f, self.efficiency.overlap)
                 wait("dp", np.where(replicas > 1, n_opt * 2 * (replicas - 1) * dp_lat, 0.0))
                 opt_params = dense_params / np.where(c.zero >= 1, replicas, 1.0) + expert_params / np.where(
@@ -981,6 +996,7 @@ class CostModel:
             decode=decode,
             overlap=overlap,
             tp_overlap=tp_overlap,
+            pp_overlap=pp_overlap,
             shape=shape,
             imbalance=(uneven, self.efficiency.expert_imbalance) if uneven and np.any(c.ep > 1) else None,
             slack=1.0 if kind == "generate" else self.efficiency.memory_slack,

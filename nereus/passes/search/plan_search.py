@@ -158,8 +158,10 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
         lay = plan.layouts.get(ms)
         if lay is None or not lay.mesh or lay.mesh[0] not in index:
             return None
-        if lay.pipeline_schedule != lay.megatron_schedule or lay.tp_overlap:
-            return None  # the search's candidates run Megatron's schedules, without TP overlap
+        if lay.pipeline_schedule != lay.megatron_schedule or lay.tp_overlap or not lay.dp_overlap:
+            return None  # the search's candidates run Megatron's schedules, without TP overlap, DP overlapped
+        if lay.pp_overlapped != (lay.vpp > 1):
+            return None  # ... and their pipeline sends as Megatron does
         s = start[ms] = index[lay.mesh[0]]
         if list(pos.gpus[s : s + len(lay.mesh)]) != list(lay.mesh):
             return None

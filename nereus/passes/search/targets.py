@@ -549,10 +549,19 @@ def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
             )
     else:
         raise ValueError(f"unknown target '{target}'; targets: {', '.join(TARGETS)}")
-    # every target runs Megatron's schedules (or none); TP overlap only Megatron's workers, under SP
+    # every target runs Megatron's schedules (or none); TP overlap only Megatron's workers, under SP;
+    # pipeline sends as Megatron runs them (overlapped in the interleaved schedule unless turned
+    # off); DP overlap as asked, but under FSDP (verl's other workers), which always overlaps
     overlaps = target in ("megatron", "verl")
+    fsdp = target == "verl" and not any(lays[ms].tp > 1 or lays[ms].pp > 1 for ms in trains)  # the export's choice
     out = {
-        ms: replace(lay, schedule=None, tp_overlap=overlaps and lay.tp_overlap and lay.sp and lay.tp > 1)
+        ms: replace(
+            lay,
+            schedule=None,
+            tp_overlap=overlaps and lay.tp_overlap and lay.sp and lay.tp > 1,
+            pp_overlap=lay.pp_overlap if overlaps and lay.vpp > 1 else None,
+            dp_overlap=lay.dp_overlap or fsdp,
+        )
         for ms, lay in out.items()
     }
     return replace(

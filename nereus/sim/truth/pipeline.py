@@ -136,6 +136,7 @@ def play(
     schedule: str | None = None,
     scale: list[float] | None = None,
     weight: list[list[float]] | None = None,
+    blocking: bool = False,
 ) -> Played:
     """``forward[s][c]`` (and ``backward[s][c]``): seconds of chunk ``c`` of rank ``s`` on one
     micro-batch; ``m`` micro-batches; ``send``: seconds of a transfer between ranks.
@@ -143,7 +144,10 @@ def play(
     or one named (``gpipe``, ``zero_bubble``, ``zbv``). ``weight[s][c]``: the part of
     ``backward[s][c]`` that is the weight gradient (``W``; the rest is ``I``), for the
     zero-bubble schedules. ``scale[mb]``: micro-batch ``mb``'s size against the one the times
-    are for (its tokens: the computation and the send scale with them)."""
+    are for (its tokens: the computation and the send scale with them). ``blocking``: a rank waits
+    for each of its sends to another rank to complete before its next operation (Megatron's 1F1B,
+    whose send and receive pairs are waited on); otherwise it posts the send and computes on
+    (``Layout.pp_overlap``), and only the receiver waits for the data."""
     p, v = len(forward), len(forward[0])
     if schedule is None:
         schedule = "forward" if backward is None else ("1f1b" if v == 1 else "interleaved")
@@ -167,6 +171,8 @@ def play(
             seconds = forward[s][c] * size[mb]
             t = (t if t > ready else ready) + seconds
             f_done[j][mb] = t
+            if blocking and j < last and home[j + 1] != s:
+                t += send * size[mb]
             if backward is not None:
                 held[s] += 1
                 if held[s] > peak[s]:
@@ -187,6 +193,8 @@ def play(
             seconds = (backward[s][c] - (weight[s][c] if kind == "I" and weight is not None else 0.0)) * size[mb]
             t = (t if t > ready else ready) + seconds
             b_done[j][mb] = t
+            if blocking and j > 0 and home[j - 1] != s:
+                t += send * size[mb]
             if kind == "B":
                 held[s] -= 1
         busy[s] += seconds

@@ -272,7 +272,16 @@ def pipeline_time(
         schedule, split, v = ("1f1b" if train else None), False, 1
         fwd = [[sum(x)] for x in fwd]
         bwd = [[sum(x)] for x in bwd]
-    played = play(fwd, bwd if train else None, m, send, schedule=schedule, scale=scale, weight=wgt if split else None)
+    played = play(
+        fwd,
+        bwd if train else None,
+        m,
+        send,
+        schedule=schedule,
+        scale=scale,
+        weight=wgt if split else None,
+        blocking=not lay.pp_overlapped,
+    )
     last_bwd = bwd[0][0] * v * scale[-1] if train else 0.0
     return played.makespan, last_bwd, played.in_flight, send if pp_link == "nic" else 0.0
 
@@ -351,12 +360,14 @@ def train_or_infer(
                     scatter = sum(
                         collective_seconds("reduce_scatter", n * grad, g, bw, lat) for n, g, bw, lat in groups
                     )
-                    t += max(0.0, gathers + scatter - 0.8 * span)  # prefetched beside the layers' compute
+                    # prefetched beside the layers' compute (dp_overlap), else each before its layer
+                    t += max(0.0, gathers + scatter - (0.8 * span if lay.dp_overlap else 0.0))
                 else:
                     sync = sum(collective_seconds("all_reduce", n * grad, g, bw, lat) for n, g, bw, lat in groups)
                     if dp_link == "nic":
                         sync += nic_send  # the last backward's send shares the NIC with the buckets
-                    t += max(0.0, sync - last_bwd)  # buckets reduce behind the last backward
+                    # buckets reduce behind the last backward (dp_overlap), else after it
+                    t += max(0.0, sync - (last_bwd if lay.dp_overlap else 0.0))
                 sharded = sum(n / (g if lay.zero >= 1 else 1) for n, g, _, _ in groups)
                 t += memory_seconds(sharded * 32, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
         worst = max(worst, t)

@@ -54,7 +54,7 @@ def shape_of(model) -> tuple:
 
 def layout_of(lay) -> tuple:
     """What the truth reads of a layout (its caches' and the hidden truth's seeds' key): a named
-    schedule other than the default, and TP overlap, only where set, so that layouts that ran
+    schedule other than the default, and TP, pipeline and DP overlap, only where set, so that layouts that ran
     before these existed keep their keys (and seeds)."""
     key = (
         lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp, lay.zero, lay.recompute, lay.sp, lay.grad_dtype,
@@ -62,7 +62,9 @@ def layout_of(lay) -> tuple:
     )  # fmt: skip
     if lay.pipeline_schedule != lay.megatron_schedule:
         key += (lay.pipeline_schedule,)
-    return key + (("tp_overlap",) if lay.tp_overlap else ())
+    key += ("tp_overlap",) if lay.tp_overlap else ()
+    key += (("pp_overlap", lay.pp_overlap),) if lay.pp_overlap is not None else ()
+    return key + (("no_dp_overlap",) if not lay.dp_overlap else ())
 
 
 class EventTruth:

@@ -1,0 +1,164 @@
+"""Pipeline sends and data-parallel communication beside compute, as layout attributes.
+
+``pp_overlap``: a rank posts its pipeline sends and computes on (Megatron's ``overlap_p2p_comm``,
+on for the interleaved schedule by default, and torch's schedules); otherwise it waits for each
+send (Megatron's 1F1B, the default there). ``dp_overlap``:
+gradient buckets reduce during the backward and ZeRO-3's gathers run ahead of their layers (on by
+default, as FSDP2 and the exported Megatron flags run); otherwise both wait. Each round-trips, is
+refused where it means nothing at the line that sets it, changes the cost model's charge by what
+the mechanism hides and nothing else, and moves the event truth the same way."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import nereus
+from nereus.ir import DiagnosticError, print_ir
+from nereus.passes.cost.cost_model import Candidates, CostModel
+from nereus.sim.truth.pipeline import play
+from nereus.sim.truth.stages import train_or_infer
+
+from ..support import ROOT
+
+BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
+STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
+# GPT-175B on TP 8 x PP 8 over 8 nodes: every pipeline send crosses the NIC
+GOOD = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64"
+# and on 4 copies of it (DP over the NIC), for the data-parallel traffic
+WIDE = f"tp = 8, pp = 8, dp = 4, layers = [{STAGES}], mesh = [0..255], micro_batches = 16"
+
+
+def _text(layout: str) -> str:
+    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
+    return BASE + "\n" + plan
+
+
+def _cost(layout: str):
+    m = nereus.parse(_text(layout))
+    nereus.verify(m)
+    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
+    model = CostModel(cluster)
+    cost = model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay))
+    return cost, model.coeffs, m, lay
+
+
+def _truth(m, lay) -> float:
+    w = m.workloads["w175b"]
+    lengths = np.full(w.samples, w.prompt_len_mean + w.response_len_mean)
+    seconds, _ = train_or_infer(m.models["gpt175b"], lay, w, m.clusters["selene"], lengths, "train")
+    return seconds
+
+
+def test_both_round_trip_and_the_schedule_decides_pipeline_overlap_by_default():
+    m = nereus.parse(_text(GOOD + ", pp_overlap = true, dp_overlap = false"))
+    nereus.verify(m)
+    text = print_ir(m)
+    assert "pp_overlap = true" in text and "dp_overlap = false" in text
+    lay = nereus.parse(text).plans["probe"].layouts["gpt175b.train"]
+    assert (lay.pp_overlap, lay.dp_overlap) == (True, False)
+    plain = nereus.parse(_text(GOOD)).plans["probe"].layouts["gpt175b.train"]
+    assert (plain.pp_overlap, plain.pp_overlapped, plain.dp_overlap) == (None, False, True)
+    assert "overlap" not in print_ir(nereus.parse(_text(GOOD))).split("layout gpt175b.train")[1]
+    interleaved = nereus.parse(_text(GOOD + ", vpp = 2")).plans["probe"].layouts["gpt175b.train"]
+    assert interleaved.pp_overlapped
+    for schedule, posted in (("one_f_one_b", False), ("gpipe", True), ("zero_bubble", True)):
+        lay = nereus.parse(_text(GOOD + f", schedule = {schedule}")).plans["probe"].layouts["gpt175b.train"]
+        assert lay.pp_overlapped == posted, schedule  # torch's schedules post their sends
+
+
+def test_each_is_refused_where_it_means_nothing_at_its_line():
+    """A vLLM engine's pipeline is its own; an inference stage reduces no gradients."""
+    text = (ROOT / "examples" / "ppo_8b_16gpu.nir").read_text()
+    m = nereus.parse(text)
+    plan = next(iter(m.plans.values()))
+    gen = next(ms for ms in plan.layouts if ms.endswith(".generate"))
+    infer = next(ms for ms in plan.layouts if ms.endswith(".infer"))
+    for ms, attr, value, words in (
+        (gen, "pp_overlap", "false", "a generation engine's pipeline is its own"),
+        (infer, "dp_overlap", "false", "dp_overlap is a training setting"),
+    ):
+        lines = text.splitlines()
+        at = next(i for i, line in enumerate(lines) if f"layout {ms} {{" in line)
+        lines.insert(at + 1, f"    {attr} = {value}")
+        with pytest.raises(DiagnosticError) as e:
+            nereus.verify(nereus.parse("\n".join(lines) + "\n"))
+        (d,) = [d for d in e.value.diagnostics if attr in d.message]
+        assert words in d.message
+        assert d.loc.line == at + 2  # the inserted line, 1-based
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_overlapped_sends_hide_the_steady_state_and_leave_the_fill_and_drain(vpp):
+    """Of ``2 (n v + p - 1)`` sends per flush, ``2 n v`` hide behind the compute (which outlasts
+    them here) and the ``2 (p - 1)`` of the fill and drain stay, with their latency; every other
+    entry of the breakdown is as before."""
+    v = f", vpp = {vpp}" if vpp > 1 else ""
+    waited, x, m, _ = _cost(GOOD + v + ", pp_overlap = false")
+    posted, _, _, _ = _cost(GOOD + v + ", pp_overlap = true")
+    a, b = waited.breakdown(x), posted.breakdown(x)
+    assert {k: w for k, w in a.items() if k != "pp"} == {k: w for k, w in b.items() if k != "pp"}
+    w = m.workloads["w175b"]
+    n, p = w.samples / w.micro_batch, 8  # micro-batches of the step (dp = 1), pipeline stages
+    traffic_a = a["pp"] - float(waited.waits["pp"][0])
+    per_send = traffic_a / (2 * (n * vpp + p - 1))
+    assert b["pp"] - float(posted.waits["pp"][0]) == pytest.approx(per_send * 2 * (p - 1), rel=1e-9)
+    assert float(posted.waits["pp"][0]) == pytest.approx(float(waited.waits["pp"][0]) * (p - 1) / (n * vpp + p - 1))
+    assert a["pp"] > b["pp"] > 0
+    assert float(posted.time(x)[0]) == pytest.approx(float(waited.time(x)[0]) - (a["pp"] - b["pp"]), rel=1e-12)
+
+
+def test_what_sends_hide_is_at_most_the_compute_beside_them():
+    """Sends on a link so slow that they outlast the compute: what hides is the compute's time."""
+    link = "inter_node = link(bandwidth = 25GB/s, latency = 5us)"
+    assert link in BASE
+    src = _text(GOOD + ", pp_overlap = true").replace(link, "inter_node = link(bandwidth = 20MB/s, latency = 5us)")
+    m = nereus.parse(src)
+    nereus.verify(m)
+    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
+    model, md, w = CostModel(cluster), m.models["gpt175b"], m.workloads["w175b"]
+    cost = model.stage(md, w, "train", Candidates.of_layout(cluster, lay))
+    off = model.stage(md, w, "train", Candidates.of_layout(cluster, replace(lay, pp_overlap=False)))
+    x = model.coeffs
+    a, b = off.breakdown(x), cost.breakdown(x)
+    assert a["pp"] > a["compute"]  # the NIC binds
+    hid = (a["pp"] - float(off.waits["pp"][0])) - (b["pp"] - float(cost.waits["pp"][0]))  # latency aside
+    assert hid == pytest.approx(a["compute"], rel=1e-9)
+
+
+def test_a_rank_that_waits_for_its_sends_lengthens_the_played_pipeline():
+    """The event truth's pipeline: a blocking send holds its rank; without sends nothing changes."""
+    f, b = [[1.0], [1.0], [1.0], [1.0]], [[2.0], [2.0], [2.0], [2.0]]
+    posted = play(f, b, 8, send=0.3)
+    waited = play(f, b, 8, send=0.3, blocking=True)
+    assert waited.makespan > posted.makespan
+    assert play(f, b, 8, send=0.0, blocking=True).makespan == play(f, b, 8, send=0.0).makespan
+    # 1F1B on 4 ranks: the last rank's steady state runs a forward, then a backward, and both its
+    # neighbours wait on it; a waiting send adds at most one send per operation a rank runs
+    assert waited.makespan <= posted.makespan + 0.3 * 2 * 8
+    assert waited.busy == posted.busy  # computation is the same; only waiting grows
+
+
+def test_the_event_truth_and_the_cost_model_both_find_overlapped_sends_faster():
+    out = {}
+    for flag in ("false", "true"):
+        cost, x, m, lay = _cost(GOOD + f", pp_overlap = {flag}")
+        out[flag] = (float(cost.time(x)[0]), _truth(m, lay))
+    (model_a, truth_a), (model_b, truth_b) = out["false"], out["true"]
+    assert model_b < model_a and truth_b < truth_a
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_data_parallel_traffic_waits_whole_without_dp_overlap(zero):
+    """Without ``dp_overlap`` nothing of the DP traffic hides: its whole seconds are charged; with
+    it, some hide. The rest of the breakdown is the same, and the event truth is slower too."""
+    over, x, m, lay_over = _cost(WIDE + f", zero = {zero}")
+    waited, _, _, lay_waited = _cost(WIDE + f", zero = {zero}, dp_overlap = false")
+    a, b = over.breakdown(x), waited.breakdown(x)
+    assert {k: w for k, w in a.items() if k != "dp"} == {k: w for k, w in b.items() if k != "dp"}
+    whole = float(waited.parts["dp"][1][0] * x[int(waited.parts["dp"][0])]) + float(waited.waits["dp"][0])
+    assert b["dp"] == pytest.approx(whole, rel=1e-12)
+    assert a["dp"] < b["dp"]
+    assert _truth(m, lay_over) < _truth(m, lay_waited)
