@@ -129,8 +129,9 @@ class Program:
         return len(self.gpus)
 
     def __getstate__(self) -> dict:
-        """What travels: the program, not the executor's per-process index cache (``_regions``)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_regions"}
+        """What travels: the program, not the executor's per-process caches keyed by object ids
+        (``_regions``, ``_writes``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_regions", "_writes")}
 
     def digest(self) -> int:
         """A 63-bit digest of the whole program (every rank's steps and shards): ranks that run

@@ -143,12 +143,17 @@ def verl_like(live, meta: dict, only: set[str] | None = None) -> tuple[dict[str,
     return {hf_name(n): t for n, t in full.items()}, received
 
 
-def verl_like_into(engine, live, meta: dict, waves: int) -> tuple[dict[str, torch.Tensor], int]:
-    """``verl_like`` bucket by bucket (the model's tensors in ``waves`` runs, in the engine's
-    load order, as Nereus's waves), each bucket loaded by ``engine`` while the next is gathered."""
+def wave_buckets(live, meta: dict, waves: int) -> list[set[str]]:
+    """The model's tensors in ``waves`` runs, in the engine's load order (Nereus's waves): the
+    verl-like way's buckets, made once per layout outside the timed pushes, as Nereus's program is."""
     model = ir_model(live.config, live.layout.model)
     every = {n for stage in meta["stage_shapes"] for n, _ in stage}
-    buckets = [{n for n in every if load_wave(model, n, waves) == w} for w in range(waves)]
+    return [{n for n in every if load_wave(model, n, waves) == w} for w in range(waves)]
+
+
+def verl_like_into(engine, live, meta: dict, buckets: list[set[str]]) -> tuple[dict[str, torch.Tensor], int]:
+    """``verl_like`` bucket by bucket (``wave_buckets``), each bucket loaded by ``engine`` while
+    the next is gathered."""
 
     def push(put):
         named, received = {}, 0
@@ -317,10 +322,11 @@ def worker(rank: int, world: int, hidden: int, layers: int, vocab: int, reps: in
             out[name]["load"] = statistics.median(loads)
             out[name]["cpu"]["load"] = load_cpu
             # end to end, up to the engine serving the new weights (CPU seconds: every thread of the rank)
+            buckets = wave_buckets(live, meta, pusher.waves)
             e2e = {
                 "nereus": lambda: (pusher.push_into(engine, live), pusher.stats.bytes_received),
                 "nereus_serial": lambda: then_load(engine, (pusher.push(live), pusher.stats.bytes_received)),
-                "verl": lambda: verl_like_into(engine, live, meta, pusher.waves),
+                "verl": lambda: verl_like_into(engine, live, meta, buckets),
                 "openrlhf": lambda: then_load(engine, openrlhf_like(live, meta)),
             }
             e2e_times, e2e_cpu, _ = timed(e2e, reps, lambda way, got: same(ref, got[0], f"{name}: {way} end to end"))

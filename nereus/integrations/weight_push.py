@@ -120,30 +120,24 @@ class WeightStream:
     def abandon(self, error: BaseException) -> None:
         self.abandoned = error
 
+    def _next(self) -> list | None:
+        """The next wave, or None where the push ended (``complete`` if it committed)."""
+        item, self._head = (self._head, None) if self._head is not None else (self._queue.get(), None)
+        if item is self._END:
+            self.complete = True
+        return None if item is self._END or isinstance(item, BaseException) else item
+
     def first(self) -> bool:
         """Wait for the first wave: true if the push handed tensors, false if it ended first
         (then ``complete`` says whether it committed, with nothing for this engine)."""
-        item = self._queue.get()
-        if item is self._END:
-            self.complete = True
-        if item is self._END or isinstance(item, BaseException):
-            return False
-        self._head = item
-        return True
+        self._head = self._next()
+        return self._head is not None
 
     def __iter__(self):
-        item = self._head if self._head is not None else self._queue.get()
-        self._head = None
-        while True:
-            if item is self._END:
-                self.complete = True
-                return
-            if isinstance(item, BaseException):
-                return
+        while (item := self._next()) is not None:
             for pair in item:
                 self.taken += 1
                 yield pair
-            item = self._queue.get()
 
 
 def load_behind(engine, push, stream: WeightStream | None = None):

@@ -160,7 +160,13 @@ class _Rank:
         self.group = None  # the process group the program's ranks are ranks of (None: the default group)
         self.digest: tuple | None = None  # the digest all-gather in flight (``_post_digest``)
         if ready is not None:  # writes still to come into each destination shard
-            self.left = Counter(k for s in prog.steps.get(rank, []) for k in _writes(s, rank))
+            # id(step) -> the shards it writes, kept with the program as ``regions`` is (a push
+            # runs one program every RL step)
+            cache = prog.__dict__.setdefault("_writes", {})
+            if rank not in cache:
+                cache[rank] = {id(s): _writes(s, rank) for s in prog.steps.get(rank, [])}
+            self.writes: dict[int, list[StateKey]] = cache[rank]
+            self.left = Counter(k for ks in self.writes.values() for k in ks)
 
     # -- slices --------------------------------------------------------------------------------
     def slices(self, p: Piece) -> tuple:
@@ -325,7 +331,7 @@ class _Rank:
             return
         done = []
         for s in steps:
-            for k in _writes(s, self.rank):
+            for k in self.writes[id(s)]:
                 self.left[k] -= 1
                 if not self.left[k]:
                     done.append(k)
@@ -610,7 +616,10 @@ def execute(
     engine's loader) may read them while later rounds are on the wire (``lower``'s ``waves``).
     It reads them, never writes them. They are not committed: if the transition then fails,
     ``execute`` still raises ``TransitionError``, and what the consumer took must be dropped.
+    Not with ``restore``: a shard whose last write lands may still lack what the checkpoint fills.
     """
+    if ready is not None and restore:
+        raise ValueError("ready hands shards as their writes land; restore leaves some to a checkpoint read after")
     rank, world = (group.rank, group.size) if is_private(group) else (dist.get_rank(group), dist.get_world_size(group))
     if world != program.world:
         raise TransitionError(f"the program needs {plural(program.world, 'rank')}, the process group has {world}")

@@ -76,6 +76,21 @@ def test_a_program_in_waves_moves_the_same_pieces_in_the_order_an_engine_loads_t
             assert seen == sorted(seen), (case, mode, r)
 
 
+def test_a_program_travels_without_the_executors_caches_keyed_by_object_ids():
+    """``execute`` keeps per-rank look-ups on the program keyed by ``id(step)`` and ``id(piece)``,
+    which mean nothing in another process: a pickled program leaves them behind, digest intact."""
+    import pickle
+
+    prog = lower(planned(CASES[0]), "t")
+    digest = prog.digest()
+    first = prog.steps[0][0]
+    prog.__dict__["_regions"] = {0: {id(first): (None, None)}}
+    prog.__dict__["_writes"] = {0: {id(first): []}}
+    back = pickle.loads(pickle.dumps(prog))
+    assert "_regions" not in back.__dict__ and "_writes" not in back.__dict__
+    assert back.digest() == digest and "_regions" in prog.__dict__
+
+
 def test_load_waves_cut_the_engines_load_order_into_equal_runs():
     m = planned("tp4-tp2x2", layers=6)
     model = m.models["actor"]

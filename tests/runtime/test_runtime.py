@@ -42,10 +42,18 @@ def test_a_program_in_waves_hands_each_shard_once_as_it_lands_and_it_is_what_com
     results = run_local(w.run_waves, 4, list(CASES), 64, ["p2p", "chain"], timeout=240)
     for key in results[0]:
         for rank, r in enumerate(results):
-            problems, twice_or_never, changed, _ = r[key]
-            assert problems == [] and twice_or_never == [] and changed == [], (key, rank, r[key])
+            problems, twice_or_never, changed, _, same_again = r[key]
+            assert problems == [] and twice_or_never == [] and changed == [] and same_again, (key, rank, r[key])
     # shards reach the consumer in more than one handing (the waves), not all at the commit
     assert max(r[key][3] for r in results for key in r) >= 3
+
+
+def test_ready_is_refused_beside_restore():
+    """A shard whose last write lands may still lack what a checkpoint read fills after ``execute``."""
+    from nereus.runtime.execute import execute
+
+    with pytest.raises(ValueError, match="restore"):
+        execute(None, {}, restore=True, ready=lambda shards: None)  # type: ignore[arg-type]
 
 
 def random_pairs(n: int, seed: int = 0) -> list[str]:

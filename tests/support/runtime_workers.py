@@ -54,7 +54,7 @@ def run_cases(rank: int, world: int, cases: list[str], hidden: int, modes: list[
 def run_waves(rank: int, world: int, cases: list[str], hidden: int, modes: list[str]) -> dict:
     """Every reshard case lowered in 3 waves, run with a ``ready`` consumer: (problems, the
     destination shards handed more than once or never, those that changed after they were handed,
-    the rounds in which shards were handed)."""
+    the rounds in which shards were handed, whether running the program again hands the same)."""
     init_from_env(timeout=30)
     out = {}
     for case in cases:
@@ -68,11 +68,15 @@ def run_waves(rank: int, world: int, cases: list[str], hidden: int, modes: list[
                 handed.append({k: t.clone() for k, t in shards.items()})
 
             new = execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, ready=ready)
+            # the same program again (a push runs one every RL step): the same shards handed
+            again: list = []
+            execute(prog, synthetic_state(prog.src.get(rank, [])), timeout=30, ready=lambda s, a=again: a.extend(s))
             keys = [k for h in handed for k in h]
             want = {s.key for s in prog.dst.get(rank, [])}
             twice_or_never = sorted(map(str, set(k for k in keys if keys.count(k) > 1) | (want - set(keys))))
             changed = sorted(str(k) for h in handed for k, t in h.items() if not torch.equal(t, new[k]))
-            out[(case, mode)] = (check(prog, rank, new), twice_or_never, changed, len(handed))
+            same_again = sorted(map(str, again)) == sorted(map(str, keys))
+            out[(case, mode)] = (check(prog, rank, new), twice_or_never, changed, len(handed), same_again)
     return out
 
 
