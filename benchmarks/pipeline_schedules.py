@@ -39,7 +39,8 @@ VARIANTS = [
     ("ZBV", ", vpp = 2, schedule = zbv"),
     ("1F1B + tp_overlap", ", tp_overlap = true"),
     ("ZBV + tp_overlap", ", vpp = 2, schedule = zbv, tp_overlap = true"),
-    ("1F1B + pp_overlap", ", pp_overlap = true"),
+    ("interleaved, vpp 4", ", vpp = 4"),
+    ("interleaved, vpp 4, pp_overlap = false", ", vpp = 4, pp_overlap = false"),
     ("interleaved, vpp 2, pp_overlap = false", ", vpp = 2, pp_overlap = false"),
 ]
 

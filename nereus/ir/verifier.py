@@ -411,6 +411,20 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             at(lay, "pp_overlap"),
             f"{ms}: pp_overlap is a training and inference setting; a generation engine's pipeline is its own",
         )
+    elif lay.pp_overlap and lay.pipeline_schedule == "one_f_one_b":
+        sink.error(
+            at(lay, "pp_overlap"),
+            f"{ms}: 1F1B's steady state leaves a posted send no slack (each waits on its neighbour's "
+            "reply); Megatron posts pipeline sends only in the interleaved schedule",
+            "set vpp > 1 (interleaved) or drop pp_overlap",
+        )
+    elif lay.pp_overlap is False and lay.pipeline_schedule in ("gpipe", "zero_bubble", "zbv"):
+        sink.error(
+            at(lay, "pp_overlap"),
+            f"{ms}: torch's {lay.pipeline_schedule} schedule posts its pipeline sends and waits for them at the "
+            "step's end",
+            "drop pp_overlap",
+        )
     if not lay.dp_overlap and stage is not None and stage.kind != "train":
         sink.error(at(lay, "dp_overlap"), f"{ms}: dp_overlap is a training setting: {stage.kind} reduces no gradients")
     if lay.fp8 and cluster is not None and not cluster.peak_flops_fp8:

@@ -1,8 +1,8 @@
 """Pipeline sends and data-parallel communication beside compute, as layout attributes.
 
 ``pp_overlap``: a rank posts its pipeline sends and computes on (Megatron's ``overlap_p2p_comm``,
-on for the interleaved schedule by default, and torch's schedules); otherwise it waits for each
-send (Megatron's 1F1B, the default there). ``dp_overlap``:
+on for the interleaved schedule by default, and torch's schedules, which always post); otherwise
+it waits for each send (Megatron's 1F1B, whose steady state leaves a posted send no slack). ``dp_overlap``:
 gradient buckets reduce during the backward and ZeRO-3's gathers run ahead of their layers (on by
 default, as FSDP2 and the exported Megatron flags run); otherwise both wait. Each round-trips, is
 refused where it means nothing at the line that sets it, changes the cost model's charge by what
@@ -53,12 +53,12 @@ def _truth(m, lay) -> float:
 
 
 def test_both_round_trip_and_the_schedule_decides_pipeline_overlap_by_default():
-    m = nereus.parse(_text(GOOD + ", pp_overlap = true, dp_overlap = false"))
+    m = nereus.parse(_text(GOOD + ", vpp = 2, pp_overlap = false, dp_overlap = false"))
     nereus.verify(m)
     text = print_ir(m)
-    assert "pp_overlap = true" in text and "dp_overlap = false" in text
+    assert "pp_overlap = false" in text and "dp_overlap = false" in text
     lay = nereus.parse(text).plans["probe"].layouts["gpt175b.train"]
-    assert (lay.pp_overlap, lay.dp_overlap) == (True, False)
+    assert (lay.pp_overlap, lay.pp_overlapped, lay.dp_overlap) == (False, False, False)
     plain = nereus.parse(_text(GOOD)).plans["probe"].layouts["gpt175b.train"]
     assert (plain.pp_overlap, plain.pp_overlapped, plain.dp_overlap) == (None, False, True)
     assert "overlap" not in print_ir(nereus.parse(_text(GOOD))).split("layout gpt175b.train")[1]
@@ -67,6 +67,22 @@ def test_both_round_trip_and_the_schedule_decides_pipeline_overlap_by_default():
     for schedule, posted in (("one_f_one_b", False), ("gpipe", True), ("zero_bubble", True)):
         lay = nereus.parse(_text(GOOD + f", schedule = {schedule}")).plans["probe"].layouts["gpt175b.train"]
         assert lay.pp_overlapped == posted, schedule  # torch's schedules post their sends
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (", pp_overlap = true", "1F1B's steady state leaves a posted send no slack"),
+        (", schedule = zero_bubble, pp_overlap = false", "posts its pipeline sends"),
+        (", vpp = 2, schedule = zbv, pp_overlap = false", "posts its pipeline sends"),
+    ],
+)
+def test_a_setting_the_schedule_cannot_run_is_refused_at_its_line(extra, words):
+    text = _text(GOOD + extra)
+    with pytest.raises(DiagnosticError) as e:
+        nereus.verify(nereus.parse(text))
+    (d,) = e.value.diagnostics
+    assert words in d.message and "pp_overlap" in text.splitlines()[d.loc.line - 1]
 
 
 def test_each_is_refused_where_it_means_nothing_at_its_line():
@@ -90,22 +106,23 @@ def test_each_is_refused_where_it_means_nothing_at_its_line():
         assert d.loc.line == at + 2  # the inserted line, 1-based
 
 
-@pytest.mark.parametrize("vpp", [1, 2])
-def test_overlapped_sends_hide_the_steady_state_and_leave_the_fill_and_drain(vpp):
-    """Of ``2 (n v + p - 1)`` sends per flush, ``2 n v`` hide behind the compute (which outlasts
-    them here) and the ``2 (p - 1)`` of the fill and drain stay, with their latency; every other
-    entry of the breakdown is as before."""
-    v = f", vpp = {vpp}" if vpp > 1 else ""
-    waited, x, m, _ = _cost(GOOD + v + ", pp_overlap = false")
-    posted, _, _, _ = _cost(GOOD + v + ", pp_overlap = true")
+@pytest.mark.parametrize("vpp,micro_batches", [(2, 64), (4, 64), (2, 16)])
+def test_overlapped_sends_hide_the_steady_state_and_leave_the_fill_and_drain(vpp, micro_batches):
+    """Of the ``2 (n v + f (p v - 1))`` sends of a step's ``n`` micro-batches in ``f`` flushes,
+    ``2 n v`` hide behind the compute (which outlasts them here) and each flush's fill and drain,
+    ``2 (p v - 1)``, stay, with their latency; every other entry of the breakdown is as before."""
+    layout = GOOD.replace("micro_batches = 64", f"micro_batches = {micro_batches}") + f", vpp = {vpp}"
+    waited, x, m, _ = _cost(layout + ", pp_overlap = false")
+    posted, _, _, _ = _cost(layout)
     a, b = waited.breakdown(x), posted.breakdown(x)
     assert {k: w for k, w in a.items() if k != "pp"} == {k: w for k, w in b.items() if k != "pp"}
     w = m.workloads["w175b"]
     n, p = w.samples / w.micro_batch, 8  # micro-batches of the step (dp = 1), pipeline stages
     traffic_a = a["pp"] - float(waited.waits["pp"][0])
-    per_send = traffic_a / (2 * (n * vpp + p - 1))
-    assert b["pp"] - float(posted.waits["pp"][0]) == pytest.approx(per_send * 2 * (p - 1), rel=1e-9)
-    assert float(posted.waits["pp"][0]) == pytest.approx(float(waited.waits["pp"][0]) * (p - 1) / (n * vpp + p - 1))
+    fill = n / micro_batches * (p * vpp - 1)
+    per_send = traffic_a / (2 * (n * vpp + fill))
+    assert b["pp"] - float(posted.waits["pp"][0]) == pytest.approx(per_send * 2 * fill, rel=1e-9)
+    assert float(posted.waits["pp"][0]) == pytest.approx(float(waited.waits["pp"][0]) * fill / (n * vpp + fill))
     assert a["pp"] > b["pp"] > 0
     assert float(posted.time(x)[0]) == pytest.approx(float(waited.time(x)[0]) - (a["pp"] - b["pp"]), rel=1e-12)
 
@@ -114,7 +131,7 @@ def test_what_sends_hide_is_at_most_the_compute_beside_them():
     """Sends on a link so slow that they outlast the compute: what hides is the compute's time."""
     link = "inter_node = link(bandwidth = 25GB/s, latency = 5us)"
     assert link in BASE
-    src = _text(GOOD + ", pp_overlap = true").replace(link, "inter_node = link(bandwidth = 20MB/s, latency = 5us)")
+    src = _text(GOOD + ", vpp = 2").replace(link, "inter_node = link(bandwidth = 20MB/s, latency = 5us)")
     m = nereus.parse(src)
     nereus.verify(m)
     lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
@@ -141,10 +158,23 @@ def test_a_rank_that_waits_for_its_sends_lengthens_the_played_pipeline():
     assert waited.busy == posted.busy  # computation is the same; only waiting grows
 
 
+@pytest.mark.parametrize("p,v", [(4, 2), (4, 4), (8, 2)])
+def test_the_sends_left_exposed_are_those_the_played_interleaved_pipeline_waits_for(p, v):
+    """The event truth plays Megatron's interleaved schedule operation by operation: with every
+    operation 1 s and every send ``d`` s, posted, the step lasts ``2 (p v - 1) d`` longer than
+    with free sends, the count the cost model leaves exposed per flush (its sends hide behind
+    the compute as long as the compute outlasts them)."""
+    m, d = 4 * p, 1e-3
+    ones = [[1.0] * v for _ in range(p)]
+    free = play(ones, ones, m, send=0.0).makespan
+    posted = play(ones, ones, m, send=d).makespan
+    assert (posted - free) / d == pytest.approx(2 * (p * v - 1), rel=1e-6)
+
+
 def test_the_event_truth_and_the_cost_model_both_find_overlapped_sends_faster():
     out = {}
     for flag in ("false", "true"):
-        cost, x, m, lay = _cost(GOOD + f", pp_overlap = {flag}")
+        cost, x, m, lay = _cost(GOOD + f", vpp = 2, pp_overlap = {flag}")
         out[flag] = (float(cost.time(x)[0]), _truth(m, lay))
     (model_a, truth_a), (model_b, truth_b) = out["false"], out["true"]
     assert model_b < model_a and truth_b < truth_a

@@ -476,8 +476,9 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         lay.schedule = draw(st.sampled_from([None, "interleaved", "zero_bubble", "zbv"]))
     elif trains and pp > 1:  # one stage per rank: the schedules that run it
         lay.schedule = draw(st.sampled_from([None, "one_f_one_b", "gpipe", "zero_bubble"]))
-    if trains and pp > 1:  # pipeline sends beside compute, or Megatron's default (None)
-        lay.pp_overlap = draw(st.sampled_from([None, True, False]))
+    if trains and pp > 1:  # pipeline sends: the schedule's default (None), or what it can run
+        runs = {"one_f_one_b": [None, False], "interleaved": [None, True, False]}
+        lay.pp_overlap = draw(st.sampled_from(runs.get(lay.pipeline_schedule, [None, True])))
     if trains:
         lay.dp_overlap = draw(st.booleans())
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])

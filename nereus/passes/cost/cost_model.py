@@ -33,8 +33,9 @@ head_dim, f ffn, t TP, p PP, d DP, m micro-batches per flush):
   group is inside a node. With ``tp_overlap`` (Megatron's ``--tp-comm-overlap``) each GEMM runs
   in ``t`` chunks beside the ring steps of the others: at most ``(t - 1) / t`` of the traffic
   hides, and no more than the layers' GEMMs last. PP: activations and their gradients point to point per micro-batch;
-  posted beside compute (``pp_overlap``: by default under every schedule but 1F1B), the steady
-  state's sends hide as far as the compute lasts and the fill and drain's ``2 (p - 1)`` wait.
+  posted beside compute (``pp_overlap``: by default under every schedule but 1F1B), training's
+  steady-state sends hide as far as the compute lasts, and each flush's fill and drain (``p v -
+  1`` hops each way) wait.
   DP: gradient all-reduce (ZeRO 0-2; reduce-scatter plus all-gather moves the same bytes) per
   optimizer step, and ZeRO-3's parameter all-gathers per micro-batch, hidden behind the compute
   beside them (``efficiency.overlap`` of it at most) unless ``dp_overlap`` is false.
@@ -404,12 +405,6 @@ class StageCost:
         """(breakdown entry, (comm, window, share)) of each communication that compute beside it
         hides: data-parallel (``overlap``), TP (``tp_overlap``) and pipeline sends (``pp_overlap``)."""
         return [(k, o) for k, o in (("dp", self.overlap), ("tp", self.tp_overlap), ("pp", self.pp_overlap)) if o]
-
-    def hidden_features(self, coeffs: np.ndarray) -> np.ndarray:
-        """The features of the data-parallel communication that compute hides (subtracted from ``features``)."""
-        assert self.overlap is not None  # callers check it
-        comm, window, share = self.overlap
-        return hidden(comm, window, share, coeffs)
 
     def counted(self) -> np.ndarray:
         """The bytes the model counts: state, activations and logits (and generation's KV cache)."""
@@ -829,20 +824,24 @@ class CostModel:
                 tp_overlap = (comm_f, win_f, np.where(c.tp_overlap, (tp - 1) / tp, 0.0))
             # PP: activations forward (and their gradients backward) per micro-batch and virtual
             # stage; each TP rank sends its 1/TP of them (Megatron's scatter-gather)
+            # on the critical path: each flush's fill, the p v - 1 hops its first micro-batch crosses
+            # (every hop between virtual stages changes rank), and its drain backward
             directions = 2.0 if kind == "train" else 1.0
-            sends = directions * (n_mb_total * v + pp - 1)
+            fill = np.maximum(n_mb_total / m, 1.0) * (pp * v - 1)
+            sends = directions * (n_mb_total * v + fill)
             per_send = np.where(c.pp > 1, mbs * s / cp * h * ACT_BYTES / tp / pp_bw, 0.0)
             add("pp", pp_col, sends * per_send)
-            # pp_overlap: a rank posts its sends and computes on; those of the steady state (every
-            # micro-batch's, per virtual stage) hide as far as its compute lasts, and the pipeline's
-            # fill and drain (p - 1 hops each way) stay on the critical path with their latency
-            steady = np.where(c.pp_overlap, directions * n_mb_total * v, 0.0)
+            # pp_overlap: a rank posts its sends and computes on; in training those of the steady
+            # state (every micro-batch's, per virtual stage) hide as far as its compute lasts, and
+            # each flush's fill and drain stay with their latency. A forward-only pass hides none:
+            # its chain of chunks leaves a send no slack (the event truth hides about half at vpp 2)
+            steady = np.where(c.pp_overlap & (kind == "train"), directions * n_mb_total * v, 0.0)
             wait("pp", np.where(c.pp > 1, (sends - steady) * pp_lat, 0.0))
-            if np.any(c.pp_overlap & (c.pp > 1)):
+            if np.any((steady > 0) & (c.pp > 1)):
                 comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
                 comm_f[np.arange(n), pp_col] = steady * per_send
-                win_f[:, C_COMPUTE] = np.where(c.pp_overlap, ideal, 0.0)
-                pp_overlap = (comm_f, win_f, np.where(c.pp_overlap, 1.0, 0.0))
+                win_f[:, C_COMPUTE] = np.where(steady > 0, ideal, 0.0)
+                pp_overlap = (comm_f, win_f, np.where(steady > 0, 1.0, 0.0))
             # CP (ring attention): per layer and pass, each rank receives the other cp - 1 chunks' K
             # and V (its TP share of the KV heads); backward passes K/V and their gradients (twice
             # the bytes). Charged in series: an upper bound, as the ring hides part of it behind

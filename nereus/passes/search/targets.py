@@ -471,6 +471,9 @@ def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
                 )
                 continue
             tp, pp, vpp = (src.tp, src.pp, src.vpp) if megatron and src else (1, 1, 1)
+            # an inference pass runs on its role's engine, with the actor's transformer config
+            # (verl's ref defaults to the actor's overrides): its pipeline sends as the actor's
+            overlap = src.pp_overlap if megatron and src and k != "train" else lay.pp_overlap
             cp = src.cp if src else 1
             if n % (tp * pp * cp):
                 raise ValueError(f"{ms}: tp {tp} x pp {pp} x cp {cp} does not divide verl's {n} GPUs")
@@ -495,6 +498,7 @@ def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
                 zero=zero,
                 sp=tp > 1,
                 offload=off,
+                pp_overlap=overlap,
             )
         colocate = [st.model_stages() for st in w.stages if len(st.model_stages()) > 1]
     elif target == "openrlhf":

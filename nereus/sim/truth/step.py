@@ -63,7 +63,8 @@ def layout_of(lay) -> tuple:
     if lay.pipeline_schedule != lay.megatron_schedule:
         key += (lay.pipeline_schedule,)
     key += ("tp_overlap",) if lay.tp_overlap else ()
-    key += (("pp_overlap", lay.pp_overlap),) if lay.pp_overlap is not None else ()
+    posted_by_default = lay.pipeline_schedule != "one_f_one_b"  # ``Layout.pp_overlapped``'s default
+    key += (("pp_overlap", lay.pp_overlapped),) if lay.pp_overlapped != posted_by_default else ()
     return key + (("no_dp_overlap",) if not lay.dp_overlap else ())
 
 
