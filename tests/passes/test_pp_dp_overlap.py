@@ -192,3 +192,36 @@ def test_data_parallel_traffic_waits_whole_without_dp_overlap(zero):
     assert b["dp"] == pytest.approx(whole, rel=1e-12)
     assert a["dp"] < b["dp"]
     assert _truth(m, lay_over) < _truth(m, lay_waited)
+
+
+def test_what_runs_the_same_and_what_verl_runs_read_the_resolved_setting():
+    """The decision core's ``same_layout`` and the truth's cache key see a layout's pipeline sends
+    as they run (an explicit default is the default); verl's inference passes, on the actor's
+    Megatron engine, send as the actor's training does."""
+    from nereus.control.decide import same_layout
+    from nereus.passes.search.targets import as_run_by
+    from nereus.sim.truth.step import layout_of
+
+    lay = nereus.parse(_text(GOOD + ", vpp = 2")).plans["probe"].layouts["gpt175b.train"]
+    default, waited, no_dp = (
+        replace(lay, pp_overlap=True),
+        replace(lay, pp_overlap=False),
+        replace(lay, dp_overlap=False),
+    )
+    assert same_layout(lay, default) and layout_of(lay) == layout_of(default)
+    for other in (waited, no_dp):
+        assert not same_layout(lay, other) and layout_of(lay) != layout_of(other)
+
+    job = nereus.parse((ROOT / "examples" / "ppo_70b_1024gpu.nir").read_text())
+    plan = next(iter(job.plans.values()))
+    train = plan.layouts["actor.train"]
+    assert train.tp > 1  # verl runs it on its Megatron workers
+
+    def infer_sends(**kw) -> list[bool]:
+        run = as_run_by(
+            job, replace(plan, layouts={**plan.layouts, "actor.train": replace(train, vpp=2, **kw)}), "verl"
+        )
+        return [x.pp_overlapped for ms, x in run.layouts.items() if ms.endswith(".infer") and x.pp > 1]
+
+    assert infer_sends(pp_overlap=False) and not any(infer_sends(pp_overlap=False))
+    assert infer_sends() and all(infer_sends())
