@@ -503,6 +503,9 @@ def fit_flush(lay: Layout, w: Workload, kind: str) -> Layout:
         lay.schedule = None  # no pipeline left, or micro-batches torch's rounds do not divide
     if lay.vpp > 1 and (lay.pp == 1 or (lay.pipeline_schedule == "interleaved" and m % lay.pp)):
         lay.vpp, lay.schedule = 1, None  # Megatron's interleaving needs a multiple of pp micro-batches
+    posts = {"one_f_one_b": (False,), "interleaved": (True, False)}.get(lay.pipeline_schedule, (True,))
+    if lay.pp == 1 or (lay.pp_overlap is not None and lay.pp_overlap not in posts):
+        lay.pp_overlap = None  # the pipeline sends as the schedule left runs them
     return lay
 
 
