@@ -278,16 +278,19 @@ def test_candidate_figures_are_stated_and_the_model_misses_them_as_recorded():
     """31 published figures from three sources read on 2026-12-07 (NVIDIA's DGX Cloud benchmarking
     recipes, Megatron-LM's H100 weak-scaling table, Megatron-Bridge's dense rows), none fitted and
     not in the gated set: with them the hold-out misses its targets (docs/PERFORMANCE.md). Recorded
-    as measured: the cost model's median |error| 13% and worst 80%, optimistic on every FP8 run
-    (7-24%) and pessimistic on Megatron-LM's (45-80%); every run fits. This test fails when a change
-    moves them by more than 5 points, so that the record is restated."""
+    as measured: the cost model's median |error| 13% and worst 46%, optimistic on every FP8 run
+    (7-24%) and pessimistic on Megatron-LM's (17-46% since the distributed optimizer's gathers are
+    charged in bf16 behind the next forward; 45-80% before); every run fits. This test fails when a
+    change moves them by more than 5 points, so that the record is restated."""
     from nereus.bench.validate_bench import _candidates_report
 
     report = _candidates_report(None)
     assert report["cases"] == 31 and len({r["source"] for r in report["rows"]}) == 3
     s = report["summary"]
     assert s["model"]["median"] == pytest.approx(0.133, abs=0.05)
-    assert s["model"]["worst"] == pytest.approx(0.797, abs=0.05)
+    assert s["model"]["worst"] == pytest.approx(0.463, abs=0.05)
+    dp48 = [r["model_error"] for r in report["rows"] if r["source"] == "megatron_lm_h100_2024"]
+    assert len(dp48) == 4 and min(dp48) > 0.1  # every DP-48 run predicted slower than it ran
     assert all(r["fits"] for r in report["rows"])
     fp8 = [r["model_error"] for r in report["rows"] if "fp8" in r["plan"] or r["source"].startswith("megatron_bridge")]
     assert len(fp8) == 15 and max(fp8) < 0  # every FP8 run predicted faster than it ran

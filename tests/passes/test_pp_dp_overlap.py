@@ -194,6 +194,34 @@ def test_data_parallel_traffic_waits_whole_without_dp_overlap(zero):
     assert _truth(m, lay_over) < _truth(m, lay_waited)
 
 
+def test_the_distributed_optimizer_scatters_gradients_and_gathers_weights_in_their_own_dtypes():
+    """ZeRO-0 all-reduces the gradients (2 (r - 1) / r of them, in their dtype); ZeRO-1 (Megatron's
+    distributed optimizer) reduce-scatters them and all-gathers the updated bf16 weights: with fp32
+    gradients 6 bytes a parameter cross the ring instead of 8, and with bf16 ones the same 4. Its
+    gathers hide behind the next step's first forward as well as the last backward, so more of
+    its traffic hides; waited on, each charges its bytes whole. The event truth agrees on the order."""
+    from nereus.passes.cost.cost_model import C_NIC
+
+    feat = {}
+    for zero in (0, 1):
+        for grad in ("fp32", "bf16"):
+            cost, x, m, lay = _cost(WIDE + f", zero = {zero}, grad_dtype = {grad}, dp_overlap = false")
+            col, f = cost.parts["dp"]
+            assert int(col) == C_NIC
+            feat[zero, grad] = float(f[0])
+    assert feat[1, "fp32"] / feat[0, "fp32"] == pytest.approx((4 + 2) / (2 * 4), rel=1e-12)
+    assert feat[1, "bf16"] == pytest.approx(feat[0, "bf16"], rel=1e-12)
+    assert feat[0, "fp32"] == pytest.approx(2 * feat[0, "bf16"], rel=1e-12)
+    # the window: one micro-batch's backward and, under ZeRO-1, its forward, per optimizer step
+    cost0, x, _, _ = _cost(WIDE + ", zero = 0, grad_dtype = fp32")
+    cost1, _, _, _ = _cost(WIDE + ", zero = 1, grad_dtype = fp32")
+    window0, window1 = float(cost0.overlap[1][0] @ x), float(cost1.overlap[1][0] @ x)
+    assert window1 / window0 == pytest.approx(3 / 2, rel=1e-12)  # backward + forward over backward
+    assert cost1.breakdown(x)["dp"] < cost0.breakdown(x)["dp"]
+    truths = {z: _truth(*_cost(WIDE + f", zero = {z}, grad_dtype = fp32")[2:]) for z in (0, 1)}
+    assert truths[1] < truths[0]
+
+
 def test_what_runs_the_same_and_what_verl_runs_read_the_resolved_setting():
     """The decision core's ``same_layout`` and the truth's cache key see a layout's pipeline sends
     as they run (an explicit default is the default); verl's inference passes, on the actor's

@@ -881,21 +881,27 @@ class CostModel:
             add("overhead", C_OVERHEAD, n_mb_total * (1 + bubble) * stage_layers * passes)
             if kind == "train":
                 n_opt = epochs * workload.samples / (workload.mini_batch or workload.samples)
-                ring_dp = 2 * (replicas - 1) / replicas
-                # ZeRO-3 reduce-scatters gradients (its gathers are below); 0-2 all-reduce them, or
-                # reduce-scatter them and all-gather the updated weights: the same bytes
-                grad_ring = np.where(c.zero == 3, (replicas - 1) / replicas, ring_dp)
-                # experts reduce (and ZeRO-3 gathers them) over their expert-DP ranks only
-                expert_ring = np.where(c.zero == 3, (edp - 1) / edp, 2 * (edp - 1) / edp)
-                grad_bytes = n_opt * (grad_ring * dense_params + expert_ring * expert_params) * c.grad_bytes
-                gathered = (replicas - 1) / replicas * dense_params + (edp - 1) / edp * expert_params
-                gather_bytes = np.where(c.zero == 3, n_mb_total * 2 * gathered * b, 0.0)
+                # ZeRO-0 all-reduces the gradients; ZeRO-1 and 2 (Megatron's distributed optimizer,
+                # FSDP without resharding after forward) reduce-scatter them and all-gather the
+                # updated weights in the weights' dtype (bf16 beside fp32 gradients); ZeRO-3
+                # reduce-scatters them and gathers each layer's weights per micro-batch (below)
+                shard = lambda k: (k - 1) / k
+                ring = lambda k: np.where(c.zero == 0, 2 * shard(k), shard(k))
+                grad_bytes = n_opt * (ring(replicas) * dense_params + ring(edp) * expert_params) * c.grad_bytes
+                gathered = shard(replicas) * dense_params + shard(edp) * expert_params
+                gather_bytes = np.where(
+                    c.zero == 3, n_mb_total * 2 * gathered * b, np.where(c.zero > 0, n_opt * gathered * b, 0.0)
+                )
                 dp_feat = np.where(replicas > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
                 add("dp", dp_col, dp_feat)
                 # what compute hides: ZeRO-3 gathers and reduces layer by layer beside all of it;
-                # otherwise gradient buckets reduce during the backward of an optimizer step's last micro-batch
+                # otherwise gradient buckets reduce during the backward of an optimizer step's last
+                # micro-batch, and ZeRO-1/2's gathers run layer by layer ahead of the next step's
+                # first forward (--overlap-param-gather). One window for both: with fp32 gradients
+                # their bytes stand 2:1 as the backward to the forward
                 backward = ideal * np.where(c.recompute, 3.0, 2.0) / passes
-                window = np.where(c.zero == 3, ideal, backward * n_opt / n_mb_total)
+                forward = np.where(c.zero > 0, ideal / passes, 0.0)
+                window = np.where(c.zero == 3, ideal, (backward + forward) * n_opt / n_mb_total)
                 comm_f, win_f = np.zeros((n, len(COEFFS))), np.zeros((n, len(COEFFS)))
                 for col in (C_NVLINK, C_NIC):
                     comm_f[:, col] = np.where(dp_col == col, dp_feat, 0.0)

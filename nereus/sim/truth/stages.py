@@ -363,11 +363,22 @@ def train_or_infer(
                     # prefetched beside the layers' compute (dp_overlap), else each before its layer
                     t += max(0.0, gathers + scatter - (0.8 * span if lay.dp_overlap else 0.0))
                 else:
-                    sync = sum(collective_seconds("all_reduce", n * grad, g, bw, lat) for n, g, bw, lat in groups)
+                    # ZeRO-0 all-reduces the gradients; ZeRO-1/2 (the distributed optimizer)
+                    # reduce-scatters them and gathers the updated weights in their own dtype
+                    reduce = "all_reduce" if lay.zero == 0 else "reduce_scatter"
+                    sync = sum(collective_seconds(reduce, n * grad, g, bw, lat) for n, g, bw, lat in groups)
+                    gather = 0.0
+                    if lay.zero > 0:
+                        gather = sum(
+                            collective_seconds("all_gather", n * model.dtype_bytes, g, bw, lat)
+                            for n, g, bw, lat in groups
+                        )
                     if dp_link == "nic":
                         sync += nic_send  # the last backward's send shares the NIC with the buckets
-                    # buckets reduce behind the last backward (dp_overlap), else after it
+                    # buckets reduce behind the last backward (dp_overlap), else after it; the
+                    # gathers run ahead of the next step's first forward, about half a backward
                     t += max(0.0, sync - (last_bwd if lay.dp_overlap else 0.0))
+                    t += max(0.0, gather - (last_bwd / 2 if lay.dp_overlap else 0.0))
                 sharded = sum(n / (g if lay.zero >= 1 else 1) for n, g, _, _ in groups)
                 t += memory_seconds(sharded * 32, cluster.hbm_bandwidth, kernels=4)  # fp32 Adam
         worst = max(worst, t)
