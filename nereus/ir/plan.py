@@ -283,7 +283,8 @@ LAYOUT_ATTRS = [
         "fp8",
         "bool",
         default=False,
-        doc="GEMMs in FP8 (Transformer Engine), at the cluster's peak_flops_fp8; attention and the LM head stay bf16",
+        doc="GEMMs in FP8 (Transformer Engine) against the cluster's peak_flops_fp8, with their casts; "
+        "attention and the LM head stay bf16",
     ),
     AttrSpec(
         "grad_dtype",

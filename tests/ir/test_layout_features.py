@@ -95,9 +95,10 @@ def test_unsupported_combinations_are_diagnostics_at_the_layout(layout, message)
 
 
 def test_fp8_gemms_run_at_the_fp8_peak_and_need_it():
-    """fp8 = true: the layer GEMMs at the cluster's FP8 peak (2x bf16 here), attention and the
-    LM head at bf16; without the cluster's FP8 peak it is a diagnostic at the attribute."""
-    from nereus.passes.cost.cost_model import CostModel
+    """fp8 = true: the layer GEMMs at ``FP8_KERNEL_EFFICIENCY`` of bf16's fraction of the FP8 peak
+    (1.9x bf16 here), attention and the LM head at bf16, plus the casts of their operands (a few
+    percent more); without the cluster's FP8 peak it is a diagnostic at the attribute."""
+    from nereus.passes.cost.cost_model import FP8_KERNEL_EFFICIENCY, CostModel
 
     text = _plan(GOOD + ", micro_batches = 64, fp8 = true").replace(
         "  peak_flops = 312TFLOPs\n", "  peak_flops = 312TFLOPs\n  peak_flops_fp8 = 624TFLOPs\n"
@@ -106,10 +107,12 @@ def test_fp8_gemms_run_at_the_fp8_peak_and_need_it():
     assert estimate_plan(m, m.plans["probe"]) == [] and estimate_plan(plain, plain.plans["probe"]) == []
     model = m.models["gpt175b"]
     gemm, attention = CostModel.gemm_flops(model), CostModel.layer_flops(model, 2048) - CostModel.gemm_flops(model)
-    layers, head = 96 * (gemm / 2 + attention), CostModel.head_flops(model)  # per token, forward
+    gain = FP8_KERNEL_EFFICIENCY * 2
+    layers, head = 96 * (gemm / gain + attention), CostModel.head_flops(model)  # per token, forward
+    kernels = (layers + head) / (96 * (gemm + attention) + head)
     fast = m.plans["probe"].layouts["gpt175b.train"].time_breakdown.compute
     slow = plain.plans["probe"].layouts["gpt175b.train"].time_breakdown.compute
-    assert fast / slow == pytest.approx((layers + head) / (96 * (gemm + attention) + head), rel=1e-4)
+    assert kernels < fast / slow < kernels * 1.1
     message, line = _error(GOOD + ", micro_batches = 64, fp8 = true")
     assert "fp8 GEMMs need the FP8 peak of cluster @selene" in message and "layout gpt175b.train" in line
 
