@@ -608,7 +608,7 @@ def layout_text(lay) -> str:
 
 SAME_KEYS = (
     "tp", "pp", "dp", "cp", "zero", "layers", "mesh", "micro_batches", "recompute", "sp", "vpp", "fp8", "grad_dtype",
-    "offload", "ep", "etp", "pipeline_schedule", "tp_overlap", "pp_overlapped", "dp_overlap",
+    "offload", "ep", "etp", "pipeline_schedule", "tp_overlap", "pp_overlapped", "dp_overlap", "attention",
 )  # fmt: skip
 
 

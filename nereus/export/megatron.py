@@ -111,6 +111,10 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
                 ("--recompute-method", "uniform", f"{src} recompute"),
                 ("--recompute-num-layers", 1, f"{src} recompute"),
             ]
+        if lay.attention != "flash":  # the scores through HBM: Megatron-core's unfused core attention
+            args.append(("--attention-backend", "unfused", f"{src} attention = {lay.attention}"))
+        if lay.attention == "recomputed":  # selective recomputation redoes the core attention
+            args.append(("--recompute-granularity", "selective", f"{src} attention = recomputed"))
         if lay.fp8:
             args.append(("--fp8-format", "hybrid", f"{src} fp8"))
         if lay.grad_dtype == "fp32":

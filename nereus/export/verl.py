@@ -78,6 +78,10 @@ def verl_lines(m: Module, plan: Plan, target: str) -> list[str]:
     put("algorithm.adv_estimator", "grpo" if w.algorithm == "grpo" else "gae", f"{wl} algorithm")
     if w.algorithm == "sft":
         notes.append("not expressible in verl: algorithm = sft (verl's SFT trainer is another entry point)")
+    for ms in sorted(ms for ms in stage_kinds if lays[ms].attention != "flash"):
+        notes.append(
+            f"not expressible in verl: {ms} attention = {lays[ms].attention} (verl's workers run flash attention)"
+        )
     if len(gpus) != c.num_gpus:
         notes.append(
             f"not expressible in verl: unavailable GPUs {compress_ints(c.unavailable)} (verl uses every GPU of its "

@@ -287,6 +287,16 @@ LAYOUT_ATTRS = [
         "attention and the LM head stay bf16",
     ),
     AttrSpec(
+        "attention",
+        "choice",
+        default="flash",
+        choices=("flash", "materialized", "recomputed"),
+        doc="the attention core: flash (FlashAttention: no s x s scores in HBM); materialized (each head's "
+        "scores written, softmaxed and read back in HBM and kept for the backward, as Megatron-LM ran before "
+        "FlashAttention); recomputed (materialized, not kept: selective recomputation redoes them in the "
+        "backward); training and inference",
+    ),
+    AttrSpec(
         "grad_dtype",
         "choice",
         default="bf16",
@@ -333,6 +343,7 @@ class Layout:
     ep: int = 1  # expert parallelism: routed experts split over ep ranks
     etp: int | None = None  # each routed expert's TP size (None: tp)
     fp8: bool = False  # FP8 GEMMs
+    attention: str = "flash"  # flash | materialized | recomputed (ATTENTION_KINDS)
     grad_dtype: str = "bf16"  # bf16 | fp32
     offload: list[str] = field(default_factory=list)  # weights | grads | optimizer, kept in host memory between stages
     time: float | None = None  # seconds per step (estimate)

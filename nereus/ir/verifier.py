@@ -433,6 +433,19 @@ def _verify_layout(lay: Layout, model, stage, cluster, sink: DiagnosticSink) -> 
             f"{ms}: fp8 GEMMs need the FP8 peak of cluster @{cluster.name}",
             "give the cluster peak_flops_fp8, e.g. 1979TFLOPs for an H100",
         )
+    if lay.attention != "flash" and stage is not None and stage.kind == "generate":
+        sink.error(
+            at(lay, "attention"),
+            f"{ms}: attention = {lay.attention} is a training and inference setting; a generation engine "
+            "runs its own paged attention kernels",
+        )
+    elif lay.attention == "recomputed" and (lay.recompute or not train):
+        sink.error(
+            at(lay, "attention"),
+            f"{ms}: attention = recomputed is selective recomputation, which "
+            + ("full recomputation (recompute) already covers" if lay.recompute else "only training runs"),
+            "use attention = materialized",
+        )
     if lay.grad_dtype != "bf16" and not train:
         sink.error(at(lay, "grad_dtype"), f"{ms}: only a training model-stage keeps gradients")
     if lay.vpp > 1:

@@ -141,6 +141,7 @@ MEGATRON_FLAGS = {
     "--recompute-method": str,
     "--recompute-num-layers": int,
     "--fp8-format": str,
+    "--attention-backend": str,
     "--micro-batch-size": int,
     "--global-batch-size": int,
     "--seq-length": int,

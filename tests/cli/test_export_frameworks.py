@@ -86,6 +86,16 @@ def _overlaps_off(m):
     return "ppo70b_p0"
 
 
+def _attention(m):
+    """The 70B PPO job as Megatron-LM ran before FlashAttention: the actor's scores materialized
+    (with full recomputation), the critic's recomputed by selective recomputation instead."""
+    p = m.plans["ppo70b_p0"]
+    p.layouts["actor.train"] = replace(p.layouts["actor.train"], attention="materialized")
+    p.layouts["critic.train"] = replace(p.layouts["critic.train"], recompute=False, attention="recomputed")
+    nereus.verify(m)
+    return "ppo70b_p0"
+
+
 def _moe(m):
     """The GRPO job's actor and reference as mixtures of experts (Qwen2-MoE-like: 8 experts, top 2,
     a shared expert), on the same plan: the experts split by TP as a dense MLP (EP 1)."""
@@ -145,6 +155,7 @@ CASES = {
     "grpo_zero3": ("grpo", _zero3),
     "grpo_tp_overlap": ("grpo", _tp_overlap),
     "ppo70b_overlaps_off": ("ppo70b", _overlaps_off),
+    "ppo70b_attention": ("ppo70b", _attention),
     "grpo_moe": ("grpo", _moe),
     "grpo_ep": ("grpo", _expert_parallel),
     # a layer fewer at each end, as Llama 3's 405B: Megatron-LM's first and last stage sizes
@@ -376,6 +387,10 @@ def transformer_config(a):
         kw |= {"gated_linear_unit": True, "activation_func": F.silu}
     if a.num_experts:  # Megatron-LM: args.num_experts -> num_moe_experts
         kw["num_moe_experts"] = a.num_experts
+    if a.attention_backend:  # Megatron-LM: the name of an AttnBackend member
+        from megatron.core.transformer.enums import AttnBackend
+
+        kw["attention_backend"] = AttnBackend[a.attention_backend]
     return TransformerConfig(**kw)
 
 
@@ -416,6 +431,8 @@ def test_megatron_launch_is_complete(name):
         if md.rope_theta is not None:
             assert a.rotary_base == md.rope_theta and a.norm_epsilon == md.norm_eps
         assert a.use_megatron_fsdp == (lay.zero >= 2)
+        assert (a.attention_backend == "unfused") == (lay.attention != "flash")
+        assert (a.recompute_granularity == "selective") == (lay.attention == "recomputed")
         if lay.zero >= 2:
             assert a.data_parallel_sharding_strategy == {2: "optim_grads", 3: "optim_grads_params"}[lay.zero]
         assert f"{ms} zero = {lay.zero}: the distributed optimizer" not in text

@@ -275,7 +275,8 @@ HANDLED = {
         "tp_overlap",
         "pp_overlap",
         "dp_overlap",
-    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule, tp_overlap, pp_overlap, dp_overlap: tests/passes/
+        "attention",
+    },  # vpp, fp8, cp: tests/ir/test_layout_features.py; schedule and the overlaps, attention: tests/passes/
     "transition": {"source", "target"},
     "op": {"bytes", "link", "deps", "start", "duration"},
 }
@@ -481,6 +482,8 @@ def layouts(draw, model_stage: str, model: Model, pool: list[int], trains: bool)
         lay.pp_overlap = draw(st.sampled_from(runs.get(lay.pipeline_schedule, [None, True])))
     if trains:
         lay.dp_overlap = draw(st.booleans())
+        # selective recomputation of the attention core only where full recomputation is off
+        lay.attention = draw(st.sampled_from(["flash", "materialized"] + ([] if lay.recompute else ["recomputed"])))
     fill_optional(draw, lay, _plan_mod.LAYOUT_ATTRS, HANDLED["layout"])
     return lay
 

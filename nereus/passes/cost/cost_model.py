@@ -96,6 +96,14 @@ ACT_BYTES = 2  # activations in bf16
 # tests/passes/test_fp8_gemms.py). Neither number was chosen with a training figure in view.
 FP8_KERNEL_EFFICIENCY = 0.95
 FP8_CAST_BYTES = 8.0
+# the attention core (``Layout.attention``): FlashAttention keeps each head's s x s scores in
+# on-chip memory; without it they cross HBM in bf16, forward 8 bytes an element (QK^T writes
+# them, softmax reads and writes them, the weighted sum reads them), backward 14 (the weighted
+# sum's gradient reads them and writes theirs, softmax's reads both and writes one, QK^T's two
+# gradient GEMMs read it), each recomputed forward 8 more. No dropout, as the activations count.
+ATTENTION_KINDS = ("flash", "materialized", "recomputed")
+FLASH, MATERIALIZED, RECOMPUTED = range(3)
+SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 8.0, 14.0
 
 
 def coefficient_vector(eff: Efficiency) -> np.ndarray:
@@ -145,6 +153,7 @@ class Candidates:
     tp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # TP communication overlapped with the GEMMs
     pp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # pipeline sends beside compute (default: not 1F1B)
     dp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # DP communication beside compute (default: on)
+    attention: np.ndarray = field(default=cast(np.ndarray, None))  # index into ATTENTION_KINDS (default: flash)
 
     def __post_init__(self):
         n = len(self.tp)
@@ -163,6 +172,7 @@ class Candidates:
             ("sp", False, bool),
             ("tp_overlap", False, bool),
             ("dp_overlap", True, bool),
+            ("attention", FLASH, np.int64),
             ("vpp", 1, np.int64),
             ("grad_bytes", 2, float),
             ("fp8", False, bool),
@@ -316,6 +326,7 @@ class Candidates:
             tp_overlap=a(lay.tp_overlap),
             pp_overlap=a(lay.pp_overlapped),
             dp_overlap=a(lay.dp_overlap),
+            attention=a(ATTENTION_KINDS.index(lay.attention)),
         )
 
 
@@ -805,11 +816,19 @@ class CostModel:
         q_dim, k_dim = model.heads * model.hd, model.kv_heads * model.hd
         n_mlp = 3 if model.mlp == "gated" else 2
 
+        heads_here = np.maximum(model.heads / tp, 1.0)  # a GPU's attention heads
+        seq_max = workload.prompt_len_max + workload.response_len_max
+
         def act_layer(tokens):
             """Bytes of activations one layer stores for backward, per micro-batch (flash attention)."""
             replicated = 4 * tokens * h * ACT_BYTES
             sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.active_ffn) * tokens * ACT_BYTES
             return replicated / sp_div + sharded / tp
+
+        def scores_kept(tokens):
+            """Bytes of one layer's softmax output, kept for the backward where attention is
+            materialized (each query's row of ``seq_max`` keys, per head on the GPU)."""
+            return np.where(c.attention == MATERIALIZED, heads_here * tokens * seq_max * ACT_BYTES, 0.0)
 
         if kind in ("train", "infer"):
             epochs = workload.ppo_epochs if kind == "train" else 1
@@ -840,6 +859,21 @@ class CostModel:
                 cast_bytes = tokens / cp * L / pp * casts * FP8_CAST_BYTES / tp
                 add("compute", C_HBM, np.where(c.fp8, cast_bytes / self.cluster.hbm_bandwidth, 0.0) * (1 + bubble))
             n_mb_total = epochs * n_mb
+            if np.any(c.attention != FLASH):
+                # the scores of every micro-batch, layer and head through HBM (ATTENTION_KINDS):
+                # each forward (again when recomputing, fully or the attention core alone) and backward
+                trains = kind == "train"
+                forwards = np.where(c.recompute | (c.attention == RECOMPUTED), 2.0, 1.0) if trains else np.ones(n)
+                per_score = forwards * SCORE_BYTES_FORWARD + (SCORE_BYTES_BACKWARD if trains else 0.0)
+                scores = n_mb_total * mbs * s * s / cp * stage_layers * heads_here * (1 + bubble)
+                add(
+                    "compute",
+                    C_HBM,
+                    np.where(c.attention != FLASH, scores * per_score / self.cluster.hbm_bandwidth, 0.0),
+                )
+                # selective recomputation also redoes the attention core's FLOPs once more
+                core = tokens * L * (self.layer_flops(model, s) - self.gemm_flops(model)) / (tp * pp * cp * peak)
+                add("compute", C_COMPUTE, np.where(c.attention == RECOMPUTED, core * (1 + bubble), 0.0))
             # TP all-reduces: 2 per layer forward, 2 backward, 2 more when recomputing
             n_ar = np.where(c.recompute, 6.0, 4.0) if kind == "train" else np.full(n, 2.0)
             tp_bytes = tokens / cp * stage_layers * n_ar * ring_tp * h * ACT_BYTES * (1 + bubble)
@@ -961,11 +995,13 @@ class CostModel:
                 stored = np.where(
                     c.recompute,
                     stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
-                    stage_layers * act_layer(tok_mb),
+                    stage_layers * (act_layer(tok_mb) + scores_kept(tok_mb)),
                 )
                 activations = in_flight * stored + tok_mb * V * 4 / tp
             else:
-                activations = 2 * act_layer(act_tokens / cp) + act_tokens / cp * V * 4 / tp
+                activations = (
+                    2 * act_layer(act_tokens / cp) + scores_kept(act_tokens / cp) + act_tokens / cp * V * 4 / tp
+                )
         elif kind == "generate":
             p, r, R = workload.prompt_len_mean, workload.response_len_mean, workload.response_len_max
             kv_tok = self.kv_bytes_per_token(model, tp, stage_layers)

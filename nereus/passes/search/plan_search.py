@@ -160,6 +160,8 @@ def placed(problem: SearchProblem, plan: Plan) -> Solution | None:
             return None
         if lay.pipeline_schedule != lay.megatron_schedule or lay.tp_overlap or not lay.dp_overlap:
             return None  # the search's candidates run Megatron's schedules, without TP overlap, DP overlapped
+        if lay.attention != "flash":
+            return None  # ... and flash attention
         if lay.pp_overlapped != (lay.vpp > 1):
             return None  # ... and their pipeline sends as Megatron does
         s = start[ms] = index[lay.mesh[0]]

@@ -565,6 +565,7 @@ def as_run_by(m: Module, plan: Plan, target: str) -> Plan:
             tp_overlap=overlaps and lay.tp_overlap and lay.sp and lay.tp > 1,
             pp_overlap=lay.pp_overlap if overlaps and lay.vpp > 1 else None,
             dp_overlap=lay.dp_overlap or fsdp,
+            attention=lay.attention if target == "megatron" else "flash",  # verl's workers: flash attention
         )
         for ms, lay in out.items()
     }
