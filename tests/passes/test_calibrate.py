@@ -14,8 +14,13 @@ COEFFS_FITTED = ("compute", "hbm", "nvlink", "nic", "pcie", "overhead")
 HIDDEN = Efficiency(compute=0.41, hbm=0.62, nvlink=0.83, nic=0.52, pcie=0.64, overhead=37e-6, overlap=0.7)
 
 # Layout variants of the 8B PPO job on 2 x 8 GPUs, chosen so that every coefficient is exercised:
-# DP and PP across nodes (NIC), offload (PCIe), TP inside nodes (NVLink), decode (HBM).
+# DP and PP across nodes (NIC), offload (PCIe), TP inside nodes (NVLink), decode (HBM). A DP group
+# with several members a node crosses over all their NICs at once (NCCL's channel per NIC), which
+# leaves little NIC time; ``v_dp_nic``'s groups have one member a node (TP 8 fills it), waited on.
 VARIANTS = {
+    "v_dp_nic": dict(
+        gen=(8, 1, 2), infer=(4, 1, 1), train=(8, 1, 2, ", zero = 1, dp_overlap = false"), colocate=True, offload=False
+    ),
     "v_dp16": dict(
         gen=(1, 1, 16), infer=(2, 1, 2), train=(1, 1, 16, ", zero = 2, recompute = true"), colocate=True, offload=True
     ),

@@ -248,7 +248,7 @@ def test_moe_figures_are_stated_and_the_model_misses_them_as_recorded():
     """Six published MoE pre-training figures (Megatron-Bridge's H100 and B200 rows of Qwen3-30B-A3B
     and Qwen3-235B-A22B, NeMo AutoModel's H100 Qwen3-30B), none fitted. Recorded as measured
     (``nereus bench validate``, docs/PERFORMANCE.md): the cost model's median |error| 35% and worst
-    48%, in both directions (the all-to-all in series over the NIC without DeepEP's per-node
+    49%, in both directions (the all-to-all in series over the NIC without DeepEP's per-node
     dedup is too slow; the B200 and pipelined runs too fast), better than the prior constant
     (64%) and far worse than a constant fitted to these six in hindsight. This test fails
     when a change moves the model's errors on them by more than 5 points, so that the record is
@@ -262,7 +262,7 @@ def test_moe_figures_are_stated_and_the_model_misses_them_as_recorded():
     }
     s = report["summary"]
     assert s["model"]["median"] == pytest.approx(0.349, abs=0.05)
-    assert s["model"]["worst"] == pytest.approx(0.483, abs=0.05)
+    assert s["model"]["worst"] == pytest.approx(0.495, abs=0.05)
     assert s["model"]["median"] < s["constant"]["median"]
     assert [r["fits"] for r in report["rows"]].count(False) == 1
     assert MOE.is_dir()
@@ -278,24 +278,25 @@ def test_candidate_figures_are_stated_and_the_model_misses_them_as_recorded():
     """31 published figures from three sources read on 2026-12-07 (NVIDIA's DGX Cloud benchmarking
     recipes, Megatron-LM's H100 weak-scaling table, Megatron-Bridge's dense rows), none fitted and
     not in the gated set: with them the hold-out misses its targets (docs/PERFORMANCE.md). Recorded
-    as measured: the cost model's median |error| 8% and worst 46%. FP8 runs from 17% optimistic to
-    6% pessimistic since FP8 GEMMs run as Transformer Engine measured them (7-24% optimistic
-    before, at twice bf16's speed); Megatron-LM's pessimistic by 17-46% (45-80% before the
-    distributed optimizer's gathers were charged in bf16 behind the next forward); every run fits.
-    This test fails when a change moves them by more than 5 points, so that the record is restated."""
+    as measured: the cost model's median |error| 9% and worst 39%. FP8 runs from 22% optimistic to
+    6% pessimistic since FP8 GEMMs run as Transformer Engine measured them (8-24% optimistic
+    before, at twice bf16's speed); Megatron-LM's DP-48 runs from 29% optimistic (TP 1, eight
+    members of a DP ring on a node) to 39% pessimistic (TP 8, one), 45-80% pessimistic before the
+    distributed optimizer and NCCL's per-NIC rings; every run fits. This test fails when a change
+    moves them by more than 5 points, so that the record is restated."""
     from nereus.bench.validate_bench import _candidates_report
 
     report = _candidates_report(None)
     assert report["cases"] == 31 and len({r["source"] for r in report["rows"]}) == 3
     s = report["summary"]
-    assert s["model"]["median"] == pytest.approx(0.080, abs=0.05)
-    assert s["model"]["worst"] == pytest.approx(0.463, abs=0.05)
+    assert s["model"]["median"] == pytest.approx(0.092, abs=0.05)
+    assert s["model"]["worst"] == pytest.approx(0.389, abs=0.05)
     dp48 = [r["model_error"] for r in report["rows"] if r["source"] == "megatron_lm_h100_2024"]
-    assert len(dp48) == 4 and min(dp48) > 0.1  # every DP-48 run predicted slower than it ran
+    assert len(dp48) == 4 and dp48 == sorted(dp48)  # the fewer a ring's members on a node, the slower
     assert all(r["fits"] for r in report["rows"])
     fp8 = [r["model_error"] for r in report["rows"] if "fp8" in r["plan"] or r["source"].startswith("megatron_bridge")]
-    assert len(fp8) == 15 and max(abs(e) for e in fp8) == pytest.approx(0.169, abs=0.05)
-    assert sum(e < 0 for e in fp8) == 13  # most still predicted faster than they ran
+    assert len(fp8) == 15 and max(abs(e) for e in fp8) == pytest.approx(0.217, abs=0.05)
+    assert sum(e < 0 for e in fp8) == 14  # most still predicted faster than they ran
 
 
 def test_mixture_of_experts_decode_figures_the_cost_model_beats_a_constant_fitted_to_them():

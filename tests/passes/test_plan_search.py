@@ -679,7 +679,7 @@ def _candidates_row_by_row(cost, pos, workload, model, kind, max_tp, max_pp=0, m
     ex_cls = [k for g in gpus for k in by_size[int(g)]]
     lk = np.array(
         [pos.links(int(tp[i]), int(pp[i]), int(dp[i]), int(k)) for i, k in zip(ex_row, ex_cls)], dtype=np.int64
-    ).reshape(-1, 3)
+    ).reshape(-1, 4)
     col = np.array([list(classes).index(k) for k in ex_cls], dtype=np.int64)
     return costed_rows(
         cost,

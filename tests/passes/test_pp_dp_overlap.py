@@ -222,6 +222,34 @@ def test_the_distributed_optimizer_scatters_gradients_and_gathers_weights_in_the
     assert truths[1] < truths[0]
 
 
+@pytest.mark.parametrize("tp, members", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_a_ring_crosses_between_nodes_through_every_nic_its_members_on_a_node_have(tp, members):
+    """NCCL builds a ring channel through each NIC of a node: a DP group with ``members`` GPUs on
+    each node crosses between nodes over all of their NICs at once, ``members`` times one NIC's
+    rate, bounded by NVLink (which carries every member's whole ring). The group's members on a
+    node are read from the mesh, alike by ``of_layout`` and the grid's canonical placement; the
+    DP seconds go as ``1 / members``. The event truth's rings run the same rate."""
+    from nereus.sim.truth.network import link_of, ring_link_of
+
+    model_text = "\nplan @probe {\n  workload = @w22b\n  cluster = @selene\n  layout gpt22b.train { "
+    dp = 32 // tp * 4  # 4 nodes' worth of copies at every TP: 8 / tp members a node
+    layout = f"tp = {tp}, pp = 1, dp = {dp}, layers = [0..47], mesh = [0..{tp * dp - 1}], dp_overlap = false }}\n}}\n"
+    m = nereus.parse(BASE + model_text + layout)
+    nereus.verify(m)
+    lay, cluster = m.plans["probe"].layouts["gpt22b.train"], m.clusters["selene"]
+    c = Candidates.of_layout(cluster, lay)
+    grid = Candidates.grid(cluster, 48, tp, 1, dp)
+    assert int(c.dp_local[0]) == int(grid.dp_local[0]) == members
+    cost = CostModel(cluster)
+    sc = cost.stage(m.models["gpt22b"], m.workloads["w22b"], "train", c)
+    single = replace(c, dp_local=np.ones(1, dtype=np.int64))
+    alone = cost.stage(m.models["gpt22b"], m.workloads["w22b"], "train", single)
+    nic, nvlink = cluster.inter_node.bandwidth, cluster.intra_node.bandwidth
+    assert alone.parts["dp"][1][0] / sc.parts["dp"][1][0] == pytest.approx(min(members * nic, nvlink) / nic)
+    ring = lay.mesh[:: lay.tp][: lay.dp]
+    assert ring_link_of(cluster, ring)[1] / link_of(cluster, ring)[1] == pytest.approx(members)
+
+
 def test_what_runs_the_same_and_what_verl_runs_read_the_resolved_setting():
     """The decision core's ``same_layout`` and the truth's cache key see a layout's pipeline sends
     as they run (an explicit default is the default); verl's inference passes, on the actor's

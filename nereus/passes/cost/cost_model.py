@@ -154,6 +154,7 @@ class Candidates:
     pp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # pipeline sends beside compute (default: not 1F1B)
     dp_overlap: np.ndarray = field(default=cast(np.ndarray, None))  # DP communication beside compute (default: on)
     attention: np.ndarray = field(default=cast(np.ndarray, None))  # index into ATTENTION_KINDS (default: flash)
+    dp_local: np.ndarray = field(default=cast(np.ndarray, None))  # DP group members on a GPU's node (itself included)
 
     def __post_init__(self):
         n = len(self.tp)
@@ -173,6 +174,7 @@ class Candidates:
             ("tp_overlap", False, bool),
             ("dp_overlap", True, bool),
             ("attention", FLASH, np.int64),
+            ("dp_local", 1, np.int64),
             ("vpp", 1, np.int64),
             ("grad_bytes", 2, float),
             ("fp8", False, bool),
@@ -263,6 +265,7 @@ class Candidates:
             tp_link=np.where(tp <= g, NVLINK, NIC),
             pp_link=np.where(tp * pp <= g, NVLINK, NIC),
             dp_link=np.where(tp * pp * cp * dp <= g, NVLINK, NIC),
+            dp_local=np.clip(g // (tp * pp), 1, dp * cp),  # replicas sit tp x pp GPUs apart
             resident=np.zeros(len(tp)),
             sp=sp,
             vpp=vpp,
@@ -293,6 +296,7 @@ class Candidates:
         pp_link = spans_nodes(nodes[:, 1:, :] != nodes[:, :-1, :])  # neighbouring pipeline stages
         # gradients reduce over every replica, DP and CP (state coordinate d x cp + c)
         dp_link = spans_nodes(nodes != nodes[:1])
+        dp_local = int(np.sum(nodes[:, 0, 0] == nodes[0, 0, 0]))  # GPU 0's DP group on its node
         by_cp = nodes.reshape(lay.dp, lay.cp, lay.pp, lay.tp)
         cp_link = spans_nodes(by_cp != by_cp[:, :1])
         ep_link, ep_local = ep_placement(nodes, lay.ep, lay.expert_tp)
@@ -327,6 +331,7 @@ class Candidates:
             pp_overlap=a(lay.pp_overlapped),
             dp_overlap=a(lay.dp_overlap),
             attention=a(ATTENTION_KINDS.index(lay.attention)),
+            dp_local=a(dp_local),
         )
 
 
@@ -957,7 +962,11 @@ class CostModel:
                 gather_bytes = np.where(
                     c.zero == 3, n_mb_total * 2 * gathered * b, np.where(c.zero > 0, n_opt * gathered * b, 0.0)
                 )
-                dp_feat = np.where(replicas > 1, (grad_bytes + gather_bytes) / dp_bw, 0.0)
+                # NCCL runs a ring through each NIC of a node (a channel per NIC): a group with
+                # dp_local members on a node crosses between nodes over all of their NICs at once;
+                # its members' NVLink hops carry the whole ring and bound it
+                rate = np.where(c.dp_link == NIC, np.minimum(dp_bw * c.dp_local, nv_bw), dp_bw)
+                dp_feat = np.where(replicas > 1, (grad_bytes + gather_bytes) / rate, 0.0)
                 add("dp", dp_col, dp_feat)
                 # what compute hides: ZeRO-3 gathers and reduces layer by layer beside all of it;
                 # otherwise gradient buckets reduce during the backward of an optimizer step's last

@@ -95,7 +95,7 @@ ANYWHERE = -1  # start class of a run costed for any start (links that may cross
 SPAN = 1 << 30  # start classes SPAN + s: the single start s of a run across segments
 
 
-_LINKS: dict[tuple, tuple[int, int, int]] = {}  # Positions.links, by segments and mesh
+_LINKS: dict[tuple, tuple[int, int, int, int]] = {}  # Positions.links, by segments and mesh
 _EP_LINKS: dict[tuple, tuple[int, int]] = {}  # ``Positions.ep_links``, remembered likewise
 
 
@@ -183,9 +183,10 @@ class Positions:
         first, period, end, _ = self.segment(cls)
         return list(range(first, end - size + 1, period))
 
-    def links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
-        """(tp, pp, dp) link codes of the mesh of a run of class ``cls`` (as ``Candidates.of_layout``);
-        ``ANYWHERE``: NIC for every kind of group with more than one GPU. Remembered across
+    def links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int, int]:
+        """(tp, pp, dp) link codes of the mesh of a run of class ``cls`` and its first DP group's
+        members on the first GPU's node (as ``Candidates.of_layout``); ``ANYWHERE``: NIC for every
+        kind of group with more than one GPU, one DP member a node. Remembered across
         searches by the segments: which positions share a node follows from them alone."""
         key = (tuple(self.segments), self.per_node, self.exhaustive, tp, pp, dp, cls)
         got = _LINKS.get(key)
@@ -211,9 +212,9 @@ class Positions:
             _EP_LINKS[key] = got
         return got
 
-    def _links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int]:
+    def _links(self, tp: int, pp: int, dp: int, cls: int) -> tuple[int, int, int, int]:
         if cls == ANYWHERE:
-            return cast("tuple[int, int, int]", tuple(NIC if k > 1 else NVLINK for k in (tp, pp, dp)))
+            return cast("tuple[int, int, int, int]", (*(NIC if k > 1 else NVLINK for k in (tp, pp, dp)), 1))
         start = self.starts(cls, tp * pp * dp)[0]
         nodes = self.node[start : start + tp * pp * dp].reshape(dp, pp, tp)
         code = lambda crosses: NIC if crosses else NVLINK
@@ -221,6 +222,7 @@ class Positions:
             code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
             code(pp > 1 and np.any(nodes[:, 1:, :] != nodes[:, :-1, :])),
             code(np.any(nodes.max(axis=0) != nodes.min(axis=0))),
+            int(np.sum(nodes[:, 0, 0] == nodes[0, 0, 0])),
         )
 
 
@@ -722,7 +724,7 @@ def candidates(
     first_of_row = np.cumsum(counts) - counts
     ex_cls = flat[np.repeat(first_of_size[size_of] - first_of_row, counts) + np.arange(len(ex_row))]
     col = np.searchsorted(classes, ex_cls)
-    lk = np.zeros((0, 3), dtype=np.int64)
+    lk = np.zeros((0, 4), dtype=np.int64)
     if len(ex_row):
         # the links of each distinct (mesh, class), a mesh numbered by its (tp, pp, dp) and named by its first row
         base = int(max(tp.max(), pp.max(), dp.max())) + 1
@@ -732,7 +734,7 @@ def candidates(
         lk = np.array(
             [pos.links(*key) for key in zip(tp[at].tolist(), pp[at].tolist(), dp[at].tolist(), cls.tolist())],
             dtype=np.int64,
-        ).reshape(-1, 3)[key_of.reshape(-1)]
+        ).reshape(-1, 4)[key_of.reshape(-1)]
     if len(ex_row) and np.any(ep > 1):  # the EP groups' links where the mesh at each start puts them
         keys = np.stack([tp[ex_row], pp[ex_row], dp[ex_row], ep[ex_row], etp[ex_row], classes[col]], axis=1)
         distinct, which = np.unique(keys, axis=0, return_inverse=True)
@@ -770,8 +772,8 @@ def costed_rows(
 ) -> Rows:
     """``Rows`` of the candidates ``cols`` (tp, pp, dp, mb, rc, zero, vpp, ep, etp: one entry per row)
     expanded at their start classes: row ``ex_row[i]`` starting in class ``classes[col[i]]``, its
-    mesh's (tp, pp, dp) links ``lk[i]`` (then its EP link and EP members on a node, where a row
-    has expert parallelism). Each expansion is costed for its time; a row's memory is
+    mesh's (tp, pp, dp) links and DP members on a node ``lk[i]`` (then its EP link and EP members
+    on a node, where a row has expert parallelism). Each expansion is costed for its time; a row's memory is
     its first expansion's."""
     tp, pp, dp, mb, rc, zero, vpp, ep, etp = cols
     cluster = cost.cluster
@@ -794,9 +796,9 @@ def costed_rows(
             ep=ep[r],
             etp=etp[r],
         )
-        cand.tp_link, cand.pp_link, cand.dp_link = lk[:, 0], lk[:, 1], lk[:, 2]
-        if lk.shape[1] > 3:  # expert parallelism: the EP groups' links and members on a node
-            cand.ep_link, cand.ep_local = lk[:, 3], lk[:, 4]
+        cand.tp_link, cand.pp_link, cand.dp_link, cand.dp_local = lk[:, 0], lk[:, 1], lk[:, 2], lk[:, 3]
+        if lk.shape[1] > 4:  # expert parallelism: the EP groups' links and members on a node
+            cand.ep_link, cand.ep_local = lk[:, 4], lk[:, 5]
         cand.resident = np.where(np.isfinite(rho[r]), rho[r], 0.0)
         sc = cost.stage(model, workload, kind, cand)
         feat, lat = cost.offload_time(offloaded[r])  # as estimate charges it

@@ -6,6 +6,8 @@ the faster of a ring and a tree (double binary tree) for an all-reduce; all-gath
 reduce-scatter are rings; an all-to-all sends ``n - 1`` messages from every GPU; a pipeline send
 is one message. A link carries its bytes at ``LINK_EFFICIENCY`` of its bandwidth and pays its
 latency per step (``Link.latency`` of the cluster).
+A ring between nodes runs a channel through each NIC of a node, as NCCL builds them: with ``k``
+members on a node it crosses at ``k`` NICs' rate, bounded by NVLink (``ring_link_of``).
 
 An all-to-all over a group spread across nodes (``all_to_all_seconds``: expert parallelism's
 dispatch and combine) sends to the peers on its node over NVLink and to the others over its NIC
@@ -72,15 +74,19 @@ def slowdowns(cluster: Cluster, fabric: Fabric, phase: list[tuple[str, list[int]
         leaf = [n // leaf_nodes for n in node]
         senders, crossed, cross = [], set(), 0.0
         if kind == "ring":
+            # NCCL runs a channel through each NIC of a node: where the ring leaves a node, every
+            # member there sends its share over its own NIC, at that NIC's rate
             order = sorted(range(len(gpus)), key=lambda i: gpus[i])
             for a, b in zip(order, order[1:] + order[:1]):
                 if node[a] == node[b]:
                     continue  # NVLink
-                nic[gpus[a]] += 1
-                senders.append(gpus[a])
+                members = [g for g, n in zip(gpus, node) if n == node[a]]
+                for g in members:
+                    nic[g] += 1
+                senders += members
                 if leaf[a] != leaf[b]:
-                    up[leaf[a]] += 1
-                    down[leaf[b]] += 1
+                    up[leaf[a]] += len(members)
+                    down[leaf[b]] += len(members)
                     crossed |= {leaf[a], leaf[b]}
                     cross = 1.0
         elif kind == "all_to_all":
@@ -118,6 +124,20 @@ def link_of(cluster: Cluster, gpus: list[int]) -> tuple[str, float, float]:
         return "nvlink", link.bandwidth * LINK_EFFICIENCY["nvlink"], link.latency
     link = cluster.inter_node
     return "nic", link.bandwidth * LINK_EFFICIENCY["nic"], link.latency
+
+
+def ring_link_of(cluster: Cluster, gpus: list[int]) -> tuple[str, float, float]:
+    """``link_of`` for a ring (all-reduce, all-gather, reduce-scatter) over ``gpus``: between nodes
+    NCCL runs a channel through each NIC, so a ring with ``k`` members on a node crosses at ``k``
+    NICs' rate, bounded by NVLink, which carries every member's whole ring (the groups here are
+    alike on every node they touch)."""
+    kind, bandwidth, latency = link_of(cluster, gpus)
+    if kind != "nic":
+        return kind, bandwidth, latency
+    per = cluster.gpus_per_node
+    members = sum(1 for g in gpus if g // per == gpus[0] // per)
+    nvlink = cluster.intra_node.bandwidth * LINK_EFFICIENCY["nvlink"]
+    return kind, min(bandwidth * members, nvlink), latency
 
 
 def collective_seconds(

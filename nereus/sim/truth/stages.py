@@ -36,7 +36,7 @@ from . import generation as gen
 from .experts import Experts, even, expert_dp_groups, stage_gpu
 from .kernels import attention_seconds, gemm_seconds, memory_seconds
 from .misspecified import NONE, Misspecification
-from .network import SUPERPOD, Fabric, collective_seconds, link_of, slowdowns
+from .network import SUPERPOD, Fabric, collective_seconds, link_of, ring_link_of, slowdowns
 from .pipeline import play
 from .torch_schedules import TORCH_CLASSES
 
@@ -318,11 +318,11 @@ def train_or_infer(
     dense, experts = max((stage_params(model, lay, s) for s in range(lay.pp)), key=sum)
     copies, expert_copies = lay.dp * lay.cp, lay.expert_dp
     dp_gpus = lay.mesh[:: lay.tp * lay.pp][: lay.dp]
-    dp_link, dp_bw, dp_lat = link_of(cluster, dp_gpus)
+    dp_link, dp_bw, dp_lat = ring_link_of(cluster, dp_gpus)
     # an expert's copies: stage ranks etp x ep apart (``Layout.expert_rank``), on the mesh
     step = lay.expert_tp * lay.ep
     edp_gpus = [stage_gpu(lay, r) for r in range(0, step * expert_copies, step)]
-    edp_link, edp_bw, edp_lat = link_of(cluster, edp_gpus)
+    edp_link, edp_bw, edp_lat = ring_link_of(cluster, edp_gpus)
     if dp_link == "nic":
         dp_bw /= misspec.inter_node
         if train:  # every DP ring of this model-stage and of those beside it at once
