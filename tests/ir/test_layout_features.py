@@ -8,27 +8,13 @@ from nereus.ir import DiagnosticError, print_ir
 from nereus.passes.cost.estimate import estimate_plan
 
 from ..support import ROOT
+from ..support.probe import TP8_PP8, probe_text
 
-BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
-
-
-def _plan(layout: str) -> str:
-    return (
-        BASE
-        + f"""
-plan @probe {{
-  workload = @w175b
-  cluster = @selene
-  layout gpt175b.train {{ {layout} }}
-}}
-"""
-    )
+_plan = probe_text
 
 
 CP_BASE = "tp = 8, pp = 8, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], micro_batches = 32"
-GOOD = (
-    "tp = 8, pp = 8, dp = 1, layers = [0..11, 12..23, 24..35, 36..47, 48..59, 60..71, 72..83, 84..95], mesh = [0..63]"
-)
+GOOD = TP8_PP8
 
 
 def _error(layout: str) -> tuple[str, str]:

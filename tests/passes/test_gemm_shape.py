@@ -14,23 +14,18 @@ import pytest
 import nereus
 from nereus.ir import print_ir
 from nereus.ir.cluster import GEMM_KNEE_H100, Efficiency
-from nereus.passes.cost.cost_model import Candidates, CostModel, coefficient_vector, efficiency_from_vector
+from nereus.passes.cost.cost_model import CostModel, coefficient_vector, efficiency_from_vector
 
 from ..support import ROOT
-
-BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
+from ..support.probe import BASE, GOOD, STAGES, probe_cost
 
 
 def _stage(layout: str, eff: Efficiency):
-    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
-    m = nereus.verify(nereus.parse(BASE + "\n" + plan))
-    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
-    model = CostModel(cluster, eff)
-    return model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay)), m
+    cost, _, m, _ = probe_cost(layout, eff)
+    return cost, m
 
 
-STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
-TP8_PP8 = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64, sp = true"
+TP8_PP8 = GOOD + ", sp = true"
 
 
 def test_the_knee_charges_each_gemm_of_the_layer_as_written_out_by_hand():

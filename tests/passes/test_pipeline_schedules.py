@@ -10,36 +10,20 @@ import pytest
 
 import nereus
 from nereus.ir import DiagnosticError, print_ir
-from nereus.passes.cost.cost_model import Candidates, CostModel
 from nereus.passes.cost.estimate import estimate_plan
 from nereus.sim.truth.pipeline import play
 from nereus.sim.truth.stages import TRUTH_SCHEDULES
 
-from ..support import ROOT
+from ..support.probe import TP8_PP8 as GOOD
+from ..support.probe import probe as _layout
+from ..support.probe import probe_cost
+from ..support.probe import probe_text as _text
 
-BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
 P = 8  # gpt175b over 8 stages of 12 layers
-STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(P))
-GOOD = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63]"
-
-
-def _text(layout: str) -> str:
-    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
-    return BASE + "\n" + plan
-
-
-def _layout(layout: str):
-    m = nereus.parse(_text(layout))
-    nereus.verify(m)
-    return m, m.plans["probe"].layouts["gpt175b.train"]
 
 
 def _stage(layout: str):
-    m, lay = _layout(layout)
-    cluster = m.clusters["selene"]
-    return CostModel(cluster).stage(
-        m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay)
-    )
+    return probe_cost(layout)[0]
 
 
 def test_a_schedule_round_trips_and_an_unnamed_one_is_megatrons():

@@ -19,37 +19,15 @@ import nereus
 from nereus.ir import DiagnosticError, print_ir
 from nereus.passes.cost.cost_model import Candidates, CostModel
 from nereus.sim.truth.pipeline import play
-from nereus.sim.truth.stages import train_or_infer
 
 from ..support import ROOT
+from ..support.probe import BASE, GOOD, STAGES
+from ..support.probe import probe_cost as _cost
+from ..support.probe import probe_text as _text
+from ..support.probe import probe_truth as _truth
 
-BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
-STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
-# GPT-175B on TP 8 x PP 8 over 8 nodes: every pipeline send crosses the NIC
-GOOD = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64"
 # and on 4 copies of it (DP over the NIC), for the data-parallel traffic
 WIDE = f"tp = 8, pp = 8, dp = 4, layers = [{STAGES}], mesh = [0..255], micro_batches = 16"
-
-
-def _text(layout: str) -> str:
-    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
-    return BASE + "\n" + plan
-
-
-def _cost(layout: str):
-    m = nereus.parse(_text(layout))
-    nereus.verify(m)
-    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
-    model = CostModel(cluster)
-    cost = model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay))
-    return cost, model.coeffs, m, lay
-
-
-def _truth(m, lay) -> float:
-    w = m.workloads["w175b"]
-    lengths = np.full(w.samples, w.prompt_len_mean + w.response_len_mean)
-    seconds, _ = train_or_infer(m.models["gpt175b"], lay, w, m.clusters["selene"], lengths, "train")
-    return seconds
 
 
 def test_both_round_trip_and_the_schedule_decides_pipeline_overlap_by_default():

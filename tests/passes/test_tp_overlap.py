@@ -10,32 +10,15 @@ import pytest
 
 import nereus
 from nereus.ir import DiagnosticError, print_ir
-from nereus.passes.cost.cost_model import Candidates, CostModel
 from nereus.sim.truth.stages import train_or_infer
 
-from ..support import ROOT
-
-BASE = (ROOT / "validation" / "korthikanti_2022.nir").read_text()
-STAGES = ", ".join(f"{12 * i}..{12 * i + 11}" for i in range(8))
-GOOD = f"tp = 8, pp = 8, dp = 1, layers = [{STAGES}], mesh = [0..63], micro_batches = 64"
-
-
-def _text(layout: str) -> str:
-    plan = f"plan @probe {{\n  workload = @w175b\n  cluster = @selene\n  layout gpt175b.train {{ {layout} }}\n}}\n"
-    return BASE + "\n" + plan
+from ..support.probe import GOOD
+from ..support.probe import probe_cost as _cost
+from ..support.probe import probe_text as _text
 
 
 def _module(layout: str):
     return nereus.parse(_text(layout))
-
-
-def _cost(layout: str):
-    m = _module(layout)
-    nereus.verify(m)
-    lay, cluster = m.plans["probe"].layouts["gpt175b.train"], m.clusters["selene"]
-    model = CostModel(cluster)
-    cost = model.stage(m.models["gpt175b"], m.workloads["w175b"], "train", Candidates.of_layout(cluster, lay))
-    return cost, model.coeffs, m, lay
 
 
 def test_tp_overlap_round_trips_and_needs_sequence_parallelism_at_its_line():

@@ -65,6 +65,7 @@ from ..cost.cost_model import (
     Candidates,
     CostModel,
     ep_placement,
+    mesh_links,
 )
 
 KIB = 1024
@@ -216,14 +217,7 @@ class Positions:
         if cls == ANYWHERE:
             return cast("tuple[int, int, int, int]", (*(NIC if k > 1 else NVLINK for k in (tp, pp, dp)), 1))
         start = self.starts(cls, tp * pp * dp)[0]
-        nodes = self.node[start : start + tp * pp * dp].reshape(dp, pp, tp)
-        code = lambda crosses: NIC if crosses else NVLINK
-        return (
-            code(np.any(nodes.max(axis=2) != nodes.min(axis=2))),
-            code(pp > 1 and np.any(nodes[:, 1:, :] != nodes[:, :-1, :])),
-            code(np.any(nodes.max(axis=0) != nodes.min(axis=0))),
-            int(np.sum(nodes[:, 0, 0] == nodes[0, 0, 0])),
-        )
+        return mesh_links(self.node[start : start + tp * pp * dp].reshape(dp, pp, tp))
 
 
 @dataclass
