@@ -158,6 +158,9 @@ def megatron_lines(m: Module, plan: Plan, target: str) -> list[str]:
                 _given(md, "norm_eps"),
             ),
             ("--position-embedding-type", "rope", f"{mdl} (Llama-style)"),
+            # Megatron-LM drops out 0.1 of the attention weights and of the hidden states by default
+            ("--attention-dropout", md.attention_dropout, f"{mdl} attention_dropout"),
+            ("--hidden-dropout", 0.0, f"{mdl} (Llama-style: no dropout on the hidden states)"),
             (
                 "--rotary-base",
                 md.rope_theta if md.rope_theta is not None else DEFAULT_ROTARY_BASE,

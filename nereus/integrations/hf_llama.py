@@ -92,6 +92,7 @@ def ir_model(config: LlamaConfig, name: str = "actor", trained: bool = True, hea
         head_dim=None if hd == config.hidden_size // config.num_attention_heads else hd,
         dtype="fp32",
         tied_embeddings=bool(config.tie_word_embeddings),
+        attention_dropout=float(config.attention_dropout),
         head=head,
         trained=trained,
     )
@@ -117,6 +118,7 @@ def llama_config(model: Model, **extra) -> LlamaConfig:
         head_dim=model.hd,
         hidden_act="silu",
         tie_word_embeddings=model.tied_embeddings,
+        attention_dropout=model.attention_dropout,
         attention_bias=False,
         mlp_bias=False,
         use_cache=False,

@@ -186,6 +186,12 @@ def convert(spec: AttrSpec, v: V) -> Any:
         if v.kind not in ("int", "float"):
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a number, got {_describe(v)}")
         return float(v.value)
+    if k == "probability":
+        if v.kind not in ("int", "float"):
+            raise TypeMismatch(v.loc, f"'{spec.key}' expects a probability, got {_describe(v)}")
+        if not 0 <= v.value < 1:
+            raise TypeMismatch(v.loc, f"'{spec.key}' must be a probability below 1, got '{v.text or v.value}'")
+        return float(v.value)
     if k == "bool":
         if v.kind != "name" or v.value not in ("true", "false"):
             raise TypeMismatch(v.loc, f"'{spec.key}' expects true or false, got {_describe(v)}")
@@ -350,7 +356,7 @@ def format_value(spec: AttrSpec, value: Any) -> str:
     k = spec.kind
     if k in _DIM_KINDS:
         return format_quantity(_DIM_KINDS[k], value)
-    if k in ("int", "posint", "natural", "float", "bool"):
+    if k in ("int", "posint", "natural", "float", "probability", "bool"):
         return format_number(value)
     if k in ("choice", "dotted"):
         return value
@@ -396,6 +402,7 @@ _KIND_TEXT = {
     "int": "integer",
     "natural": "integer >= 0",
     "float": "number",
+    "probability": "number, 0 <= p < 1",
     "bool": "true \\| false",
     "size": "size (80GiB)",
     "bandwidth": "bandwidth (450GB/s, 400Gb/s)",

@@ -22,6 +22,7 @@ What is read (the IR attribute each key sets):
                                       Mixtral: ``moe_naming = mixtral``
 ``rope_theta`` (v5: ``rope_parameters``) ``rope_theta`` (an integer base)
 ``rms_norm_eps``                      ``norm_eps``
+``attention_dropout``                 ``attention_dropout`` (absent: 0, the families' default)
 ``torch_dtype`` (v5: ``dtype``)       ``dtype``: bfloat16 -> bf16, float16 -> fp16, float32 -> fp32
                                       (absent or null: bf16, the IR's default, with a note)
 ====================================  ==========================================================
@@ -134,6 +135,9 @@ def model_from_hf_config(
     eps = cfg.get("rms_norm_eps")
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0):
         raise _error(source, f"rms_norm_eps = {eps!r} is not a positive number")
+    dropout = cfg.get("attention_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise _error(source, f"attention_dropout = {dropout!r} is not a probability below 1")
     moe = _moe(cfg, family, source) if family in MOE else {}
     model = Model(
         name=name,
@@ -150,6 +154,7 @@ def model_from_hf_config(
         qkv_bias=family in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias")),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         **moe,
+        attention_dropout=float(dropout),
         rope_theta=round(rope_theta) if rope_theta is not None and rope_theta == round(rope_theta) else None,
         norm_eps=float(eps) if eps is not None else None,
         head=head,

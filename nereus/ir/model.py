@@ -97,6 +97,13 @@ MODEL_ATTRS = [
         doc="checkpoint names of the experts: qwen (mlp.experts.N.*_proj, mlp.gate) or mixtral "
         "(block_sparse_moe.experts.N.w1/w2/w3, block_sparse_moe.gate)",
     ),
+    AttrSpec(
+        "attention_dropout",
+        "probability",
+        default=0.0,
+        doc="dropout probability on the attention weights in training (Hugging Face attention_dropout, "
+        "Megatron --attention-dropout)",
+    ),
     AttrSpec("rope_theta", "posint", default=None, doc="RoPE base (Hugging Face rope_theta); no tensor depends on it"),
     AttrSpec("norm_eps", "float", default=None, doc="RMSNorm epsilon (rms_norm_eps); no tensor depends on it"),
     AttrSpec(
@@ -170,6 +177,7 @@ class Model:
     shared_expert_ffn: int | None = None
     dense_layers: int | None = None
     moe_naming: str = "qwen"
+    attention_dropout: float = 0.0
     rope_theta: int | None = None
     norm_eps: float | None = None
     head: str = "lm"

@@ -337,7 +337,7 @@ def _stray_word(err, text: str, tok: Token, filename: str | None) -> Diagnostic 
                 "digits may be grouped with one '_' between two digits: 4_096, 1_000_000",
             )
         kinds = _key_kinds(key)
-        if value.kind in ("int", "float") and kinds and kinds <= {"int", "posint", "natural", "float"}:
+        if value.kind in ("int", "float") and kinds and kinds <= {"int", "posint", "natural", "float", "probability"}:
             hint = f"'{word.value}' is no part of the value: '{key}' takes a bare number ({key} = {_shown(value)})"
         elif value.kind in ("int", "float") and len(kinds) == 1 and next(iter(kinds)) in _DIM_EXAMPLES:
             what, example = _DIM_EXAMPLES[next(iter(kinds))]

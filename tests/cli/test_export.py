@@ -148,6 +148,8 @@ MEGATRON_FLAGS = {
     "--max-position-embeddings": int,
     "--rotary-base": int,
     "--norm-epsilon": float,
+    "--attention-dropout": float,
+    "--hidden-dropout": float,
     "--data-parallel-sharding-strategy": str,
     "--num-layers": int,
     "--hidden-size": int,

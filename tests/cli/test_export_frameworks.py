@@ -88,8 +88,11 @@ def _overlaps_off(m):
 
 def _attention(m):
     """The 70B PPO job as Megatron-LM ran before FlashAttention: the actor's scores materialized
-    (with full recomputation), the critic's recomputed by selective recomputation instead."""
+    (with full recomputation, and Megatron-LM's default attention dropout), the critic's
+    recomputed by selective recomputation instead."""
     p = m.plans["ppo70b_p0"]
+    actor = p.layouts["actor.train"].model
+    m.models[actor] = replace(m.models[actor], attention_dropout=0.1)
     p.layouts["actor.train"] = replace(p.layouts["actor.train"], attention="materialized")
     p.layouts["critic.train"] = replace(p.layouts["critic.train"], recompute=False, attention="recomputed")
     nereus.verify(m)
@@ -460,6 +463,8 @@ def test_megatron_core_accepts_the_arguments(name):
         )
         assert cfg.add_qkv_bias == md.qkv_bias and cfg.qk_layernorm == md.qk_norm and cfg.kv_channels == md.hd
         assert (cfg.sequence_parallel, cfg.tp_comm_overlap) == (lay.sp, lay.tp_overlap)
+        # the model's attention dropout, and none on the hidden states (Megatron's defaults: 0.1 both)
+        assert (cfg.attention_dropout, cfg.hidden_dropout) == (md.attention_dropout, 0.0)
         assert cfg.num_query_groups in (md.kv_heads, None) and cfg.ffn_hidden_size == md.ffn
         moe = (
             cfg.num_moe_experts,

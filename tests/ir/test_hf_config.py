@@ -145,6 +145,18 @@ def test_defaults_head_dim_and_tied(tmp_path):
     assert model_from_hf_config(cfg | {"head_dim": 128}, "x").head_dim is None  # = hidden / heads: not printed
 
 
+def test_attention_dropout_is_read_printed_and_written_back():
+    """The dropout a config trains with (Llama's ``attention_dropout``; 0 where absent) reaches
+    the IR, prints, and goes back into the ``LlamaConfig`` the live loops build."""
+    from nereus.integrations.hf_llama import llama_config
+
+    m = model_from_hf_config(LLAMA3_8B | {"attention_dropout": 0.1}, "actor")
+    assert m.attention_dropout == 0.1 and "attention_dropout = 0.1" in model_block(m)
+    assert llama_config(m).attention_dropout == 0.1
+    plain = model_from_hf_config(LLAMA3_8B, "actor")
+    assert plain.attention_dropout == 0.0 and "attention_dropout" not in model_block(plain)
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
@@ -152,6 +164,7 @@ def test_defaults_head_dim_and_tied(tmp_path):
         ({"intermediate_size": None}, ["no 'intermediate_size'"]),
         ({"num_hidden_layers": "32"}, ["'num_hidden_layers'", "not a positive integer"]),
         ({"torch_dtype": "int8"}, ["torch_dtype = 'int8'"]),
+        ({"attention_dropout": 1.0}, ["attention_dropout = 1.0 is not a probability below 1"]),
     ],
 )
 def test_errors_name_the_key_and_file(tmp_path, change, words):

@@ -172,6 +172,8 @@ def value_for(spec):
         return st.one_of(
             st.floats(0.0, 1.0, allow_nan=False), st.sampled_from(AWKWARD_FLOATS), st.floats(0.0, 1e6, allow_nan=False)
         )
+    if k == "probability":
+        return st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True, allow_nan=False))
     if k == "bool":
         return st.booleans()
     if k == "choice":

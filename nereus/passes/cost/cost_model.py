@@ -97,13 +97,21 @@ ACT_BYTES = 2  # activations in bf16
 FP8_KERNEL_EFFICIENCY = 0.95
 FP8_CAST_BYTES = 8.0
 # the attention core (``Layout.attention``): FlashAttention keeps each head's s x s scores in
-# on-chip memory; without it they cross HBM in bf16, forward 8 bytes an element (QK^T writes
-# them, softmax reads and writes them, the weighted sum reads them), backward 14 (the weighted
-# sum's gradient reads them and writes theirs, softmax's reads both and writes one, QK^T's two
-# gradient GEMMs read it), each recomputed forward 8 more. No dropout, as the activations count.
+# on-chip memory; without it they cross HBM in bf16, forward 7 bytes an element (QK^T writes
+# them; Megatron's causal softmax kernel, scaled_upper_triang_masked_softmax, reads only the
+# lower triangle and writes whole rows; the weighted sum reads them), backward 12 (the weighted
+# sum's gradient reads them and writes theirs, softmax's reads both in the lower triangle and
+# writes one, QK^T's two gradient GEMMs read it), each recomputed forward 7 more.
 ATTENTION_KINDS = ("flash", "materialized", "recomputed")
 FLASH, MATERIALIZED, RECOMPUTED = range(3)
-SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 8.0, 14.0
+SCORE_BYTES_FORWARD, SCORE_BYTES_BACKWARD = 7.0, 12.0
+# dropout on the attention weights in training (``Model.attention_dropout``) outside FlashAttention,
+# which draws its mask inside the kernel. Megatron-LM's ``torch.nn.Dropout`` reads the softmax
+# output and writes a one-byte mask and the dropped weights (5 bytes an element each forward); its
+# backward reads the mask and the incoming gradient and writes the gradient (5); the weighted sum
+# then reads the dropped weights where it read the softmax output. The mask and the dropped weights
+# are kept beside the softmax output (3 bytes an element more: Korthikanti et al. 2022's 5as^2b).
+DROPOUT_BYTES_FORWARD, DROPOUT_BYTES_BACKWARD, DROPOUT_BYTES_KEPT = 5.0, 5.0, 3.0
 
 
 def coefficient_vector(eff: Efficiency) -> np.ndarray:
@@ -119,6 +127,23 @@ def efficiency_from_vector(x: np.ndarray, prior: Efficiency) -> Efficiency:
         prior,
         **dict(zip(("compute", "hbm", "nvlink", "nic", "pcie"), (float(v) for v in inv))),
         overhead=float(x[5]),
+    )
+
+
+def mesh_links(nodes: np.ndarray) -> tuple[int, int, int, int]:
+    """The links of a layout's groups from its GPUs' nodes (``replicas x pp x tp``, as
+    ``Layout.gpu`` places them): TP (the tp ranks of one replica and stage), PP (neighbouring
+    stages) and DP (every replica), each ``NVLINK`` or ``NIC``, and how many members of GPU 0's DP
+    group share its node (NCCL runs a ring's channels through each of their NICs)."""
+
+    def link(crosses: np.ndarray) -> int:
+        return NIC if np.any(crosses) else NVLINK
+
+    return (
+        link(nodes != nodes[:, :, :1]),
+        link(nodes[:, 1:, :] != nodes[:, :-1, :]),
+        link(nodes != nodes[:1]),
+        int(np.sum(nodes[:, 0, 0] == nodes[0, 0, 0])),
     )
 
 
@@ -289,16 +314,10 @@ class Candidates:
             lay.replicas, lay.pp, lay.tp
         )
 
-        def spans_nodes(differ: np.ndarray) -> int:
-            return NIC if differ.any() else NVLINK
-
-        tp_link = spans_nodes(nodes != nodes[:, :, :1])  # a TP group: the tp ranks of one (replica, pp)
-        pp_link = spans_nodes(nodes[:, 1:, :] != nodes[:, :-1, :])  # neighbouring pipeline stages
         # gradients reduce over every replica, DP and CP (state coordinate d x cp + c)
-        dp_link = spans_nodes(nodes != nodes[:1])
-        dp_local = int(np.sum(nodes[:, 0, 0] == nodes[0, 0, 0]))  # GPU 0's DP group on its node
+        tp_link, pp_link, dp_link, dp_local = mesh_links(nodes)
         by_cp = nodes.reshape(lay.dp, lay.cp, lay.pp, lay.tp)
-        cp_link = spans_nodes(by_cp != by_cp[:, :1])
+        cp_link = NIC if np.any(by_cp != by_cp[:, :1]) else NVLINK
         ep_link, ep_local = ep_placement(nodes, lay.ep, lay.expert_tp)
         sizes = [hi - lo + 1 for lo, hi in lay.layers]
         a = lambda v: np.array([v])
@@ -830,10 +849,15 @@ class CostModel:
             sharded = (2 * q_dim + 2 * k_dim + n_mlp * model.active_ffn) * tokens * ACT_BYTES
             return replicated / sp_div + sharded / tp
 
+        # in training, dropout on the attention weights (a forward of inference runs none)
+        dropout = kind == "train" and model.attention_dropout > 0
+
         def scores_kept(tokens):
-            """Bytes of one layer's softmax output, kept for the backward where attention is
-            materialized (each query's row of ``seq_max`` keys, per head on the GPU)."""
-            return np.where(c.attention == MATERIALIZED, heads_here * tokens * seq_max * ACT_BYTES, 0.0)
+            """Bytes of one layer's softmax output (with dropout, its mask and the dropped weights
+            too), kept for the backward where attention is materialized (each query's row of
+            ``seq_max`` keys, per head on the GPU)."""
+            per = ACT_BYTES + (DROPOUT_BYTES_KEPT if dropout else 0.0)
+            return np.where(c.attention == MATERIALIZED, heads_here * tokens * seq_max * per, 0.0)
 
         if kind in ("train", "infer"):
             epochs = workload.ppo_epochs if kind == "train" else 1
@@ -870,6 +894,8 @@ class CostModel:
                 trains = kind == "train"
                 forwards = np.where(c.recompute | (c.attention == RECOMPUTED), 2.0, 1.0) if trains else np.ones(n)
                 per_score = forwards * SCORE_BYTES_FORWARD + (SCORE_BYTES_BACKWARD if trains else 0.0)
+                if dropout:
+                    per_score = per_score + forwards * DROPOUT_BYTES_FORWARD + DROPOUT_BYTES_BACKWARD
                 scores = n_mb_total * mbs * s * s / cp * stage_layers * heads_here * (1 + bubble)
                 add(
                     "compute",
@@ -1000,13 +1026,14 @@ class CostModel:
                     )
                     in_flight = np.where(c.schedule == ZBV, np.minimum(pp, m), in_flight)
                 tok_mb = act_tokens / cp
-                # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one layer's activations
+                # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one
+                # layer's activations; the scores of the one layer whose backward runs, once
                 stored = np.where(
                     c.recompute,
                     stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
                     stage_layers * (act_layer(tok_mb) + scores_kept(tok_mb)),
                 )
-                activations = in_flight * stored + tok_mb * V * 4 / tp
+                activations = in_flight * stored + tok_mb * V * 4 / tp + np.where(c.recompute, scores_kept(tok_mb), 0.0)
             else:
                 activations = (
                     2 * act_layer(act_tokens / cp) + scores_kept(act_tokens / cp) + act_tokens / cp * V * 4 / tp
