@@ -481,11 +481,13 @@ def start_engines(cfg: LlamaConfig, module, args) -> EngineStage | None:
 
 
 def engine_row(engines: EngineStage, gap: float) -> dict:
-    """What a step's row says of the engines: the last push and load, the rollout-vs-trainer
+    """What a step's row says of the engines: the last push (the engines' load behind it) and that
+    load's own seconds, the rollout-vs-trainer
     log-probability gap of the step's samples, their layout, every start's seconds."""
     return {
         "push_s": round(engines.push_s[-1], 4),
         "load_s": round(engines.load_s[-1], 4),
+        "streamed": engines.pusher.stats.streamed,  # tensors this rank's engine took as they landed
         "engine_gap": gap,
         "engines": shape(engines.layout),
         "engine_starts": [round(x, 2) for x in engines.starts],
@@ -500,7 +502,8 @@ def engine_text(row: dict, history: list[dict]) -> str:
         f"  engines {row['engines']}"
         + (f" (restarted in {starts[-1]:.1f} s)" if restarted else "")
         + (f" (started in {starts[0]:.1f} s)" if len(history) == 1 else "")
-        + f"  push {row['push_s'] * 1e3:.1f} ms + load {row['load_s'] * 1e3:.1f} ms  gap {row['engine_gap']:.1e}"
+        + f"  push {row['push_s'] * 1e3:.1f} ms (the load behind it: {row['load_s'] * 1e3:.1f} ms)"
+        + f"  gap {row['engine_gap']:.1e}"
     )
 
 

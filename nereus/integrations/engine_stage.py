@@ -19,7 +19,8 @@ A move (``move(module, plan)``, every rank of the default group):
 The engines' weights are not part of the trainer's transition: vLLM's CPU build repacks its
 linear weights at load, so they cannot be read back as shards. After every move and every
 optimizer step ``push`` fills them from the trained actor (``weight_push.WeightPush``: a Nereus
-transition from the trainer's layout to the engine ranks).
+transition from the trainer's layout to the engine ranks, in waves, each engine loading a wave
+while the next is on the wire).
 
 ``check_engine_layout(module, plan, model_stage, world)`` is the IR check, before any state moves:
 a layout vLLM refuses (pipeline stages: vLLM's V1 runner does not run them under
@@ -172,7 +173,10 @@ class EngineStage:
     def push(self, actor: LiveLlama, group=None, members: list[int] | None = None) -> None:
         """The trained actor's weights into the engines of the layout (every rank of ``group``
         calls it; after a shrink, the Controller's group of the ranks that remain, ``members``):
-        a ``WeightPush`` from the trainer's layout to the engine ranks, re-planned when either moved."""
+        a ``WeightPush`` from the trainer's layout to the engine ranks, re-planned when either moved,
+        with each engine's load behind the transfer. ``push_s``: the push's seconds on this rank,
+        the load behind it included; ``load_s``: the engine's load, from the first wave it took to
+        its end (inside ``push_s``)."""
         from .weight_push import WeightPush
 
         ranks = sorted(self.layout.mesh)
@@ -186,10 +190,12 @@ class EngineStage:
             self.pusher = WeightPush(
                 self.model, actor.layout, ranks, self.world, timeout=self.timeout, group=group, members=members
             )
+        # the engine loads each wave as it lands, while the next is on the wire (``push_into``)
+        engine = self.engine if self.rank in ranks else None
         t0 = time.perf_counter()
-        named = self.pusher.push(actor)
+        self.pusher.push_into(engine, actor)
         self.push_s.append(time.perf_counter() - t0)
-        self.load_s.append(self.engine.load(named) if named else 0.0)
+        self.load_s.append(self.engine.load_seconds if engine is not None else 0.0)
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int]) -> list[Sampled]:
         """``VllmEngine.generate`` on this rank's engine (every rank of a replica calls it with

@@ -125,6 +125,7 @@ def test_grpo_engines_are_a_model_stage_the_controller_moves(tmp_path):
         assert len(hist[0]["engine_starts"]) == 1 and len(hist[-1]["engine_starts"]) == 2  # one restart
         for h in hist:  # the loss: None on a rank that holds no actor replica (FSDP2 on 2 of 3 ranks)
             assert (h["loss"] is None or math.isfinite(h["loss"])) and h["push_s"] > 0 and h["load_s"] > 0
+            assert h["streamed"] > 0  # the engine loaded the waves as they landed, behind the push
             assert h["engine_gap"] <= LOGP_ATOL, h  # the engines served the actor's weights
     for step in range(3):
         assert any(h["loss"] is not None for r in stays for h in r["history"] if h["step"] == step), step
