@@ -594,13 +594,16 @@ class DecisionCore:
 
 
 def layout_text(lay) -> str:
-    """A layout in a few words: ``TP 2 x PP 1 x DP 2 on 0..3`` (and CP, EP, ZeRO, offload where set)."""
+    """A layout in a few words: ``TP 2 x PP 1 x DP 2 on 0..3`` (and CP, EP, ZeRO, full
+    recomputation and offload where set)."""
     text = f"TP {lay.tp} x PP {lay.pp} x DP {lay.dp}" + (f" x CP {lay.cp}" if lay.cp > 1 else "")
     text += f" on {compress_ints(lay.mesh)}"
     if lay.carves_experts:
         text += f", EP {lay.ep}" + (f" x ETP {lay.expert_tp}" if lay.expert_tp != lay.tp else "")
     if lay.zero:
         text += f", ZeRO-{lay.zero}"
+    if lay.recompute:
+        text += ", recompute"
     if lay.offload:
         text += f", offload {'+'.join(lay.offload)}"
     return text

@@ -195,7 +195,7 @@ class EngineStage:
         t0 = time.perf_counter()
         self.pusher.push_into(engine, actor)
         self.push_s.append(time.perf_counter() - t0)
-        self.load_s.append(self.engine.load_seconds if engine is not None else 0.0)
+        self.load_s.append(self.pusher.stats.load_s if engine is not None else 0.0)
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seeds: list[int]) -> list[Sampled]:
         """``VllmEngine.generate`` on this rank's engine (every rank of a replica calls it with

@@ -159,7 +159,6 @@ class VllmEngine:
         self.tp = tp
         self.start_s = time.perf_counter() - t0
         self.loads = 0
-        self.load_seconds = 0.0  # the last load's
         self.torn = False  # a load began and did not complete: part old weights, part new
 
     def close(self, keep_world: bool = False) -> None:
@@ -206,8 +205,7 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         self.torn = not getattr(named, "complete", True)
         self.loads += not self.torn
-        self.load_seconds = time.perf_counter() - t0
-        return self.load_seconds
+        return time.perf_counter() - t0
 
     def _serving(self) -> None:
         if self.torn:

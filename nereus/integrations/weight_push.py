@@ -108,6 +108,7 @@ class WeightStream:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._head: list | None = None  # the first item, when ``first`` took it
         self.complete, self.abandoned, self.taken = False, None, 0
+        self.load_s = 0.0  # the engine's load of it, from the first wave it took to its end (``load_behind``)
 
     def put(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         if self.abandoned is not None:
@@ -168,7 +169,7 @@ def load_behind(engine, push, stream: WeightStream | None = None):
     failed: BaseException | None = None
     try:
         if stream.first():
-            engine.load(stream)
+            stream.load_s = engine.load(stream)
     except BaseException as e:  # noqa: BLE001 - raised below, after the push has ended
         stream.abandon(e)
         failed = e
@@ -189,6 +190,7 @@ class PushStats:
     bytes_received: int = 0  # by this rank, in the last push
     bytes_sent: int = 0  # by this rank, in the last push
     streamed: int = 0  # tensors this rank's engine took in the last ``push_into`` (failed or not)
+    load_s: float = 0.0  # seconds of this rank's engine's load in the last ``push_into`` that completed
 
 
 class WeightPush:
@@ -355,7 +357,7 @@ class WeightPush:
         try:
             return load_behind(engine, push, stream)
         finally:
-            self.stats.streamed = stream.taken
+            self.stats.streamed, self.stats.load_s = stream.taken, stream.load_s
 
     def _run(self, program, state, faults, timeout, ready=None) -> dict[str, torch.Tensor]:
         stats = Stats()

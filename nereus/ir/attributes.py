@@ -154,6 +154,12 @@ def expand_ints(v: V) -> list[int]:
     return out
 
 
+def is_probability(x: object) -> bool:
+    """A number in [0, 1), not a bool: what a ``probability`` attribute holds (a dropout rate;
+    also checked where a Hugging Face config is read, ``hf_config``)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x < 1
+
+
 def convert(spec: AttrSpec, v: V) -> Any:
     """Turn a syntactic value into the typed value ``spec`` asks for, or raise TypeMismatch."""
     k = spec.kind
@@ -189,7 +195,7 @@ def convert(spec: AttrSpec, v: V) -> Any:
     if k == "probability":
         if v.kind not in ("int", "float"):
             raise TypeMismatch(v.loc, f"'{spec.key}' expects a probability, got {_describe(v)}")
-        if not 0 <= v.value < 1:
+        if not is_probability(v.value):
             raise TypeMismatch(v.loc, f"'{spec.key}' must be a probability below 1, got '{v.text or v.value}'")
         return float(v.value)
     if k == "bool":

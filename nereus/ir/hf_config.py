@@ -51,6 +51,7 @@ import json
 import re
 from pathlib import Path
 
+from .attributes import is_probability
 from .diagnostics import Diagnostic, DiagnosticError, Loc
 from .model import Model
 
@@ -136,7 +137,7 @@ def model_from_hf_config(
     if eps is not None and (isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0):
         raise _error(source, f"rms_norm_eps = {eps!r} is not a positive number")
     dropout = cfg.get("attention_dropout", 0.0)
-    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+    if not is_probability(dropout):
         raise _error(source, f"attention_dropout = {dropout!r} is not a probability below 1")
     moe = _moe(cfg, family, source) if family in MOE else {}
     model = Model(

@@ -77,7 +77,8 @@ MEMORY_COMPONENTS = {
     "activations": "training and inference: activations kept for the longest micro-batch a replica can see "
     "(Workload.longest_micro_batch_tokens: micro_batch x the longest sequences by response_len_dist and "
     "response_len_max, or the micro_batch_tokens budget), x the micro-batches in flight of the pipeline "
-    "schedule; generation: the logits of the running batch",
+    "schedule (under full recomputation, each layer's input x the micro-batches in flight, and one layer's "
+    "activations, recomputed for one micro-batch, once); generation: the logits of the running batch",
     "kv_cache": "generation: the KV cache of the sequences running at once, in vLLM's share of memory "
     "(gpu_memory_utilization 0.9, less the weights and the resident state)",
     "slack": "training and inference: what the GPU holds beyond the counted bytes above (allocator "

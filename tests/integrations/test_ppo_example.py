@@ -61,7 +61,8 @@ def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path, reward_model):
     assert [sorted(d["changes"]) for d in applied] == [models, models], applied
     assert applied[0]["changes"]["actor.train"]["before"] == "TP 1 x PP 2 x DP 2 on 0..3"
     # the search puts the actor under FSDP2 (ZeRO-3) apart from the critic, the two inference
-    # models over all four ranks; then on the 3 ranks left, the actor keeps one of its GPUs
+    # models over all four ranks; then on the 3 ranks left, the actor keeps one of its GPUs and
+    # recomputes its activations
     assert {ms: c["after"] for ms, c in applied[0]["changes"].items()} == {
         "actor.train": "TP 1 x PP 1 x DP 2 on 2, 3, ZeRO-3",
         "critic.train": "TP 1 x PP 2 x DP 1 on 0, 1",
@@ -69,7 +70,10 @@ def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path, reward_model):
         "reward.infer": "TP 1 x PP 1 x DP 4 on 0..3",
     }
     assert applied[1]["changes"] == {
-        "actor.train": {"before": "TP 1 x PP 1 x DP 2 on 2, 3, ZeRO-3", "after": "TP 1 x PP 1 x DP 2 on 2, 1, ZeRO-3"},
+        "actor.train": {
+            "before": "TP 1 x PP 1 x DP 2 on 2, 3, ZeRO-3",
+            "after": "TP 1 x PP 1 x DP 2 on 2, 1, ZeRO-3, recompute",
+        },
         "critic.train": {"before": "TP 1 x PP 2 x DP 1 on 0, 1", "after": "TP 1 x PP 1 x DP 1 on 0"},
         "ref.infer": {"before": "TP 1 x PP 1 x DP 4 on 0..3", "after": "TP 1 x PP 1 x DP 3 on 2, 1, 0"},
         "reward.infer": {"before": "TP 1 x PP 1 x DP 4 on 0..3", "after": "TP 1 x PP 1 x DP 3 on 2, 1, 0"},
@@ -97,7 +101,7 @@ def test_ppo_example_moves_twice_exactly_and_trains_on(tmp_path, reward_model):
         ), res["history"]
         if res["rank"] != 3:
             assert res["history"][2]["layouts"] == (
-                "actor.train tp1xpp1xdp2 zero3, critic.train tp1xpp1xdp1, ref.infer tp1xpp1xdp3, "
+                "actor.train tp1xpp1xdp2 zero3 recompute, critic.train tp1xpp1xdp1, ref.infer tp1xpp1xdp3, "
                 "reward.infer tp1xpp1xdp3"
             ), res["history"]
         steps = [h["step"] for h in res["history"]]

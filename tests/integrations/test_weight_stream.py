@@ -14,17 +14,19 @@ from nereus.integrations.weight_push import WeightStream, load_behind
 
 
 class Keeper:
-    """A loader: takes the stream's pairs one by one; ``stop_after`` pairs, it fails."""
+    """A loader: takes the stream's pairs one by one; ``stop_after`` pairs, it fails. Returns
+    what an engine's ``load`` returns in its place (its seconds): here, the pairs it took."""
 
     def __init__(self, stop_after: int | None = None):
         self.calls, self.took, self.stop_after = 0, [], stop_after
 
-    def load(self, stream: WeightStream) -> None:
+    def load(self, stream: WeightStream) -> float:
         self.calls += 1
         for name, _ in stream:
             if self.stop_after is not None and len(self.took) == self.stop_after:
                 raise ValueError("the loader stopped")
             self.took.append(name)
+        return float(len(self.took))
 
 
 def waves(n: int, fail_at: int | None = None):
@@ -45,13 +47,14 @@ def test_every_wave_reaches_the_loader_in_order_and_the_push_result_returns():
     assert load_behind(engine, waves(3), stream) == "committed"
     assert engine.took == ["w0.a", "w0.b", "w1.a", "w1.b", "w2.a", "w2.b"]
     assert stream.complete and stream.taken == 6 and engine.calls == 1
+    assert stream.load_s == 6.0  # what the loader's load returned, kept for ``PushStats.load_s``
 
 
 def test_a_push_that_fails_before_its_first_wave_never_starts_the_load():
     engine, stream = Keeper(), WeightStream()
     with pytest.raises(RuntimeError, match="before wave 0"):
         load_behind(engine, waves(3, fail_at=0), stream)
-    assert engine.calls == 0 and stream.taken == 0 and not stream.complete
+    assert engine.calls == 0 and stream.taken == 0 and not stream.complete and stream.load_s == 0.0
 
 
 def test_a_push_that_fails_midway_leaves_what_the_loader_took_and_raises():

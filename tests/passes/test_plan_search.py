@@ -131,7 +131,9 @@ def test_expert_parallelism_is_costed_on_the_mesh_the_search_places_it_on():
             Stage(name="train", kind="train", models=["actor"]),
         ],
     )
-    problem = build_problem(cluster, w, models, max_tp=2, max_pp=2, max_zero=2, offload=False)
+    # without PP: two pipeline stages over the NIC with full recomputation take no more time, peak or
+    # resident state than EP 2 here, and prune it away
+    problem = build_problem(cluster, w, models, max_tp=2, max_pp=1, max_zero=2, offload=False)
     exact, _, _, _ = brute_force(problem, limit=300_000)
     sol = solve(problem, time_limit=30)
     assert sol.status == "optimal" and sol.objective == exact

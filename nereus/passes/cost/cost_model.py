@@ -1026,14 +1026,16 @@ class CostModel:
                     )
                     in_flight = np.where(c.schedule == ZBV, np.minimum(pp, m), in_flight)
                 tok_mb = act_tokens / cp
-                # full recomputation stores each layer's input (2sbh bytes, sharded by SP) and one
-                # layer's activations; the scores of the one layer whose backward runs, once
+                # full recomputation stores each layer's input (2sbh bytes, sharded by SP) for every
+                # micro-batch in flight; the activations and scores of the one layer whose backward
+                # runs, recomputed for one micro-batch, once
                 stored = np.where(
                     c.recompute,
-                    stage_layers * tok_mb * h * ACT_BYTES / sp_div + act_layer(tok_mb),
+                    stage_layers * tok_mb * h * ACT_BYTES / sp_div,
                     stage_layers * (act_layer(tok_mb) + scores_kept(tok_mb)),
                 )
-                activations = in_flight * stored + tok_mb * V * 4 / tp + np.where(c.recompute, scores_kept(tok_mb), 0.0)
+                recomputed = np.where(c.recompute, act_layer(tok_mb) + scores_kept(tok_mb), 0.0)
+                activations = in_flight * stored + tok_mb * V * 4 / tp + recomputed
             else:
                 activations = (
                     2 * act_layer(act_tokens / cp) + scores_kept(act_tokens / cp) + act_tokens / cp * V * 4 / tp
